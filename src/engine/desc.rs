@@ -1,0 +1,206 @@
+//! Descriptor validation and coalescing: the hot path of `post`.
+//!
+//! Every local descriptor must lie inside one local registration and every
+//! remote one inside one region of the peer; pairs must have equal lengths
+//! (NIXL `createXferReq` rules). Runs of pairs that are adjacent on *both*
+//! sides and in the same registrations are merged into one [`Segment`], so
+//! a contiguous run of pages becomes one work request.
+
+use super::error::EngineError;
+use crate::transport::{LocalKey, RemoteRegion, Segment};
+
+/// A transfer descriptor: `len_bytes` bytes at virtual address `addr`
+/// (NIXL's `nixlBasicDesc` without the device id, which the registration carries).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Desc {
+    /// Start virtual address (bytes).
+    pub addr: u64,
+    /// Length (bytes).
+    pub len_bytes: u64,
+}
+
+impl Desc {
+    /// Shorthand constructor.
+    pub const fn new(addr: u64, len_bytes: u64) -> Self {
+        Self { addr, len_bytes }
+    }
+}
+
+/// A local registration as the validator sees it: `[addr, end)` and its key.
+#[derive(Debug, Clone, Copy)]
+pub struct LocalSpan {
+    /// Start address.
+    pub addr: u64,
+    /// One past the end.
+    pub end: u64,
+    /// Local key.
+    pub lkey: LocalKey,
+}
+
+fn find_span(spans: &[LocalSpan], addr: u64, end: u64, hint: &mut usize) -> Option<LocalKey> {
+    if let Some(s) = spans.get(*hint) {
+        if addr >= s.addr && end <= s.end {
+            return Some(s.lkey);
+        }
+    }
+    let idx = spans.partition_point(|s| s.addr <= addr).checked_sub(1)?;
+    let s = &spans[idx];
+    if end <= s.end {
+        *hint = idx;
+        Some(s.lkey)
+    } else {
+        None
+    }
+}
+
+fn find_region(regions: &[RemoteRegion], addr: u64, end: u64, hint: &mut usize) -> Option<u32> {
+    if let Some(r) = regions.get(*hint) {
+        if addr >= r.addr && end <= r.addr + r.len_bytes {
+            return Some(r.rkey.0);
+        }
+    }
+    let idx = regions.partition_point(|r| r.addr <= addr).checked_sub(1)?;
+    let r = &regions[idx];
+    if end <= r.addr + r.len_bytes {
+        *hint = idx;
+        Some(r.rkey.0)
+    } else {
+        None
+    }
+}
+
+/// Validate `local`/`remote` descriptor pairs and return coalesced segments.
+///
+/// `spans` are the local registrations sorted by address; `regions` the
+/// peer's, sorted by address (as [`super::AgentMetadata`] keeps them).
+///
+/// # Errors
+/// [`EngineError::DescCountMismatch`], [`EngineError::EmptyDescriptor`],
+/// [`EngineError::LengthMismatch`], [`EngineError::LocalOutOfBounds`],
+/// [`EngineError::RemoteOutOfBounds`] — the first broken rule, by index.
+pub fn build_segments(
+    local: &[Desc],
+    remote: &[Desc],
+    spans: &[LocalSpan],
+    regions: &[RemoteRegion],
+    remote_agent: &str,
+    out: &mut Vec<Segment>,
+) -> Result<(), EngineError> {
+    if local.len() != remote.len() {
+        return Err(EngineError::DescCountMismatch {
+            local: local.len(),
+            remote: remote.len(),
+        });
+    }
+    out.clear();
+    out.reserve(local.len());
+    let (mut lh, mut rh) = (0usize, 0usize);
+    for (index, (l, r)) in local.iter().zip(remote).enumerate() {
+        if l.len_bytes != r.len_bytes {
+            return Err(EngineError::LengthMismatch {
+                index,
+                local: l.len_bytes,
+                remote: r.len_bytes,
+            });
+        }
+        if l.len_bytes == 0 {
+            return Err(EngineError::EmptyDescriptor { index });
+        }
+        let lkey = l
+            .addr
+            .checked_add(l.len_bytes)
+            .and_then(|end| find_span(spans, l.addr, end, &mut lh))
+            .ok_or(EngineError::LocalOutOfBounds {
+                index,
+                addr: l.addr,
+                len_bytes: l.len_bytes,
+            })?;
+        let rkey = r
+            .addr
+            .checked_add(r.len_bytes)
+            .and_then(|end| find_region(regions, r.addr, end, &mut rh))
+            .ok_or_else(|| EngineError::RemoteOutOfBounds {
+                index,
+                addr: r.addr,
+                len_bytes: r.len_bytes,
+                agent: remote_agent.to_string(),
+            })?;
+        if let Some(last) = out.last_mut() {
+            if last.lkey == lkey
+                && last.rkey.0 == rkey
+                && last.local_addr + last.len_bytes == l.addr
+                && last.remote_addr + last.len_bytes == r.addr
+            {
+                last.len_bytes += l.len_bytes;
+                continue;
+            }
+        }
+        out.push(Segment {
+            local_addr: l.addr,
+            remote_addr: r.addr,
+            len_bytes: l.len_bytes,
+            lkey,
+            rkey: crate::transport::RemoteKey(rkey),
+        });
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::transport::{MemoryKind, RemoteKey};
+
+    fn spans() -> Vec<LocalSpan> {
+        vec![
+            LocalSpan { addr: 0x1000, end: 0x9000, lkey: LocalKey(1) },
+            LocalSpan { addr: 0x9000, end: 0xa000, lkey: LocalKey(2) },
+        ]
+    }
+    fn regions() -> Vec<RemoteRegion> {
+        vec![RemoteRegion { addr: 0x10_0000, len_bytes: 0x10_000, rkey: RemoteKey(7), kind: MemoryKind::Dram, device_id: 0 }]
+    }
+    fn run(local: &[Desc], remote: &[Desc]) -> Result<Vec<Segment>, EngineError> {
+        let mut out = Vec::new();
+        build_segments(local, remote, &spans(), &regions(), "peer", &mut out).map(|_| out)
+    }
+
+    #[test]
+    fn merges_runs_adjacent_on_both_sides_only() {
+        let l = [Desc::new(0x1000, 0x100), Desc::new(0x1100, 0x100), Desc::new(0x1200, 0x100), Desc::new(0x1300, 0x100)];
+        let r = [Desc::new(0x10_0000, 0x100), Desc::new(0x10_0100, 0x100), Desc::new(0x10_0900, 0x100), Desc::new(0x10_0a00, 0x100)];
+        let segs = run(&l, &r).unwrap();
+        assert_eq!(segs.len(), 2);
+        assert_eq!((segs[0].local_addr, segs[0].remote_addr, segs[0].len_bytes), (0x1000, 0x10_0000, 0x200));
+        assert_eq!((segs[1].local_addr, segs[1].remote_addr, segs[1].len_bytes), (0x1200, 0x10_0900, 0x200));
+        assert_eq!(segs[0].rkey, RemoteKey(7));
+    }
+
+    #[test]
+    fn never_merges_across_registrations() {
+        let l = [Desc::new(0x8f00, 0x100), Desc::new(0x9000, 0x100)];
+        let r = [Desc::new(0x10_0000, 0x100), Desc::new(0x10_0100, 0x100)];
+        let segs = run(&l, &r).unwrap();
+        assert_eq!(segs.len(), 2);
+        assert_eq!(segs[0].lkey, LocalKey(1));
+        assert_eq!(segs[1].lkey, LocalKey(2));
+    }
+
+    #[test]
+    fn each_rule_has_its_error() {
+        let r1 = [Desc::new(0x10_0000, 0x100)];
+        assert!(matches!(run(&[], &r1), Err(EngineError::DescCountMismatch { local: 0, remote: 1 })));
+        assert!(matches!(run(&[Desc::new(0x1000, 0x80)], &r1), Err(EngineError::LengthMismatch { index: 0, .. })));
+        assert!(matches!(run(&[Desc::new(0x1000, 0)], &[Desc::new(0x10_0000, 0)]), Err(EngineError::EmptyDescriptor { index: 0 })));
+        // straddles two local registrations
+        assert!(matches!(run(&[Desc::new(0x8f80, 0x100)], &r1), Err(EngineError::LocalOutOfBounds { index: 0, .. })));
+        assert!(matches!(run(&[Desc::new(0x0, 0x100)], &r1), Err(EngineError::LocalOutOfBounds { .. })));
+        assert!(matches!(run(&[Desc::new(u64::MAX - 4, 0x100)], &r1), Err(EngineError::LocalOutOfBounds { .. })));
+        // one byte past the remote region
+        let l = [Desc::new(0x1000, 0x100)];
+        assert!(matches!(run(&l, &[Desc::new(0x10_ff01, 0x100)]), Err(EngineError::RemoteOutOfBounds { index: 0, .. })));
+        assert!(matches!(run(&l, &[Desc::new(u64::MAX - 8, 0x100)]), Err(EngineError::RemoteOutOfBounds { .. })));
+        // the last valid byte is fine
+        assert!(run(&l, &[Desc::new(0x10_ff00, 0x100)]).is_ok());
+    }
+}

@@ -1,0 +1,458 @@
+//! The NIXL-style transfer engine: one named agent over one transport.
+//!
+//! An agent registers memory, publishes [`AgentMetadata`], connects to peers
+//! from theirs, and posts one-sided READ/WRITE transfers between descriptor
+//! lists. Each post returns a [`TransferHandle`] whose [`TransferStatus`] is
+//! `InProgress` until the transport resolves it to `Done` or `Failed`.
+//! A notification, when given, reaches the peer only after all of the
+//! transfer's data is visible in its memory.
+//!
+//! # Threading
+//! Not thread-safe by design (`&mut self`, `!Sync`): one scheduler thread
+//! drives an engine, as MAX's does. Transports run their own progress
+//! threads, so data moves and notifications are delivered without the
+//! initiator having to keep polling.
+#![forbid(unsafe_code)]
+
+pub mod desc;
+pub mod error;
+pub mod metadata;
+
+use std::cell::Cell;
+use std::collections::HashMap;
+use std::marker::PhantomData;
+use std::sync::Arc;
+
+pub use desc::Desc;
+use desc::{LocalSpan, build_segments};
+pub use error::{EngineError, MetadataError};
+pub use metadata::AgentMetadata;
+
+use crate::transport::{
+    self, Completion, LocalKey, MemoryBacking, MemoryDesc, Notification, Op, PeerId, PostRequest,
+    Registration, Segment, Transport, TransportConfig, TransportKind, XferId,
+};
+
+/// A registration returned by [`TransferEngine::register`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct RegistrationHandle(LocalKey);
+
+/// A posted transfer, valid until [`TransferEngine::release`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct TransferHandle(pub u64);
+
+/// Status of a transfer, as NIXL's `IN_PROG` / `SUCCESS` / error.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum TransferStatus {
+    /// Still moving.
+    InProgress,
+    /// Every byte landed and the notification (if any) was sent.
+    Done,
+    /// Terminal failure, with the reason (e.g. "remote access error").
+    Failed(String),
+}
+
+struct LocalRegistration {
+    desc: MemoryDesc,
+    reg: Registration,
+    _backing: Arc<dyn MemoryBacking>,
+    inflight: u32,
+}
+
+struct RemoteAgent {
+    peer: PeerId,
+    meta: AgentMetadata,
+}
+
+struct TransferState {
+    status: TransferStatus,
+    remote: String,
+    lkeys: Vec<LocalKey>,
+    bytes: u64,
+}
+
+/// One NIXL-style agent. See the module docs.
+pub struct TransferEngine {
+    name: String,
+    hostname: String,
+    transport: Box<dyn Transport>,
+    generation: u64,
+    regs: Vec<LocalRegistration>,
+    spans: Vec<LocalSpan>,
+    remotes: HashMap<String, RemoteAgent>,
+    transfers: HashMap<u64, TransferState>,
+    next_xfer: u64,
+    notifications: HashMap<String, Vec<Vec<u8>>>,
+    scratch_completions: Vec<Completion>,
+    scratch_notifs: Vec<Notification>,
+    _not_sync: PhantomData<Cell<()>>,
+}
+
+impl std::fmt::Debug for TransferEngine {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TransferEngine")
+            .field("name", &self.name)
+            .field("transport", &self.transport.kind())
+            .field("registrations", &self.regs.len())
+            .field("remotes", &self.remotes.len())
+            .field("transfers", &self.transfers.len())
+            .finish()
+    }
+}
+
+impl TransferEngine {
+    /// Create agent `name` over a new transport of `kind`.
+    ///
+    /// # Errors
+    /// [`EngineError::Transport`] when the backend is unavailable here.
+    pub fn new(name: &str, kind: TransportKind, config: &TransportConfig) -> Result<Self, EngineError> {
+        let transport = transport::create(kind, name, config)?;
+        Ok(Self::with_transport(name, transport))
+    }
+
+    /// Create agent `name` over an existing transport.
+    pub fn with_transport(name: &str, transport: Box<dyn Transport>) -> Self {
+        Self {
+            name: name.to_string(),
+            hostname: metadata::hostname(),
+            transport,
+            generation: 0,
+            regs: Vec::new(),
+            spans: Vec::new(),
+            remotes: HashMap::new(),
+            transfers: HashMap::new(),
+            next_xfer: 1,
+            notifications: HashMap::new(),
+            scratch_completions: Vec::new(),
+            scratch_notifs: Vec::new(),
+            _not_sync: PhantomData,
+        }
+    }
+
+    /// This agent's name.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// The transport backend in use.
+    pub fn transport_kind(&self) -> TransportKind {
+        self.transport.kind()
+    }
+
+    /// Register memory for transfers. The engine keeps `backing` alive until
+    /// [`TransferEngine::deregister`].
+    ///
+    /// # Errors
+    /// [`EngineError::EmptyRegistration`], [`EngineError::OverlappingRegistration`],
+    /// [`EngineError::Transport`] when the backend refuses it.
+    pub fn register(&mut self, backing: Arc<dyn MemoryBacking>) -> Result<RegistrationHandle, EngineError> {
+        let desc = backing.desc();
+        let end = desc.end().filter(|_| desc.len_bytes > 0).ok_or(EngineError::EmptyRegistration { addr: desc.addr })?;
+        let pos = self.regs.partition_point(|r| r.desc.addr < desc.addr);
+        let overlaps_prev = pos > 0 && self.regs[pos - 1].desc.addr + self.regs[pos - 1].desc.len_bytes > desc.addr;
+        let overlaps_next = self.regs.get(pos).is_some_and(|r| r.desc.addr < end);
+        if overlaps_prev || overlaps_next {
+            return Err(EngineError::OverlappingRegistration {
+                addr: desc.addr,
+                len_bytes: desc.len_bytes,
+            });
+        }
+        let reg = self.transport.register(backing.as_ref())?;
+        self.regs.insert(
+            pos,
+            LocalRegistration {
+                desc,
+                reg,
+                _backing: backing,
+                inflight: 0,
+            },
+        );
+        self.rebuild_spans();
+        self.generation += 1;
+        Ok(RegistrationHandle(reg.lkey))
+    }
+
+    /// Deregister memory.
+    ///
+    /// # Errors
+    /// [`EngineError::UnknownRegistration`], [`EngineError::RegistrationInUse`]
+    /// while a transfer that uses it is not terminal.
+    pub fn deregister(&mut self, handle: RegistrationHandle) -> Result<(), EngineError> {
+        self.progress();
+        let pos = self.regs.iter().position(|r| r.reg.lkey == handle.0).ok_or(EngineError::UnknownRegistration)?;
+        if self.regs[pos].inflight > 0 {
+            return Err(EngineError::RegistrationInUse {
+                inflight: self.regs[pos].inflight,
+            });
+        }
+        self.transport.deregister(handle.0)?;
+        self.regs.remove(pos);
+        self.rebuild_spans();
+        self.generation += 1;
+        Ok(())
+    }
+
+    fn rebuild_spans(&mut self) {
+        self.spans = self
+            .regs
+            .iter()
+            .map(|r| LocalSpan {
+                addr: r.desc.addr,
+                end: r.desc.addr + r.desc.len_bytes,
+                lkey: r.reg.lkey,
+            })
+            .collect();
+    }
+
+    /// This agent's metadata, to hand to peers (take it after registering).
+    pub fn metadata(&self) -> AgentMetadata {
+        AgentMetadata {
+            name: self.name.clone(),
+            hostname: self.hostname.clone(),
+            transport: self.transport.kind(),
+            generation: self.generation,
+            connection_info: self.transport.connection_info(),
+            regions: self
+                .regs
+                .iter()
+                .map(|r| transport::RemoteRegion {
+                    addr: r.desc.addr,
+                    len_bytes: r.desc.len_bytes,
+                    rkey: r.reg.rkey,
+                    kind: r.desc.kind,
+                    device_id: r.desc.device_id,
+                })
+                .collect(),
+        }
+    }
+
+    /// Connect to a peer from its metadata (NIXL `loadRemoteMD` + connection).
+    ///
+    /// # Errors
+    /// [`EngineError::Metadata`], [`EngineError::SelfConnect`],
+    /// [`EngineError::AlreadyConnected`], [`EngineError::TransportMismatch`],
+    /// [`EngineError::Transport`] (connection refused, other host for `shm`).
+    pub fn connect(&mut self, meta: &AgentMetadata) -> Result<(), EngineError> {
+        meta.validate()?;
+        if meta.name == self.name {
+            return Err(EngineError::SelfConnect(meta.name.clone()));
+        }
+        if self.remotes.contains_key(&meta.name) {
+            return Err(EngineError::AlreadyConnected(meta.name.clone()));
+        }
+        if meta.transport != self.transport.kind() {
+            return Err(EngineError::TransportMismatch {
+                peer: meta.name.clone(),
+                local: self.transport.kind().to_string(),
+                remote: meta.transport.to_string(),
+            });
+        }
+        let peer = self.transport.connect(&meta.name, &meta.connection_info, &meta.regions)?;
+        self.remotes.insert(meta.name.clone(), RemoteAgent { peer, meta: meta.clone() });
+        Ok(())
+    }
+
+    /// True when `name` is connected.
+    pub fn is_connected(&self, name: &str) -> bool {
+        self.remotes.contains_key(name)
+    }
+
+    /// Disconnect a peer: in-flight transfers to it are cancelled (they turn
+    /// `Failed`), and `connect` accepts the name again afterwards.
+    ///
+    /// # Errors
+    /// [`EngineError::UnknownAgent`].
+    pub fn disconnect(&mut self, name: &str) -> Result<(), EngineError> {
+        let remote = self.remotes.remove(name).ok_or_else(|| EngineError::UnknownAgent(name.to_string()))?;
+        let ids: Vec<u64> = self
+            .transfers
+            .iter()
+            .filter(|(_, t)| t.remote == name && t.status == TransferStatus::InProgress)
+            .map(|(id, _)| *id)
+            .collect();
+        for id in ids {
+            self.transport.cancel(XferId(id));
+            self.finish(id, Err(format!("peer {name} disconnected")));
+        }
+        self.transport.disconnect(remote.peer);
+        Ok(())
+    }
+
+    /// Post a one-sided transfer between `local` and `remote` descriptor lists
+    /// (paired by index) to `remote_agent`, with an optional notification
+    /// delivered to that agent after all data is visible there.
+    ///
+    /// # Errors
+    /// [`EngineError::UnknownAgent`], [`EngineError::DescCountMismatch`],
+    /// [`EngineError::LengthMismatch`], [`EngineError::EmptyDescriptor`],
+    /// [`EngineError::LocalOutOfBounds`], [`EngineError::RemoteOutOfBounds`],
+    /// [`EngineError::Transport`]. Nothing moves when an error is returned.
+    pub fn post(
+        &mut self,
+        op: Op,
+        local: &[Desc],
+        remote_agent: &str,
+        remote: &[Desc],
+        notification: Option<Vec<u8>>,
+    ) -> Result<TransferHandle, EngineError> {
+        let mut segments = Vec::new();
+        self.post_with(op, local, remote_agent, remote, notification, &mut segments)
+    }
+
+    /// [`TransferEngine::post`] reusing the caller's segment buffer (no allocation
+    /// on the hot path once it has grown).
+    ///
+    /// # Errors
+    /// As [`TransferEngine::post`].
+    pub fn post_with(
+        &mut self,
+        op: Op,
+        local: &[Desc],
+        remote_agent: &str,
+        remote: &[Desc],
+        notification: Option<Vec<u8>>,
+        segments: &mut Vec<Segment>,
+    ) -> Result<TransferHandle, EngineError> {
+        let agent = self
+            .remotes
+            .get(remote_agent)
+            .ok_or_else(|| EngineError::UnknownAgent(remote_agent.to_string()))?;
+        build_segments(local, remote, &self.spans, &agent.meta.regions, remote_agent, segments)?;
+        let peer = agent.peer;
+        let id = self.next_xfer;
+        let mut lkeys: Vec<LocalKey> = Vec::with_capacity(1);
+        let mut bytes = 0u64;
+        for s in segments.iter() {
+            bytes += s.len_bytes;
+            if !lkeys.contains(&s.lkey) {
+                lkeys.push(s.lkey);
+            }
+        }
+        self.transport.post(PostRequest {
+            xfer: XferId(id),
+            op,
+            peer,
+            segments: std::mem::take(segments),
+            notification,
+        })?;
+        self.next_xfer += 1;
+        for k in &lkeys {
+            if let Some(r) = self.regs.iter_mut().find(|r| r.reg.lkey == *k) {
+                r.inflight += 1;
+            }
+        }
+        self.transfers.insert(
+            id,
+            TransferState {
+                status: TransferStatus::InProgress,
+                remote: remote_agent.to_string(),
+                lkeys,
+                bytes,
+            },
+        );
+        Ok(TransferHandle(id))
+    }
+
+    fn finish(&mut self, id: u64, result: Result<(), String>) {
+        let Some(t) = self.transfers.get_mut(&id) else { return };
+        if t.status != TransferStatus::InProgress {
+            return;
+        }
+        t.status = match result {
+            Ok(()) => TransferStatus::Done,
+            Err(reason) => TransferStatus::Failed(reason),
+        };
+        for k in &t.lkeys {
+            if let Some(r) = self.regs.iter_mut().find(|r| r.reg.lkey == *k) {
+                r.inflight = r.inflight.saturating_sub(1);
+            }
+        }
+    }
+
+    /// Drain transport completions and notifications. Called by every status
+    /// and notification query; never blocks.
+    pub fn progress(&mut self) {
+        let mut done = std::mem::take(&mut self.scratch_completions);
+        self.transport.poll(&mut done);
+        for c in done.drain(..) {
+            self.finish(c.xfer.0, c.result);
+        }
+        self.scratch_completions = done;
+        let mut notifs = std::mem::take(&mut self.scratch_notifs);
+        self.transport.take_notifications(&mut notifs);
+        for n in notifs.drain(..) {
+            self.notifications.entry(n.from_agent).or_default().push(n.payload);
+        }
+        self.scratch_notifs = notifs;
+    }
+
+    /// Status of a transfer (NIXL `getXferStatus`). Terminal states stick.
+    ///
+    /// # Errors
+    /// [`EngineError::UnknownHandle`].
+    pub fn status(&mut self, handle: TransferHandle) -> Result<TransferStatus, EngineError> {
+        if let Some(t) = self.transfers.get(&handle.0) {
+            if t.status != TransferStatus::InProgress {
+                return Ok(t.status.clone());
+            }
+        }
+        self.progress();
+        self.transfers
+            .get(&handle.0)
+            .map(|t| t.status.clone())
+            .ok_or(EngineError::UnknownHandle(handle.0))
+    }
+
+    /// Bytes a transfer moves.
+    ///
+    /// # Errors
+    /// [`EngineError::UnknownHandle`].
+    pub fn transfer_bytes(&self, handle: TransferHandle) -> Result<u64, EngineError> {
+        self.transfers.get(&handle.0).map(|t| t.bytes).ok_or(EngineError::UnknownHandle(handle.0))
+    }
+
+    /// Release a handle. An in-progress transfer is cancelled first, and this
+    /// returns only once nothing can still touch its buffers (some data may
+    /// have landed; no notification is sent).
+    ///
+    /// # Errors
+    /// [`EngineError::UnknownHandle`].
+    pub fn release(&mut self, handle: TransferHandle) -> Result<(), EngineError> {
+        let in_progress = match self.transfers.get(&handle.0) {
+            None => return Err(EngineError::UnknownHandle(handle.0)),
+            Some(t) => t.status == TransferStatus::InProgress,
+        };
+        if in_progress {
+            self.transport.cancel(XferId(handle.0));
+            self.finish(handle.0, Err("released while in progress".into()));
+        }
+        self.transfers.remove(&handle.0);
+        Ok(())
+    }
+
+    /// Take the notifications received so far, per sender agent (NIXL `getNotifs`).
+    pub fn get_notifs(&mut self) -> HashMap<String, Vec<Vec<u8>>> {
+        self.progress();
+        std::mem::take(&mut self.notifications)
+    }
+
+    /// Number of handles not yet released.
+    pub fn num_transfers(&self) -> usize {
+        self.transfers.len()
+    }
+}
+
+impl Drop for TransferEngine {
+    fn drop(&mut self) {
+        // Cancel what is still moving so no copy outlives the registrations.
+        let ids: Vec<u64> = self
+            .transfers
+            .iter()
+            .filter(|(_, t)| t.status == TransferStatus::InProgress)
+            .map(|(id, _)| *id)
+            .collect();
+        for id in ids {
+            self.transport.cancel(XferId(id));
+        }
+    }
+}

@@ -1,0 +1,341 @@
+//! The transport layer: one small trait, several backends.
+//!
+//! A [`Transport`] moves bytes between registered memory of two agents with
+//! one-sided READ/WRITE and delivers notifications after the data. Backends
+//! know nothing about KV caches: they see registered ranges, peers, and
+//! batches of [`Segment`]s that the engine already validated and coalesced.
+//!
+//! Backends:
+//! - [`shm`]: same host, inter-process (memfd mappings or cross-memory attach);
+//!   the embedded default.
+//! - `verbs`: RC queue pairs over InfiniBand / RoCE through libibverbs.
+//! - `tcp`: hosts without RDMA.
+
+pub mod memory;
+pub mod shm;
+
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+
+pub use memory::{MemoryBacking, MemoryDesc, MemoryKind, RawMemory};
+
+/// Local key of a registration (the `lkey` of a verbs memory region).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+pub struct LocalKey(pub u32);
+
+/// Remote key of a registration (the `rkey` a peer presents to access it).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+pub struct RemoteKey(pub u32);
+
+/// Identifier of one posted transfer inside a transport, chosen by the engine.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct XferId(pub u64);
+
+/// A connected peer, as numbered by the transport that connected it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct PeerId(pub u32);
+
+/// Direction of a one-sided transfer, seen from the initiator.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum Op {
+    /// Pull: remote memory is copied into local memory.
+    Read,
+    /// Push: local memory is copied into remote memory.
+    Write,
+}
+
+/// The keys a transport assigned to a registration.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Registration {
+    /// Key the local side uses in its scatter-gather entries.
+    pub lkey: LocalKey,
+    /// Key peers present to reach this memory.
+    pub rkey: RemoteKey,
+}
+
+/// A registered region of a peer, as published in its agent metadata.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RemoteRegion {
+    /// Start virtual address in the peer's address space (bytes).
+    pub addr: u64,
+    /// Length in bytes.
+    pub len_bytes: u64,
+    /// Key that grants access.
+    pub rkey: RemoteKey,
+    /// DRAM or VRAM.
+    pub kind: MemoryKind,
+    /// Device ordinal on the peer.
+    pub device_id: u32,
+}
+
+impl RemoteRegion {
+    /// True when `[addr, addr + len)` lies inside this region.
+    pub fn contains(&self, addr: u64, len: u64) -> bool {
+        MemoryDesc {
+            addr: self.addr,
+            len_bytes: self.len_bytes,
+            kind: self.kind,
+            device_id: self.device_id,
+        }
+        .contains(addr, len)
+    }
+}
+
+/// One contiguous copy: `len_bytes` between a local and a remote address.
+/// 32 bytes, so a batch of 100k pages stays in a few MiB.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Segment {
+    /// Local virtual address (bytes).
+    pub local_addr: u64,
+    /// Remote virtual address (bytes), in the peer's address space.
+    pub remote_addr: u64,
+    /// Length in bytes.
+    pub len_bytes: u64,
+    /// Local key of the registration holding the local range.
+    pub lkey: LocalKey,
+    /// Remote key of the peer registration holding the remote range.
+    pub rkey: RemoteKey,
+}
+
+/// A batch of segments to move for one transfer, plus its notification.
+#[derive(Debug)]
+pub struct PostRequest {
+    /// Engine-chosen id, reported back in the [`Completion`].
+    pub xfer: XferId,
+    /// READ or WRITE.
+    pub op: Op,
+    /// The connected peer.
+    pub peer: PeerId,
+    /// Validated, coalesced segments.
+    pub segments: Vec<Segment>,
+    /// Bytes delivered to the peer after all data is visible there.
+    pub notification: Option<Vec<u8>>,
+}
+
+/// The terminal result of a posted transfer.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Completion {
+    /// The transfer.
+    pub xfer: XferId,
+    /// `Ok` when every byte landed (and the notification was sent);
+    /// `Err(reason)` otherwise, e.g. "remote access error" or "peer disconnected".
+    pub result: Result<(), String>,
+}
+
+/// A notification received from a peer: `(peer agent name, payload)`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Notification {
+    /// Agent name of the sender, as it introduced itself.
+    pub from_agent: String,
+    /// The payload bytes (MAX: the `transfer_name`).
+    pub payload: Vec<u8>,
+}
+
+/// Which backend to use.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum TransportKind {
+    /// Same host, shared memory.
+    Shm,
+    /// RDMA over libibverbs.
+    Verbs,
+    /// TCP sockets.
+    Tcp,
+}
+
+impl std::fmt::Display for TransportKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            TransportKind::Shm => "shm",
+            TransportKind::Verbs => "verbs",
+            TransportKind::Tcp => "tcp",
+        })
+    }
+}
+
+impl std::str::FromStr for TransportKind {
+    type Err = TransportError;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            "shm" => Ok(Self::Shm),
+            "verbs" | "rdma" | "ib" | "roce" => Ok(Self::Verbs),
+            "tcp" => Ok(Self::Tcp),
+            other => Err(TransportError::Unsupported(format!(
+                "unknown transport {other:?} (expected shm, verbs or tcp)"
+            ))),
+        }
+    }
+}
+
+/// Options shared by every backend.
+#[derive(Debug, Clone)]
+pub struct TransportConfig {
+    /// A peer that does not answer within this time makes its transfers
+    /// `Failed` (connect handshakes, notification sends). Default 5 s.
+    pub peer_timeout: Duration,
+    /// Copy/progress threads for backends that copy with the CPU
+    /// (`shm`, `tcp`). Default 2: this project's reference machines have 2 cores.
+    pub copy_threads: usize,
+    /// Backend-specific options as `key=value` strings (e.g. `device=rxe0`,
+    /// `gid_index=1`, `qps_per_peer=2`).
+    pub options: Vec<(String, String)>,
+}
+
+impl Default for TransportConfig {
+    fn default() -> Self {
+        Self {
+            peer_timeout: Duration::from_secs(5),
+            copy_threads: 2,
+            options: Vec::new(),
+        }
+    }
+}
+
+impl TransportConfig {
+    /// The value of backend option `key`, if set.
+    pub fn option(&self, key: &str) -> Option<&str> {
+        self.options
+            .iter()
+            .rev()
+            .find(|(k, _)| k == key)
+            .map(|(_, v)| v.as_str())
+    }
+}
+
+/// Errors of the transport layer.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum TransportError {
+    /// The backend cannot do this here (missing library, other host, bad option).
+    #[error("unsupported: {0}")]
+    Unsupported(String),
+    /// Registering memory failed (the C call or syscall named in the message).
+    #[error("memory registration failed: {0}")]
+    Registration(String),
+    /// Unknown local key.
+    #[error("unknown local key {0:?}")]
+    UnknownLocalKey(LocalKey),
+    /// The registration is still used by an in-flight transfer.
+    #[error("registration {0:?} is in use by an in-flight transfer")]
+    InUse(LocalKey),
+    /// The peer's connection info could not be decoded.
+    #[error("bad connection info: {0}")]
+    BadConnectionInfo(String),
+    /// Connecting to the peer failed.
+    #[error("connecting to peer {peer:?} failed: {reason}")]
+    Connect {
+        /// Peer agent name.
+        peer: String,
+        /// Why.
+        reason: String,
+    },
+    /// Unknown or disconnected peer.
+    #[error("peer {0:?} is not connected")]
+    NotConnected(PeerId),
+    /// The peer died or closed its connection.
+    #[error("peer {0} disconnected")]
+    PeerDisconnected(String),
+    /// Posting failed before anything moved.
+    #[error("post failed: {0}")]
+    Post(String),
+    /// An I/O error from a named call.
+    #[error("{call}: {source}")]
+    Io {
+        /// The call that failed.
+        call: &'static str,
+        /// The OS error.
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+impl TransportError {
+    /// Wrap an OS error with the name of the call that returned it.
+    pub fn io(call: &'static str, source: impl Into<std::io::Error>) -> Self {
+        Self::Io {
+            call,
+            source: source.into(),
+        }
+    }
+}
+
+/// A data-path backend. One instance serves one agent.
+///
+/// Backends may run progress threads; the object itself is driven by one
+/// thread (`&mut self`). Data moves without the target's engine doing
+/// anything (one-sided); the target only drains notifications.
+pub trait Transport: Send {
+    /// Which backend this is.
+    fn kind(&self) -> TransportKind;
+
+    /// Register `backing`'s memory for local use and remote access
+    /// (local write, remote read, remote write).
+    ///
+    /// # Errors
+    /// [`TransportError::Registration`] when the backend refuses the range.
+    fn register(&mut self, backing: &dyn MemoryBacking) -> Result<Registration, TransportError>;
+
+    /// Forget a registration. The engine guarantees no transfer uses it.
+    ///
+    /// # Errors
+    /// [`TransportError::UnknownLocalKey`].
+    fn deregister(&mut self, lkey: LocalKey) -> Result<(), TransportError>;
+
+    /// Opaque connection info (addresses, QP numbers, GIDs) that peers need
+    /// to reach this agent; published in the agent metadata.
+    fn connection_info(&self) -> Vec<u8>;
+
+    /// Connect to a peer agent from its connection info and registered regions.
+    ///
+    /// # Errors
+    /// [`TransportError::BadConnectionInfo`], [`TransportError::Connect`],
+    /// [`TransportError::Unsupported`] (e.g. `shm` to another host).
+    fn connect(
+        &mut self,
+        peer_name: &str,
+        info: &[u8],
+        regions: &[RemoteRegion],
+    ) -> Result<PeerId, TransportError>;
+
+    /// Drop a peer. In-flight transfers to it must already be cancelled.
+    fn disconnect(&mut self, peer: PeerId);
+
+    /// Start moving a batch. Returns once it is queued; the result arrives
+    /// through [`Transport::poll`].
+    ///
+    /// # Errors
+    /// [`TransportError::NotConnected`], [`TransportError::PeerDisconnected`],
+    /// [`TransportError::Post`] — in each case nothing was moved.
+    fn post(&mut self, req: PostRequest) -> Result<(), TransportError>;
+
+    /// Append terminal results of posted transfers to `out`. Never blocks.
+    fn poll(&mut self, out: &mut Vec<Completion>);
+
+    /// Stop a transfer. Returns only when nothing can still touch its buffers.
+    /// No completion is reported for it afterwards.
+    fn cancel(&mut self, xfer: XferId);
+
+    /// Append notifications received since the last call to `out`. Never blocks.
+    fn take_notifications(&mut self, out: &mut Vec<Notification>);
+}
+
+/// Create the backend `kind` for agent `agent_name`.
+///
+/// # Errors
+/// [`TransportError::Unsupported`] when the backend is not available here
+/// (e.g. libibverbs missing for `verbs`).
+pub fn create(
+    kind: TransportKind,
+    agent_name: &str,
+    config: &TransportConfig,
+) -> Result<Box<dyn Transport>, TransportError> {
+    match kind {
+        TransportKind::Shm => Ok(Box::new(shm::ShmTransport::new(agent_name, config)?)),
+        TransportKind::Verbs => Err(TransportError::Unsupported(
+            "the verbs transport is not built yet".into(),
+        )),
+        TransportKind::Tcp => Err(TransportError::Unsupported(
+            "the tcp transport is not built yet".into(),
+        )),
+    }
+}

@@ -1,0 +1,137 @@
+//! `HostBuffer`: page-aligned host memory backed by a memfd, so a same-host
+//! peer can map it and a transfer becomes one `memcpy`.
+
+use std::fs::File;
+use std::io;
+use std::os::fd::{AsFd, BorrowedFd};
+
+use memmap2::{MmapOptions, MmapRaw};
+use nix::sys::memfd::{MFdFlags, memfd_create};
+
+use crate::transport::{MemoryBacking, MemoryDesc, MemoryKind};
+
+/// Host memory (`len_bytes` bytes, page-aligned, zero-filled) that kvwire can
+/// share with same-host peers through its memfd.
+///
+/// Transfers write into it from other threads or processes: read it only
+/// when no transfer that targets it is in progress (as with any RDMA buffer).
+pub struct HostBuffer {
+    file: File,
+    map: MmapRaw,
+    len_bytes: usize,
+}
+
+impl std::fmt::Debug for HostBuffer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("HostBuffer")
+            .field("addr", &format_args!("{:#x}", self.addr()))
+            .field("len_bytes", &self.len_bytes)
+            .finish()
+    }
+}
+
+impl HostBuffer {
+    /// Allocate `len_bytes` of shared, pre-faulted, zeroed host memory.
+    ///
+    /// # Errors
+    /// The failing call (`memfd_create`, `ftruncate`, `mmap`) as an I/O error;
+    /// `InvalidInput` for a zero length.
+    pub fn new(len_bytes: usize) -> io::Result<Self> {
+        if len_bytes == 0 {
+            return Err(io::Error::new(io::ErrorKind::InvalidInput, "HostBuffer of 0 bytes"));
+        }
+        let fd = memfd_create("kvwire-host-buffer", MFdFlags::MFD_CLOEXEC).map_err(io::Error::from)?;
+        let file = File::from(fd);
+        file.set_len(len_bytes as u64)?;
+        let map = MmapOptions::new().len(len_bytes).populate().map_raw(&file)?;
+        Ok(Self { file, map, len_bytes })
+    }
+
+    /// Start address.
+    pub fn addr(&self) -> u64 {
+        self.map.as_ptr() as u64
+    }
+
+    /// Length in bytes.
+    pub fn len(&self) -> usize {
+        self.len_bytes
+    }
+
+    /// Always false: a `HostBuffer` is never empty.
+    pub fn is_empty(&self) -> bool {
+        false
+    }
+
+    /// The bytes. Contents written by an in-progress transfer may change
+    /// underneath; read only after the transfer completed.
+    pub fn as_slice(&self) -> &[u8] {
+        // SAFETY: the mapping is `len_bytes` long, readable, and lives as long
+        // as `self`; other writers are transfers the caller has waited for.
+        unsafe { std::slice::from_raw_parts(self.map.as_ptr(), self.len_bytes) }
+    }
+
+    /// Copy `data` into the buffer at `offset`.
+    ///
+    /// # Panics
+    /// When `offset + data.len()` exceeds the buffer.
+    pub fn write(&self, offset: usize, data: &[u8]) {
+        let end = offset.checked_add(data.len()).expect("offset overflow");
+        assert!(end <= self.len_bytes, "write of {}..{end} past a {}-byte HostBuffer", offset, self.len_bytes);
+        // SAFETY: bounds checked above; the mapping is writable and does not
+        // overlap `data`, which is a Rust slice of other memory.
+        unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), self.map.as_mut_ptr().add(offset), data.len()) }
+    }
+
+    /// Fill `len` bytes at `offset` with `f(i)` for the i-th byte of the range.
+    ///
+    /// # Panics
+    /// When the range exceeds the buffer.
+    pub fn fill_with(&self, offset: usize, len: usize, mut f: impl FnMut(usize) -> u8) {
+        let end = offset.checked_add(len).expect("offset overflow");
+        assert!(end <= self.len_bytes, "fill of {offset}..{end} past a {}-byte HostBuffer", self.len_bytes);
+        // SAFETY: bounds checked; exclusive use of the range is the caller's
+        // contract (no transfer reading or writing it is in progress).
+        let s = unsafe { std::slice::from_raw_parts_mut(self.map.as_mut_ptr().add(offset), len) };
+        for (i, b) in s.iter_mut().enumerate() {
+            *b = f(i);
+        }
+    }
+}
+
+impl MemoryBacking for HostBuffer {
+    fn desc(&self) -> MemoryDesc {
+        MemoryDesc {
+            addr: self.addr(),
+            len_bytes: self.len_bytes as u64,
+            kind: MemoryKind::Dram,
+            device_id: 0,
+        }
+    }
+
+    fn shared_fd(&self) -> Option<(BorrowedFd<'_>, u64)> {
+        Some((self.file.as_fd(), 0))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn allocates_zeroed_page_aligned_memory() {
+        let b = HostBuffer::new(10_000).unwrap();
+        assert_eq!(b.addr() % 4096, 0);
+        assert!(b.as_slice().iter().all(|&x| x == 0));
+        b.write(9_990, &[7; 10]);
+        assert_eq!(&b.as_slice()[9_990..], &[7; 10]);
+        b.fill_with(0, 4, |i| i as u8 + 1);
+        assert_eq!(&b.as_slice()[..4], &[1, 2, 3, 4]);
+        assert!(HostBuffer::new(0).is_err());
+    }
+
+    #[test]
+    #[should_panic(expected = "past a")]
+    fn write_out_of_bounds_panics() {
+        HostBuffer::new(16).unwrap().write(10, &[0; 7]);
+    }
+}

@@ -1,0 +1,238 @@
+//! The copy core of the `shm` backend: worker threads that move segments
+//! with `memcpy` through peer mappings, or with cross-memory attach
+//! (`process_vm_readv`/`writev`) where the peer's memory is not shareable.
+
+use std::sync::Arc;
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::thread::JoinHandle;
+
+use crossbeam_channel::{Receiver, Sender};
+use memmap2::MmapRaw;
+
+use super::wire::Msg;
+use crate::transport::{Completion, Op, Segment, XferId};
+
+/// How the initiator reaches one region of a peer.
+#[derive(Debug)]
+pub enum PeerMem {
+    /// Mapped here; `base` is the local address of the region's first byte.
+    Mapped {
+        /// Local address of the region start.
+        base: usize,
+        /// Keeps the mapping alive.
+        _map: Arc<MmapRaw>,
+    },
+    /// Reached with cross-memory attach to this pid.
+    Cma {
+        /// Target process id.
+        pid: i32,
+    },
+}
+
+/// A peer region as the target reported it at connect time.
+#[derive(Debug)]
+pub struct PeerRegion {
+    /// Start address in the target (bytes).
+    pub addr: u64,
+    /// Length (bytes).
+    pub len_bytes: u64,
+    /// How to reach it.
+    pub mem: PeerMem,
+}
+
+/// One connected peer, shared by the engine thread and the workers.
+#[derive(Debug)]
+pub struct PeerShared {
+    /// Agent name.
+    pub name: String,
+    /// Side channel (notifications go out on it).
+    pub channel: super::wire::Channel,
+    /// Regions by remote key.
+    pub regions: std::collections::HashMap<u32, PeerRegion>,
+    /// Set when the peer closed its socket (it died or disconnected).
+    pub dead: AtomicBool,
+}
+
+/// A posted transfer being copied.
+#[derive(Debug)]
+pub struct XferShared {
+    /// Id reported in the completion.
+    pub id: XferId,
+    /// READ or WRITE.
+    pub op: Op,
+    /// The peer.
+    pub peer: Arc<PeerShared>,
+    /// Segments, already checked against the peer's regions.
+    pub segments: Vec<Segment>,
+    /// Sent after the last byte.
+    pub notification: Option<Vec<u8>>,
+    /// Chunks not yet finished.
+    pub pending: AtomicUsize,
+    /// Set by `cancel`.
+    pub cancelled: AtomicBool,
+    /// First failure.
+    pub error: Mutex<Option<String>>,
+}
+
+/// A contiguous range of a transfer's segments for one worker.
+pub struct Job {
+    /// The transfer.
+    pub xfer: Arc<XferShared>,
+    /// Segment indices.
+    pub range: std::ops::Range<usize>,
+}
+
+/// Copy worker pool.
+pub struct CopyPool {
+    jobs: Option<Sender<Job>>,
+    workers: Vec<JoinHandle<()>>,
+}
+
+impl CopyPool {
+    /// Start `threads` workers that report to `done`.
+    pub fn new(threads: usize, done: Sender<Completion>) -> Self {
+        let (tx, rx) = crossbeam_channel::unbounded::<Job>();
+        let workers = (0..threads.max(1))
+            .map(|i| {
+                let rx: Receiver<Job> = rx.clone();
+                let done = done.clone();
+                std::thread::Builder::new()
+                    .name(format!("kvwire-shm-copy-{i}"))
+                    .spawn(move || {
+                        for job in rx.iter() {
+                            run_job(job, &done);
+                        }
+                    })
+                    .expect("spawning a copy thread")
+            })
+            .collect();
+        Self { jobs: Some(tx), workers }
+    }
+
+    /// Queue a job.
+    pub fn submit(&self, job: Job) {
+        if let Some(tx) = &self.jobs {
+            // Workers only stop when the pool is dropped, so this cannot fail.
+            let _ = tx.send(job);
+        }
+    }
+}
+
+impl Drop for CopyPool {
+    fn drop(&mut self) {
+        self.jobs = None;
+        for w in self.workers.drain(..) {
+            let _ = w.join();
+        }
+    }
+}
+
+fn fail(x: &XferShared, why: String) {
+    let mut e = x.error.lock().unwrap_or_else(|p| p.into_inner());
+    if e.is_none() {
+        *e = Some(why);
+    }
+}
+
+fn run_job(job: Job, done: &Sender<Completion>) {
+    let x = &job.xfer;
+    if !x.cancelled.load(Ordering::Acquire) && x.error.lock().map(|e| e.is_none()).unwrap_or(false) {
+        if x.peer.dead.load(Ordering::Acquire) {
+            fail(x, format!("peer {} disconnected", x.peer.name));
+        } else if let Err(why) = copy_segments(x, &x.segments[job.range.clone()]) {
+            fail(x, why);
+        }
+    }
+    if x.pending.fetch_sub(1, Ordering::AcqRel) != 1 {
+        return;
+    }
+    // Last chunk: nothing touches the buffers any more.
+    if x.cancelled.load(Ordering::Acquire) {
+        return;
+    }
+    let mut result = match x.error.lock().unwrap_or_else(|p| p.into_inner()).take() {
+        Some(e) => Err(e),
+        None => Ok(()),
+    };
+    if result.is_ok() && x.peer.dead.load(Ordering::Acquire) {
+        result = Err(format!("peer {} disconnected", x.peer.name));
+    }
+    if result.is_ok() {
+        if let Some(payload) = &x.notification {
+            if let Err(e) = x.peer.channel.send(&Msg::Notify { payload: payload.clone() }, None) {
+                result = Err(format!("notification to {} failed: {e}", x.peer.name));
+            }
+        }
+    }
+    let _ = done.send(Completion { xfer: x.id, result });
+}
+
+fn copy_segments(x: &XferShared, segs: &[Segment]) -> Result<(), String> {
+    let mut cma: Vec<(libc::iovec, libc::iovec)> = Vec::new();
+    let mut cma_pid = 0;
+    for s in segs {
+        let Some(region) = x.peer.regions.get(&s.rkey.0) else {
+            return Err(format!("remote access error: unknown rkey {}", s.rkey.0));
+        };
+        let off = (s.remote_addr - region.addr) as usize;
+        match &region.mem {
+            PeerMem::Mapped { base, .. } => {
+                let remote = (base + off) as *mut u8;
+                let local = s.local_addr as *mut u8;
+                let (src, dst) = match x.op {
+                    Op::Write => (local as *const u8, remote),
+                    Op::Read => (remote as *const u8, local),
+                };
+                // SAFETY: the engine checked the local range against a live
+                // registration (whose backing it keeps alive), and `post`
+                // checked the remote range against this region, which is
+                // mapped for `len_bytes` and kept alive by `_map`. The ranges
+                // are in different registrations' memory or different
+                // mappings, so they do not overlap.
+                unsafe { std::ptr::copy_nonoverlapping(src, dst, s.len_bytes as usize) };
+            }
+            PeerMem::Cma { pid } => {
+                cma_pid = *pid;
+                let l = libc::iovec { iov_base: s.local_addr as *mut libc::c_void, iov_len: s.len_bytes as usize };
+                let r = libc::iovec { iov_base: s.remote_addr as *mut libc::c_void, iov_len: s.len_bytes as usize };
+                cma.push((l, r));
+                if cma.len() == 512 {
+                    cma_flush(x.op, cma_pid, &mut cma)?;
+                }
+            }
+        }
+        if x.cancelled.load(Ordering::Relaxed) {
+            return Ok(());
+        }
+    }
+    cma_flush(x.op, cma_pid, &mut cma)
+}
+
+fn cma_flush(op: Op, pid: i32, batch: &mut Vec<(libc::iovec, libc::iovec)>) -> Result<(), String> {
+    if batch.is_empty() {
+        return Ok(());
+    }
+    let (local, remote): (Vec<libc::iovec>, Vec<libc::iovec>) = batch.drain(..).unzip();
+    let want: usize = local.iter().map(|v| v.iov_len).sum();
+    // SAFETY: every local iovec lies in a live local registration (checked by
+    // the engine); the kernel checks the remote iovecs against the target's
+    // address space and fails with EFAULT instead of touching anything else.
+    let n = unsafe {
+        match op {
+            Op::Write => libc::process_vm_writev(pid, local.as_ptr(), local.len() as _, remote.as_ptr(), remote.len() as _, 0),
+            Op::Read => libc::process_vm_readv(pid, local.as_ptr(), local.len() as _, remote.as_ptr(), remote.len() as _, 0),
+        }
+    };
+    if n < 0 {
+        let e = std::io::Error::last_os_error();
+        return Err(match e.raw_os_error() {
+            Some(libc::ESRCH) => "peer process is gone (ESRCH)".to_string(),
+            _ => format!("cross-memory attach failed: {e}"),
+        });
+    }
+    if n as usize != want {
+        return Err(format!("cross-memory attach moved {n} of {want} bytes"));
+    }
+    Ok(())
+}

@@ -1,0 +1,502 @@
+//! `shm`: one-sided READ/WRITE between processes on the same host.
+//!
+//! Each agent listens on an abstract `SOCK_SEQPACKET` Unix socket. A peer
+//! that connects says hello and gets, per registered region, either the
+//! region's memfd ([`HostBuffer`] memory) which it maps, so that a transfer is
+//! one `memcpy` by the initiator's copy threads, or the target's pid for
+//! cross-memory attach (`process_vm_readv/writev`) for any other memory.
+//! The target's CPU copies nothing. Every segment is checked against the
+//! region table the *target* reported (key and bounds), as an HCA checks an
+//! rkey: a bad key or range fails the transfer before any byte moves.
+//! Notifications travel on the socket after the data. A peer whose socket
+//! closes (it died) fails its transfers; socket sends time out after
+//! [`TransportConfig::peer_timeout`].
+
+mod buffer;
+mod copy;
+pub mod wire;
+
+use std::collections::HashMap;
+use std::os::fd::{AsRawFd, OwnedFd};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+pub use buffer::HostBuffer;
+use copy::{CopyPool, Job, PeerMem, PeerRegion, PeerShared, XferShared};
+use crossbeam_channel::Receiver;
+use serde::{Deserialize, Serialize};
+use wire::{Access, Channel, Listener, Msg};
+
+use super::{
+    Completion, LocalKey, MemoryBacking, Notification, PeerId, PostRequest, Registration, RemoteKey, RemoteRegion,
+    Transport, TransportConfig, TransportError, TransportKind, XferId,
+};
+
+/// Bytes of work per copy job: large enough that queueing costs nothing,
+/// small enough that two threads share a transfer.
+const CHUNK_BYTES: u64 = 4 << 20;
+
+/// Connection info published in the agent metadata.
+#[derive(Debug, Serialize, Deserialize)]
+struct ShmInfo {
+    /// `/proc/sys/kernel/random/boot_id`: equal only on the same host.
+    boot_id: String,
+    /// Abstract socket name.
+    socket: String,
+}
+
+struct LocalRegion {
+    addr: u64,
+    len_bytes: u64,
+    fd: Option<(OwnedFd, u64)>,
+}
+
+type RegionTable = Arc<Mutex<HashMap<u32, LocalRegion>>>;
+type NotifQueue = Arc<Mutex<Vec<Notification>>>;
+
+fn boot_id() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/random/boot_id")
+        .map(|s| s.trim().to_string())
+        .unwrap_or_default()
+}
+
+/// The shared-memory backend. See the module docs.
+pub struct ShmTransport {
+    agent: String,
+    socket_name: String,
+    config: TransportConfig,
+    regions: RegionTable,
+    next_key: u32,
+    listener: Arc<Listener>,
+    service: Option<JoinHandle<()>>,
+    stopping: Arc<AtomicBool>,
+    notifs: NotifQueue,
+    peers: HashMap<u32, Arc<PeerShared>>,
+    monitors: Vec<JoinHandle<()>>,
+    next_peer: u32,
+    inflight: HashMap<u64, Arc<XferShared>>,
+    pool: CopyPool,
+    done: Receiver<Completion>,
+}
+
+static SOCKET_SEQ: AtomicUsize = AtomicUsize::new(0);
+static PTRACER_SET: AtomicU32 = AtomicU32::new(0);
+
+impl ShmTransport {
+    /// Create the backend for agent `agent` and start its listener.
+    ///
+    /// # Errors
+    /// [`TransportError::Io`] when the socket cannot be bound.
+    pub fn new(agent: &str, config: &TransportConfig) -> Result<Self, TransportError> {
+        let socket_name = format!(
+            "kvwire-shm-{}-{}-{}",
+            std::process::id(),
+            SOCKET_SEQ.fetch_add(1, Ordering::Relaxed),
+            uuid::Uuid::new_v4().simple()
+        );
+        let listener = Arc::new(Listener::bind(&socket_name)?);
+        let regions: RegionTable = Arc::default();
+        let notifs: NotifQueue = Arc::default();
+        let stopping = Arc::new(AtomicBool::new(false));
+        let service = {
+            let (listener, regions, notifs, stopping) =
+                (listener.clone(), regions.clone(), notifs.clone(), stopping.clone());
+            let timeout = config.peer_timeout;
+            std::thread::Builder::new()
+                .name("kvwire-shm-listen".into())
+                .spawn(move || accept_loop(&listener, &regions, &notifs, &stopping, timeout))
+                .map_err(|e| TransportError::io("spawn", e))?
+        };
+        let (done_tx, done) = crossbeam_channel::unbounded();
+        Ok(Self {
+            agent: agent.to_string(),
+            socket_name,
+            config: config.clone(),
+            regions,
+            next_key: 1,
+            listener,
+            service: Some(service),
+            stopping,
+            notifs,
+            peers: HashMap::new(),
+            monitors: Vec::new(),
+            next_peer: 1,
+            inflight: HashMap::new(),
+            pool: CopyPool::new(config.copy_threads, done_tx),
+            done,
+        })
+    }
+}
+
+fn accept_loop(listener: &Listener, regions: &RegionTable, notifs: &NotifQueue, stopping: &AtomicBool, timeout: Duration) {
+    while let Ok(ch) = listener.accept() {
+        if stopping.load(Ordering::Acquire) {
+            break;
+        }
+        let (regions, notifs) = (regions.clone(), notifs.clone());
+        let spawned = std::thread::Builder::new()
+            .name("kvwire-shm-peer".into())
+            .spawn(move || serve_peer(ch, &regions, &notifs, timeout));
+        if let Err(e) = spawned {
+            tracing::warn!("shm: cannot serve a peer: {e}");
+        }
+    }
+}
+
+fn serve_peer(ch: Channel, regions: &RegionTable, notifs: &NotifQueue, timeout: Duration) {
+    if ch.set_timeouts(timeout).is_err() {
+        return;
+    }
+    let agent = match ch.recv() {
+        Ok(Some((Msg::Hello { agent, rkeys }, _))) => {
+            if let Err(e) = answer_hello(&ch, regions, &rkeys) {
+                tracing::warn!("shm: hello from {agent} failed: {e}");
+                return;
+            }
+            agent
+        }
+        Ok(Some((other, _))) => {
+            tracing::warn!("shm: expected hello, got {other:?}; dropping connection");
+            return;
+        }
+        Ok(None) => return,
+        Err(e) => {
+            tracing::warn!("shm: bad hello: {e}");
+            return;
+        }
+    };
+    let _ = ch.block_receives();
+    loop {
+        match ch.recv() {
+            Ok(Some((Msg::Notify { payload }, _))) => {
+                notifs.lock().unwrap_or_else(|p| p.into_inner()).push(Notification {
+                    from_agent: agent.clone(),
+                    payload,
+                });
+            }
+            Ok(Some((other, _))) => tracing::warn!("shm: unexpected message from {agent}: {other:?}"),
+            Ok(None) => return,
+            Err(e) => {
+                tracing::warn!("shm: connection from {agent} failed: {e}");
+                return;
+            }
+        }
+    }
+}
+
+fn answer_hello(ch: &Channel, regions: &RegionTable, rkeys: &[u32]) -> Result<(), TransportError> {
+    for &rkey in rkeys {
+        let (msg, fd) = {
+            let table = regions.lock().unwrap_or_else(|p| p.into_inner());
+            match table.get(&rkey) {
+                None => (Msg::Region { rkey, addr: 0, len_bytes: 0, access: Access::Unknown }, None),
+                Some(r) => match &r.fd {
+                    Some((fd, offset)) => (
+                        Msg::Region { rkey, addr: r.addr, len_bytes: r.len_bytes, access: Access::Fd { offset: *offset } },
+                        Some(fd.as_raw_fd()),
+                    ),
+                    None => (Msg::Region { rkey, addr: r.addr, len_bytes: r.len_bytes, access: Access::Cma }, None),
+                },
+            }
+        };
+        // The fd stays open while we send: regions are only removed from the
+        // table by deregister, and the kernel duplicates it in sendmsg. Hold
+        // the table lock across the send instead if that ever changes.
+        ch.send(&msg, fd)?;
+    }
+    ch.send(&Msg::Ready { pid: std::process::id() }, None)
+}
+
+fn map_region(fd: OwnedFd, offset: u64, len_bytes: u64) -> Result<PeerMem, TransportError> {
+    let page = 4096u64;
+    let aligned = offset / page * page;
+    let delta = (offset - aligned) as usize;
+    let file = std::fs::File::from(fd);
+    let map = memmap2::MmapOptions::new()
+        .offset(aligned)
+        .len(len_bytes as usize + delta)
+        .map_raw(&file)
+        .map_err(|e| TransportError::io("mmap(peer region)", e))?;
+    let base = map.as_ptr() as usize + delta;
+    Ok(PeerMem::Mapped { base, _map: Arc::new(map) })
+}
+
+impl Transport for ShmTransport {
+    fn kind(&self) -> TransportKind {
+        TransportKind::Shm
+    }
+
+    fn register(&mut self, backing: &dyn MemoryBacking) -> Result<Registration, TransportError> {
+        let desc = backing.desc();
+        if desc.kind != super::MemoryKind::Dram {
+            return Err(TransportError::Unsupported("the shm transport moves host (DRAM) memory only".into()));
+        }
+        let fd = match backing.shared_fd() {
+            Some((fd, off)) => Some((fd.try_clone_to_owned().map_err(|e| TransportError::io("dup", e))?, off)),
+            None => {
+                if PTRACER_SET.swap(1, Ordering::AcqRel) == 0 {
+                    // Let same-uid peers attach under Yama ptrace_scope=1.
+                    // SAFETY: prctl with integer arguments; no memory is passed.
+                    unsafe { libc::prctl(libc::PR_SET_PTRACER, libc::PR_SET_PTRACER_ANY, 0, 0, 0) };
+                }
+                None
+            }
+        };
+        let key = self.next_key;
+        self.next_key += 1;
+        self.regions
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(key, LocalRegion { addr: desc.addr, len_bytes: desc.len_bytes, fd });
+        Ok(Registration { lkey: LocalKey(key), rkey: RemoteKey(key) })
+    }
+
+    fn deregister(&mut self, lkey: LocalKey) -> Result<(), TransportError> {
+        self.regions
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .remove(&lkey.0)
+            .map(|_| ())
+            .ok_or(TransportError::UnknownLocalKey(lkey))
+    }
+
+    fn connection_info(&self) -> Vec<u8> {
+        postcard::to_allocvec(&ShmInfo { boot_id: boot_id(), socket: self.socket_name.clone() })
+            .expect("plain data encodes")
+    }
+
+    fn connect(&mut self, peer_name: &str, info: &[u8], regions: &[RemoteRegion]) -> Result<PeerId, TransportError> {
+        let info: ShmInfo = postcard::from_bytes(info).map_err(|e| TransportError::BadConnectionInfo(e.to_string()))?;
+        if info.boot_id != boot_id() {
+            return Err(TransportError::Unsupported(format!(
+                "peer {peer_name} runs on another host; the shm transport is same-host only (use verbs or tcp)"
+            )));
+        }
+        let cerr = |reason: String| TransportError::Connect { peer: peer_name.to_string(), reason };
+        let ch = Channel::connect(&info.socket, self.config.peer_timeout).map_err(|e| cerr(e.to_string()))?;
+        let rkeys: Vec<u32> = regions.iter().map(|r| r.rkey.0).collect();
+        ch.send(&Msg::Hello { agent: self.agent.clone(), rkeys }, None).map_err(|e| cerr(e.to_string()))?;
+        let mut table = HashMap::new();
+        let mut fds = HashMap::new();
+        let pid = loop {
+            match ch.recv().map_err(|e| cerr(e.to_string()))? {
+                None => return Err(cerr("peer closed the connection during the handshake".into())),
+                Some((Msg::Region { rkey, addr, len_bytes, access }, fd)) => {
+                    if access == Access::Unknown {
+                        return Err(cerr(format!("peer has no region with rkey {rkey} (stale metadata?)")));
+                    }
+                    if let (Access::Fd { offset }, Some(fd)) = (access, fd) {
+                        fds.insert(rkey, (fd, offset));
+                    }
+                    table.insert(rkey, (addr, len_bytes));
+                }
+                Some((Msg::Ready { pid }, _)) => break pid as i32,
+                Some((other, _)) => return Err(cerr(format!("unexpected handshake message {other:?}"))),
+            }
+        };
+        let mut peer_regions = HashMap::with_capacity(table.len());
+        for (rkey, (addr, len_bytes)) in table {
+            let mem = match fds.remove(&rkey) {
+                Some((fd, offset)) => map_region(fd, offset, len_bytes)?,
+                None => PeerMem::Cma { pid },
+            };
+            peer_regions.insert(rkey, PeerRegion { addr, len_bytes, mem });
+        }
+        let peer = Arc::new(PeerShared {
+            name: peer_name.to_string(),
+            channel: ch,
+            regions: peer_regions,
+            dead: AtomicBool::new(false),
+        });
+        // The target never speaks after `Ready`: a return from recv means it
+        // closed the socket (died or disconnected).
+        let _ = peer.channel.block_receives();
+        let watched = peer.clone();
+        let monitor = std::thread::Builder::new()
+            .name("kvwire-shm-monitor".into())
+            .spawn(move || {
+                let _ = watched.channel.recv();
+                watched.dead.store(true, Ordering::Release);
+            })
+            .map_err(|e| TransportError::io("spawn", e))?;
+        self.monitors.push(monitor);
+        let id = self.next_peer;
+        self.next_peer += 1;
+        self.peers.insert(id, peer);
+        Ok(PeerId(id))
+    }
+
+    fn disconnect(&mut self, peer: PeerId) {
+        if let Some(p) = self.peers.remove(&peer.0) {
+            p.dead.store(true, Ordering::Release);
+            p.channel.shutdown();
+        }
+    }
+
+    fn post(&mut self, req: PostRequest) -> Result<(), TransportError> {
+        let peer = self.peers.get(&req.peer.0).ok_or(TransportError::NotConnected(req.peer))?;
+        if peer.dead.load(Ordering::Acquire) {
+            return Err(TransportError::PeerDisconnected(peer.name.clone()));
+        }
+        if req.notification.as_ref().is_some_and(|n| n.len() > wire::MAX_NOTIFICATION) {
+            return Err(TransportError::Post(format!(
+                "notification larger than {} bytes",
+                wire::MAX_NOTIFICATION
+            )));
+        }
+        // The HCA-style check: every segment inside a region the target
+        // reported, by key and bounds, before a single byte moves.
+        let mut last: Option<(u32, u64, u64)> = None;
+        let mut violation = None;
+        for s in &req.segments {
+            let (addr, len) = match last {
+                Some((k, a, l)) if k == s.rkey.0 => (a, l),
+                _ => match peer.regions.get(&s.rkey.0) {
+                    Some(r) => {
+                        last = Some((s.rkey.0, r.addr, r.len_bytes));
+                        (r.addr, r.len_bytes)
+                    }
+                    None => {
+                        violation = Some(format!("remote access error: unknown rkey {}", s.rkey.0));
+                        break;
+                    }
+                },
+            };
+            let inside = s.remote_addr >= addr
+                && s.remote_addr.checked_add(s.len_bytes).is_some_and(|e| e <= addr + len);
+            if !inside {
+                violation = Some(format!(
+                    "remote access error: {:#x}+{} outside rkey {} ({:#x}+{len})",
+                    s.remote_addr, s.len_bytes, s.rkey.0, addr
+                ));
+                break;
+            }
+        }
+        if let Some(why) = violation {
+            let x = Arc::new(XferShared {
+                id: req.xfer,
+                op: req.op,
+                peer: peer.clone(),
+                segments: Vec::new(),
+                notification: None,
+                pending: AtomicUsize::new(1),
+                cancelled: AtomicBool::new(false),
+                error: Mutex::new(Some(why)),
+            });
+            self.inflight.insert(req.xfer.0, x.clone());
+            self.pool.submit(Job { xfer: x, range: 0..0 });
+            return Ok(());
+        }
+        let segments = split_large(req.segments);
+        let ranges = chunk_ranges(&segments);
+        let x = Arc::new(XferShared {
+            id: req.xfer,
+            op: req.op,
+            peer: peer.clone(),
+            segments,
+            notification: req.notification,
+            pending: AtomicUsize::new(ranges.len()),
+            cancelled: AtomicBool::new(false),
+            error: Mutex::new(None),
+        });
+        self.inflight.insert(req.xfer.0, x.clone());
+        for range in ranges {
+            self.pool.submit(Job { xfer: x.clone(), range });
+        }
+        Ok(())
+    }
+
+    fn poll(&mut self, out: &mut Vec<Completion>) {
+        for c in self.done.try_iter() {
+            if self.inflight.remove(&c.xfer.0).is_some() {
+                out.push(c);
+            }
+        }
+    }
+
+    fn cancel(&mut self, xfer: XferId) {
+        let Some(x) = self.inflight.remove(&xfer.0) else { return };
+        x.cancelled.store(true, Ordering::Release);
+        let mut backoff = crossbeam_utils_backoff();
+        while x.pending.load(Ordering::Acquire) != 0 {
+            backoff();
+        }
+    }
+
+    fn take_notifications(&mut self, out: &mut Vec<Notification>) {
+        let mut q = self.notifs.lock().unwrap_or_else(|p| p.into_inner());
+        out.append(&mut q);
+    }
+}
+
+/// Spin briefly, then yield, then sleep: a wait for copy threads to finish.
+fn crossbeam_utils_backoff() -> impl FnMut() {
+    let mut step = 0u32;
+    move || {
+        step += 1;
+        if step < 64 {
+            std::hint::spin_loop();
+        } else if step < 256 {
+            std::thread::yield_now();
+        } else {
+            std::thread::sleep(Duration::from_micros(50));
+        }
+    }
+}
+
+/// Split segments longer than [`CHUNK_BYTES`] so that threads can share them.
+fn split_large(segments: Vec<super::Segment>) -> Vec<super::Segment> {
+    if segments.iter().all(|s| s.len_bytes <= CHUNK_BYTES) {
+        return segments;
+    }
+    let mut out = Vec::with_capacity(segments.len() + 16);
+    for s in segments {
+        let mut off = 0;
+        while off < s.len_bytes {
+            let n = (s.len_bytes - off).min(CHUNK_BYTES);
+            out.push(super::Segment { local_addr: s.local_addr + off, remote_addr: s.remote_addr + off, len_bytes: n, ..s });
+            off += n;
+        }
+    }
+    out
+}
+
+/// Group consecutive segments into jobs of about [`CHUNK_BYTES`].
+fn chunk_ranges(segments: &[super::Segment]) -> Vec<std::ops::Range<usize>> {
+    let mut ranges = Vec::new();
+    let (mut start, mut acc) = (0usize, 0u64);
+    for (i, s) in segments.iter().enumerate() {
+        acc += s.len_bytes;
+        if acc >= CHUNK_BYTES {
+            ranges.push(start..i + 1);
+            start = i + 1;
+            acc = 0;
+        }
+    }
+    if start < segments.len() || ranges.is_empty() {
+        ranges.push(start..segments.len());
+    }
+    ranges
+}
+
+impl Drop for ShmTransport {
+    fn drop(&mut self) {
+        let ids: Vec<u64> = self.inflight.keys().copied().collect();
+        for id in ids {
+            self.cancel(XferId(id));
+        }
+        self.stopping.store(true, Ordering::Release);
+        self.listener.shutdown();
+        if let Some(h) = self.service.take() {
+            let _ = h.join();
+        }
+        for p in self.peers.values() {
+            p.channel.shutdown();
+        }
+        for m in self.monitors.drain(..) {
+            let _ = m.join();
+        }
+    }
+}
