@@ -46,6 +46,7 @@
 #![warn(clippy::undocumented_unsafe_blocks)]
 
 pub mod engine;
+pub mod sidechannel;
 pub mod transport;
 
 pub use transport::shm::HostBuffer;

@@ -1,0 +1,159 @@
+//! A direct side channel between two processes: length-prefixed JSON
+//! messages over one TCP connection (the `--listen` / `--connect` pair that
+//! `bench` and `replay` use to exchange agent metadata and control messages).
+#![forbid(unsafe_code)]
+
+use std::io::{self, Read, Write};
+use std::net::{SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
+use std::time::{Duration, Instant};
+
+use serde::Serialize;
+use serde::de::DeserializeOwned;
+
+/// Largest message accepted (bytes).
+pub const MAX_MESSAGE_BYTES: usize = 256 << 20;
+
+/// Errors of the side channel.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum SideChannelError {
+    /// Socket error from the named call.
+    #[error("{call}: {source}")]
+    Io {
+        /// The call.
+        call: &'static str,
+        /// The OS error.
+        #[source]
+        source: io::Error,
+    },
+    /// The peer closed the connection.
+    #[error("side channel closed by the peer")]
+    Closed,
+    /// A message over [`MAX_MESSAGE_BYTES`].
+    #[error("message of {0} bytes exceeds the limit")]
+    TooLarge(usize),
+    /// Undecodable JSON.
+    #[error("bad message: {0}")]
+    Decode(#[from] serde_json::Error),
+    /// Nobody answered in time.
+    #[error("timed out after {0:?} connecting to {1}")]
+    Timeout(Duration, String),
+}
+
+fn io_err(call: &'static str) -> impl Fn(io::Error) -> SideChannelError {
+    move |source| SideChannelError::Io { call, source }
+}
+
+/// One end of a connected side channel.
+#[derive(Debug)]
+pub struct SideChannel {
+    stream: TcpStream,
+}
+
+impl SideChannel {
+    /// Bind `addr` (e.g. `127.0.0.1:0`) and return the listener and its address.
+    ///
+    /// # Errors
+    /// `bind` failure.
+    pub fn bind(addr: &str) -> Result<(TcpListener, SocketAddr), SideChannelError> {
+        let l = TcpListener::bind(addr).map_err(io_err("bind"))?;
+        let a = l.local_addr().map_err(io_err("getsockname"))?;
+        Ok((l, a))
+    }
+
+    /// Accept one peer on `listener`.
+    ///
+    /// # Errors
+    /// `accept` failure.
+    pub fn accept(listener: &TcpListener) -> Result<Self, SideChannelError> {
+        let (stream, _) = listener.accept().map_err(io_err("accept"))?;
+        stream.set_nodelay(true).map_err(io_err("setsockopt(TCP_NODELAY)"))?;
+        Ok(Self { stream })
+    }
+
+    /// Connect to `addr`, retrying until `timeout` (the peer may still be starting).
+    ///
+    /// # Errors
+    /// [`SideChannelError::Timeout`].
+    pub fn connect(addr: &str, timeout: Duration) -> Result<Self, SideChannelError> {
+        let deadline = Instant::now() + timeout;
+        loop {
+            let attempt = addr
+                .to_socket_addrs()
+                .map_err(io_err("resolve"))?
+                .find_map(|a| TcpStream::connect_timeout(&a, Duration::from_secs(1)).ok());
+            if let Some(stream) = attempt {
+                stream.set_nodelay(true).map_err(io_err("setsockopt(TCP_NODELAY)"))?;
+                return Ok(Self { stream });
+            }
+            if Instant::now() >= deadline {
+                return Err(SideChannelError::Timeout(timeout, addr.to_string()));
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    /// Bound every receive by `timeout` (`None`: wait forever).
+    ///
+    /// # Errors
+    /// `setsockopt` failure.
+    pub fn set_read_timeout(&self, timeout: Option<Duration>) -> Result<(), SideChannelError> {
+        self.stream.set_read_timeout(timeout).map_err(io_err("setsockopt(SO_RCVTIMEO)"))
+    }
+
+    /// Send one message.
+    ///
+    /// # Errors
+    /// Socket failure, or a message over the limit.
+    pub fn send<T: Serialize>(&mut self, msg: &T) -> Result<(), SideChannelError> {
+        let body = serde_json::to_vec(msg)?;
+        if body.len() > MAX_MESSAGE_BYTES {
+            return Err(SideChannelError::TooLarge(body.len()));
+        }
+        let mut frame = Vec::with_capacity(4 + body.len());
+        frame.extend_from_slice(&(body.len() as u32).to_le_bytes());
+        frame.extend_from_slice(&body);
+        self.stream.write_all(&frame).map_err(io_err("send"))
+    }
+
+    /// Receive one message.
+    ///
+    /// # Errors
+    /// [`SideChannelError::Closed`] at end of stream, socket failure or
+    /// timeout, a length over the limit, undecodable JSON.
+    pub fn recv<T: DeserializeOwned>(&mut self) -> Result<T, SideChannelError> {
+        let mut len = [0u8; 4];
+        match self.stream.read_exact(&mut len) {
+            Ok(()) => {}
+            Err(e) if e.kind() == io::ErrorKind::UnexpectedEof => return Err(SideChannelError::Closed),
+            Err(e) => return Err(SideChannelError::Io { call: "recv", source: e }),
+        }
+        let n = u32::from_le_bytes(len) as usize;
+        if n > MAX_MESSAGE_BYTES {
+            return Err(SideChannelError::TooLarge(n));
+        }
+        let mut body = vec![0u8; n];
+        self.stream.read_exact(&mut body).map_err(io_err("recv"))?;
+        Ok(serde_json::from_slice(&body)?)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn messages_round_trip_and_close_is_reported() {
+        let (l, addr) = SideChannel::bind("127.0.0.1:0").unwrap();
+        let t = std::thread::spawn(move || {
+            let mut s = SideChannel::accept(&l).unwrap();
+            let v: Vec<u32> = s.recv().unwrap();
+            s.send(&v.iter().sum::<u32>()).unwrap();
+        });
+        let mut c = SideChannel::connect(&addr.to_string(), Duration::from_secs(5)).unwrap();
+        c.send(&vec![1u32, 2, 3]).unwrap();
+        assert_eq!(c.recv::<u32>().unwrap(), 6);
+        t.join().unwrap();
+        assert!(matches!(c.recv::<u32>(), Err(SideChannelError::Closed)));
+    }
+}
