@@ -381,29 +381,34 @@ impl Transport for ShmTransport {
                 peer: peer.clone(),
                 segments: Vec::new(),
                 notification: None,
+                chunks: vec![0..0],
+                next_chunk: AtomicUsize::new(0),
                 pending: AtomicUsize::new(1),
                 cancelled: AtomicBool::new(false),
                 error: Mutex::new(Some(why)),
             });
             self.inflight.insert(req.xfer.0, x.clone());
-            self.pool.submit(Job { xfer: x, range: 0..0 });
+            self.pool.submit(Job { xfer: x });
             return Ok(());
         }
         let segments = split_large(req.segments);
-        let ranges = chunk_ranges(&segments);
+        let chunks = chunk_ranges(&segments);
+        let helpers = chunks.len().min(self.config.copy_threads.max(1));
         let x = Arc::new(XferShared {
             id: req.xfer,
             op: req.op,
             peer: peer.clone(),
             segments,
             notification: req.notification,
-            pending: AtomicUsize::new(ranges.len()),
+            pending: AtomicUsize::new(chunks.len()),
+            next_chunk: AtomicUsize::new(0),
+            chunks,
             cancelled: AtomicBool::new(false),
             error: Mutex::new(None),
         });
         self.inflight.insert(req.xfer.0, x.clone());
-        for range in ranges {
-            self.pool.submit(Job { xfer: x.clone(), range });
+        for _ in 0..helpers {
+            self.pool.submit(Job { xfer: x.clone() });
         }
         Ok(())
     }
