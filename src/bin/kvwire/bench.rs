@@ -88,10 +88,24 @@ pub struct TargetArgs {
 
 #[derive(Debug, Serialize, Deserialize)]
 enum Ctl {
-    Setup { transport: TransportKind, op: Op, block_size: u64, blocks: u64, options: Vec<(String, String)>, copy_threads: usize },
+    Setup {
+        transport: TransportKind,
+        op: Op,
+        block_size: u64,
+        blocks: u64,
+        options: Vec<(String, String)>,
+        copy_threads: usize,
+    },
     Meta(Vec<u8>),
-    Verify { seed: u64, scatter: bool, notifications: usize },
-    Verified { bad_blocks: u64, notifications: usize },
+    Verify {
+        seed: u64,
+        scatter: bool,
+        notifications: usize,
+    },
+    Verified {
+        bad_blocks: u64,
+        notifications: usize,
+    },
     Exit,
 }
 
@@ -217,7 +231,8 @@ pub fn run(a: BenchArgs) -> Result<()> {
     if a.blocks == 0 || a.iters == 0 {
         bail!("--blocks and --iters must be at least 1");
     }
-    let total = a.block_size.checked_mul(a.blocks).filter(|&t| t <= 64 << 30).context("block size × blocks exceeds 64 GiB")?;
+    let total =
+        a.block_size.checked_mul(a.blocks).filter(|&t| t <= 64 << 30).context("block size × blocks exceeds 64 GiB")?;
     if let Some(addr) = &a.listen {
         let (l, bound) = SideChannel::bind(addr)?;
         eprintln!("kvwire bench: target waiting for an initiator on {bound}");
@@ -259,7 +274,14 @@ fn initiate(a: &BenchArgs, total: u64, chan: &mut SideChannel) -> Result<Report>
     mine.extend(a.device.iter().map(|d| ("device".to_string(), d.clone())));
     let mut theirs = a.target_options.clone();
     theirs.extend(a.target_device.iter().map(|d| ("device".to_string(), d.clone())));
-    chan.send(&Ctl::Setup { transport: a.transport, op, block_size: a.block_size, blocks: a.blocks, options: theirs, copy_threads: a.copy_threads })?;
+    chan.send(&Ctl::Setup {
+        transport: a.transport,
+        op,
+        block_size: a.block_size,
+        blocks: a.blocks,
+        options: theirs,
+        copy_threads: a.copy_threads,
+    })?;
     let Ctl::Meta(bytes) = chan.recv()? else { bail!("expected the target's metadata") };
     let meta = AgentMetadata::from_bytes(&bytes)?;
     let mut engine = TransferEngine::new("bench-initiator", a.transport, &config(a.copy_threads, mine))?;
@@ -272,7 +294,8 @@ fn initiate(a: &BenchArgs, total: u64, chan: &mut SideChannel) -> Result<Report>
     let remote_base = meta.regions.first().context("target registered nothing")?.addr;
     let dst = destinations(a.blocks, a.scatter, a.seed);
     let local: Vec<Desc> = (0..a.blocks).map(|i| Desc::new(buf.addr() + i * a.block_size, a.block_size)).collect();
-    let remote: Vec<Desc> = dst.iter().map(|&d| Desc::new(remote_base + d as u64 * a.block_size, a.block_size)).collect();
+    let remote: Vec<Desc> =
+        dst.iter().map(|&d| Desc::new(remote_base + d as u64 * a.block_size, a.block_size)).collect();
 
     let mut lat_us = Vec::with_capacity(a.iters);
     let mut post_ns = Vec::with_capacity(a.iters);
@@ -283,7 +306,14 @@ fn initiate(a: &BenchArgs, total: u64, chan: &mut SideChannel) -> Result<Report>
             buf.fill_with(0, buf.len(), |_| 0);
         }
         let t0 = Instant::now();
-        let h = engine.post_with(op, &local, &meta.name, &remote, Some(format!("iter-{it}").into_bytes()), &mut segments)?;
+        let h = engine.post_with(
+            op,
+            &local,
+            &meta.name,
+            &remote,
+            Some(format!("iter-{it}").into_bytes()),
+            &mut segments,
+        )?;
         let t_post = t0.elapsed();
         wait_done(&mut engine, h)?;
         let t = t0.elapsed();
@@ -378,7 +408,17 @@ fn print_report(r: &Report, json: bool) {
     );
     println!(
         "{:>10} {:>7} {:>8} {:>11} {:>6} {:>9} {:>9} {:>13} {:>11} {:>11} {:>9}",
-        "block", "blocks", "GB/s", "memcpy GB/s", "ratio", "p50 us", "p99 us", "post ns/block", "page p50 us", "page p99 us", "verified"
+        "block",
+        "blocks",
+        "GB/s",
+        "memcpy GB/s",
+        "ratio",
+        "p50 us",
+        "p99 us",
+        "post ns/block",
+        "page p50 us",
+        "page p99 us",
+        "verified"
     );
     println!(
         "{:>10} {:>7} {:>8.2} {:>11.2} {:>6.2} {:>9.1} {:>9.1} {:>13.1} {:>11.1} {:>11.1} {:>9}",

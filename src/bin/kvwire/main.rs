@@ -16,6 +16,7 @@ struct Cli {
 }
 
 #[derive(Subcommand)]
+#[allow(clippy::large_enum_variant)] // parsed once at start-up
 enum Command {
     /// perftest/nixlbench-style bandwidth, latency and post-cost benchmark.
     Bench(bench::BenchArgs),

@@ -20,7 +20,7 @@ pub fn parse_size(s: &str) -> Result<u64, String> {
 pub fn human(bytes: u64) -> String {
     const UNITS: [(&str, u64); 3] = [("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)];
     for (name, v) in UNITS {
-        if bytes >= v && bytes % v == 0 {
+        if bytes >= v && bytes.is_multiple_of(v) {
             return format!("{} {name}", bytes / v);
         }
     }

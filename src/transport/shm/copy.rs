@@ -170,12 +170,11 @@ fn finish(x: &XferShared, done: &Sender<Completion>) {
     if result.is_ok() && x.peer.dead.load(Ordering::Acquire) {
         result = Err(format!("peer {} disconnected", x.peer.name));
     }
-    if result.is_ok() {
-        if let Some(payload) = &x.notification {
-            if let Err(e) = x.peer.channel.send(&Msg::Notify { payload: payload.clone() }, None) {
-                result = Err(format!("notification to {} failed: {e}", x.peer.name));
-            }
-        }
+    if result.is_ok()
+        && let Some(payload) = &x.notification
+        && let Err(e) = x.peer.channel.send(&Msg::Notify { payload: payload.clone() }, None)
+    {
+        result = Err(format!("notification to {} failed: {e}", x.peer.name));
     }
     let _ = done.send(Completion { xfer: x.id, result });
 }
@@ -232,8 +231,12 @@ fn cma_flush(op: Op, pid: i32, batch: &mut Vec<(libc::iovec, libc::iovec)>) -> R
     // address space and fails with EFAULT instead of touching anything else.
     let n = unsafe {
         match op {
-            Op::Write => libc::process_vm_writev(pid, local.as_ptr(), local.len() as _, remote.as_ptr(), remote.len() as _, 0),
-            Op::Read => libc::process_vm_readv(pid, local.as_ptr(), local.len() as _, remote.as_ptr(), remote.len() as _, 0),
+            Op::Write => {
+                libc::process_vm_writev(pid, local.as_ptr(), local.len() as _, remote.as_ptr(), remote.len() as _, 0)
+            }
+            Op::Read => {
+                libc::process_vm_readv(pid, local.as_ptr(), local.len() as _, remote.as_ptr(), remote.len() as _, 0)
+            }
         }
     };
     if n < 0 {
