@@ -10,3 +10,5 @@ pub mod memory;
 
 pub use error::{KvError, Side};
 pub use memory::{KVCacheMemory, KvBuffer};
+pub mod reqdata;
+pub use reqdata::{PageIdxs, TransferReqData};
