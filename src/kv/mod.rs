@@ -12,3 +12,5 @@ pub use error::{KvError, Side};
 pub use memory::{KVCacheMemory, KvBuffer};
 pub mod reqdata;
 pub use reqdata::{PageIdxs, TransferReqData};
+pub mod metadata;
+pub use metadata::{KVTransferEngineMetadata, MemoryType, TensorAgentMetadata};
