@@ -14,3 +14,5 @@ pub mod reqdata;
 pub use reqdata::{PageIdxs, TransferReqData};
 pub mod metadata;
 pub use metadata::{KVTransferEngineMetadata, MemoryType, TensorAgentMetadata};
+pub mod topology;
+pub use topology::TransferStrategy;
