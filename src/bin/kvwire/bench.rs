@@ -119,10 +119,8 @@ fn config(copy_threads: usize, options: Vec<(String, String)>) -> TransportConfi
 }
 
 fn fill_blocks(buf: &HostBuffer, block_size: u64, blocks: u64) {
-    let mut page = vec![0u8; block_size as usize];
     for i in 0..blocks {
-        fill_page(&mut page, block_key(i));
-        buf.write((i * block_size) as usize, &page);
+        buf.write_with((i * block_size) as usize, block_size as usize, |page| fill_page(page, block_key(i)));
     }
 }
 
@@ -133,12 +131,11 @@ fn destinations(blocks: u64, scatter: bool, seed: u64) -> Vec<u32> {
 
 /// Blocks of `buf` whose contents are not those of source block `src_of[dst]`.
 fn count_bad(buf: &HostBuffer, block_size: u64, dst: &[u32], holder_is_dst: bool) -> u64 {
-    let mut scratch = Vec::new();
     let mut bad = 0;
     for (i, &d) in dst.iter().enumerate() {
         let at = if holder_is_dst { d as u64 } else { i as u64 };
         let page = &buf.as_slice()[(at * block_size) as usize..((at + 1) * block_size) as usize];
-        if !check_page(page, block_key(i as u64), &mut scratch) {
+        if !check_page(page, block_key(i as u64)) {
             bad += 1;
         }
     }

@@ -3,6 +3,7 @@
 
 mod bench;
 mod pattern;
+mod replay;
 mod units;
 
 use anyhow::Result;
@@ -23,6 +24,11 @@ enum Command {
     /// Internal: the target side of `bench`, started as a child process.
     #[command(hide = true)]
     BenchTarget(bench::TargetArgs),
+    /// Disaggregated prefill → decode replay of a request trace (the main job).
+    Replay(replay::ReplayArgs),
+    /// Internal: the decode side of `replay`, started as a child process.
+    #[command(hide = true)]
+    ReplayDecode(replay::DecodeArgs),
 }
 
 fn main() -> Result<()> {
@@ -33,5 +39,7 @@ fn main() -> Result<()> {
     match Cli::parse().command {
         Command::Bench(a) => bench::run(a),
         Command::BenchTarget(a) => bench::run_target(a),
+        Command::Replay(a) => replay::run(a),
+        Command::ReplayDecode(a) => replay::run_decode(a),
     }
 }

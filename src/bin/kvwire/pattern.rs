@@ -19,11 +19,24 @@ pub fn fill_page(page: &mut [u8], key: u64) {
     }
 }
 
-/// True when `page` holds exactly the contents of `key`.
-pub fn check_page(page: &[u8], key: u64, scratch: &mut Vec<u8>) -> bool {
-    scratch.resize(page.len(), 0);
-    fill_page(scratch, key);
-    page == scratch.as_slice()
+/// True when `page` holds exactly the contents of `key` (one pass, no copy).
+pub fn check_page(page: &[u8], key: u64) -> bool {
+    let base = mix(key);
+    let mut words = page.chunks_exact(8);
+    let mut diff = 0u64;
+    for (k, c) in words.by_ref().enumerate() {
+        let got = u64::from_le_bytes(c.try_into().expect("chunks_exact(8)"));
+        diff |= got ^ base.wrapping_add((k as u64).wrapping_mul(0xD6E8_FEB8_6659_FD93));
+    }
+    let tail = words.remainder();
+    if !tail.is_empty() {
+        let k = (page.len() / 8) as u64;
+        let w = base.wrapping_add(k.wrapping_mul(0xD6E8_FEB8_6659_FD93)).to_le_bytes();
+        if tail != &w[..tail.len()] {
+            return false;
+        }
+    }
+    diff == 0
 }
 
 /// A seeded Fisher–Yates permutation of `0..n`.
@@ -48,10 +61,13 @@ mod tests {
         fill_page(&mut a, 1);
         fill_page(&mut b, 2);
         assert_ne!(a, b);
-        let mut s = Vec::new();
-        assert!(check_page(&a, 1, &mut s));
+        assert!(check_page(&a, 1));
+        assert!(!check_page(&a, 2));
         a[99] ^= 1;
-        assert!(!check_page(&a, 1, &mut s));
+        assert!(!check_page(&a, 1));
+        a[99] ^= 1;
+        a[3] ^= 0x80;
+        assert!(!check_page(&a, 1));
     }
 
     #[test]

@@ -8,9 +8,6 @@ use std::path::Path;
 use anyhow::{Context, Result, bail};
 use serde::Deserialize;
 
-/// Tokens per `hash_ids` block in Mooncake traces.
-pub const HASH_BLOCK_TOKENS: u64 = 512;
-
 /// One request of the trace.
 #[derive(Debug, Clone, Deserialize, PartialEq)]
 pub struct TraceRequest {
