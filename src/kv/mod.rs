@@ -20,3 +20,6 @@ pub mod engine;
 mod transfer;
 pub use engine::{KVTransferEngine, RemoteEngine};
 pub use transfer::page_descs;
+
+#[cfg(test)]
+mod tests;

@@ -345,8 +345,8 @@ impl KVTransferEngine {
     /// [`KvError::TransferFailed`] with the transport's reason (the
     /// initiator's handles stay held: call [`KVTransferEngine::cleanup_transfer`]
     /// or [`KVTransferEngine::cancel_transfer`]); [`KvError::ReplicaOutOfRange`]
-    /// (passive side, a replica this engine lacks); [`KvError::Engine`]
-    /// (a handle was already released).
+    /// (passive side, a replica this engine lacks); [`KvError::UnknownTransfer`]
+    /// (a transfer this engine initiated and already cleaned up or cancelled).
     pub fn is_complete(&mut self, req: &TransferReqData) -> Result<bool, KvError> {
         if req.is_empty() {
             return Ok(true);
@@ -373,6 +373,15 @@ impl KVTransferEngine {
                 }
             }
             return Ok(true);
+        }
+        let initiator = if req.is_read {
+            &req.dst_name
+        } else {
+            &req.src_name
+        };
+        if *initiator == self.name {
+            // Ours, but no longer in flight (cleaned up or cancelled).
+            return Err(KvError::UnknownTransfer(req.transfer_name.clone()));
         }
         let replica = if req.is_read {
             req.src_replica_idx
