@@ -17,8 +17,10 @@ pub use metadata::{KVTransferEngineMetadata, MemoryType, TensorAgentMetadata};
 pub mod topology;
 pub use topology::TransferStrategy;
 pub mod engine;
+pub mod paged;
 mod transfer;
 pub use engine::{KVTransferEngine, RemoteEngine};
+pub use paged::{CacheLeaf, HostLeafSpec, HostPages, LeafKind, PagedCacheDesc};
 pub use transfer::page_descs;
 
 #[cfg(test)]

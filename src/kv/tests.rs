@@ -21,17 +21,15 @@ fn uniq(base: &str) -> String {
 /// A group spec: (pages, bytes per page, replicated).
 type G = (u64, u64, bool);
 
+/// `[replica][group][shard]`
+type Hosts = Vec<Vec<Vec<Arc<HostBuffer>>>>;
+
 struct Eng {
     e: KVTransferEngine,
-    /// `[replica][group][shard]`
-    hosts: Vec<Vec<Vec<Arc<HostBuffer>>>>,
+    hosts: Hosts,
 }
 
-fn memory(
-    dp: usize,
-    tp: usize,
-    groups: &[G],
-) -> (Vec<Vec<KVCacheMemory>>, Vec<Vec<Vec<Arc<HostBuffer>>>>) {
+fn memory(dp: usize, tp: usize, groups: &[G]) -> (Vec<Vec<KVCacheMemory>>, Hosts) {
     let mut mem = Vec::new();
     let mut hosts = Vec::new();
     for _ in 0..dp {
