@@ -7,8 +7,8 @@ use std::process::{Child, Command};
 use std::time::{Duration, Instant};
 
 use kvwire::kv::{
-    HostLeafSpec, HostPages, KVTransferEngine, KVTransferEngineMetadata, KvError, PageIdxs,
-    PagedCacheDesc, TransferReqData, topology,
+    HostLeafSpec, HostPages, KVTransferEngine, KVTransferEngineMetadata, KvError, PageIdxs, PagedCacheDesc,
+    TransferReqData, topology,
 };
 use kvwire::sidechannel::SideChannel;
 use kvwire::transport::{TransportConfig, TransportKind};
@@ -37,10 +37,7 @@ struct Scenario {
 enum Msg {
     Meta(String),
     Req(String),
-    Verdict {
-        pages_checked: u64,
-        error: Option<String>,
-    },
+    Verdict { pages_checked: u64, error: Option<String> },
     Done,
 }
 
@@ -63,13 +60,7 @@ fn specs(tp: usize, mla: bool) -> Vec<HostLeafSpec> {
 
 fn engine(name: &str, dp: usize, tp: usize, mla: bool) -> (KVTransferEngine, HostPages) {
     let (cache, hosts) = PagedCacheDesc::allocate_host(&specs(tp, mla), dp, tp).unwrap();
-    let e = KVTransferEngine::from_paged_cache(
-        name,
-        &cache,
-        TransportKind::Shm,
-        &TransportConfig::default(),
-    )
-    .unwrap();
+    let e = KVTransferEngine::from_paged_cache(name, &cache, TransportKind::Shm, &TransportConfig::default()).unwrap();
     (e, hosts)
 }
 
@@ -81,35 +72,19 @@ fn byte(g: usize, shard: usize, page: u64, i: u64) -> u8 {
 /// Page lists: every other source page from 1 (null block skipped), into
 /// destination pages in reverse order (non-contiguous), per leaf.
 fn page_lists() -> (Vec<Vec<u64>>, Vec<Vec<u64>>) {
-    let src: Vec<Vec<u64>> = LEAVES
-        .iter()
-        .map(|&(pages, _)| (1..pages).step_by(2).collect())
-        .collect();
-    let dst = src
-        .iter()
-        .zip(LEAVES)
-        .map(|(s, (pages, _))| s.iter().map(|&p| pages - p).collect())
-        .collect();
+    let src: Vec<Vec<u64>> = LEAVES.iter().map(|&(pages, _)| (1..pages).step_by(2).collect()).collect();
+    let dst = src.iter().zip(LEAVES).map(|(s, (pages, _))| s.iter().map(|&p| pages - p).collect()).collect();
     (src, dst)
 }
 
 fn per_leaf(lists: &[Vec<u64>]) -> PageIdxs {
-    PageIdxs::per_leaf(
-        lists
-            .iter()
-            .enumerate()
-            .map(|(g, l)| (format!("layer{g}"), l.clone())),
-    )
+    PageIdxs::per_leaf(lists.iter().enumerate().map(|(g, l)| (format!("layer{g}"), l.clone())))
 }
 
 fn poll(e: &mut KVTransferEngine, req: &TransferReqData) -> Result<(), KvError> {
     let deadline = Instant::now() + TIMEOUT;
     while !e.is_complete(req)? {
-        assert!(
-            Instant::now() < deadline,
-            "transfer {} did not complete",
-            req.transfer_name
-        );
+        assert!(Instant::now() < deadline, "transfer {} did not complete", req.transfer_name);
         std::thread::yield_now();
     }
     e.cleanup_transfer(req)
@@ -117,12 +92,7 @@ fn poll(e: &mut KVTransferEngine, req: &TransferReqData) -> Result<(), KvError> 
 
 fn spawn_child(sc: Scenario, addr: &str, test: &str) -> Child {
     Command::new(std::env::current_exe().unwrap())
-        .args([
-            "--exact",
-            "kv_child_role",
-            "--nocapture",
-            "--test-threads=1",
-        ])
+        .args(["--exact", "kv_child_role", "--nocapture", "--test-threads=1"])
         .env(CHILD_ENV, serde_json::to_string(&sc).unwrap())
         .env(ADDR_ENV, addr)
         .env("KVWIRE_KV_TEST", test)
@@ -139,9 +109,7 @@ fn run_parent(sc: Scenario, test: &str) -> u64 {
             let (pages, bpp) = LEAVES[g];
             for (s, h) in shards.iter().enumerate() {
                 let s_eff = if sc.mla && sc.src_tp > 1 { 0 } else { s };
-                h.fill_with(0, (pages * bpp) as usize, |i| {
-                    byte(g, s_eff, i as u64 / bpp, i as u64 % bpp)
-                });
+                h.fill_with(0, (pages * bpp) as usize, |i| byte(g, s_eff, i as u64 / bpp, i as u64 % bpp));
             }
         }
     }
@@ -149,13 +117,8 @@ fn run_parent(sc: Scenario, test: &str) -> u64 {
     let mut child = spawn_child(sc, &addr.to_string(), test);
     let mut ch = SideChannel::accept(&listener).unwrap();
     ch.set_read_timeout(Some(TIMEOUT)).unwrap();
-    ch.send(&Msg::Meta(
-        String::from_utf8(e.metadata().to_bytes()).unwrap(),
-    ))
-    .unwrap();
-    let Msg::Meta(child_md) = ch.recv().unwrap() else {
-        panic!("expected metadata")
-    };
+    ch.send(&Msg::Meta(String::from_utf8(e.metadata().to_bytes()).unwrap())).unwrap();
+    let Msg::Meta(child_md) = ch.recv().unwrap() else { panic!("expected metadata") };
     let child_md = KVTransferEngineMetadata::from_json(&child_md).unwrap();
     let (src, dst) = page_lists();
     let (sr, dr) = (sc.src_dp - 1, sc.dst_dp - 1);
@@ -174,43 +137,26 @@ fn run_parent(sc: Scenario, test: &str) -> u64 {
                     Err(other) => panic!("unexpected {other}"),
                 },
             }
-            assert!(
-                Instant::now() < deadline,
-                "sends to a dead peer kept succeeding"
-            );
+            assert!(Instant::now() < deadline, "sends to a dead peer kept succeeding");
         }
         assert_eq!(e.num_inflight(), 0, "a handle leaked");
         e.cleanup().unwrap();
         return 0;
     }
     if sc.read {
-        let Msg::Req(req) = ch.recv().unwrap() else {
-            panic!("expected a request")
-        };
+        let Msg::Req(req) = ch.recv().unwrap() else { panic!("expected a request") };
         let req = TransferReqData::from_json(&req).unwrap();
         assert!(req.is_read);
         poll(&mut e, &req).unwrap();
     } else {
         e.connect(&child_md).unwrap();
-        let req = e
-            .initiate_send_transfer(&child_md, &per_leaf(&src), &per_leaf(&dst), sr, dr)
-            .unwrap();
-        let pairs = topology::transfer_shard_pairing(
-            sc.mla && sc.src_tp != sc.dst_tp,
-            sc.src_tp,
-            sc.dst_tp,
-        );
+        let req = e.initiate_send_transfer(&child_md, &per_leaf(&src), &per_leaf(&dst), sr, dr).unwrap();
+        let pairs = topology::transfer_shard_pairing(sc.mla && sc.src_tp != sc.dst_tp, sc.src_tp, sc.dst_tp);
         assert_eq!(req.tp_shard_count, pairs.len());
         ch.send(&Msg::Req(req.to_json())).unwrap();
         poll(&mut e, &req).unwrap();
     }
-    let Msg::Verdict {
-        pages_checked,
-        error,
-    } = ch.recv().unwrap()
-    else {
-        panic!("expected a verdict")
-    };
+    let Msg::Verdict { pages_checked, error } = ch.recv().unwrap() else { panic!("expected a verdict") };
     ch.send(&Msg::Done).unwrap();
     assert!(child.wait().unwrap().success());
     assert_eq!(error, None);
@@ -227,9 +173,7 @@ fn run_child(sc: Scenario) {
     let (mut e, hosts) = engine(&name, sc.dst_dp, sc.dst_tp, sc.mla);
     let mut ch = SideChannel::connect(&addr, TIMEOUT).unwrap();
     ch.set_read_timeout(Some(TIMEOUT)).unwrap();
-    let Msg::Meta(parent_md) = ch.recv().unwrap() else {
-        panic!("expected metadata")
-    };
+    let Msg::Meta(parent_md) = ch.recv().unwrap() else { panic!("expected metadata") };
     let parent_md = KVTransferEngineMetadata::from_json(&parent_md).unwrap();
     ch.send(&Msg::Meta(e.metadata().to_json())).unwrap();
     if sc.die {
@@ -241,31 +185,16 @@ fn run_child(sc: Scenario) {
     let (sr, dr) = (sc.src_dp - 1, sc.dst_dp - 1);
     let result = if sc.read {
         e.connect(&parent_md).unwrap();
-        let req = e
-            .initiate_read_transfer(&parent_md, &per_leaf(&src), &per_leaf(&dst), sr, dr)
-            .unwrap();
+        let req = e.initiate_read_transfer(&parent_md, &per_leaf(&src), &per_leaf(&dst), sr, dr).unwrap();
         ch.send(&Msg::Req(req.to_json())).unwrap();
         poll(&mut e, &req)
     } else {
-        let Msg::Req(req) = ch.recv().unwrap() else {
-            panic!("expected a request")
-        };
+        let Msg::Req(req) = ch.recv().unwrap() else { panic!("expected a request") };
         poll(&mut e, &TransferReqData::from_json(&req).unwrap())
     };
-    let error = result
-        .err()
-        .map(|e| e.to_string())
-        .or_else(|| verify(sc, &hosts, &src, &dst).err());
-    let pages_checked = if error.is_none() {
-        count_pages(sc, &dst)
-    } else {
-        0
-    };
-    ch.send(&Msg::Verdict {
-        pages_checked,
-        error,
-    })
-    .unwrap();
+    let error = result.err().map(|e| e.to_string()).or_else(|| verify(sc, &hosts, &src, &dst).err());
+    let pages_checked = if error.is_none() { count_pages(sc, &dst) } else { 0 };
+    ch.send(&Msg::Verdict { pages_checked, error }).unwrap();
     let _: Msg = ch.recv().unwrap();
     e.cleanup().unwrap();
 }
@@ -274,12 +203,7 @@ fn count_pages(sc: Scenario, dst: &[Vec<u64>]) -> u64 {
     (dst.iter().map(Vec::len).sum::<usize>() * sc.dst_tp) as u64
 }
 
-fn verify(
-    sc: Scenario,
-    hosts: &HostPages,
-    src: &[Vec<u64>],
-    dst: &[Vec<u64>],
-) -> Result<(), String> {
+fn verify(sc: Scenario, hosts: &HostPages, src: &[Vec<u64>], dst: &[Vec<u64>]) -> Result<(), String> {
     let broadcast = sc.mla && sc.src_tp != sc.dst_tp;
     let pairs = topology::transfer_shard_pairing(broadcast, sc.src_tp, sc.dst_tp);
     let dr = sc.dst_dp - 1;
@@ -294,22 +218,14 @@ fn verify(
                     match moved {
                         None => {
                             if got.iter().any(|&b| b != 0) {
-                                return Err(format!(
-                                    "replica {r} group {g} shard {ds} page {p} was written"
-                                ));
+                                return Err(format!("replica {r} group {g} shard {ds} page {p} was written"));
                             }
                         }
                         Some(k) => {
-                            let ss = pairs
-                                .iter()
-                                .find(|&&(_, d)| d == ds)
-                                .map(|&(s, _)| s)
-                                .unwrap();
+                            let ss = pairs.iter().find(|&&(_, d)| d == ds).map(|&(s, _)| s).unwrap();
                             let s_eff = if sc.mla && sc.src_tp > 1 { 0 } else { ss };
                             let sp = src[g][k];
-                            if let Some(i) =
-                                (0..bpp).find(|&i| got[i as usize] != byte(g, s_eff, sp, i))
-                            {
+                            if let Some(i) = (0..bpp).find(|&i| got[i as usize] != byte(g, s_eff, sp, i)) {
                                 return Err(format!(
                                     "group {g} shard {ds} page {p} (from page {sp} of shard {ss}) differs at byte {i}"
                                 ));
@@ -330,23 +246,8 @@ fn kv_child_role() {
     }
 }
 
-fn sc(
-    src_dp: usize,
-    src_tp: usize,
-    dst_dp: usize,
-    dst_tp: usize,
-    mla: bool,
-    read: bool,
-) -> Scenario {
-    Scenario {
-        src_dp,
-        src_tp,
-        dst_dp,
-        dst_tp,
-        mla,
-        read,
-        die: false,
-    }
+fn sc(src_dp: usize, src_tp: usize, dst_dp: usize, dst_tp: usize, mla: bool, read: bool) -> Scenario {
+    Scenario { src_dp, src_tp, dst_dp, dst_tp, mla, read, die: false }
 }
 
 #[test]

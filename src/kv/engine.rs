@@ -153,10 +153,7 @@ impl KVTransferEngine {
         // 2.
         let leaf_ids = leaf_ids.unwrap_or_else(|| (0..num_groups).map(|g| g.to_string()).collect());
         if leaf_ids.len() != num_groups {
-            return Err(KvError::LeafIdCount {
-                expected: num_groups,
-                found: leaf_ids.len(),
-            });
+            return Err(KvError::LeafIdCount { expected: num_groups, found: leaf_ids.len() });
         }
         let mut seen = HashSet::new();
         for id in &leaf_ids {
@@ -170,11 +167,7 @@ impl KVTransferEngine {
                 return Err(KvError::EmptyReplica { replica });
             }
             if groups.len() != num_groups {
-                return Err(KvError::GroupCountMismatch {
-                    replica,
-                    expected: num_groups,
-                    found: groups.len(),
-                });
+                return Err(KvError::GroupCountMismatch { replica, expected: num_groups, found: groups.len() });
             }
             for (group, m) in groups.iter().enumerate() {
                 if m.total_num_pages() != first[group].total_num_pages() {
@@ -187,8 +180,7 @@ impl KVTransferEngine {
                 }
             }
         }
-        let num_pages_per_group: Vec<u64> =
-            first.iter().map(KVCacheMemory::total_num_pages).collect();
+        let num_pages_per_group: Vec<u64> = first.iter().map(KVCacheMemory::total_num_pages).collect();
         // 4.
         for (replica, groups) in memory.iter().enumerate() {
             for (group, m) in groups.iter().enumerate() {
@@ -207,12 +199,7 @@ impl KVTransferEngine {
         for (replica, groups) in memory.iter().enumerate() {
             for (group, m) in groups.iter().enumerate() {
                 if m.num_shards() != tp {
-                    return Err(KvError::ShardCountMismatch {
-                        replica,
-                        group,
-                        expected: tp,
-                        found: m.num_shards(),
-                    });
+                    return Err(KvError::ShardCountMismatch { replica, group, expected: tp, found: m.num_shards() });
                 }
             }
         }
@@ -237,19 +224,11 @@ impl KVTransferEngine {
                 }
             }
         }
-        let kinds: HashSet<MemoryKind> = memory
-            .iter()
-            .flatten()
-            .filter_map(KVCacheMemory::memory_kind)
-            .collect();
+        let kinds: HashSet<MemoryKind> = memory.iter().flatten().filter_map(KVCacheMemory::memory_kind).collect();
         if kinds.len() != 1 {
             return Err(KvError::MixedMemoryTypes);
         }
-        let memory_type = if kinds.contains(&MemoryKind::Dram) {
-            MemoryType::Dram
-        } else {
-            MemoryType::Vram
-        };
+        let memory_type = if kinds.contains(&MemoryKind::Dram) { MemoryType::Dram } else { MemoryType::Vram };
         let bytes_per_group: Vec<u64> = first.iter().map(KVCacheMemory::bytes_per_page).collect();
         // 9.
         let replicated_per_group: Vec<bool> = first.iter().map(KVCacheMemory::replicated).collect();
@@ -258,8 +237,7 @@ impl KVTransferEngine {
         for (replica, groups) in memory.iter().enumerate() {
             let mut row = Vec::with_capacity(tp);
             for shard in 0..tp {
-                let mut engine =
-                    TransferEngine::new(&agent_name(name, replica, shard), transport, cfg)?;
+                let mut engine = TransferEngine::new(&agent_name(name, replica, shard), transport, cfg)?;
                 let mut base_addrs = Vec::with_capacity(num_groups);
                 let mut registrations = Vec::with_capacity(num_groups);
                 for m in groups {
@@ -406,15 +384,8 @@ impl KVTransferEngine {
         if remote.name == self.name {
             return Err(EngineError::SelfConnect(remote.name.clone()).into());
         }
-        let remote_replicated: Vec<bool> = (0..remote.num_groups())
-            .map(|g| remote.replicated(g))
-            .collect();
-        let strategies = resolve_strategies(
-            self.tp,
-            &self.replicated_per_group,
-            remote.tp(),
-            &remote_replicated,
-        )?;
+        let remote_replicated: Vec<bool> = (0..remote.num_groups()).map(|g| remote.replicated(g)).collect();
+        let strategies = resolve_strategies(self.tp, &self.replicated_per_group, remote.tp(), &remote_replicated)?;
         if remote.bytes_per_group != self.bytes_per_group {
             return Err(KvError::BytesPerGroupMismatch {
                 local: self.bytes_per_group.clone(),
@@ -422,10 +393,7 @@ impl KVTransferEngine {
             });
         }
         if remote.leaf_ids != self.leaf_ids {
-            return Err(KvError::LeafMismatch {
-                local: self.leaf_ids.clone(),
-                remote: remote.leaf_ids.clone(),
-            });
+            return Err(KvError::LeafMismatch { local: self.leaf_ids.clone(), remote: remote.leaf_ids.clone() });
         }
         let broadcast = any_broadcast(&strategies);
         let pairs = connect_pairing(self.dp, self.tp, remote.dp(), remote.tp(), broadcast);
@@ -449,28 +417,18 @@ impl KVTransferEngine {
         for (i, &((lr, ls), (rr, rs))) in pairs.iter().enumerate() {
             if let Err(e) = self.agents[lr][ls].engine.connect(&decoded[rr][rs]) {
                 for &((lr, ls), (rr, rs)) in &pairs[..i] {
-                    let _ = self.agents[lr][ls]
-                        .engine
-                        .disconnect(&remote.agents_meta[rr][rs].agent_name);
+                    let _ = self.agents[lr][ls].engine.disconnect(&remote.agents_meta[rr][rs].agent_name);
                 }
                 return Err(e.into());
             }
         }
         for row in &remote.agents_meta {
             for a in row {
-                self.remote_agent_to_engine
-                    .insert(a.agent_name.clone(), remote.name.clone());
+                self.remote_agent_to_engine.insert(a.agent_name.clone(), remote.name.clone());
             }
         }
-        self.remotes.insert(
-            remote.name.clone(),
-            RemoteConnection {
-                meta: remote.clone(),
-                strategies,
-                broadcast,
-                pairs,
-            },
-        );
+        self.remotes
+            .insert(remote.name.clone(), RemoteConnection { meta: remote.clone(), strategies, broadcast, pairs });
         Ok(())
     }
 
@@ -482,27 +440,16 @@ impl KVTransferEngine {
     /// # Errors
     /// [`KvError::NotConnected`].
     pub fn disconnect(&mut self, name: &str) -> Result<(), KvError> {
-        let conn = self
-            .remotes
-            .remove(name)
-            .ok_or_else(|| KvError::NotConnected(name.to_string()))?;
-        let sends: Vec<String> = self
-            .inflight_send
-            .iter()
-            .filter(|(_, r)| r.dst_name == name)
-            .map(|(k, _)| k.clone())
-            .collect();
+        let conn = self.remotes.remove(name).ok_or_else(|| KvError::NotConnected(name.to_string()))?;
+        let sends: Vec<String> =
+            self.inflight_send.iter().filter(|(_, r)| r.dst_name == name).map(|(k, _)| k.clone()).collect();
         for k in sends {
             if let Some(req) = self.inflight_send.remove(&k) {
                 self.release_handles(&req, req.src_replica_idx);
             }
         }
-        let reads: Vec<String> = self
-            .inflight_read
-            .iter()
-            .filter(|(_, r)| r.src_name == name)
-            .map(|(k, _)| k.clone())
-            .collect();
+        let reads: Vec<String> =
+            self.inflight_read.iter().filter(|(_, r)| r.src_name == name).map(|(k, _)| k.clone()).collect();
         for k in reads {
             if let Some(req) = self.inflight_read.remove(&k) {
                 self.release_handles(&req, req.dst_replica_idx);
@@ -521,11 +468,7 @@ impl KVTransferEngine {
 
     /// Release every handle of `req` on the agents of `replica` (cancelling
     /// what is still moving); failures are logged. Returns the first error.
-    pub(super) fn release_handles(
-        &mut self,
-        req: &TransferReqData,
-        replica: usize,
-    ) -> Option<KvError> {
+    pub(super) fn release_handles(&mut self, req: &TransferReqData, replica: usize) -> Option<KvError> {
         let mut first = None;
         for (i, &tid) in req.transfer_ids.iter().enumerate() {
             let shard = req.local_shards_used.get(i).copied().unwrap_or(i);

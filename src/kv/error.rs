@@ -37,9 +37,7 @@ pub enum KvError {
     #[error("KVCacheMemory needs at least one buffer (one per TP shard)")]
     NoBuffers,
     /// A buffer is not 2-D `[num_pages, bytes_per_page]`.
-    #[error(
-        "buffer of TP shard {shard} has {ndim} dimensions, expected 2 ([num_pages, bytes_per_page])"
-    )]
+    #[error("buffer of TP shard {shard} has {ndim} dimensions, expected 2 ([num_pages, bytes_per_page])")]
     NotTwoDimensional {
         /// TP shard.
         shard: usize,
@@ -176,9 +174,7 @@ pub enum KvError {
         group: usize,
     },
     /// A group's bytes per page differs from replica 0's.
-    #[error(
-        "group {group} of replica {replica} has {found} bytes per page, replica 0 has {expected}"
-    )]
+    #[error("group {group} of replica {replica} has {found} bytes per page, replica 0 has {expected}")]
     BytesPerPageMismatch {
         /// DP replica.
         replica: usize,

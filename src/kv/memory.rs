@@ -37,12 +37,7 @@ impl std::fmt::Debug for KvBuffer {
 impl KvBuffer {
     /// A contiguous `[num_pages, bytes_per_page]` view of `backing`, from its start.
     pub fn new(backing: Arc<dyn MemoryBacking>, num_pages: u64, bytes_per_page: u64) -> Self {
-        Self {
-            backing,
-            offset_bytes: 0,
-            shape: vec![num_pages, bytes_per_page],
-            row_stride_bytes: bytes_per_page,
-        }
+        Self { backing, offset_bytes: 0, shape: vec![num_pages, bytes_per_page], row_stride_bytes: bytes_per_page }
     }
 
     /// Any view of `backing`: `shape` (bytes; 2-D for a valid KV buffer),
@@ -54,12 +49,7 @@ impl KvBuffer {
         shape: Vec<u64>,
         row_stride_bytes: u64,
     ) -> Self {
-        Self {
-            backing,
-            offset_bytes,
-            shape,
-            row_stride_bytes,
-        }
+        Self { backing, offset_bytes, shape, row_stride_bytes }
     }
 
     /// The memory this view lies in.
@@ -137,23 +127,15 @@ struct ViewBacking {
 impl MemoryBacking for ViewBacking {
     fn desc(&self) -> MemoryDesc {
         let d = self.inner.desc();
-        MemoryDesc {
-            addr: d.addr + self.offset_bytes,
-            len_bytes: self.len_bytes,
-            ..d
-        }
+        MemoryDesc { addr: d.addr + self.offset_bytes, len_bytes: self.len_bytes, ..d }
     }
 
     fn shared_fd(&self) -> Option<(BorrowedFd<'_>, u64)> {
-        self.inner
-            .shared_fd()
-            .map(|(fd, off)| (fd, off + self.offset_bytes))
+        self.inner.shared_fd().map(|(fd, off)| (fd, off + self.offset_bytes))
     }
 
     fn dmabuf_fd(&self) -> Option<(BorrowedFd<'_>, u64)> {
-        self.inner
-            .dmabuf_fd()
-            .map(|(fd, off)| (fd, off + self.offset_bytes))
+        self.inner.dmabuf_fd().map(|(fd, off)| (fd, off + self.offset_bytes))
     }
 }
 
@@ -186,10 +168,7 @@ impl KVCacheMemory {
         }
         for (shard, b) in buffers.iter().enumerate() {
             if b.shape.len() != 2 {
-                return Err(KvError::NotTwoDimensional {
-                    shard,
-                    ndim: b.shape.len(),
-                });
+                return Err(KvError::NotTwoDimensional { shard, ndim: b.shape.len() });
             }
         }
         for (shard, b) in buffers.iter().enumerate() {
@@ -211,22 +190,15 @@ impl KVCacheMemory {
             }
         }
         if replicated && buffers.len() < 2 {
-            return Err(KvError::ReplicatedNeedsTwoShards {
-                num_buffers: buffers.len(),
-            });
+            return Err(KvError::ReplicatedNeedsTwoShards { num_buffers: buffers.len() });
         }
         for (shard, b) in buffers.iter().enumerate() {
             if b.num_pages() == 0 || b.bytes_per_page() == 0 {
-                return Err(KvError::ZeroSizedBuffer {
-                    shard,
-                    shape: b.shape.clone(),
-                });
+                return Err(KvError::ZeroSizedBuffer { shard, shape: b.shape.clone() });
             }
             let need = b.num_pages().checked_mul(b.bytes_per_page());
             let have = b.backing.desc().len_bytes;
-            let fits = need
-                .and_then(|n| n.checked_add(b.offset_bytes))
-                .is_some_and(|end| end <= have);
+            let fits = need.and_then(|n| n.checked_add(b.offset_bytes)).is_some_and(|end| end <= have);
             if !fits {
                 return Err(KvError::BufferTooSmall {
                     shard,
@@ -236,10 +208,7 @@ impl KVCacheMemory {
                 });
             }
         }
-        Ok(Self {
-            replicated,
-            buffers,
-        })
+        Ok(Self { replicated, buffers })
     }
 
     /// Allocate `num_shards` zeroed [`HostBuffer`]s of `[num_pages, bytes_per_page]`
@@ -258,10 +227,7 @@ impl KVCacheMemory {
     ) -> Result<(Self, Vec<Arc<HostBuffer>>), KvError> {
         let len = num_pages.checked_mul(bytes_per_page).filter(|&l| l > 0);
         let Some(len) = len.and_then(|l| usize::try_from(l).ok()) else {
-            return Err(KvError::ZeroSizedBuffer {
-                shard: 0,
-                shape: vec![num_pages, bytes_per_page],
-            });
+            return Err(KvError::ZeroSizedBuffer { shard: 0, shape: vec![num_pages, bytes_per_page] });
         };
         let mut hosts = Vec::with_capacity(num_shards);
         let mut buffers = Vec::with_capacity(num_shards);
@@ -301,11 +267,7 @@ impl KVCacheMemory {
     /// Width of one row in a host tier: `bytes_per_page * (1 if replicated
     /// else num_shards)` (a replicated unit is stored once).
     pub fn host_bytes_per_page(&self) -> u64 {
-        let n = if self.replicated {
-            1
-        } else {
-            self.buffers.len() as u64
-        };
+        let n = if self.replicated { 1 } else { self.buffers.len() as u64 };
         self.bytes_per_page() * n
     }
 
@@ -339,10 +301,7 @@ mod tests {
 
     #[test]
     fn each_rule_has_its_error_in_max_order() {
-        assert!(matches!(
-            KVCacheMemory::new(false, vec![]),
-            Err(KvError::NoBuffers)
-        ));
+        assert!(matches!(KVCacheMemory::new(false, vec![]), Err(KvError::NoBuffers)));
         let b = host(4096);
         let three_d = KvBuffer::with_layout(b.clone(), 0, vec![4, 4, 4], 4);
         assert!(matches!(
@@ -352,21 +311,11 @@ mod tests {
         let padded = KvBuffer::with_layout(b.clone(), 0, vec![4, 100], 128);
         assert!(matches!(
             KVCacheMemory::new(false, vec![KvBuffer::new(b.clone(), 4, 100), padded]),
-            Err(KvError::NonContiguous {
-                shard: 1,
-                row_stride_bytes: 128,
-                bytes_per_page: 100
-            })
+            Err(KvError::NonContiguous { shard: 1, row_stride_bytes: 128, bytes_per_page: 100 })
         ));
         let other = host(4096);
         assert!(matches!(
-            KVCacheMemory::new(
-                false,
-                vec![
-                    KvBuffer::new(b.clone(), 4, 100),
-                    KvBuffer::new(other, 5, 100)
-                ]
-            ),
+            KVCacheMemory::new(false, vec![KvBuffer::new(b.clone(), 4, 100), KvBuffer::new(other, 5, 100)]),
             Err(KvError::ShapeMismatch { shard: 1, .. })
         ));
         assert!(matches!(
@@ -379,23 +328,12 @@ mod tests {
         ));
         assert!(matches!(
             KVCacheMemory::new(false, vec![KvBuffer::new(b.clone(), 5, 1000)]),
-            Err(KvError::BufferTooSmall {
-                shard: 0,
-                need_bytes: 5000,
-                have_bytes: 4096,
-                ..
-            })
+            Err(KvError::BufferTooSmall { shard: 0, need_bytes: 5000, have_bytes: 4096, .. })
         ));
         let offset = KvBuffer::with_layout(b.clone(), 4000, vec![1, 100], 100);
-        assert!(matches!(
-            KVCacheMemory::new(false, vec![offset]),
-            Err(KvError::BufferTooSmall { .. })
-        ));
+        assert!(matches!(KVCacheMemory::new(false, vec![offset]), Err(KvError::BufferTooSmall { .. })));
         let huge = KvBuffer::new(b.clone(), u64::MAX, 2);
-        assert!(matches!(
-            KVCacheMemory::new(false, vec![huge]),
-            Err(KvError::BufferTooSmall { .. })
-        ));
+        assert!(matches!(KVCacheMemory::new(false, vec![huge]), Err(KvError::BufferTooSmall { .. })));
         assert!(KVCacheMemory::new_host(1, 0, 8, false).is_err());
     }
 

@@ -108,11 +108,7 @@ impl From<KVTransferEngineMetadata> for Tagged {
             agents_meta: m
                 .agents_meta
                 .into_iter()
-                .map(|r| {
-                    r.into_iter()
-                        .map(TaggedAgent::TensorAgentMetadata)
-                        .collect()
-                })
+                .map(|r| r.into_iter().map(TaggedAgent::TensorAgentMetadata).collect())
                 .collect(),
             leaf_ids: m.leaf_ids,
             num_pages_per_group: m.num_pages_per_group,
@@ -133,11 +129,7 @@ impl TryFrom<Tagged> for KVTransferEngineMetadata {
             agents_meta: b
                 .agents_meta
                 .into_iter()
-                .map(|r| {
-                    r.into_iter()
-                        .map(|TaggedAgent::TensorAgentMetadata(a)| a)
-                        .collect()
-                })
+                .map(|r| r.into_iter().map(|TaggedAgent::TensorAgentMetadata(a)| a).collect())
                 .collect(),
             leaf_ids: b.leaf_ids,
             num_pages_per_group: b.num_pages_per_group,
@@ -167,10 +159,7 @@ impl KVTransferEngineMetadata {
 
     /// `replicated_per_group[g]`, false when the list is empty.
     pub fn replicated(&self, group: usize) -> bool {
-        self.replicated_per_group
-            .get(group)
-            .copied()
-            .unwrap_or(false)
+        self.replicated_per_group.get(group).copied().unwrap_or(false)
     }
 
     /// The JSON form.
@@ -191,13 +180,9 @@ impl KVTransferEngineMetadata {
     /// [`KVTransferEngineMetadata::validate`]).
     pub fn from_bytes(bytes: &[u8]) -> Result<Self, KvError> {
         if bytes.len() > MAX_ENGINE_METADATA_BYTES {
-            return Err(KvError::Decode(format!(
-                "engine metadata of {} bytes is too large",
-                bytes.len()
-            )));
+            return Err(KvError::Decode(format!("engine metadata of {} bytes is too large", bytes.len())));
         }
-        let t: Tagged =
-            serde_json::from_slice(bytes).map_err(|e| KvError::Decode(e.to_string()))?;
+        let t: Tagged = serde_json::from_slice(bytes).map_err(|e| KvError::Decode(e.to_string()))?;
         t.try_into()
     }
 
@@ -225,9 +210,7 @@ impl KVTransferEngineMetadata {
             return bad(format!("{g} groups (expected 1..={MAX_GROUPS})"));
         }
         if self.num_pages_per_group.len() != g || self.bytes_per_group.len() != g {
-            return bad(
-                "leaf_ids, num_pages_per_group and bytes_per_group are not parallel".into(),
-            );
+            return bad("leaf_ids, num_pages_per_group and bytes_per_group are not parallel".into());
         }
         if !self.replicated_per_group.is_empty() && self.replicated_per_group.len() != g {
             return bad("replicated_per_group is not parallel to bytes_per_group".into());
@@ -237,16 +220,11 @@ impl KVTransferEngineMetadata {
         }
         let (dp, tp) = (self.dp(), self.tp());
         if dp == 0 || tp == 0 || dp.saturating_mul(tp) > MAX_AGENTS {
-            return bad(format!(
-                "agent grid {dp}x{tp} (expected non-empty, at most {MAX_AGENTS} agents)"
-            ));
+            return bad(format!("agent grid {dp}x{tp} (expected non-empty, at most {MAX_AGENTS} agents)"));
         }
         for (r, row) in self.agents_meta.iter().enumerate() {
             if row.len() != tp {
-                return bad(format!(
-                    "replica {r} has {} shards, replica 0 has {tp}",
-                    row.len()
-                ));
+                return bad(format!("replica {r} has {} shards, replica 0 has {tp}", row.len()));
             }
             for (s, a) in row.iter().enumerate() {
                 if a.agent_name != agent_name(&self.name, r, s) {
@@ -264,10 +242,7 @@ impl KVTransferEngineMetadata {
                         .checked_mul(self.bytes_per_group[gi])
                         .and_then(|len| base.checked_add(len));
                     if end.is_none() {
-                        return bad(format!(
-                            "group {gi} of agent {:?} wraps the address space",
-                            a.agent_name
-                        ));
+                        return bad(format!("group {gi} of agent {:?} wraps the address space", a.agent_name));
                     }
                 }
             }
@@ -300,11 +275,7 @@ mod b64 {
     pub fn encode(data: &[u8]) -> String {
         let mut out = String::with_capacity(data.len().div_ceil(3) * 4);
         for chunk in data.chunks(3) {
-            let b = [
-                chunk[0],
-                *chunk.get(1).unwrap_or(&0),
-                *chunk.get(2).unwrap_or(&0),
-            ];
+            let b = [chunk[0], *chunk.get(1).unwrap_or(&0), *chunk.get(2).unwrap_or(&0)];
             let n = (u32::from(b[0]) << 16) | (u32::from(b[1]) << 8) | u32::from(b[2]);
             for i in 0..4 {
                 if i <= chunk.len() {
@@ -320,10 +291,7 @@ mod b64 {
     pub fn decode(text: &str) -> Result<Vec<u8>, String> {
         let bytes = text.as_bytes();
         if !bytes.len().is_multiple_of(4) {
-            return Err(format!(
-                "base64 length {} is not a multiple of 4",
-                bytes.len()
-            ));
+            return Err(format!("base64 length {} is not a multiple of 4", bytes.len()));
         }
         let mut out = Vec::with_capacity(bytes.len() / 4 * 3);
         let num_chunks = bytes.len() / 4;
@@ -364,13 +332,7 @@ mod b64 {
     mod tests {
         #[test]
         fn matches_python_b64encode() {
-            for (raw, enc) in [
-                ("", ""),
-                ("f", "Zg=="),
-                ("fo", "Zm8="),
-                ("foo", "Zm9v"),
-                ("foobar", "Zm9vYmFy"),
-            ] {
+            for (raw, enc) in [("", ""), ("f", "Zg=="), ("fo", "Zm8="), ("foo", "Zm9v"), ("foobar", "Zm9vYmFy")] {
                 assert_eq!(super::encode(raw.as_bytes()), enc);
                 assert_eq!(super::decode(enc).unwrap(), raw.as_bytes());
             }
@@ -398,10 +360,7 @@ mod tests {
             name: "prefill".into(),
             memory_type: MemoryType::Dram,
             hostname: "h".into(),
-            agents_meta: vec![
-                vec![agent(0, 0), agent(0, 1)],
-                vec![agent(1, 0), agent(1, 1)],
-            ],
+            agents_meta: vec![vec![agent(0, 0), agent(0, 1)], vec![agent(1, 0), agent(1, 1)]],
             leaf_ids: vec!["0".into(), "0/scales".into()],
             num_pages_per_group: vec![10, 10],
             bytes_per_group: vec![256, 16],
@@ -413,29 +372,13 @@ mod tests {
     fn round_trips_with_msgspec_tags() {
         let m = sample();
         let j = m.to_json();
-        assert!(
-            j.starts_with(
-                r#"{"type":"KVTransferEngineMetadata","name":"prefill","memory_type":"DRAM""#
-            ),
-            "{j}"
-        );
-        assert!(
-            j.contains(
-                r#"{"type":"TensorAgentMetadata","agent_name":"prefill_0_0","metadata":"AQID/w==""#
-            ),
-            "{j}"
-        );
-        assert_eq!(
-            KVTransferEngineMetadata::from_bytes(&m.to_bytes()).unwrap(),
-            m
-        );
+        assert!(j.starts_with(r#"{"type":"KVTransferEngineMetadata","name":"prefill","memory_type":"DRAM""#), "{j}");
+        assert!(j.contains(r#"{"type":"TensorAgentMetadata","agent_name":"prefill_0_0","metadata":"AQID/w==""#), "{j}");
+        assert_eq!(KVTransferEngineMetadata::from_bytes(&m.to_bytes()).unwrap(), m);
         let mut m2 = m.clone();
         m2.replicated_per_group.clear();
         assert!(!m2.to_json().contains("replicated_per_group"));
-        assert_eq!(
-            KVTransferEngineMetadata::from_json(&m2.to_json()).unwrap(),
-            m2
-        );
+        assert_eq!(KVTransferEngineMetadata::from_json(&m2.to_json()).unwrap(), m2);
     }
 
     #[test]
@@ -444,35 +387,17 @@ mod tests {
         for bad in [
             j.replace("KVTransferEngineMetadata", "TransferReqData"),
             j.replace(r#""metadata":"AQID/w==""#, r#""metadata":"!!""#),
-            j.replace(
-                r#""bytes_per_group":[256,16]"#,
-                r#""bytes_per_group":[256]"#,
-            ),
-            j.replace(
-                r#""bytes_per_group":[256,16]"#,
-                r#""bytes_per_group":[256,0]"#,
-            ),
-            j.replace(
-                r#""num_pages_per_group":[10,10]"#,
-                r#""num_pages_per_group":[10,-1]"#,
-            ),
-            j.replace(
-                r#""replicated_per_group":[false,false]"#,
-                r#""replicated_per_group":[false]"#,
-            ),
+            j.replace(r#""bytes_per_group":[256,16]"#, r#""bytes_per_group":[256]"#),
+            j.replace(r#""bytes_per_group":[256,16]"#, r#""bytes_per_group":[256,0]"#),
+            j.replace(r#""num_pages_per_group":[10,10]"#, r#""num_pages_per_group":[10,-1]"#),
+            j.replace(r#""replicated_per_group":[false,false]"#, r#""replicated_per_group":[false]"#),
             j.replace("prefill_1_1", "prefill_9_9"),
-            j.replace(
-                r#""base_addrs":[4096,2097152]"#,
-                r#""base_addrs":[18446744073709551615,1]"#,
-            ),
+            j.replace(r#""base_addrs":[4096,2097152]"#, r#""base_addrs":[18446744073709551615,1]"#),
             j.replace(r#""memory_type":"DRAM""#, r#""memory_type":"HBM""#),
             r#"{"type":"KVTransferEngineMetadata"}"#.into(),
             "7".into(),
         ] {
-            assert!(
-                KVTransferEngineMetadata::from_json(&bad).is_err(),
-                "accepted {bad}"
-            );
+            assert!(KVTransferEngineMetadata::from_json(&bad).is_err(), "accepted {bad}");
         }
         let mut m = sample();
         m.agents_meta[1].pop();

@@ -70,22 +70,13 @@ impl PagedCacheDesc {
     /// # Errors
     /// [`KvError::Unsupported`] when a leaf keeps recurrent state.
     pub fn to_memory(&self) -> Result<(Vec<Vec<KVCacheMemory>>, Vec<String>), KvError> {
-        if let Some(l) = self
-            .leaves
-            .iter()
-            .find(|l| l.kind == LeafKind::RecurrentState)
-        {
+        if let Some(l) = self.leaves.iter().find(|l| l.kind == LeafKind::RecurrentState) {
             return Err(KvError::Unsupported(format!(
                 "leaf {:?} keeps recurrent state, which has no page count in common with attention groups",
                 l.leaf_id
             )));
         }
-        let dp = self
-            .leaves
-            .iter()
-            .map(|l| l.values.len())
-            .max()
-            .unwrap_or(0);
+        let dp = self.leaves.iter().map(|l| l.values.len()).max().unwrap_or(0);
         let mut memory: Vec<Vec<KVCacheMemory>> = vec![Vec::new(); dp];
         let mut ids = Vec::new();
         for l in &self.leaves {
@@ -111,19 +102,14 @@ impl PagedCacheDesc {
     ///
     /// # Errors
     /// [`KvError::Alloc`] and the rules of [`KVCacheMemory::new`].
-    pub fn allocate_host(
-        specs: &[HostLeafSpec],
-        dp: usize,
-        tp: usize,
-    ) -> Result<(Self, HostPages), KvError> {
+    pub fn allocate_host(specs: &[HostLeafSpec], dp: usize, tp: usize) -> Result<(Self, HostPages), KvError> {
         let mut hosts: HostPages = vec![Vec::new(); dp];
         let mut leaves = Vec::with_capacity(specs.len());
         for s in specs {
             let mut values = Vec::with_capacity(dp);
             let mut scales = s.scales_bytes_per_page.map(|_| Vec::with_capacity(dp));
             for h in hosts.iter_mut() {
-                let (m, hb) =
-                    KVCacheMemory::new_host(tp, s.num_pages, s.bytes_per_page, s.replicated)?;
+                let (m, hb) = KVCacheMemory::new_host(tp, s.num_pages, s.bytes_per_page, s.replicated)?;
                 values.push(m);
                 h.push(hb);
                 if let (Some(bpp), Some(sc)) = (s.scales_bytes_per_page, scales.as_mut()) {
@@ -132,12 +118,7 @@ impl PagedCacheDesc {
                     h.push(hb);
                 }
             }
-            leaves.push(CacheLeaf {
-                leaf_id: s.leaf_id.clone(),
-                kind: LeafKind::Attention,
-                values,
-                scales,
-            });
+            leaves.push(CacheLeaf { leaf_id: s.leaf_id.clone(), kind: LeafKind::Attention, values, scales });
         }
         Ok((Self { leaves }, hosts))
     }
@@ -181,21 +162,13 @@ mod tests {
 
     #[test]
     fn groups_follow_declared_leaves_with_scales_after_values() {
-        let specs = [
-            spec("target", 10, 512, Some(16)),
-            spec("draft", 4, 64, None),
-        ];
+        let specs = [spec("target", 10, 512, Some(16)), spec("draft", 4, 64, None)];
         let (cache, hosts) = PagedCacheDesc::allocate_host(&specs, 2, 2).unwrap();
         assert_eq!(hosts.len(), 2);
         assert_eq!(hosts[1].len(), 3);
         assert_eq!(hosts[1][1].len(), 2);
-        let e = KVTransferEngine::from_paged_cache(
-            "pc",
-            &cache,
-            TransportKind::Shm,
-            &TransportConfig::default(),
-        )
-        .unwrap();
+        let e =
+            KVTransferEngine::from_paged_cache("pc", &cache, TransportKind::Shm, &TransportConfig::default()).unwrap();
         assert_eq!(e.leaf_ids(), ["target", "target/scales", "draft"]);
         assert_eq!(e.bytes_per_group(), [512, 16, 64]);
         assert_eq!(e.num_pages_per_group(), [10, 10, 4]);
@@ -205,8 +178,7 @@ mod tests {
 
     #[test]
     fn recurrent_state_is_unsupported_and_clashes_are_caught() {
-        let (mut cache, _) =
-            PagedCacheDesc::allocate_host(&[spec("a", 4, 64, None)], 1, 1).unwrap();
+        let (mut cache, _) = PagedCacheDesc::allocate_host(&[spec("a", 4, 64, None)], 1, 1).unwrap();
         let mut state = cache.leaves[0].clone();
         state.leaf_id = "ssm".into();
         state.kind = LeafKind::RecurrentState;
@@ -216,20 +188,15 @@ mod tests {
             KVTransferEngine::from_paged_cache("pc2", &cache, TransportKind::Shm, &cfg),
             Err(KvError::Unsupported(_))
         ));
-        let (mut cache, _) = PagedCacheDesc::allocate_host(
-            &[spec("a", 4, 64, Some(8)), spec("b", 4, 64, None)],
-            1,
-            1,
-        )
-        .unwrap();
+        let (mut cache, _) =
+            PagedCacheDesc::allocate_host(&[spec("a", 4, 64, Some(8)), spec("b", 4, 64, None)], 1, 1).unwrap();
         cache.leaves[1].leaf_id = "a/scales".into();
         assert!(matches!(
             KVTransferEngine::from_paged_cache("pc3", &cache, TransportKind::Shm, &cfg),
             Err(KvError::DuplicateLeafId(_))
         ));
         let (mut cache, _) =
-            PagedCacheDesc::allocate_host(&[spec("a", 4, 64, None), spec("b", 4, 64, None)], 2, 1)
-                .unwrap();
+            PagedCacheDesc::allocate_host(&[spec("a", 4, 64, None), spec("b", 4, 64, None)], 2, 1).unwrap();
         cache.leaves[1].values.pop();
         assert!(matches!(
             KVTransferEngine::from_paged_cache("pc4", &cache, TransportKind::Shm, &cfg),

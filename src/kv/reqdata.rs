@@ -99,9 +99,7 @@ impl<'de> Deserialize<'de> for PageIdxs {
         impl<'de> Visitor<'de> for V {
             type Value = PageIdxs;
             fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
-                f.write_str(
-                    "a list of page indices or a map from leaf id to a list of page indices",
-                )
+                f.write_str("a list of page indices or a map from leaf id to a list of page indices")
             }
             fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<PageIdxs, A::Error> {
                 let mut v = Vec::with_capacity(seq.size_hint().unwrap_or(0).min(1 << 16));
@@ -190,10 +188,7 @@ impl TransferReqData {
     /// As [`TransferReqData::from_json`] (also: not UTF-8).
     pub fn from_bytes(bytes: &[u8]) -> Result<Self, KvError> {
         if bytes.len() > MAX_REQ_JSON_BYTES {
-            return Err(KvError::Decode(format!(
-                "TransferReqData of {} bytes is too large",
-                bytes.len()
-            )));
+            return Err(KvError::Decode(format!("TransferReqData of {} bytes is too large", bytes.len())));
         }
         serde_json::from_slice(bytes).map_err(|e| KvError::Decode(e.to_string()))
     }

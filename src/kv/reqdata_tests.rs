@@ -39,10 +39,7 @@ fn omits_defaults_and_decodes_without_them() {
     r.local_shards_used.clear();
     let j = r.to_json();
     assert!(j.starts_with(r#"{"type":"TransferReqData","dst_name""#));
-    assert!(
-        j.ends_with(r#""src_replica_idx":0,"dst_replica_idx":1}"#),
-        "{j}"
-    );
+    assert!(j.ends_with(r#""src_replica_idx":0,"dst_replica_idx":1}"#), "{j}");
     assert_eq!(TransferReqData::from_json(&j).unwrap(), r);
 }
 
@@ -77,32 +74,14 @@ fn hostile_json_is_an_error_not_a_panic() {
         good.replace("TransferReqData", "KVTransferEngineMetadata"),
         good.replace(r#""type":"TransferReqData""#, r#""type":7"#),
         good.replace(r#""transfer_ids":[7,8]"#, r#""transfer_ids":[-1,8]"#),
-        good.replace(
-            r#""transfer_ids":[7,8]"#,
-            r#""transfer_ids":[184467440737095516160]"#,
-        ),
+        good.replace(r#""transfer_ids":[7,8]"#, r#""transfer_ids":[184467440737095516160]"#),
         good.replace(r#""transfer_ids":[7,8]"#, r#""transfer_ids":[1e300]"#),
         good.replace(r#""transfer_ids":[7,8]"#, r#""transfer_ids":"7""#),
-        good.replace(
-            r#""src_idxs":{"0":[1,2,3],"0/scales":[1]}"#,
-            r#""src_idxs":{"0":[1],"0":[2]}"#,
-        ),
-        good.replace(
-            r#""src_idxs":{"0":[1,2,3],"0/scales":[1]}"#,
-            r#""src_idxs":{"0":"x"}"#,
-        ),
-        good.replace(
-            r#""src_idxs":{"0":[1,2,3],"0/scales":[1]}"#,
-            r#""src_idxs":5"#,
-        ),
-        good.replace(
-            r#""src_idxs":{"0":[1,2,3],"0/scales":[1]}"#,
-            r#""src_idxs":[[1]]"#,
-        ),
-        good.replace(
-            r#""src_replica_idx":0"#,
-            r#""src_replica_idx":99999999999999999999999"#,
-        ),
+        good.replace(r#""src_idxs":{"0":[1,2,3],"0/scales":[1]}"#, r#""src_idxs":{"0":[1],"0":[2]}"#),
+        good.replace(r#""src_idxs":{"0":[1,2,3],"0/scales":[1]}"#, r#""src_idxs":{"0":"x"}"#),
+        good.replace(r#""src_idxs":{"0":[1,2,3],"0/scales":[1]}"#, r#""src_idxs":5"#),
+        good.replace(r#""src_idxs":{"0":[1,2,3],"0/scales":[1]}"#, r#""src_idxs":[[1]]"#),
+        good.replace(r#""src_replica_idx":0"#, r#""src_replica_idx":99999999999999999999999"#),
         good.replace(r#""is_read":true"#, r#""is_read":"yes""#),
         good.replace(r#""local_shards_used":[0,0]"#, r#""local_shards_used":[0]"#),
         good.replace(r#""dst_name":"decode","#, ""),

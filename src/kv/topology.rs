@@ -30,11 +30,7 @@ pub fn resolve_transfer_strategy(
     }
     let loc = local_replicated && local_tp > 1;
     let rem = remote_replicated && remote_tp > 1;
-    if loc || rem {
-        TransferStrategy::Broadcast
-    } else {
-        TransferStrategy::GatherScatter
-    }
+    if loc || rem { TransferStrategy::Broadcast } else { TransferStrategy::GatherScatter }
 }
 
 /// The strategy of every group.
@@ -105,16 +101,8 @@ pub fn connect_pairing(
 /// `transfer_shard_pairing`: a flattened (BROADCAST) source collapses to
 /// shard 0; the destination always spans all its shards; a single source
 /// shard fans out to every destination shard. One request is posted per pair.
-pub fn transfer_shard_pairing(
-    flatten_source: bool,
-    source_tp: usize,
-    dest_tp: usize,
-) -> Vec<(usize, usize)> {
-    let source: Vec<usize> = if flatten_source {
-        vec![0]
-    } else {
-        (0..source_tp).collect()
-    };
+pub fn transfer_shard_pairing(flatten_source: bool, source_tp: usize, dest_tp: usize) -> Vec<(usize, usize)> {
+    let source: Vec<usize> = if flatten_source { vec![0] } else { (0..source_tp).collect() };
     if source.len() == 1 && dest_tp > 1 {
         return (0..dest_tp).map(|d| (source[0], d)).collect();
     }
@@ -139,14 +127,8 @@ mod tests {
         assert_eq!(resolve_transfer_strategy(2, false, 4, false), GatherScatter);
         // a TP-1 side never reports replicated
         assert_eq!(resolve_transfer_strategy(1, true, 2, false), GatherScatter);
-        assert!(matches!(
-            resolve_strategies(2, &[false], 4, &[false]),
-            Err(KvError::Unsupported(_))
-        ));
-        assert_eq!(
-            resolve_strategies(1, &[false, false], 4, &[true, true]).unwrap(),
-            vec![Broadcast; 2]
-        );
+        assert!(matches!(resolve_strategies(2, &[false], 4, &[false]), Err(KvError::Unsupported(_))));
+        assert_eq!(resolve_strategies(1, &[false, false], 4, &[true, true]).unwrap(), vec![Broadcast; 2]);
         // one sharded group is enough to refuse
         assert!(resolve_strategies(1, &[false, false], 4, &[true, false]).is_err());
     }
@@ -179,21 +161,12 @@ mod tests {
             assert_eq!(p, (0..tp).map(|i| (i, i)).collect::<Vec<_>>());
         }
         // MLA TP1 -> TP4: fan out
-        assert_eq!(
-            transfer_shard_pairing(true, 1, 4),
-            vec![(0, 0), (0, 1), (0, 2), (0, 3)]
-        );
-        assert_eq!(
-            transfer_shard_pairing(false, 1, 4),
-            vec![(0, 0), (0, 1), (0, 2), (0, 3)]
-        );
+        assert_eq!(transfer_shard_pairing(true, 1, 4), vec![(0, 0), (0, 1), (0, 2), (0, 3)]);
+        assert_eq!(transfer_shard_pairing(false, 1, 4), vec![(0, 0), (0, 1), (0, 2), (0, 3)]);
         // MLA TP4 -> TP1: flatten the source to shard 0
         assert_eq!(transfer_shard_pairing(true, 4, 1), vec![(0, 0)]);
         // MLA TP2 -> TP4
-        assert_eq!(
-            transfer_shard_pairing(true, 2, 4),
-            vec![(0, 0), (0, 1), (0, 2), (0, 3)]
-        );
+        assert_eq!(transfer_shard_pairing(true, 2, 4), vec![(0, 0), (0, 1), (0, 2), (0, 3)]);
         assert_eq!(transfer_shard_pairing(true, 4, 2), vec![(0, 0), (0, 1)]);
     }
 }

@@ -12,46 +12,21 @@ use crate::engine::{Desc, TransferHandle, TransferStatus};
 use crate::transport::Op;
 
 /// Resolve one side's page lists to one list per group, checking the leaf set.
-fn leaf_lists<'a>(
-    idxs: &'a PageIdxs,
-    leaf_ids: &[String],
-    side: Side,
-) -> Result<Vec<&'a [u64]>, KvError> {
+fn leaf_lists<'a>(idxs: &'a PageIdxs, leaf_ids: &[String], side: Side) -> Result<Vec<&'a [u64]>, KvError> {
     if let PageIdxs::PerLeaf(m) = idxs {
         for (k, _) in m {
             if !leaf_ids.contains(k) {
-                return Err(KvError::UnknownLeaf {
-                    side,
-                    leaf: k.clone(),
-                });
+                return Err(KvError::UnknownLeaf { side, leaf: k.clone() });
             }
         }
     }
-    leaf_ids
-        .iter()
-        .map(|l| {
-            idxs.get(l).ok_or_else(|| KvError::MissingLeaf {
-                side,
-                leaf: l.clone(),
-            })
-        })
-        .collect()
+    leaf_ids.iter().map(|l| idxs.get(l).ok_or_else(|| KvError::MissingLeaf { side, leaf: l.clone() })).collect()
 }
 
-fn check_range(
-    lists: &[&[u64]],
-    leaf_ids: &[String],
-    num_pages: &[u64],
-    side: Side,
-) -> Result<(), KvError> {
+fn check_range(lists: &[&[u64]], leaf_ids: &[String], num_pages: &[u64], side: Side) -> Result<(), KvError> {
     for (g, list) in lists.iter().enumerate() {
         if let Some(&idx) = list.iter().find(|&&i| i >= num_pages[g]) {
-            return Err(KvError::PageOutOfRange {
-                side,
-                leaf: leaf_ids[g].clone(),
-                idx,
-                num_pages: num_pages[g],
-            });
+            return Err(KvError::PageOutOfRange { side, leaf: leaf_ids[g].clone(), idx, num_pages: num_pages[g] });
         }
     }
     Ok(())
@@ -59,19 +34,11 @@ fn check_range(
 
 /// Page descriptors of one shard: group-major, then page order;
 /// page `idx` of group `g` is `bytes_per_group[g]` bytes at `base_addrs[g] + idx * bytes_per_group[g]`.
-pub fn page_descs(
-    base_addrs: &[u64],
-    bytes_per_group: &[u64],
-    lists: &[&[u64]],
-    out: &mut Vec<Desc>,
-) {
+pub fn page_descs(base_addrs: &[u64], bytes_per_group: &[u64], lists: &[&[u64]], out: &mut Vec<Desc>) {
     out.clear();
     for (g, list) in lists.iter().enumerate() {
         let bpp = bytes_per_group[g];
-        out.extend(
-            list.iter()
-                .map(|&idx| Desc::new(base_addrs[g] + idx * bpp, bpp)),
-        );
+        out.extend(list.iter().map(|&idx| Desc::new(base_addrs[g] + idx * bpp, bpp)));
     }
 }
 
@@ -103,14 +70,7 @@ impl KVTransferEngine {
         src_replica_idx: usize,
         dst_replica_idx: usize,
     ) -> Result<TransferReqData, KvError> {
-        self.initiate(
-            remote,
-            src_idxs,
-            dst_idxs,
-            src_replica_idx,
-            dst_replica_idx,
-            false,
-        )
+        self.initiate(remote, src_idxs, dst_idxs, src_replica_idx, dst_replica_idx, false)
     }
 
     /// Pull pages `src_idxs` of replica `src_replica_idx` of the connected
@@ -129,14 +89,7 @@ impl KVTransferEngine {
         src_replica_idx: usize,
         dst_replica_idx: usize,
     ) -> Result<TransferReqData, KvError> {
-        self.initiate(
-            remote,
-            src_idxs,
-            dst_idxs,
-            src_replica_idx,
-            dst_replica_idx,
-            true,
-        )
+        self.initiate(remote, src_idxs, dst_idxs, src_replica_idx, dst_replica_idx, true)
     }
 
     fn initiate<R: RemoteEngine + ?Sized>(
@@ -150,46 +103,23 @@ impl KVTransferEngine {
     ) -> Result<TransferReqData, KvError> {
         let remote_name = remote.engine_name();
         let (local_side, local_replica, remote_side, remote_replica) = if is_read {
-            (
-                Side::Destination,
-                dst_replica_idx,
-                Side::Source,
-                src_replica_idx,
-            )
+            (Side::Destination, dst_replica_idx, Side::Source, src_replica_idx)
         } else {
-            (
-                Side::Source,
-                src_replica_idx,
-                Side::Destination,
-                dst_replica_idx,
-            )
+            (Side::Source, src_replica_idx, Side::Destination, dst_replica_idx)
         };
         // 1. replica ranges
         if local_replica >= self.dp {
-            return Err(KvError::ReplicaOutOfRange {
-                side: local_side,
-                replica: local_replica,
-                num_replicas: self.dp,
-            });
+            return Err(KvError::ReplicaOutOfRange { side: local_side, replica: local_replica, num_replicas: self.dp });
         }
-        let remote_dp = remote
-            .engine_metadata()
-            .map(|m| m.dp())
-            .or_else(|| self.remotes.get(remote_name).map(|c| c.meta.dp()));
+        let remote_dp =
+            remote.engine_metadata().map(|m| m.dp()).or_else(|| self.remotes.get(remote_name).map(|c| c.meta.dp()));
         if let Some(n) = remote_dp
             && remote_replica >= n
         {
-            return Err(KvError::ReplicaOutOfRange {
-                side: remote_side,
-                replica: remote_replica,
-                num_replicas: n,
-            });
+            return Err(KvError::ReplicaOutOfRange { side: remote_side, replica: remote_replica, num_replicas: n });
         }
         // 2. connected; from here on the stored metadata is used.
-        let conn = self
-            .remotes
-            .get(remote_name)
-            .ok_or_else(|| KvError::NotConnected(remote_name.to_string()))?;
+        let conn = self.remotes.get(remote_name).ok_or_else(|| KvError::NotConnected(remote_name.to_string()))?;
         let remote_dp = conn.meta.dp();
         if remote_replica >= remote_dp {
             return Err(KvError::ReplicaOutOfRange {
@@ -219,39 +149,16 @@ impl KVTransferEngine {
             }
             seen.clear();
             if let Some(&idx) = d.iter().find(|&&i| !seen.insert(i)) {
-                return Err(KvError::DuplicateDestinationPage {
-                    leaf: self.leaf_ids[g].clone(),
-                    idx,
-                });
+                return Err(KvError::DuplicateDestinationPage { leaf: self.leaf_ids[g].clone(), idx });
             }
         }
         let mut req = TransferReqData {
-            dst_name: if is_read {
-                self.name.clone()
-            } else {
-                remote_name.to_string()
-            },
-            src_name: if is_read {
-                remote_name.to_string()
-            } else {
-                self.name.clone()
-            },
+            dst_name: if is_read { self.name.clone() } else { remote_name.to_string() },
+            src_name: if is_read { remote_name.to_string() } else { self.name.clone() },
             transfer_name: uuid::Uuid::new_v4().to_string(),
             transfer_ids: Vec::new(),
-            src_idxs: PageIdxs::PerLeaf(
-                self.leaf_ids
-                    .iter()
-                    .cloned()
-                    .zip(src.iter().map(|s| s.to_vec()))
-                    .collect(),
-            ),
-            dst_idxs: PageIdxs::PerLeaf(
-                self.leaf_ids
-                    .iter()
-                    .cloned()
-                    .zip(dst.iter().map(|d| d.to_vec()))
-                    .collect(),
-            ),
+            src_idxs: PageIdxs::PerLeaf(self.leaf_ids.iter().cloned().zip(src.iter().map(|s| s.to_vec())).collect()),
+            dst_idxs: PageIdxs::PerLeaf(self.leaf_ids.iter().cloned().zip(dst.iter().map(|d| d.to_vec())).collect()),
             src_replica_idx,
             dst_replica_idx,
             is_read,
@@ -263,11 +170,7 @@ impl KVTransferEngine {
             return Ok(req);
         }
         // 4. one request per shard pair
-        let (source_tp, dest_tp) = if is_read {
-            (conn.meta.tp(), self.tp)
-        } else {
-            (self.tp, conn.meta.tp())
-        };
+        let (source_tp, dest_tp) = if is_read { (conn.meta.tp(), self.tp) } else { (self.tp, conn.meta.tp()) };
         let pairing = transfer_shard_pairing(conn.broadcast, source_tp, dest_tp);
         let (local_lists, remote_lists) = if is_read { (&dst, &src) } else { (&src, &dst) };
         let op = if is_read { Op::Read } else { Op::Write };
@@ -275,25 +178,11 @@ impl KVTransferEngine {
         let (mut local_descs, mut remote_descs) = (Vec::new(), Vec::new());
         let mut segments = Vec::new();
         for (src_shard, dst_shard) in pairing {
-            let (local_shard, remote_shard) = if is_read {
-                (dst_shard, src_shard)
-            } else {
-                (src_shard, dst_shard)
-            };
+            let (local_shard, remote_shard) = if is_read { (dst_shard, src_shard) } else { (src_shard, dst_shard) };
             let ra = &remote_agents[remote_shard];
             let agent = &mut self.agents[local_replica][local_shard];
-            page_descs(
-                &agent.base_addrs,
-                &self.bytes_per_group,
-                local_lists,
-                &mut local_descs,
-            );
-            page_descs(
-                &ra.base_addrs,
-                &self.bytes_per_group,
-                remote_lists,
-                &mut remote_descs,
-            );
+            page_descs(&agent.base_addrs, &self.bytes_per_group, local_lists, &mut local_descs);
+            page_descs(&ra.base_addrs, &self.bytes_per_group, remote_lists, &mut remote_descs);
             let posted = agent.engine.post_with(
                 op,
                 &local_descs,
@@ -309,20 +198,12 @@ impl KVTransferEngine {
                 }
                 Err(source) => {
                     self.release_handles(&req, local_replica);
-                    return Err(KvError::PostFailed {
-                        local_shard,
-                        remote_shard,
-                        source,
-                    });
+                    return Err(KvError::PostFailed { local_shard, remote_shard, source });
                 }
             }
         }
         req.tp_shard_count = req.transfer_ids.len();
-        let map = if is_read {
-            &mut self.inflight_read
-        } else {
-            &mut self.inflight_send
-        };
+        let map = if is_read { &mut self.inflight_read } else { &mut self.inflight_send };
         map.insert(req.transfer_name.clone(), req.clone());
         Ok(req)
     }
@@ -352,11 +233,7 @@ impl KVTransferEngine {
             return Ok(true);
         }
         if let Some(own) = self.owned(req) {
-            let replica = if own.is_read {
-                own.dst_replica_idx
-            } else {
-                own.src_replica_idx
-            };
+            let replica = if own.is_read { own.dst_replica_idx } else { own.src_replica_idx };
             for (i, &tid) in own.transfer_ids.iter().enumerate() {
                 let shard = own.local_shards_used.get(i).copied().unwrap_or(i);
                 let agent = &mut self.agents[replica][shard];
@@ -374,58 +251,29 @@ impl KVTransferEngine {
             }
             return Ok(true);
         }
-        let initiator = if req.is_read {
-            &req.dst_name
-        } else {
-            &req.src_name
-        };
+        let initiator = if req.is_read { &req.dst_name } else { &req.src_name };
         if *initiator == self.name {
             // Ours, but no longer in flight (cleaned up or cancelled).
             return Err(KvError::UnknownTransfer(req.transfer_name.clone()));
         }
-        let replica = if req.is_read {
-            req.src_replica_idx
-        } else {
-            req.dst_replica_idx
-        };
+        let replica = if req.is_read { req.src_replica_idx } else { req.dst_replica_idx };
         if replica >= self.dp {
             return Err(KvError::ReplicaOutOfRange {
-                side: if req.is_read {
-                    Side::Source
-                } else {
-                    Side::Destination
-                },
+                side: if req.is_read { Side::Source } else { Side::Destination },
                 replica,
                 num_replicas: self.dp,
             });
         }
         self.drain_notifications(replica);
-        let remote = if req.is_read {
-            &req.dst_name
-        } else {
-            &req.src_name
-        };
-        let expected = if req.tp_shard_count == 0 {
-            self.tp
-        } else {
-            req.tp_shard_count
-        };
-        let got = self
-            .completed_recv
-            .get(remote)
-            .and_then(|m| m.get(&req.transfer_name))
-            .copied()
-            .unwrap_or(0);
+        let remote = if req.is_read { &req.dst_name } else { &req.src_name };
+        let expected = if req.tp_shard_count == 0 { self.tp } else { req.tp_shard_count };
+        let got = self.completed_recv.get(remote).and_then(|m| m.get(&req.transfer_name)).copied().unwrap_or(0);
         Ok(got >= expected)
     }
 
     /// The stored copy of a transfer this engine initiated.
     fn owned(&self, req: &TransferReqData) -> Option<TransferReqData> {
-        let map = if req.is_read {
-            &self.inflight_read
-        } else {
-            &self.inflight_send
-        };
+        let map = if req.is_read { &self.inflight_read } else { &self.inflight_send };
         map.get(&req.transfer_name).cloned()
     }
 
@@ -447,8 +295,7 @@ impl KVTransferEngine {
                 };
                 let per = self.completed_recv.entry(engine).or_default();
                 for p in payloads {
-                    *per.entry(String::from_utf8_lossy(&p).into_owned())
-                        .or_insert(0) += 1;
+                    *per.entry(String::from_utf8_lossy(&p).into_owned()).or_insert(0) += 1;
                 }
             }
         }
@@ -485,24 +332,12 @@ impl KVTransferEngine {
     }
 
     fn forget(&mut self, req: &TransferReqData) -> Result<(), KvError> {
-        let map = if req.is_read {
-            &mut self.inflight_read
-        } else {
-            &mut self.inflight_send
-        };
+        let map = if req.is_read { &mut self.inflight_read } else { &mut self.inflight_send };
         if let Some(own) = map.remove(&req.transfer_name) {
-            let replica = if own.is_read {
-                own.dst_replica_idx
-            } else {
-                own.src_replica_idx
-            };
+            let replica = if own.is_read { own.dst_replica_idx } else { own.src_replica_idx };
             return self.release_handles(&own, replica).map_or(Ok(()), Err);
         }
-        let remote = if req.is_read {
-            &req.dst_name
-        } else {
-            &req.src_name
-        };
+        let remote = if req.is_read { &req.dst_name } else { &req.src_name };
         if let Some(m) = self.completed_recv.get_mut(remote) {
             m.remove(&req.transfer_name);
         }
@@ -518,11 +353,7 @@ impl KVTransferEngine {
     /// # Errors
     /// [`KvError::Timeout`] (MAX: `TimeoutError`), [`KvError::TransferFailed`],
     /// and those of [`KVTransferEngine::cleanup_transfer`].
-    pub fn sync_and_release(
-        &mut self,
-        req: &TransferReqData,
-        timeout: Duration,
-    ) -> Result<(), KvError> {
+    pub fn sync_and_release(&mut self, req: &TransferReqData, timeout: Duration) -> Result<(), KvError> {
         let deadline = Instant::now() + timeout;
         let mut spins = 0u32;
         loop {
@@ -530,10 +361,7 @@ impl KVTransferEngine {
                 Ok(true) => return self.cleanup_transfer(req),
                 Ok(false) if Instant::now() >= deadline => {
                     self.cancel_transfer(req)?;
-                    return Err(KvError::Timeout {
-                        transfer_name: req.transfer_name.clone(),
-                        timeout,
-                    });
+                    return Err(KvError::Timeout { transfer_name: req.transfer_name.clone(), timeout });
                 }
                 Ok(false) => {
                     spins += 1;
