@@ -372,7 +372,8 @@ impl KVTransferEngine {
     ///
     /// # Errors
     /// In order: [`KvError::AlreadyConnected`]; [`KvError::BadMetadata`]
-    /// (inconsistent metadata, an agent blob naming another agent);
+    /// (inconsistent metadata, an agent blob naming another agent, a group
+    /// outside the agent's registered memory; checked before any wiring);
     /// [`KvError::Unsupported`] (GATHER_SCATTER); [`KvError::BytesPerGroupMismatch`];
     /// [`KvError::LeafMismatch`]; [`KvError::Engine`] (own name, transport
     /// mismatch, the transport refused a connection).
@@ -409,6 +410,16 @@ impl KVTransferEngine {
                         "metadata loading failed: blob of agent {:?} names {:?}",
                         a.agent_name, m.name
                     )));
+                }
+                // Every group's pages must lie in memory the agent registered.
+                for (g, &base) in a.base_addrs.iter().enumerate() {
+                    let len = remote.num_pages_per_group[g] * remote.bytes_per_group[g];
+                    if m.find_region(base, len).is_none() {
+                        return Err(KvError::BadMetadata(format!(
+                            "group {g} of agent {:?} ({base:#x}+{len}) is not in a registered region",
+                            a.agent_name
+                        )));
+                    }
                 }
                 out.push(m);
             }

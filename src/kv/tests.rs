@@ -191,6 +191,10 @@ fn connect_errors() {
     swapped.bytes_per_group = vec![64];
     swapped.agents_meta[0].swap(0, 1);
     assert!(matches!(a.e.connect(&swapped), Err(KvError::BadMetadata(_))));
+    let mut outside = d.e.metadata();
+    outside.bytes_per_group = vec![64];
+    outside.agents_meta[0][1].base_addrs[0] += 64;
+    assert!(matches!(a.e.connect(&outside), Err(KvError::BadMetadata(_))));
     assert!(!a.e.is_connected(&d.e.metadata().name));
     let own = a.e.metadata();
     assert!(matches!(a.e.connect(&own), Err(KvError::Engine(_))));
@@ -458,6 +462,21 @@ fn timeout_cancels_and_leaks_nothing() {
     assert_eq!(a.e.agents[0][0].engine.num_transfers(), 0);
     assert!(matches!(a.e.cleanup_transfer(&req), Err(KvError::UnknownTransfer(_))));
     a.e.cancel_transfer(&req).unwrap();
+}
+
+#[test]
+fn failure_mid_posting_releases_what_was_posted() {
+    let g = [(8, 4096, false)];
+    let mut a = make("ma", 1, 2, &g);
+    let b = make("mb", 1, 2, &g);
+    a.e.connect(&b.e.metadata()).unwrap();
+    // Corrupt the stored view of shard 1 so that its post fails after shard 0's succeeded.
+    a.e.remotes.get_mut(b.e.name()).unwrap().meta.agents_meta[0][1].base_addrs[0] = 0x10;
+    let pages = PageIdxs::per_leaf([("leaf0", vec![1, 2])]);
+    let e = a.e.initiate_send_transfer(b.e.name(), &pages, &pages, 0, 0).unwrap_err();
+    assert!(matches!(e, KvError::PostFailed { local_shard: 1, remote_shard: 1, .. }), "{e}");
+    assert_eq!(a.e.num_inflight(), 0);
+    assert!(a.e.agents.iter().flatten().all(|x| x.engine.num_transfers() == 0));
 }
 
 #[test]
