@@ -53,6 +53,7 @@ pub mod metadata;
 pub use metadata::{KVTransferEngineMetadata, MemoryType, TensorAgentMetadata};
 pub mod topology;
 pub use topology::TransferStrategy;
+mod cleanup;
 pub mod engine;
 pub mod paged;
 mod transfer;
