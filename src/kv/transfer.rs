@@ -226,23 +226,21 @@ impl KVTransferEngine {
     /// [`KvError::TransferFailed`] with the transport's reason (the
     /// initiator's handles stay held: call [`KVTransferEngine::cleanup_transfer`]
     /// or [`KVTransferEngine::cancel_transfer`]); [`KvError::ReplicaOutOfRange`]
-    /// (passive side, a replica this engine lacks); [`KvError::Engine`]
-    /// (a handle was already released).
+    /// (passive side, a replica this engine lacks); [`KvError::UnknownTransfer`]
+    /// (a transfer this engine initiated and already cleaned up or cancelled).
     pub fn is_complete(&mut self, req: &TransferReqData) -> Result<bool, KvError> {
         if req.is_empty() {
             return Ok(true);
         }
-        if let Some(own) = self.owned(req) {
-            let replica = if own.is_read { own.dst_replica_idx } else { own.src_replica_idx };
-            for (i, &tid) in own.transfer_ids.iter().enumerate() {
-                let shard = own.local_shards_used.get(i).copied().unwrap_or(i);
+        if let Some((replica, handles)) = self.owned(req) {
+            for (tid, shard) in handles {
                 let agent = &mut self.agents[replica][shard];
                 match agent.engine.status(TransferHandle(tid))? {
                     TransferStatus::Done => {}
                     TransferStatus::InProgress => return Ok(false),
                     TransferStatus::Failed(reason) => {
                         return Err(KvError::TransferFailed {
-                            transfer_name: own.transfer_name.clone(),
+                            transfer_name: req.transfer_name.clone(),
                             shard,
                             reason,
                         });
@@ -250,6 +248,11 @@ impl KVTransferEngine {
                 }
             }
             return Ok(true);
+        }
+        let initiator = if req.is_read { &req.dst_name } else { &req.src_name };
+        if *initiator == self.name {
+            // Ours, but no longer in flight (cleaned up or cancelled).
+            return Err(KvError::UnknownTransfer(req.transfer_name.clone()));
         }
         let replica = if req.is_read { req.src_replica_idx } else { req.dst_replica_idx };
         if replica >= self.dp {
@@ -266,10 +269,20 @@ impl KVTransferEngine {
         Ok(got >= expected)
     }
 
-    /// The stored copy of a transfer this engine initiated.
-    fn owned(&self, req: &TransferReqData) -> Option<TransferReqData> {
+    /// For a transfer this engine initiated and still holds: the owning
+    /// replica and its `(handle, shard)` pairs, from the stored record (not
+    /// the caller's copy, which may have crossed a process boundary).
+    fn owned(&self, req: &TransferReqData) -> Option<(usize, Vec<(u64, usize)>)> {
         let map = if req.is_read { &self.inflight_read } else { &self.inflight_send };
-        map.get(&req.transfer_name).cloned()
+        let own = map.get(&req.transfer_name)?;
+        let replica = if own.is_read { own.dst_replica_idx } else { own.src_replica_idx };
+        let handles = own
+            .transfer_ids
+            .iter()
+            .enumerate()
+            .map(|(i, &tid)| (tid, own.local_shards_used.get(i).copied().unwrap_or(i)))
+            .collect();
+        Some((replica, handles))
     }
 
     fn drain_notifications(&mut self, replica: usize) {
