@@ -155,3 +155,74 @@ pub trait KVConnector: Send + Sync {
         ByteCount::default()
     }
 }
+
+/// A shared connector is a connector (one connector serves every DP replica).
+impl<T: KVConnector + ?Sized> KVConnector for std::sync::Arc<T> {
+    fn name(&self) -> &str {
+        (**self).name()
+    }
+
+    fn leaves(&self) -> &BTreeMap<LeafId, KVCacheGroupId> {
+        (**self).leaves()
+    }
+
+    fn lookup(
+        &self,
+        block_hashes: &[BlockHash],
+        replica_idx: usize,
+        hint: Option<&[u8]>,
+    ) -> Result<PerLeaf<bool>, ConnectorError> {
+        (**self).lookup(block_hashes, replica_idx, hint)
+    }
+
+    fn load(
+        &self,
+        block_ids: &PerLeaf<BlockId>,
+        block_hashes: &PerLeaf<BlockHash>,
+        replica_idx: usize,
+        hint: Option<&[u8]>,
+    ) -> Result<Box<dyn KVTransfer>, ConnectorError> {
+        (**self).load(block_ids, block_hashes, replica_idx, hint)
+    }
+
+    fn offload(
+        &self,
+        block_ids: &PerLeaf<BlockId>,
+        block_hashes: &PerLeaf<BlockHash>,
+        replica_idx: usize,
+    ) -> Result<KVConnectorTransfer, ConnectorError> {
+        (**self).offload(block_ids, block_hashes, replica_idx)
+    }
+
+    fn touch(&self, block_hashes: &[BlockHash], replica_idx: usize) {
+        (**self).touch(block_hashes, replica_idx)
+    }
+
+    fn poll_transfers(&self) {
+        (**self).poll_transfers()
+    }
+
+    fn shutdown(&self) {
+        (**self).shutdown()
+    }
+
+    fn reset_prefix_cache(&self) {
+        (**self).reset_prefix_cache()
+    }
+
+    fn metrics(&self) -> KVCacheMetrics {
+        (**self).metrics()
+    }
+
+    fn take_metrics(&self) -> KVCacheMetrics {
+        (**self).take_metrics()
+    }
+
+    fn host_byte_count(&self) -> ByteCount {
+        (**self).host_byte_count()
+    }
+
+    fn disk_byte_count(&self) -> ByteCount {
+        (**self).disk_byte_count()
+    }
+}

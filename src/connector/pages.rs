@@ -2,11 +2,14 @@
 //! one `[num_pages, bytes_per_page]` byte buffer per TP shard (SEMANTICS §1.2).
 
 use std::fmt;
+use std::fs::File;
 use std::io;
+use std::os::unix::fs::FileExt;
 use std::sync::Arc;
 
 use super::{BlockId, ConnectorError};
 use crate::HostBuffer;
+use crate::kv::KVCacheMemory;
 
 /// One leaf's pages on one DP replica: `num_shards` buffers (TP shards, in
 /// canonical device order), each `[num_pages, bytes_per_page]` bytes, page 0
@@ -199,4 +202,72 @@ impl DevicePages for HostPages {
         self.buffer(shard)?.write(off, data);
         Ok(())
     }
+}
+
+/// [`KVCacheMemory`] as device pages, for host-memory buffers that expose a
+/// shared file descriptor (every [`HostBuffer`]): pages are copied with
+/// `pread`/`pwrite` on that descriptor, which aliases the mapping. Buffers
+/// without one (VRAM) fail each copy with `Unsupported` until the GPU layer
+/// provides its own [`DevicePages`].
+impl DevicePages for KVCacheMemory {
+    fn num_shards(&self) -> usize {
+        KVCacheMemory::num_shards(self)
+    }
+
+    fn replicated(&self) -> bool {
+        KVCacheMemory::replicated(self)
+    }
+
+    fn bytes_per_page(&self) -> usize {
+        KVCacheMemory::bytes_per_page(self) as usize
+    }
+
+    fn num_pages(&self) -> usize {
+        self.total_num_pages() as usize
+    }
+
+    fn read_page(&self, shard: usize, page: BlockId, out: &mut [u8]) -> io::Result<()> {
+        let (file, off) = shard_file(self, shard, page, out.len())?;
+        file.read_exact_at(out, off)
+    }
+
+    fn write_page(&self, shard: usize, page: BlockId, data: &[u8]) -> io::Result<()> {
+        let (file, off) = shard_file(self, shard, page, data.len())?;
+        file.write_all_at(data, off)
+    }
+}
+
+/// The shared file of `shard`'s backing and the file offset of `page`.
+fn shard_file(
+    mem: &KVCacheMemory,
+    shard: usize,
+    page: BlockId,
+    len: usize,
+) -> io::Result<(File, u64)> {
+    let invalid = |m: String| io::Error::new(io::ErrorKind::InvalidInput, m);
+    let buf = mem
+        .buffers()
+        .get(shard)
+        .ok_or_else(|| invalid(format!("shard {shard} past {}", mem.num_shards())))?;
+    if page.0 as u64 >= buf.num_pages() {
+        return Err(invalid(format!(
+            "page {} past {} pages",
+            page.0,
+            buf.num_pages()
+        )));
+    }
+    if len as u64 != buf.bytes_per_page() {
+        return Err(invalid(format!(
+            "{len}-byte copy of a {}-byte page",
+            buf.bytes_per_page()
+        )));
+    }
+    let (fd, fd_off) = buf.backing().shared_fd().ok_or_else(|| {
+        io::Error::new(
+            io::ErrorKind::Unsupported,
+            "KV buffer without a shared fd (device memory needs the GPU layer)",
+        )
+    })?;
+    let off = fd_off + buf.offset_bytes() + page.0 as u64 * buf.row_stride_bytes();
+    Ok((File::from(fd.try_clone_to_owned()?), off))
 }
