@@ -5,7 +5,7 @@
 mod tier;
 mod worker;
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
 use std::time::Instant;
@@ -32,6 +32,9 @@ use super::{
 ///   until their copy lands). Offload, load and touch refresh recency; within
 ///   one call position 0 (the root) ends most recent, so a sequence's tail is
 ///   evicted before its prefix. Lookup does not refresh.
+/// - An offload gives room block by block in prefix order, a block's rows on
+///   every leaf together: all of them are stored, or all dropped (counted in
+///   `connector_offload_blocks_dropped`, one per row).
 /// - Copies run in posting order on one worker thread; transfer handles
 ///   complete through an atomic that the worker sets after settling the
 ///   table, so a completed load has already released its pins.
@@ -208,12 +211,56 @@ impl HostTierConnector {
         Ok(pages)
     }
 
+    /// The rows of a load or offload grouped by block, in prefix order:
+    /// position by position, leaves in name order within a position; rows of
+    /// one hash on several leaves form one block (the position where the hash
+    /// first appears). With `dedup`, a `(leaf, hash)` repeated in the call
+    /// appears once (an offload stores it once; a load writes every copy).
+    fn blocks_in_prefix_order(
+        &self,
+        block_ids: &PerLeaf<BlockId>,
+        block_hashes: &PerLeaf<BlockHash>,
+        dedup: bool,
+    ) -> Vec<Vec<Row>> {
+        let max_len = block_hashes.values().map(Vec::len).max().unwrap_or(0);
+        let mut blocks: Vec<Vec<Row>> = Vec::new();
+        let mut by_hash: HashMap<BlockHash, usize> = HashMap::new();
+        let mut seen: HashSet<Key> = HashSet::new();
+        for i in 0..max_len {
+            for (leaf_id, hashes) in block_hashes {
+                let Some(&hash) = hashes.get(i) else { continue };
+                let key: Key = (self.leaf_index(leaf_id), hash);
+                if !seen.insert(key) && dedup {
+                    continue;
+                }
+                let g = *by_hash.entry(hash).or_insert_with(|| {
+                    blocks.push(Vec::new());
+                    blocks.len() - 1
+                });
+                blocks[g].push(Row {
+                    leaf_id: leaf_id.clone(),
+                    key,
+                    block: block_ids[leaf_id][i],
+                });
+            }
+        }
+        blocks
+    }
+
     fn metrics_mut(&self) -> std::sync::MutexGuard<'_, KVCacheMetrics> {
         self.shared
             .metrics
             .lock()
             .unwrap_or_else(|e| e.into_inner())
     }
+}
+
+/// One leaf's row of one block in a call.
+#[derive(Debug)]
+struct Row {
+    leaf_id: LeafId,
+    key: Key,
+    block: BlockId,
 }
 
 impl KVConnector for HostTierConnector {
@@ -281,20 +328,21 @@ impl KVConnector for HostTierConnector {
                 });
             }
         }
-        for (leaf_id, hashes) in block_hashes {
-            let li = self.leaf_index(leaf_id);
-            let tick = tier.ticks(hashes.len());
-            for (i, (h, &block)) in hashes.iter().zip(&block_ids[leaf_id]).enumerate() {
-                let key: Key = (li, *h);
-                let data = tier.pin(&key).expect("checked ready under the same lock");
-                tier.touch(&key, tick(i));
-                items.push(LoadItem {
-                    key,
-                    data,
-                    pages: pages[li as usize].clone(),
-                    block,
-                });
-            }
+        let rows: Vec<Row> = self
+            .blocks_in_prefix_order(block_ids, block_hashes, false)
+            .into_iter()
+            .flatten()
+            .collect();
+        let tick = tier.ticks(rows.len());
+        for (k, r) in rows.into_iter().enumerate() {
+            let data = tier.pin(&r.key).expect("checked ready under the same lock");
+            tier.touch(&r.key, tick(k));
+            items.push(LoadItem {
+                key: r.key,
+                data,
+                pages: pages[r.key.0 as usize].clone(),
+                block: r.block,
+            });
         }
         drop(tier);
         let state = TransferState::new(Direction::Load);
@@ -326,23 +374,30 @@ impl KVConnector for HostTierConnector {
         let mut items = Vec::new();
         let mut g0 = PerLeaf::new();
         let mut dropped = 0u64;
+        let blocks = self.blocks_in_prefix_order(block_ids, block_hashes, true);
         let mut tier = self.tier();
-        for (leaf_id, hashes) in block_hashes {
-            let li = self.leaf_index(leaf_id);
-            let tick = tier.ticks(hashes.len());
-            for (i, (h, &block)) in hashes.iter().zip(&block_ids[leaf_id]).enumerate() {
-                let key: Key = (li, *h);
-                match tier.admit(key, self.row_bytes[li as usize], tick(i)) {
+        let tick = tier.ticks(blocks.iter().map(Vec::len).sum());
+        let mut k = 0;
+        for rows in blocks {
+            let admit: Vec<_> = rows
+                .iter()
+                .map(|r| {
+                    k += 1;
+                    (r.key, self.row_bytes[r.key.0 as usize], tick(k - 1))
+                })
+                .collect();
+            for (r, a) in rows.into_iter().zip(tier.admit_group(&admit)) {
+                match a {
                     Admit::AlreadyHeld => {}
                     Admit::NoRoom => dropped += 1,
                     Admit::Admitted => {
-                        g0.entry(leaf_id.clone())
+                        g0.entry(r.leaf_id.clone())
                             .or_insert_with(Vec::new)
-                            .push(block);
+                            .push(r.block);
                         items.push(OffloadItem {
-                            key,
-                            pages: pages[li as usize].clone(),
-                            block,
+                            key: r.key,
+                            pages: pages[r.key.0 as usize].clone(),
+                            block: r.block,
                         });
                     }
                 }
@@ -375,11 +430,12 @@ impl KVConnector for HostTierConnector {
     /// Refresh every served leaf's entries for `block_hashes` (position 0
     /// ends most recent). Unknown hashes are ignored.
     fn touch(&self, block_hashes: &[BlockHash], _replica_idx: usize) {
+        let num_leaves = self.leaves.len();
         let mut tier = self.tier();
-        for li in 0..self.leaves.len() as u32 {
-            let tick = tier.ticks(block_hashes.len());
-            for (i, h) in block_hashes.iter().enumerate() {
-                tier.touch(&(li, *h), tick(i));
+        let tick = tier.ticks(block_hashes.len() * num_leaves);
+        for (i, h) in block_hashes.iter().enumerate() {
+            for li in 0..num_leaves {
+                tier.touch(&(li as u32, *h), tick(i * num_leaves + li));
             }
         }
     }

@@ -84,8 +84,8 @@ impl Tier {
         self.used_bytes
     }
 
-    /// Ticks for a call over `n` positions: position `i` gets `base + n-1-i`,
-    /// so position 0 is the most recent of the call.
+    /// Ticks for a call over `n` rows in prefix order: row `i` gets
+    /// `base + n-1-i`, so row 0 is the most recent of the call.
     pub(crate) fn ticks(&mut self, n: usize) -> impl Fn(usize) -> u64 + use<> {
         let base = self.tick;
         self.tick += n as u64;
@@ -108,39 +108,61 @@ impl Tier {
         }
     }
 
-    /// Reserve `len_bytes` for `key` as a pending entry at recency `tick`,
-    /// evicting least recently used evictable entries as needed. Evicts
-    /// nothing when even that would not make room.
-    pub(crate) fn admit(&mut self, key: Key, len_bytes: u64, tick: u64) -> Admit {
-        if self.entries.get(&key).is_some_and(|e| !e.doomed) {
-            self.touch(&key, tick);
-            return Admit::AlreadyHeld;
+    /// Admit one block's rows, `(key, len_bytes, tick)` per leaf, whole or
+    /// not at all: keys held already (ready or pending) are refreshed to their
+    /// tick; the others get room by evicting least recently used evictable
+    /// entries and become pending, unless even evicting every evictable entry
+    /// would not make room for all of them, in which case nothing is evicted
+    /// and they are all dropped. Returns one [`Admit`] per row, in order.
+    pub(crate) fn admit_group(&mut self, rows: &[(Key, u64, u64)]) -> Vec<Admit> {
+        let mut out = Vec::with_capacity(rows.len());
+        let mut needed = 0u64;
+        for &(key, len_bytes, tick) in rows {
+            match self.entries.get(&key) {
+                Some(e) if !e.doomed => {
+                    self.touch(&key, tick);
+                    out.push(Admit::AlreadyHeld);
+                }
+                Some(_) => out.push(Admit::NoRoom),
+                None => {
+                    needed += len_bytes;
+                    out.push(Admit::Admitted);
+                }
+            }
         }
         let free = self.capacity_bytes - self.used_bytes;
-        if len_bytes > free + self.evictable_bytes || self.entries.contains_key(&key) {
-            return Admit::NoRoom;
+        if needed > free + self.evictable_bytes {
+            out.iter_mut()
+                .filter(|a| **a == Admit::Admitted)
+                .for_each(|a| *a = Admit::NoRoom);
+            return out;
         }
-        while self.capacity_bytes - self.used_bytes < len_bytes {
-            let victim = self
-                .lru
-                .values()
-                .copied()
-                .find(|k| self.entries[k].evictable());
-            self.remove(&victim.expect("evictable bytes account for a victim"));
+        for (&(key, len_bytes, tick), a) in rows.iter().zip(&out) {
+            if *a != Admit::Admitted {
+                continue;
+            }
+            while self.capacity_bytes - self.used_bytes < len_bytes {
+                let victim = self
+                    .lru
+                    .values()
+                    .copied()
+                    .find(|k| self.entries[k].evictable());
+                self.remove(&victim.expect("evictable bytes account for a victim"));
+            }
+            self.used_bytes += len_bytes;
+            self.entries.insert(
+                key,
+                Entry {
+                    len_bytes,
+                    tick,
+                    readers: 0,
+                    slot: Slot::Pending,
+                    doomed: false,
+                },
+            );
+            self.lru.insert(tick, key);
         }
-        self.used_bytes += len_bytes;
-        self.entries.insert(
-            key,
-            Entry {
-                len_bytes,
-                tick,
-                readers: 0,
-                slot: Slot::Pending,
-                doomed: false,
-            },
-        );
-        self.lru.insert(tick, key);
-        Admit::Admitted
+        out
     }
 
     /// Make a pending entry ready with its bytes (removed instead if doomed).
