@@ -228,7 +228,9 @@ impl HostTierConnector {
         let mut seen: HashSet<Key> = HashSet::new();
         for i in 0..max_len {
             for (leaf_id, hashes) in block_hashes {
-                let Some(&hash) = hashes.get(i) else { continue };
+                let (Some(&hash), Some(&block)) = (hashes.get(i), block_ids[leaf_id].get(i)) else {
+                    continue;
+                };
                 let key: Key = (self.leaf_index(leaf_id), hash);
                 if !seen.insert(key) && dedup {
                     continue;
