@@ -242,7 +242,7 @@ impl HostTierConnector {
                 blocks[g].push(Row {
                     leaf_id: leaf_id.clone(),
                     key,
-                    block: block_ids[leaf_id][i],
+                    block,
                 });
             }
         }
