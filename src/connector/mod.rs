@@ -28,7 +28,7 @@
 use std::collections::BTreeMap;
 
 mod error;
-mod host;
+pub(crate) mod host;
 mod ledger;
 mod metrics;
 mod null;
@@ -36,6 +36,9 @@ mod pages;
 pub mod replay;
 mod transfer;
 mod types;
+
+#[cfg(test)]
+mod tests;
 
 pub use error::ConnectorError;
 pub use host::{HostTierConnector, WorkerPause};

@@ -2,7 +2,7 @@
 //! `(leaf, hash)`, with copies on a worker thread (the role of MAX's
 //! `RustTierConnector` host level, and of the deleted `LocalConnector`).
 
-mod tier;
+pub(crate) mod tier;
 mod worker;
 
 use std::collections::{BTreeMap, HashMap, HashSet};
