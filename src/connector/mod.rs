@@ -134,7 +134,8 @@ pub trait KVConnector: Send + Sync {
     /// fails. No-op by default.
     fn poll_transfers(&self) {}
 
-    /// Finish in-flight copies and stop; later calls fail with
+    /// Finish in-flight copies and stop; on connectors with a copy worker,
+    /// later lookups, loads and offloads fail with
     /// [`ConnectorError::ShutDown`]. Idempotent. No-op by default.
     fn shutdown(&self) {}
 
