@@ -59,7 +59,11 @@ fn run_write_read(memfd: bool) {
     // every remote page holds the local page that maps to it
     for (i, &p) in perm.iter().enumerate() {
         let want = fnv(&buf.as_slice()[i * PAGE as usize..(i + 1) * PAGE as usize]);
-        assert_eq!(child.call(&Cmd::Hash { region: 0, offset: p * PAGE, len: PAGE }), Reply::Hash(want, None), "page {i}");
+        assert_eq!(
+            child.call(&Cmd::Hash { region: 0, offset: p * PAGE, len: PAGE }),
+            Reply::Hash(want, None),
+            "page {i}"
+        );
     }
     // READ it back into a zeroed buffer, reversing the permutation
     buf.fill_with(0, buf.len(), |_| 0);
@@ -91,7 +95,13 @@ fn notification_arrives_after_data_without_initiator_polling() {
     // Post and never poll the initiator: the target must still get the
     // notification, and only once all 8 MiB are visible.
     let h = e
-        .post(Op::Write, &[Desc::new(buf.addr(), len as u64)], "target", &[Desc::new(remote, len as u64)], Some(b"done-1".to_vec()))
+        .post(
+            Op::Write,
+            &[Desc::new(buf.addr(), len as u64)],
+            "target",
+            &[Desc::new(remote, len as u64)],
+            Some(b"done-1".to_vec()),
+        )
         .unwrap();
     let reply = child.call(&Cmd::WaitNotif { payload: b"done-1".to_vec(), region: 0, offset: 0, len: len as u64 });
     assert_eq!(reply, Reply::Hash(want, Some("initiator".into())));
@@ -164,7 +174,13 @@ fn out_of_bounds_remote_access_fails_and_writes_nothing() {
     // 1. the engine refuses a descriptor past the published region
     e.connect(&child.meta).unwrap();
     let err = e
-        .post(Op::Write, &[Desc::new(buf.addr(), 2 * PAGE)], "target", &[Desc::new(region.addr + 15 * PAGE, 2 * PAGE)], None)
+        .post(
+            Op::Write,
+            &[Desc::new(buf.addr(), 2 * PAGE)],
+            "target",
+            &[Desc::new(region.addr + 15 * PAGE, 2 * PAGE)],
+            None,
+        )
         .unwrap_err();
     assert!(matches!(err, EngineError::RemoteOutOfBounds { index: 0, .. }), "{err}");
     e.disconnect("target").unwrap();
@@ -174,8 +190,13 @@ fn out_of_bounds_remote_access_fails_and_writes_nothing() {
     forged.regions[0].len_bytes *= 4;
     e.connect(&forged).unwrap();
     let h = e
-        .post(Op::Write, &[Desc::new(buf.addr(), 2 * PAGE), Desc::new(buf.addr(), 2 * PAGE)], "target",
-            &[Desc::new(region.addr, 2 * PAGE), Desc::new(region.addr + 20 * PAGE, 2 * PAGE)], None)
+        .post(
+            Op::Write,
+            &[Desc::new(buf.addr(), 2 * PAGE), Desc::new(buf.addr(), 2 * PAGE)],
+            "target",
+            &[Desc::new(region.addr, 2 * PAGE), Desc::new(region.addr + 20 * PAGE, 2 * PAGE)],
+            None,
+        )
         .unwrap();
     match wait(&mut e, h, Duration::from_secs(5)) {
         TransferStatus::Failed(why) => assert!(why.contains("remote access error"), "{why}"),

@@ -16,3 +16,7 @@ pub mod metadata;
 pub use metadata::{KVTransferEngineMetadata, MemoryType, TensorAgentMetadata};
 pub mod topology;
 pub use topology::TransferStrategy;
+pub mod engine;
+mod transfer;
+pub use engine::{KVTransferEngine, RemoteEngine};
+pub use transfer::page_descs;

@@ -114,7 +114,8 @@ pub fn child_main() {
             heap.push(None);
         } else {
             let v = Arc::new(vec![0u8; len]);
-            let desc = MemoryDesc { addr: v.as_ptr() as u64, len_bytes: len as u64, kind: MemoryKind::Dram, device_id: 0 };
+            let desc =
+                MemoryDesc { addr: v.as_ptr() as u64, len_bytes: len as u64, kind: MemoryKind::Dram, device_id: 0 };
             // SAFETY: `v` is kept alive in `heap` until the process exits,
             // longer than the engine that holds the registration.
             let raw = unsafe { RawMemory::new(desc) };
