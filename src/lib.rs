@@ -45,6 +45,7 @@
 #![warn(missing_docs)]
 #![warn(clippy::undocumented_unsafe_blocks)]
 
+pub mod connector;
 pub mod engine;
 pub mod kv;
 pub mod sidechannel;
