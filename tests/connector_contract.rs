@@ -26,10 +26,7 @@ fn names_and_leaves() {
 fn hashes_are_8_or_32_canonical_bytes() {
     for len in [0, 1, 7, 9, 16, 31, 33, 64] {
         let e = BlockHash::from_bytes(&vec![0u8; len]).unwrap_err();
-        assert!(
-            matches!(e, ConnectorError::InvalidHashLength { len_bytes } if len_bytes == len),
-            "{e}"
-        );
+        assert!(matches!(e, ConnectorError::InvalidHashLength { len_bytes } if len_bytes == len), "{e}");
     }
     let h8 = BlockHash::from_bytes(&[0, 0, 0, 0, 0, 0, 1, 2]).unwrap();
     assert_eq!(h8, BlockHash::from_u64(0x0102), "8 bytes are big-endian");
@@ -37,36 +34,17 @@ fn hashes_are_8_or_32_canonical_bytes() {
     let d: Vec<u8> = (0..32).collect();
     let h32 = BlockHash::from_bytes(&d).unwrap();
     assert_eq!(h32.to_bytes(), d);
-    assert_eq!(
-        h32.seq_hash(),
-        0x0001_0203_0405_0607,
-        "dKV truncates SHA-256 to its first 8 bytes"
-    );
-    assert_ne!(
-        h32,
-        BlockHash::from_u64(h32.seq_hash()),
-        "a SHA-256 is not its truncation"
-    );
+    assert_eq!(h32.seq_hash(), 0x0001_0203_0405_0607, "dKV truncates SHA-256 to its first 8 bytes");
+    assert_ne!(h32, BlockHash::from_u64(h32.seq_hash()), "a SHA-256 is not its truncation");
 }
 
 #[test]
 fn lookup_gives_one_mask_per_leaf_of_the_sequence_length() {
     each(|f| {
         for n in [0, 1, 5] {
-            let masks = f
-                .conn
-                .lookup(&hs(&(0..n).collect::<Vec<_>>()), 0, None)
-                .unwrap();
-            assert_eq!(
-                masks.keys().cloned().collect::<Vec<_>>(),
-                leaves().into_keys().collect::<Vec<_>>()
-            );
-            assert!(
-                masks
-                    .values()
-                    .all(|m| m.len() == n as usize && m.iter().all(|&p| !p)),
-                "fresh: all absent"
-            );
+            let masks = f.conn.lookup(&hs(&(0..n).collect::<Vec<_>>()), 0, None).unwrap();
+            assert_eq!(masks.keys().cloned().collect::<Vec<_>>(), leaves().into_keys().collect::<Vec<_>>());
+            assert!(masks.values().all(|m| m.len() == n as usize && m.iter().all(|&p| !p)), "fresh: all absent");
         }
     });
 }
@@ -76,41 +54,16 @@ fn load_must_follow_a_lookup_with_the_same_replica_and_hint_at_most_once() {
     each(|f| {
         let none = PerLeaf::new();
         let no_lookup = f.conn.load(&none, &PerLeaf::new(), 0, None).unwrap_err();
-        assert!(
-            matches!(
-                no_lookup,
-                ConnectorError::LoadWithoutLookup { replica_idx: 0 }
-            ),
-            "{no_lookup}"
-        );
+        assert!(matches!(no_lookup, ConnectorError::LoadWithoutLookup { replica_idx: 0 }), "{no_lookup}");
 
-        f.conn
-            .lookup(&hs(&[1]), 0, Some(b"{\"version\":2}"))
-            .unwrap();
+        f.conn.lookup(&hs(&[1]), 0, Some(b"{\"version\":2}")).unwrap();
         let wrong_hint = f.conn.load(&none, &PerLeaf::new(), 0, None).unwrap_err();
-        assert!(matches!(
-            wrong_hint,
-            ConnectorError::LoadWithoutLookup { .. }
-        ));
-        let wrong_replica = f
-            .conn
-            .load(&none, &PerLeaf::new(), 1, Some(b"{\"version\":2}"))
-            .unwrap_err();
-        assert!(matches!(
-            wrong_replica,
-            ConnectorError::LoadWithoutLookup { replica_idx: 1 }
-        ));
-        f.conn
-            .load(&none, &PerLeaf::new(), 0, Some(b"{\"version\":2}"))
-            .unwrap();
-        let second = f
-            .conn
-            .load(&none, &PerLeaf::new(), 0, Some(b"{\"version\":2}"))
-            .unwrap_err();
-        assert!(
-            matches!(second, ConnectorError::LoadWithoutLookup { .. }),
-            "{second}"
-        );
+        assert!(matches!(wrong_hint, ConnectorError::LoadWithoutLookup { .. }));
+        let wrong_replica = f.conn.load(&none, &PerLeaf::new(), 1, Some(b"{\"version\":2}")).unwrap_err();
+        assert!(matches!(wrong_replica, ConnectorError::LoadWithoutLookup { replica_idx: 1 }));
+        f.conn.load(&none, &PerLeaf::new(), 0, Some(b"{\"version\":2}")).unwrap();
+        let second = f.conn.load(&none, &PerLeaf::new(), 0, Some(b"{\"version\":2}")).unwrap_err();
+        assert!(matches!(second, ConnectorError::LoadWithoutLookup { .. }), "{second}");
 
         // Back-to-back lookups each allow one load.
         f.conn.lookup(&[], 1, None).unwrap();
@@ -125,10 +78,7 @@ fn load_must_follow_a_lookup_with_the_same_replica_and_hint_at_most_once() {
 fn load_of_nothing_is_a_completed_transfer_polled_safely_again() {
     each(|f| {
         f.conn.lookup(&hs(&[1, 2]), 0, None).unwrap();
-        let t = f
-            .conn
-            .load(&every_leaf(vec![]), &every_leaf(vec![]), 0, None)
-            .unwrap();
+        let t = f.conn.load(&every_leaf(vec![]), &every_leaf(vec![]), 0, None).unwrap();
         for _ in 0..3 {
             assert!(t.is_complete().unwrap());
             t.synchronize().unwrap();
@@ -143,44 +93,22 @@ fn per_leaf_lengths_must_match_and_bad_arguments_do_not_consume_the_lookup() {
         let (ids2, _) = args(&[1, 2], &[]);
         let (_, hashes1) = args(&[], &[1]);
         let e = f.conn.load(&ids2, &hashes1, 0, None).unwrap_err();
-        assert!(
-            matches!(
-                &e,
-                ConnectorError::LengthMismatch {
-                    num_block_ids: 2,
-                    num_block_hashes: 1,
-                    ..
-                }
-            ),
-            "{e}"
-        );
+        assert!(matches!(&e, ConnectorError::LengthMismatch { num_block_ids: 2, num_block_hashes: 1, .. }), "{e}");
         let e = f.conn.offload(&ids2, &hashes1, 0).unwrap_err();
         assert!(matches!(&e, ConnectorError::LengthMismatch { .. }), "{e}");
 
         // A leaf in one map only: its other list counts as empty.
         let mut only_ids = PerLeaf::new();
         only_ids.insert(LeafId::from("full"), ids(&[3]));
-        let e = f
-            .conn
-            .load(&only_ids, &PerLeaf::new(), 0, None)
-            .unwrap_err();
-        assert!(matches!(
-            &e,
-            ConnectorError::LengthMismatch {
-                num_block_ids: 1,
-                num_block_hashes: 0,
-                ..
-            }
-        ));
+        let e = f.conn.load(&only_ids, &PerLeaf::new(), 0, None).unwrap_err();
+        assert!(matches!(&e, ConnectorError::LengthMismatch { num_block_ids: 1, num_block_hashes: 0, .. }));
 
         let mut unknown = PerLeaf::new();
         unknown.insert(LeafId::from("nope"), hs(&[1]));
         let mut unknown_ids = PerLeaf::new();
         unknown_ids.insert(LeafId::from("nope"), ids(&[1]));
         let e = f.conn.load(&unknown_ids, &unknown, 0, None).unwrap_err();
-        assert!(
-            matches!(&e, ConnectorError::UnknownLeaf { leaf_id } if leaf_id.as_str() == "nope")
-        );
+        assert!(matches!(&e, ConnectorError::UnknownLeaf { leaf_id } if leaf_id.as_str() == "nope"));
         let e = f.conn.offload(&unknown_ids, &unknown, 0).unwrap_err();
         assert!(matches!(&e, ConnectorError::UnknownLeaf { .. }));
 
@@ -189,9 +117,7 @@ fn per_leaf_lengths_must_match_and_bad_arguments_do_not_consume_the_lookup() {
         assert!(matches!(&e, ConnectorError::DuplicateBlockId { .. }), "{e}");
 
         // The lookup is still open.
-        f.conn
-            .load(&PerLeaf::new(), &PerLeaf::new(), 0, None)
-            .unwrap();
+        f.conn.load(&PerLeaf::new(), &PerLeaf::new(), 0, None).unwrap();
     });
 }
 
@@ -208,11 +134,7 @@ fn load_refuses_before_anything_moves_when_a_block_is_not_held() {
         let (i, hsh) = args(&[5, 6], &[10, 11]);
         let e = f.conn.load(&i, &hsh, 0, None).unwrap_err();
         match &e {
-            ConnectorError::LoadRefused {
-                leaf_id,
-                block_hash,
-                ..
-            } => {
+            ConnectorError::LoadRefused { leaf_id, block_hash, .. } => {
                 assert!(leaf_id.is_some());
                 let want = if f.holds { h(11) } else { h(10) };
                 assert_eq!(*block_hash, Some(want));
@@ -232,16 +154,9 @@ fn offload_then_load_round_trips_bytes_or_stays_absent() {
         let (i, hsh) = args(&[1, 2, 3], &[100, 101, 102]);
         let t = f.conn.offload(&i, &hsh, 0).unwrap();
         if f.holds {
-            assert_eq!(
-                t.g0_blocks_per_leaf(),
-                &i,
-                "every block pinned until it lands"
-            );
+            assert_eq!(t.g0_blocks_per_leaf(), &i, "every block pinned until it lands");
         } else {
-            assert!(
-                t.g0_blocks_per_leaf().is_empty(),
-                "nothing moved, pinned nowhere"
-            );
+            assert!(t.g0_blocks_per_leaf().is_empty(), "nothing moved, pinned nowhere");
         }
         t.synchronize().unwrap();
         for _ in 0..3 {
@@ -263,10 +178,7 @@ fn offload_then_load_round_trips_bytes_or_stays_absent() {
                     f.assert_holds(1, b, hash);
                 }
             }
-            Err(e) => assert!(
-                !f.holds && matches!(e, ConnectorError::LoadRefused { .. }),
-                "{e}"
-            ),
+            Err(e) => assert!(!f.holds && matches!(e, ConnectorError::LoadRefused { .. }), "{e}"),
         }
     });
 }
@@ -284,16 +196,9 @@ fn offload_skips_hashes_already_held_and_leaves_may_differ_in_length() {
         i.insert(LeafId::from("swa"), ids(&[2]));
         hsh.insert(LeafId::from("swa"), hs(&[8]));
         let t = f.conn.offload(&i, &hsh, 0).unwrap();
-        let pinned: Vec<_> = t
-            .g0_blocks_per_leaf()
-            .iter()
-            .map(|(l, b)| (l.as_str().to_owned(), b.clone()))
-            .collect();
+        let pinned: Vec<_> = t.g0_blocks_per_leaf().iter().map(|(l, b)| (l.as_str().to_owned(), b.clone())).collect();
         if f.holds {
-            let want: Vec<_> = ["full", "mla", "swa"]
-                .iter()
-                .map(|l| (l.to_string(), ids(&[2])))
-                .collect();
+            let want: Vec<_> = ["full", "mla", "swa"].iter().map(|l| (l.to_string(), ids(&[2]))).collect();
             assert_eq!(pinned, want, "7 is held already on every leaf");
         } else {
             assert!(pinned.is_empty());

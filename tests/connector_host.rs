@@ -9,8 +9,7 @@ use std::sync::Arc;
 
 use connector_util::*;
 use kvwire::connector::{
-    BlockId, ConnectorError, DevicePages, HostTierConnector, KVCacheGroupId, KVConnector,
-    KVTransfer, LeafId, PerLeaf,
+    BlockId, ConnectorError, DevicePages, HostTierConnector, KVCacheGroupId, KVConnector, KVTransfer, LeafId, PerLeaf,
 };
 use kvwire::kv::KVCacheMemory;
 
@@ -26,9 +25,7 @@ fn offload_sync(f: &Fixture, block: u32, hash: u64) {
 fn present(f: &Fixture, hashes: &[u64]) -> Vec<bool> {
     let masks = f.conn.lookup(&hs(hashes), 0, None).unwrap();
     // Keep the ledger balanced: every lookup here is followed by an empty load.
-    f.conn
-        .load(&PerLeaf::new(), &PerLeaf::new(), 0, None)
-        .unwrap();
+    f.conn.load(&PerLeaf::new(), &PerLeaf::new(), 0, None).unwrap();
     let full = &masks[&LeafId::from("full")];
     assert!(masks.values().all(|m| m == full), "leaves agree");
     full.clone()
@@ -42,11 +39,7 @@ fn lru_evicts_least_recently_used_and_touch_refreshes() {
     }
     f.conn.touch(&hs(&[1]), 0);
     offload_sync(&f, 4, 4);
-    assert_eq!(
-        present(&f, &[1, 2, 3, 4]),
-        vec![true, false, true, true],
-        "2 was least recently used"
-    );
+    assert_eq!(present(&f, &[1, 2, 3, 4]), vec![true, false, true, true], "2 was least recently used");
     assert_eq!(f.conn.host_byte_count().used(), 3 * BLOCK_BYTES);
 }
 
@@ -59,10 +52,7 @@ fn one_call_keeps_the_root_most_recent_so_tails_go_first() {
     let (i, hsh) = args(&[1, 2, 3], &[10, 11, 12]);
     f.conn.offload(&i, &hsh, 0).unwrap().synchronize().unwrap();
     offload_sync(&f, 4, 20);
-    assert_eq!(
-        present(&f, &[10, 11, 12, 20]),
-        vec![true, true, false, true]
-    );
+    assert_eq!(present(&f, &[10, 11, 12, 20]), vec![true, true, false, true]);
 }
 
 #[test]
@@ -83,11 +73,7 @@ fn offload_drops_what_does_not_fit_and_reports_it() {
     tiny.fill(0, 1, 1);
     let (i, hsh) = args(&[1], &[1]);
     let t = tiny.conn.offload(&i, &hsh, 0).unwrap();
-    assert_eq!(
-        t.num_pinned_blocks(),
-        0,
-        "a block's rows are stored together or not at all"
-    );
+    assert_eq!(t.num_pinned_blocks(), 0, "a block's rows are stored together or not at all");
     assert_eq!(tiny.conn.take_metrics().connector_offload_blocks_dropped, 3);
 }
 
@@ -134,15 +120,9 @@ fn offload_and_load_of_the_same_hash_in_flight() {
     assert_eq!(present(&f, &[7]), vec![false]);
     f.conn.lookup(&hs(&[7]), 0, None).unwrap();
     let (i2, hsh2) = args(&[2], &[7]);
-    assert!(matches!(
-        f.conn.load(&i2, &hsh2, 0, None),
-        Err(ConnectorError::LoadRefused { .. })
-    ));
+    assert!(matches!(f.conn.load(&i2, &hsh2, 0, None), Err(ConnectorError::LoadRefused { .. })));
     // A second offload of it is skipped.
-    assert_eq!(
-        f.conn.offload(&i2, &hsh2, 0).unwrap().num_pinned_blocks(),
-        0
-    );
+    assert_eq!(f.conn.offload(&i2, &hsh2, 0).unwrap().num_pinned_blocks(), 0);
     drop(pause);
     off.synchronize().unwrap();
 
@@ -153,10 +133,7 @@ fn offload_and_load_of_the_same_hash_in_flight() {
     let load = f.conn.load(&i2, &hsh2, 0, None).unwrap();
     f.fill(0, 3, 999);
     let (i3, hsh3) = args(&[3], &[7]);
-    assert_eq!(
-        f.conn.offload(&i3, &hsh3, 0).unwrap().num_pinned_blocks(),
-        0
-    );
+    assert_eq!(f.conn.offload(&i3, &hsh3, 0).unwrap().num_pinned_blocks(), 0);
     drop(pause);
     load.synchronize().unwrap();
     f.assert_holds(0, 2, 7);
@@ -179,11 +156,7 @@ fn a_pinned_device_block_is_read_before_a_later_load_overwrites_it() {
     f.assert_holds(0, 5, 1);
     f.conn.lookup(&hs(&[50]), 0, None).unwrap();
     let (i, hsh) = args(&[6], &[50]);
-    f.conn
-        .load(&i, &hsh, 0, None)
-        .unwrap()
-        .synchronize()
-        .unwrap();
+    f.conn.load(&i, &hsh, 0, None).unwrap().synchronize().unwrap();
     f.assert_holds(0, 6, 50);
 }
 
@@ -207,11 +180,7 @@ fn threads_offload_and_load_overlapping_hashes() {
                     let masks = c.lookup(&hs(&[want]), r, Some(&hint)).unwrap();
                     let dst = 20 + (round % 10) as u32;
                     let held = masks.values().all(|m| m[0]);
-                    let (i, hsh) = if held {
-                        args(&[dst], &[want])
-                    } else {
-                        args(&[], &[])
-                    };
+                    let (i, hsh) = if held { args(&[dst], &[want]) } else { args(&[], &[]) };
                     match c.load(&i, &hsh, r, Some(&hint)) {
                         Ok(t) => {
                             t.synchronize().unwrap();
@@ -237,64 +206,29 @@ fn replicated_leaf_is_stored_once_and_broadcast_to_every_shard_and_replica() {
     offload_sync(&f, 1, 42);
     f.conn.lookup(&hs(&[42]), 1, None).unwrap();
     let (i, hsh) = args(&[9], &[42]);
-    f.conn
-        .load(&i, &hsh, 1, None)
-        .unwrap()
-        .synchronize()
-        .unwrap();
+    f.conn.load(&i, &hsh, 1, None).unwrap().synchronize().unwrap();
     f.assert_holds(1, 9, 42);
     assert_eq!(f.page(1, "mla", 0, 9), f.page(1, "mla", 1, 9));
-    assert_ne!(
-        f.page(1, "full", 0, 9),
-        f.page(1, "full", 1, 9),
-        "TP shards split"
-    );
+    assert_ne!(f.page(1, "full", 0, 9), f.page(1, "full", 1, 9), "TP shards split");
     let m = f.conn.take_metrics();
     assert_eq!((m.nixl_read_blocks, m.nixl_read_bytes), (3, 256));
     assert_eq!(m.h2d_bytes_copied, 128 + 128 + 64, "every shard written");
-    assert_eq!(
-        (m.nixl_read_latency_count, m.nixl_write_latency_count),
-        (1, 1)
-    );
-    assert!(
-        m.nixl_read_latency_max_ms >= 0.0
-            && m.nixl_read_latency_max_ms <= m.nixl_read_latency_total_ms
-    );
+    assert_eq!((m.nixl_read_latency_count, m.nixl_write_latency_count), (1, 1));
+    assert!(m.nixl_read_latency_max_ms >= 0.0 && m.nixl_read_latency_max_ms <= m.nixl_read_latency_total_ms);
 }
 
 #[test]
 fn argument_errors() {
     let (_c, f) = host_fixture(16 * BLOCK_BYTES, 1);
     let e = f.conn.lookup(&hs(&[1]), 3, None).unwrap_err();
-    assert!(matches!(
-        e,
-        ConnectorError::NoSuchReplica {
-            replica_idx: 3,
-            num_replicas: 1
-        }
-    ));
+    assert!(matches!(e, ConnectorError::NoSuchReplica { replica_idx: 3, num_replicas: 1 }));
     let (i, hsh) = args(&[PAGES as u32], &[1]);
     let e = f.conn.offload(&i, &hsh, 0).unwrap_err();
-    assert!(
-        matches!(
-            e,
-            ConnectorError::BlockOutOfRange {
-                num_pages: PAGES,
-                ..
-            }
-        ),
-        "{e}"
-    );
-    let e = f
-        .conn
-        .offload(&every_leaf(ids(&[1])), &every_leaf(hs(&[1])), 1)
-        .unwrap_err();
+    assert!(matches!(e, ConnectorError::BlockOutOfRange { num_pages: PAGES, .. }), "{e}");
+    let e = f.conn.offload(&every_leaf(ids(&[1])), &every_leaf(hs(&[1])), 1).unwrap_err();
     assert!(matches!(e, ConnectorError::NoSuchReplica { .. }));
     let mut wrong = BTreeMap::new();
-    wrong.insert(
-        LeafId::from("full"),
-        f.pages[0][&LeafId::from("full")].clone() as Arc<dyn DevicePages>,
-    );
+    wrong.insert(LeafId::from("full"), f.pages[0][&LeafId::from("full")].clone() as Arc<dyn DevicePages>);
     let e = HostTierConnector::new(leaves(), vec![wrong], 1024).unwrap_err();
     assert!(matches!(e, ConnectorError::InvalidPages { .. }));
     assert!(HostTierConnector::new(leaves(), vec![], 1024).is_err());
@@ -345,19 +279,12 @@ fn failed_copies_surface_from_the_transfer_and_leave_nothing_behind() {
     let leaf = LeafId::from("full");
     let c = HostTierConnector::new(
         BTreeMap::from([(leaf.clone(), KVCacheGroupId::full())]),
-        vec![BTreeMap::from([(
-            leaf.clone(),
-            failing.clone() as Arc<dyn DevicePages>,
-        )])],
+        vec![BTreeMap::from([(leaf.clone(), failing.clone() as Arc<dyn DevicePages>)])],
         1024,
     )
     .unwrap();
-    let one = |b: u32, hash: u64| {
-        (
-            PerLeaf::from([(leaf.clone(), ids(&[b]))]),
-            PerLeaf::from([(leaf.clone(), hs(&[hash]))]),
-        )
-    };
+    let one =
+        |b: u32, hash: u64| (PerLeaf::from([(leaf.clone(), ids(&[b]))]), PerLeaf::from([(leaf.clone(), hs(&[hash]))]));
     let (i, hsh) = one(1, 1);
     c.offload(&i, &hsh, 0).unwrap().synchronize().unwrap(); // uses the one good copy
     let (i, hsh) = one(2, 2);
@@ -365,11 +292,7 @@ fn failed_copies_surface_from_the_transfer_and_leave_nothing_behind() {
     let e = off.synchronize().unwrap_err();
     assert!(matches!(e, ConnectorError::OffloadFailed { .. }), "{e}");
     assert!(off.is_complete().is_err(), "failure is sticky");
-    assert_eq!(
-        c.host_byte_count().used(),
-        64,
-        "the failed block is not kept"
-    );
+    assert_eq!(c.host_byte_count().used(), 64, "the failed block is not kept");
 
     c.lookup(&hs(&[1]), 0, None).unwrap();
     let (i, hsh) = one(3, 1);
@@ -377,19 +300,10 @@ fn failed_copies_surface_from_the_transfer_and_leave_nothing_behind() {
     for _ in 0..3 {
         let e = load.synchronize().unwrap_err();
         assert!(matches!(e, ConnectorError::LoadFailed { .. }), "{e}");
-        assert!(matches!(
-            load.is_complete(),
-            Err(ConnectorError::LoadFailed { .. })
-        ));
+        assert!(matches!(load.is_complete(), Err(ConnectorError::LoadFailed { .. })));
     }
     let m = c.take_metrics();
-    assert_eq!(
-        (
-            m.connector_load_failures,
-            m.connector_offload_blocks_dropped
-        ),
-        (1, 1)
-    );
+    assert_eq!((m.connector_load_failures, m.connector_offload_blocks_dropped), (1, 1));
     // The failed load released its pin: the block can be evicted and reset.
     c.reset_prefix_cache();
     assert_eq!(c.host_byte_count().used(), 0);
@@ -404,32 +318,17 @@ fn kv_cache_memory_serves_as_device_pages() {
     bufs[1].fill_with(32 * 3, 32, |i| 100 + i as u8);
     let c = kvwire::connector::replay::host_tier_for(mem, 1 << 20).unwrap();
     let leaf = LeafId::from("full");
-    c.offload(
-        &PerLeaf::from([(leaf.clone(), ids(&[3]))]),
-        &PerLeaf::from([(leaf.clone(), hs(&[9]))]),
-        0,
-    )
-    .unwrap()
-    .synchronize()
-    .unwrap();
+    c.offload(&PerLeaf::from([(leaf.clone(), ids(&[3]))]), &PerLeaf::from([(leaf.clone(), hs(&[9]))]), 0)
+        .unwrap()
+        .synchronize()
+        .unwrap();
     c.lookup(&hs(&[9]), 0, None).unwrap();
-    c.load(
-        &PerLeaf::from([(leaf.clone(), ids(&[5]))]),
-        &PerLeaf::from([(leaf, hs(&[9]))]),
-        0,
-        None,
-    )
-    .unwrap()
-    .synchronize()
-    .unwrap();
-    assert_eq!(
-        &bufs[0].as_slice()[32 * 5..32 * 6],
-        &bufs[0].as_slice()[32 * 3..32 * 4]
-    );
-    assert_eq!(
-        &bufs[1].as_slice()[32 * 5..32 * 6],
-        &bufs[1].as_slice()[32 * 3..32 * 4]
-    );
+    c.load(&PerLeaf::from([(leaf.clone(), ids(&[5]))]), &PerLeaf::from([(leaf, hs(&[9]))]), 0, None)
+        .unwrap()
+        .synchronize()
+        .unwrap();
+    assert_eq!(&bufs[0].as_slice()[32 * 5..32 * 6], &bufs[0].as_slice()[32 * 3..32 * 4]);
+    assert_eq!(&bufs[1].as_slice()[32 * 5..32 * 6], &bufs[1].as_slice()[32 * 3..32 * 4]);
     assert_eq!(bufs[1].as_slice()[32 * 5], 100);
 }
 
@@ -441,20 +340,11 @@ fn shutdown_finishes_posted_copies_then_refuses_work() {
     let (i, hsh) = args(&[1], &[1]);
     let off = f.conn.offload(&i, &hsh, 0).unwrap();
     f.conn.shutdown();
-    assert!(
-        off.is_complete().unwrap(),
-        "shutdown drained the queue despite the pause"
-    );
+    assert!(off.is_complete().unwrap(), "shutdown drained the queue despite the pause");
     drop(pause);
     f.conn.shutdown();
-    assert!(matches!(
-        f.conn.lookup(&hs(&[1]), 0, None),
-        Err(ConnectorError::ShutDown)
-    ));
-    assert!(matches!(
-        f.conn.offload(&i, &hsh, 0),
-        Err(ConnectorError::ShutDown)
-    ));
+    assert!(matches!(f.conn.lookup(&hs(&[1]), 0, None), Err(ConnectorError::ShutDown)));
+    assert!(matches!(f.conn.offload(&i, &hsh, 0), Err(ConnectorError::ShutDown)));
     f.conn.touch(&hs(&[1]), 0);
     f.conn.poll_transfers();
 }
@@ -470,11 +360,7 @@ fn reset_drops_everything_once_loads_land() {
     let load = f.conn.load(&i, &hsh, 0, None).unwrap();
     f.conn.reset_prefix_cache();
     assert_eq!(present(&f, &[1, 2]), vec![false, false]);
-    assert_eq!(
-        f.conn.host_byte_count().used(),
-        BLOCK_BYTES,
-        "1 stays until its load lands"
-    );
+    assert_eq!(f.conn.host_byte_count().used(), BLOCK_BYTES, "1 stays until its load lands");
     drop(pause);
     load.synchronize().unwrap();
     f.assert_holds(0, 5, 1);

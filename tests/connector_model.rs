@@ -10,8 +10,8 @@ use std::sync::Arc;
 
 use connector_util::{content, fill_page};
 use kvwire::connector::{
-    BlockHash, BlockId, ConnectorError, DevicePages, HostPages, HostTierConnector, KVCacheGroupId,
-    KVConnector, KVTransfer, LeafId, PerLeaf,
+    BlockHash, BlockId, ConnectorError, DevicePages, HostPages, HostTierConnector, KVCacheGroupId, KVConnector,
+    KVTransfer, LeafId, PerLeaf,
 };
 use proptest::prelude::*;
 
@@ -90,12 +90,7 @@ impl Model {
                 k += 1;
             }
             let needed: u64 = new.iter().map(|(key, _)| ROW[key.0]).sum();
-            let evictable: u64 = self
-                .entries
-                .iter()
-                .filter(|(key, _)| !pending.contains(*key))
-                .map(|(_, e)| e.0)
-                .sum();
+            let evictable: u64 = self.entries.iter().filter(|(key, _)| !pending.contains(*key)).map(|(_, e)| e.0).sum();
             if needed > self.capacity - self.used + evictable {
                 continue;
             }
@@ -118,9 +113,7 @@ impl Model {
     }
 
     fn holds_all(&self, hashes: &[u64]) -> bool {
-        hashes
-            .iter()
-            .all(|&h| (0..2).all(|l| self.entries.contains_key(&(l, h))))
+        hashes.iter().all(|&h| (0..2).all(|l| self.entries.contains_key(&(l, h))))
     }
 
     fn load(&mut self, hashes: &[u64]) {

@@ -5,9 +5,7 @@ use std::sync::Arc;
 use kvwire::connector::replay::{
     HitRate, host_tier_for, load_prefix, num_full_blocks, offload_prefix, unlimited_tier_hit_rate,
 };
-use kvwire::connector::{
-    BlockId, ConnectorError, DevicePages, HostPages, KVConnector, KVTransfer, NullConnector,
-};
+use kvwire::connector::{BlockId, ConnectorError, DevicePages, HostPages, KVConnector, KVTransfer, NullConnector};
 
 fn blocks(from: u32, n: usize) -> Vec<BlockId> {
     (from..from + n as u32).map(BlockId).collect()
@@ -26,15 +24,7 @@ fn prefix_hits_are_loaded_and_new_full_blocks_offloaded() {
     let l = load_prefix(&conn, &r1, &b1, 0).unwrap();
     assert_eq!((l.num_blocks, l.hit_blocks), (3, 0));
     assert!(l.transfer.is_complete().unwrap());
-    let off = offload_prefix(
-        &conn,
-        &r1,
-        &b1,
-        l.hit_blocks,
-        num_full_blocks(2 * 512 + 100),
-        0,
-    )
-    .unwrap();
+    let off = offload_prefix(&conn, &r1, &b1, l.hit_blocks, num_full_blocks(2 * 512 + 100), 0).unwrap();
     assert_eq!(off.num_pinned_blocks(), 2);
     off.synchronize().unwrap();
 
@@ -47,18 +37,12 @@ fn prefix_hits_are_loaded_and_new_full_blocks_offloaded() {
     assert_eq!(pages.page(0, BlockId(10)), &[1u8; 128][..]);
     assert_eq!(pages.page(0, BlockId(11)), &[2u8; 128][..]);
     let off = offload_prefix(&conn, &r2, &b2, 2, num_full_blocks(4 * 512), 0).unwrap();
-    assert_eq!(
-        off.g0_blocks_per_leaf().values().next().unwrap(),
-        &blocks(12, 2)
-    );
+    assert_eq!(off.g0_blocks_per_leaf().values().next().unwrap(), &blocks(12, 2));
     off.synchronize().unwrap();
 
     let m = conn.take_metrics();
     assert_eq!((m.nixl_read_blocks, m.nixl_write_blocks), (2, 4));
-    assert!(matches!(
-        load_prefix(&conn, &r2, &b2[..2], 0),
-        Err(ConnectorError::LengthMismatch { .. })
-    ));
+    assert!(matches!(load_prefix(&conn, &r2, &b2[..2], 0), Err(ConnectorError::LengthMismatch { .. })));
 }
 
 #[test]
@@ -66,12 +50,7 @@ fn null_connector_never_hits() {
     let conn = NullConnector::default();
     let l = load_prefix(&conn, &[1, 2], &blocks(1, 2), 0).unwrap();
     assert_eq!(l.hit_blocks, 0);
-    assert_eq!(
-        offload_prefix(&conn, &[1, 2], &blocks(1, 2), 0, 2, 0)
-            .unwrap()
-            .num_pinned_blocks(),
-        0
-    );
+    assert_eq!(offload_prefix(&conn, &[1, 2], &blocks(1, 2), 0, 2, 0).unwrap().num_pinned_blocks(), 0);
     assert_eq!(conn.take_metrics(), Default::default());
 }
 
@@ -84,13 +63,7 @@ fn unlimited_tier_counts_leading_repeats() {
         (vec![9, 2], 2),       // 0: a different root
     ];
     let r = unlimited_tier_hit_rate(reqs.iter().map(|(h, n)| (h.as_slice(), *n)));
-    assert_eq!(
-        r,
-        HitRate {
-            hit_blocks: 6,
-            total_blocks: 13
-        }
-    );
+    assert_eq!(r, HitRate { hit_blocks: 6, total_blocks: 13 });
     assert!((r.rate() - 6.0 / 13.0).abs() < 1e-12);
     assert_eq!(HitRate::default().rate(), 0.0);
 }

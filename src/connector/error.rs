@@ -14,9 +14,7 @@ use super::{BlockHash, BlockId, LeafId};
 pub enum ConnectorError {
     /// A block hash whose canonical bytes are neither 8 (ahash64 family) nor
     /// 32 (SHA-256) long.
-    #[error(
-        "block hash of {len_bytes} bytes: canonical hashes are 8 (ahash64) or 32 (SHA-256) bytes"
-    )]
+    #[error("block hash of {len_bytes} bytes: canonical hashes are 8 (ahash64) or 32 (SHA-256) bytes")]
     InvalidHashLength {
         /// The length given.
         len_bytes: usize,

@@ -38,18 +38,11 @@ impl LookupLedger {
         let mut g = self.inner.lock().unwrap_or_else(|e| e.into_inner());
         g.tick += 1;
         let tick = g.tick;
-        let e = g
-            .open
-            .entry((replica_idx, hint.map(<[u8]>::to_vec)))
-            .or_insert((0, 0));
+        let e = g.open.entry((replica_idx, hint.map(<[u8]>::to_vec))).or_insert((0, 0));
         e.0 += 1;
         e.1 = tick;
         if g.open.len() > MAX_LOOKUP_KEYS {
-            let oldest = g
-                .open
-                .iter()
-                .min_by_key(|(_, v)| v.1)
-                .map(|(k, _)| k.clone());
+            let oldest = g.open.iter().min_by_key(|(_, v)| v.1).map(|(k, _)| k.clone());
             if let Some(k) = oldest {
                 g.open.remove(&k);
             }
@@ -60,11 +53,7 @@ impl LookupLedger {
     ///
     /// # Errors
     /// [`ConnectorError::LoadWithoutLookup`] when none is open.
-    pub(crate) fn consume(
-        &self,
-        replica_idx: usize,
-        hint: Option<&[u8]>,
-    ) -> Result<(), ConnectorError> {
+    pub(crate) fn consume(&self, replica_idx: usize, hint: Option<&[u8]>) -> Result<(), ConnectorError> {
         let mut g = self.inner.lock().unwrap_or_else(|e| e.into_inner());
         let key = (replica_idx, hint.map(<[u8]>::to_vec));
         match g.open.get_mut(&key) {
@@ -93,18 +82,12 @@ pub(crate) fn check_per_leaf(
 ) -> Result<(), ConnectorError> {
     for leaf_id in block_ids.keys().chain(block_hashes.keys()) {
         if !leaves.contains_key(leaf_id) {
-            return Err(ConnectorError::UnknownLeaf {
-                leaf_id: leaf_id.clone(),
-            });
+            return Err(ConnectorError::UnknownLeaf { leaf_id: leaf_id.clone() });
         }
         let num_block_ids = block_ids.get(leaf_id).map_or(0, Vec::len);
         let num_block_hashes = block_hashes.get(leaf_id).map_or(0, Vec::len);
         if num_block_ids != num_block_hashes {
-            return Err(ConnectorError::LengthMismatch {
-                leaf_id: leaf_id.clone(),
-                num_block_ids,
-                num_block_hashes,
-            });
+            return Err(ConnectorError::LengthMismatch { leaf_id: leaf_id.clone(), num_block_ids, num_block_hashes });
         }
     }
     Ok(())
@@ -114,16 +97,11 @@ pub(crate) fn check_per_leaf(
 ///
 /// # Errors
 /// [`ConnectorError::DuplicateBlockId`].
-pub(crate) fn check_distinct_destinations(
-    block_ids: &PerLeaf<BlockId>,
-) -> Result<(), ConnectorError> {
+pub(crate) fn check_distinct_destinations(block_ids: &PerLeaf<BlockId>) -> Result<(), ConnectorError> {
     for (leaf_id, ids) in block_ids {
         let mut seen = HashSet::with_capacity(ids.len());
         if let Some(&block_id) = ids.iter().find(|&&id| !seen.insert(id)) {
-            return Err(ConnectorError::DuplicateBlockId {
-                leaf_id: leaf_id.clone(),
-                block_id,
-            });
+            return Err(ConnectorError::DuplicateBlockId { leaf_id: leaf_id.clone(), block_id });
         }
     }
     Ok(())

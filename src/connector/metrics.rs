@@ -70,50 +70,32 @@ impl KVCacheMetrics {
 
     /// Mean tier-read latency in ms (0 without samples).
     pub fn nixl_read_latency_avg_ms(&self) -> f64 {
-        ratio(
-            self.nixl_read_latency_total_ms,
-            self.nixl_read_latency_count as f64,
-        )
+        ratio(self.nixl_read_latency_total_ms, self.nixl_read_latency_count as f64)
     }
 
     /// Mean tier-write latency in ms (0 without samples).
     pub fn nixl_write_latency_avg_ms(&self) -> f64 {
-        ratio(
-            self.nixl_write_latency_total_ms,
-            self.nixl_write_latency_count as f64,
-        )
+        ratio(self.nixl_write_latency_total_ms, self.nixl_write_latency_count as f64)
     }
 
     /// Mean RPC acquire latency in ms (0 without samples).
     pub fn rpc_acquire_latency_avg_ms(&self) -> f64 {
-        ratio(
-            self.rpc_acquire_latency_total_ms,
-            self.rpc_acquire_latency_count as f64,
-        )
+        ratio(self.rpc_acquire_latency_total_ms, self.rpc_acquire_latency_count as f64)
     }
 
     /// Mean RPC read latency in ms (0 without samples).
     pub fn rpc_read_latency_avg_ms(&self) -> f64 {
-        ratio(
-            self.rpc_read_latency_total_ms,
-            self.rpc_read_latency_count as f64,
-        )
+        ratio(self.rpc_read_latency_total_ms, self.rpc_read_latency_count as f64)
     }
 
     /// `(nixl_read_bytes / 2^30) / (nixl_read_latency_total_ms / 1000)`.
     pub fn nixl_read_gib_per_s(&self) -> f64 {
-        ratio(
-            self.nixl_read_bytes as f64 / GIB,
-            self.nixl_read_latency_total_ms / 1000.0,
-        )
+        ratio(self.nixl_read_bytes as f64 / GIB, self.nixl_read_latency_total_ms / 1000.0)
     }
 
     /// `(nixl_write_bytes / 2^30) / (nixl_write_latency_total_ms / 1000)`.
     pub fn nixl_write_gib_per_s(&self) -> f64 {
-        ratio(
-            self.nixl_write_bytes as f64 / GIB,
-            self.nixl_write_latency_total_ms / 1000.0,
-        )
+        ratio(self.nixl_write_bytes as f64 / GIB, self.nixl_write_latency_total_ms / 1000.0)
     }
 
     /// `dkv_total_clients > 0 && dkv_connected_clients < dkv_total_clients`.
@@ -195,9 +177,7 @@ impl AddAssign<&KVCacheMetrics> for KVCacheMetrics {
             dkv_total_clients,
             dkv_reconnect_attempts
         );
-        self.nixl_read_latency_max_ms = self
-            .nixl_read_latency_max_ms
-            .max(o.nixl_read_latency_max_ms);
+        self.nixl_read_latency_max_ms = self.nixl_read_latency_max_ms.max(o.nixl_read_latency_max_ms);
     }
 }
 

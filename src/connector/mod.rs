@@ -46,9 +46,7 @@ pub use metrics::KVCacheMetrics;
 pub use null::NullConnector;
 pub use pages::{DevicePages, HostPages};
 pub use transfer::{CompletedTransfer, KVConnectorTransfer, KVTransfer};
-pub use types::{
-    BlockCount, BlockHash, BlockId, ByteCount, KVCacheGroupId, KVCacheGroupKind, LeafId, PerLeaf,
-};
+pub use types::{BlockCount, BlockHash, BlockId, ByteCount, KVCacheGroupId, KVCacheGroupKind, LeafId, PerLeaf};
 
 /// The interface between a KV cache manager and an external KV tier (MAX
 /// `KVConnector` protocol).

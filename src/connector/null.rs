@@ -5,8 +5,8 @@ use std::collections::BTreeMap;
 
 use super::ledger::{LookupLedger, check_distinct_destinations, check_per_leaf, nothing_to_move};
 use super::{
-    BlockHash, BlockId, CompletedTransfer, ConnectorError, KVCacheGroupId, KVCacheMetrics,
-    KVConnector, KVConnectorTransfer, KVTransfer, LeafId, PerLeaf,
+    BlockHash, BlockId, CompletedTransfer, ConnectorError, KVCacheGroupId, KVCacheMetrics, KVConnector,
+    KVConnectorTransfer, KVTransfer, LeafId, PerLeaf,
 };
 
 /// No-op connector for when external caching is disabled: holds nothing, so
@@ -25,20 +25,14 @@ pub struct NullConnector {
 impl Default for NullConnector {
     /// Serves one full-attention leaf, `"full"` (as one MAX generation does).
     fn default() -> Self {
-        Self::new(BTreeMap::from([(
-            LeafId::from("full"),
-            KVCacheGroupId::full(),
-        )]))
+        Self::new(BTreeMap::from([(LeafId::from("full"), KVCacheGroupId::full())]))
     }
 }
 
 impl NullConnector {
     /// A null connector reporting `leaves`.
     pub fn new(leaves: BTreeMap<LeafId, KVCacheGroupId>) -> Self {
-        Self {
-            leaves,
-            ledger: LookupLedger::default(),
-        }
+        Self { leaves, ledger: LookupLedger::default() }
     }
 }
 
@@ -60,11 +54,7 @@ impl KVConnector for NullConnector {
         hint: Option<&[u8]>,
     ) -> Result<PerLeaf<bool>, ConnectorError> {
         self.ledger.record_lookup(replica_idx, hint);
-        Ok(self
-            .leaves
-            .keys()
-            .map(|l| (l.clone(), vec![false; block_hashes.len()]))
-            .collect())
+        Ok(self.leaves.keys().map(|l| (l.clone(), vec![false; block_hashes.len()])).collect())
     }
 
     /// [`CompletedTransfer`] when no block is asked for; otherwise
@@ -82,10 +72,7 @@ impl KVConnector for NullConnector {
         if nothing_to_move(block_hashes) {
             return Ok(Box::new(CompletedTransfer));
         }
-        let (leaf_id, hashes) = block_hashes
-            .iter()
-            .find(|(_, h)| !h.is_empty())
-            .expect("a non-empty leaf");
+        let (leaf_id, hashes) = block_hashes.iter().find(|(_, h)| !h.is_empty()).expect("a non-empty leaf");
         Err(ConnectorError::LoadRefused {
             leaf_id: Some(leaf_id.clone()),
             block_hash: Some(hashes[0]),

@@ -47,12 +47,7 @@ pub trait DevicePages: Send + Sync + fmt::Debug {
     /// Width in bytes of this leaf's row in a host tier (MAX
     /// `host_bytes_per_page`): `bytes_per_page * (1 if replicated else num_shards)`.
     fn host_bytes_per_page(&self) -> usize {
-        self.bytes_per_page()
-            * if self.replicated() {
-                1
-            } else {
-                self.num_shards()
-            }
+        self.bytes_per_page() * if self.replicated() { 1 } else { self.num_shards() }
     }
 }
 
@@ -73,16 +68,8 @@ impl HostPages {
     /// # Errors
     /// [`ConnectorError::InvalidPages`] when there is no shard, the stride is
     /// 0, shards differ in length, or a replicated leaf has fewer than 2 shards.
-    pub fn new(
-        replicated: bool,
-        shards: Vec<Arc<HostBuffer>>,
-        bytes_per_page: usize,
-    ) -> Result<Self, ConnectorError> {
-        let invalid = |reason: &str| {
-            Err(ConnectorError::InvalidPages {
-                reason: reason.into(),
-            })
-        };
+    pub fn new(replicated: bool, shards: Vec<Arc<HostBuffer>>, bytes_per_page: usize) -> Result<Self, ConnectorError> {
+        let invalid = |reason: &str| Err(ConnectorError::InvalidPages { reason: reason.into() });
         let Some(first) = shards.first() else {
             return invalid("no shard buffers");
         };
@@ -96,12 +83,7 @@ impl HostPages {
             return invalid("replicated with fewer than 2 shards");
         }
         let num_pages = first.len() / bytes_per_page;
-        Ok(Self {
-            replicated,
-            shards,
-            bytes_per_page,
-            num_pages,
-        })
+        Ok(Self { replicated, shards, bytes_per_page, num_pages })
     }
 
     /// Allocate `num_shards` zeroed buffers of `[num_pages, bytes_per_page]`.
@@ -118,9 +100,7 @@ impl HostPages {
         let shards = (0..num_shards)
             .map(|_| HostBuffer::new(len).map(Arc::new))
             .collect::<io::Result<Vec<_>>>()
-            .map_err(|e| ConnectorError::InvalidPages {
-                reason: format!("HostBuffer::new({len}): {e}"),
-            })?;
+            .map_err(|e| ConnectorError::InvalidPages { reason: format!("HostBuffer::new({len}): {e}") })?;
         Self::new(replicated, shards, bytes_per_page)
     }
 
@@ -154,10 +134,7 @@ impl HostPages {
 
     fn buffer(&self, shard: usize) -> io::Result<&HostBuffer> {
         self.shards.get(shard).map(|b| &**b).ok_or_else(|| {
-            io::Error::new(
-                io::ErrorKind::InvalidInput,
-                format!("shard {shard} past {}", self.shards.len()),
-            )
+            io::Error::new(io::ErrorKind::InvalidInput, format!("shard {shard} past {}", self.shards.len()))
         })
     }
 
@@ -238,35 +215,17 @@ impl DevicePages for KVCacheMemory {
 }
 
 /// The shared file of `shard`'s backing and the file offset of `page`.
-fn shard_file(
-    mem: &KVCacheMemory,
-    shard: usize,
-    page: BlockId,
-    len: usize,
-) -> io::Result<(File, u64)> {
+fn shard_file(mem: &KVCacheMemory, shard: usize, page: BlockId, len: usize) -> io::Result<(File, u64)> {
     let invalid = |m: String| io::Error::new(io::ErrorKind::InvalidInput, m);
-    let buf = mem
-        .buffers()
-        .get(shard)
-        .ok_or_else(|| invalid(format!("shard {shard} past {}", mem.num_shards())))?;
+    let buf = mem.buffers().get(shard).ok_or_else(|| invalid(format!("shard {shard} past {}", mem.num_shards())))?;
     if page.0 as u64 >= buf.num_pages() {
-        return Err(invalid(format!(
-            "page {} past {} pages",
-            page.0,
-            buf.num_pages()
-        )));
+        return Err(invalid(format!("page {} past {} pages", page.0, buf.num_pages())));
     }
     if len as u64 != buf.bytes_per_page() {
-        return Err(invalid(format!(
-            "{len}-byte copy of a {}-byte page",
-            buf.bytes_per_page()
-        )));
+        return Err(invalid(format!("{len}-byte copy of a {}-byte page", buf.bytes_per_page())));
     }
     let (fd, fd_off) = buf.backing().shared_fd().ok_or_else(|| {
-        io::Error::new(
-            io::ErrorKind::Unsupported,
-            "KV buffer without a shared fd (device memory needs the GPU layer)",
-        )
+        io::Error::new(io::ErrorKind::Unsupported, "KV buffer without a shared fd (device memory needs the GPU layer)")
     })?;
     let off = fd_off + buf.offset_bytes() + page.0 as u64 * buf.row_stride_bytes();
     Ok((File::from(fd.try_clone_to_owned()?), off))

@@ -14,8 +14,8 @@ use std::sync::Arc;
 use serde::{Deserialize, Serialize};
 
 use super::{
-    BlockHash, BlockId, CompletedTransfer, ConnectorError, DevicePages, HostTierConnector,
-    KVCacheGroupId, KVConnector, KVConnectorTransfer, KVTransfer, LeafId, PerLeaf,
+    BlockHash, BlockId, CompletedTransfer, ConnectorError, DevicePages, HostTierConnector, KVCacheGroupId, KVConnector,
+    KVConnectorTransfer, KVTransfer, LeafId, PerLeaf,
 };
 
 /// Tokens per `hash_ids` block in the traces (Mooncake format).
@@ -31,10 +31,7 @@ pub fn num_full_blocks(input_tokens: u64) -> usize {
 ///
 /// # Errors
 /// As [`HostTierConnector::new`].
-pub fn host_tier_for(
-    pages: Arc<dyn DevicePages>,
-    capacity_bytes: u64,
-) -> Result<HostTierConnector, ConnectorError> {
+pub fn host_tier_for(pages: Arc<dyn DevicePages>, capacity_bytes: u64) -> Result<HostTierConnector, ConnectorError> {
     let leaf = LeafId::from("full");
     HostTierConnector::new(
         BTreeMap::from([(leaf.clone(), KVCacheGroupId::full())]),
@@ -75,27 +72,15 @@ pub fn load_prefix(
     check_ids(connector, hash_ids.len(), block_ids.len())?;
     let hashes: Vec<BlockHash> = hash_ids.iter().map(|&h| BlockHash::from_u64(h)).collect();
     let masks = connector.lookup(&hashes, replica_idx, None)?;
-    let hit = masks
-        .values()
-        .map(|m| m.iter().take_while(|&&p| p).count())
-        .min()
-        .unwrap_or(0);
-    let miss = |transfer: Box<dyn KVTransfer>| PrefixLoad {
-        num_blocks,
-        hit_blocks: 0,
-        transfer,
-    };
+    let hit = masks.values().map(|m| m.iter().take_while(|&&p| p).count()).min().unwrap_or(0);
+    let miss = |transfer: Box<dyn KVTransfer>| PrefixLoad { num_blocks, hit_blocks: 0, transfer };
     if hit == 0 {
         connector.load(&PerLeaf::new(), &PerLeaf::new(), replica_idx, None)?;
         return Ok(miss(Box::new(CompletedTransfer)));
     }
     let (ids, hs) = per_leaf(connector, &block_ids[..hit], &hashes[..hit]);
     match connector.load(&ids, &hs, replica_idx, None) {
-        Ok(transfer) => Ok(PrefixLoad {
-            num_blocks,
-            hit_blocks: hit,
-            transfer,
-        }),
+        Ok(transfer) => Ok(PrefixLoad { num_blocks, hit_blocks: hit, transfer }),
         Err(ConnectorError::LoadRefused { .. }) => Ok(miss(Box::new(CompletedTransfer))),
         Err(e) => Err(e),
     }
@@ -122,31 +107,15 @@ pub fn offload_prefix(
     if from_block >= end {
         return Ok(KVConnectorTransfer::completed());
     }
-    let hashes: Vec<BlockHash> = hash_ids[from_block..end]
-        .iter()
-        .map(|&h| BlockHash::from_u64(h))
-        .collect();
+    let hashes: Vec<BlockHash> = hash_ids[from_block..end].iter().map(|&h| BlockHash::from_u64(h)).collect();
     let (ids, hs) = per_leaf(connector, &block_ids[from_block..end], &hashes);
     connector.offload(&ids, &hs, replica_idx)
 }
 
-fn check_ids(
-    connector: &dyn KVConnector,
-    num_hashes: usize,
-    num_ids: usize,
-) -> Result<(), ConnectorError> {
+fn check_ids(connector: &dyn KVConnector, num_hashes: usize, num_ids: usize) -> Result<(), ConnectorError> {
     if num_ids < num_hashes {
-        let leaf_id = connector
-            .leaves()
-            .keys()
-            .next()
-            .cloned()
-            .unwrap_or_else(|| LeafId::from("full"));
-        return Err(ConnectorError::LengthMismatch {
-            leaf_id,
-            num_block_ids: num_ids,
-            num_block_hashes: num_hashes,
-        });
+        let leaf_id = connector.leaves().keys().next().cloned().unwrap_or_else(|| LeafId::from("full"));
+        return Err(ConnectorError::LengthMismatch { leaf_id, num_block_ids: num_ids, num_block_hashes: num_hashes });
     }
     Ok(())
 }
@@ -181,11 +150,7 @@ impl HitRate {
 
     /// `hit_blocks / total_blocks`, 0 when nothing was referenced.
     pub fn rate(&self) -> f64 {
-        if self.total_blocks == 0 {
-            0.0
-        } else {
-            self.hit_blocks as f64 / self.total_blocks as f64
-        }
+        if self.total_blocks == 0 { 0.0 } else { self.hit_blocks as f64 / self.total_blocks as f64 }
     }
 }
 

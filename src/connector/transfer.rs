@@ -57,18 +57,12 @@ impl KVConnectorTransfer {
     /// An offload that moved nothing and pins nothing (MAX
     /// `CompletedTransfer(g0_blocks_per_leaf=None)`).
     pub fn completed() -> Self {
-        Self {
-            g0_blocks_per_leaf: PerLeaf::new(),
-            inner: Box::new(CompletedTransfer),
-        }
+        Self { g0_blocks_per_leaf: PerLeaf::new(), inner: Box::new(CompletedTransfer) }
     }
 
     /// Wrap `inner`, which reads `g0_blocks_per_leaf`.
     pub fn new(g0_blocks_per_leaf: PerLeaf<BlockId>, inner: Box<dyn KVTransfer>) -> Self {
-        Self {
-            g0_blocks_per_leaf,
-            inner,
-        }
+        Self { g0_blocks_per_leaf, inner }
     }
 
     /// Device blocks pinned until this lands, per leaf: the subset of the

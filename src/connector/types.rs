@@ -77,9 +77,7 @@ impl BlockHash {
     /// [`ConnectorError::InvalidHashLength`] for any length other than 8 or 32.
     pub fn from_bytes(bytes: &[u8]) -> Result<Self, ConnectorError> {
         match bytes.len() {
-            8 => Ok(Self::H64(u64::from_be_bytes(
-                bytes.try_into().expect("8 bytes"),
-            ))),
+            8 => Ok(Self::H64(u64::from_be_bytes(bytes.try_into().expect("8 bytes")))),
             32 => Ok(Self::Sha256(bytes.try_into().expect("32 bytes"))),
             len_bytes => Err(ConnectorError::InvalidHashLength { len_bytes }),
         }
@@ -146,26 +144,17 @@ pub struct KVCacheGroupId {
 impl KVCacheGroupId {
     /// A full-attention group.
     pub fn full() -> Self {
-        Self {
-            kind: KVCacheGroupKind::Full,
-            window_size: None,
-        }
+        Self { kind: KVCacheGroupKind::Full, window_size: None }
     }
 
     /// A sliding-window group of `window_size` tokens.
     pub fn sliding_window(window_size: u32) -> Self {
-        Self {
-            kind: KVCacheGroupKind::SlidingWindow,
-            window_size: Some(window_size),
-        }
+        Self { kind: KVCacheGroupKind::SlidingWindow, window_size: Some(window_size) }
     }
 
     /// A recurrent-state group.
     pub fn recurrent() -> Self {
-        Self {
-            kind: KVCacheGroupKind::Recurrent,
-            window_size: None,
-        }
+        Self { kind: KVCacheGroupKind::Recurrent, window_size: None }
     }
 }
 
@@ -225,9 +214,5 @@ impl BlockCount {
 }
 
 fn pct(part: u64, total: u64) -> f64 {
-    if total == 0 {
-        0.0
-    } else {
-        100.0 * part as f64 / total as f64
-    }
+    if total == 0 { 0.0 } else { 100.0 * part as f64 / total as f64 }
 }

@@ -6,8 +6,8 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use kvwire::connector::{
-    BlockHash, BlockId, DevicePages, HostPages, HostTierConnector, KVCacheGroupId, KVConnector,
-    LeafId, NullConnector, PerLeaf,
+    BlockHash, BlockId, DevicePages, HostPages, HostTierConnector, KVCacheGroupId, KVConnector, LeafId, NullConnector,
+    PerLeaf,
 };
 
 /// Bytes per page of every test leaf.
@@ -34,10 +34,7 @@ pub fn row_bytes(leaf: &str) -> u64 {
 }
 
 pub fn leaves() -> BTreeMap<LeafId, KVCacheGroupId> {
-    leaf_specs()
-        .into_iter()
-        .map(|(l, g, _, _)| (LeafId::from(l), g))
-        .collect()
+    leaf_specs().into_iter().map(|(l, g, _, _)| (LeafId::from(l), g)).collect()
 }
 
 /// A connector under test plus the device pages it serves (`pages[replica][leaf]`).
@@ -50,9 +47,7 @@ pub struct Fixture {
 
 impl Fixture {
     pub fn page(&self, replica: usize, leaf: &str, shard: usize, block: u32) -> Vec<u8> {
-        self.pages[replica][leaf]
-            .page(shard, BlockId(block))
-            .to_vec()
+        self.pages[replica][leaf].page(shard, BlockId(block)).to_vec()
     }
 
     /// Write `content(hash, leaf, shard)` into `block` on every leaf of `replica`.
@@ -67,11 +62,7 @@ impl Fixture {
         for (leaf, p) in &self.pages[replica] {
             for shard in 0..p.num_shards() {
                 let want = content(hash, leaf.as_str(), if p.replicated() { 0 } else { shard });
-                assert_eq!(
-                    p.page(shard, BlockId(block)),
-                    &want[..],
-                    "leaf {leaf} shard {shard} block {block}"
-                );
+                assert_eq!(p.page(shard, BlockId(block)), &want[..], "leaf {leaf} shard {shard} block {block}");
             }
         }
     }
@@ -79,16 +70,9 @@ impl Fixture {
 
 /// Recognizable page bytes for `hash` on `leaf`/`shard`.
 pub fn content(hash: u64, leaf: &str, shard: usize) -> Vec<u8> {
-    let salt = leaf
-        .bytes()
-        .fold(0u64, |a, b| a.wrapping_mul(31).wrapping_add(b as u64));
+    let salt = leaf.bytes().fold(0u64, |a, b| a.wrapping_mul(31).wrapping_add(b as u64));
     (0..BPP)
-        .map(|i| {
-            (hash
-                .wrapping_mul(131)
-                .wrapping_add(salt * 7 + shard as u64 * 13 + i as u64)
-                % 251) as u8
-        })
+        .map(|i| (hash.wrapping_mul(131).wrapping_add(salt * 7 + shard as u64 * 13 + i as u64) % 251) as u8)
         .collect()
 }
 
@@ -107,10 +91,7 @@ fn alloc_pages(num_replicas: usize) -> Vec<BTreeMap<LeafId, Arc<HostPages>>> {
             leaf_specs()
                 .into_iter()
                 .map(|(l, _, shards, rep)| {
-                    (
-                        LeafId::from(l),
-                        Arc::new(HostPages::alloc(shards, rep, PAGES, BPP).unwrap()),
-                    )
+                    (LeafId::from(l), Arc::new(HostPages::alloc(shards, rep, PAGES, BPP).unwrap()))
                 })
                 .collect()
         })
@@ -120,30 +101,16 @@ fn alloc_pages(num_replicas: usize) -> Vec<BTreeMap<LeafId, Arc<HostPages>>> {
 /// A host tier of `capacity_bytes` over `num_replicas` replicas of the test leaves.
 pub fn host_fixture(capacity_bytes: u64, num_replicas: usize) -> (Arc<HostTierConnector>, Fixture) {
     let pages = alloc_pages(num_replicas);
-    let dyn_pages = pages
-        .iter()
-        .map(|r| {
-            r.iter()
-                .map(|(l, p)| (l.clone(), p.clone() as Arc<dyn DevicePages>))
-                .collect()
-        })
-        .collect();
+    let dyn_pages =
+        pages.iter().map(|r| r.iter().map(|(l, p)| (l.clone(), p.clone() as Arc<dyn DevicePages>)).collect()).collect();
     let conn = Arc::new(HostTierConnector::new(leaves(), dyn_pages, capacity_bytes).unwrap());
-    let fixture = Fixture {
-        conn: Box::new(conn.clone()),
-        pages,
-        holds: true,
-    };
+    let fixture = Fixture { conn: Box::new(conn.clone()), pages, holds: true };
     (conn, fixture)
 }
 
 /// A null connector over the test leaves (pages allocated for symmetry).
 pub fn null_fixture(num_replicas: usize) -> Fixture {
-    Fixture {
-        conn: Box::new(NullConnector::new(leaves())),
-        pages: alloc_pages(num_replicas),
-        holds: false,
-    }
+    Fixture { conn: Box::new(NullConnector::new(leaves())), pages: alloc_pages(num_replicas), holds: false }
 }
 
 /// Every connector, each with 2 replicas and (host) room for 16 blocks of every leaf.

@@ -17,8 +17,8 @@ use self::worker::{Job, LoadItem, OffloadItem, Shared};
 use super::ledger::{LookupLedger, check_distinct_destinations, check_per_leaf, nothing_to_move};
 use super::transfer::{Direction, PendingTransfer, TransferState};
 use super::{
-    BlockHash, BlockId, ByteCount, CompletedTransfer, ConnectorError, DevicePages, KVCacheGroupId,
-    KVCacheMetrics, KVConnector, KVConnectorTransfer, KVTransfer, LeafId, PerLeaf,
+    BlockHash, BlockId, ByteCount, CompletedTransfer, ConnectorError, DevicePages, KVCacheGroupId, KVCacheMetrics,
+    KVConnector, KVConnectorTransfer, KVTransfer, LeafId, PerLeaf,
 };
 
 /// A host-memory tier of `capacity_bytes` in front of one engine's device
@@ -88,11 +88,7 @@ impl HostTierConnector {
         let mut by_replica = Vec::with_capacity(replicas.len());
         for (r, pages) in replicas.into_iter().enumerate() {
             if !pages.keys().eq(leaves.keys()) {
-                return invalid(format!(
-                    "replica {r} has leaves {:?}, expected {:?}",
-                    pages.keys(),
-                    leaves.keys()
-                ));
+                return invalid(format!("replica {r} has leaves {:?}, expected {:?}", pages.keys(), leaves.keys()));
             }
             by_replica.push(pages.into_values().collect::<Vec<_>>());
         }
@@ -100,21 +96,13 @@ impl HostTierConnector {
         for (i, leaf_id) in leaves.keys().enumerate() {
             let first = shape(&by_replica[0][i]);
             if first.0 == 0 || first.1 == 0 {
-                return invalid(format!(
-                    "leaf {leaf_id}: {} shards of {} bytes per page",
-                    first.0, first.1
-                ));
+                return invalid(format!("leaf {leaf_id}: {} shards of {} bytes per page", first.0, first.1));
             }
             if by_replica.iter().any(|r| shape(&r[i]) != first) {
-                return invalid(format!(
-                    "leaf {leaf_id}: row shape differs between replicas"
-                ));
+                return invalid(format!("leaf {leaf_id}: row shape differs between replicas"));
             }
         }
-        let row_bytes = by_replica[0]
-            .iter()
-            .map(|p| p.host_bytes_per_page() as u64)
-            .collect();
+        let row_bytes = by_replica[0].iter().map(|p| p.host_bytes_per_page() as u64).collect();
         let shared = Arc::new(Shared {
             tier: Mutex::new(Tier::new(capacity_bytes)),
             metrics: Mutex::new(KVCacheMetrics::default()),
@@ -126,9 +114,7 @@ impl HostTierConnector {
         let worker = std::thread::Builder::new()
             .name("kvwire-host-tier".into())
             .spawn(move || worker::run(w, rx))
-            .map_err(|e| ConnectorError::InvalidPages {
-                reason: format!("spawning the copy worker: {e}"),
-            })?;
+            .map_err(|e| ConnectorError::InvalidPages { reason: format!("spawning the copy worker: {e}") })?;
         Ok(Self {
             leaves,
             replicas: by_replica,
@@ -142,22 +128,13 @@ impl HostTierConnector {
 
     /// Host row width of `leaf_id` in bytes, `None` for an unknown leaf.
     pub fn host_bytes_per_block(&self, leaf_id: &str) -> Option<u64> {
-        self.leaves
-            .keys()
-            .position(|l| l.as_str() == leaf_id)
-            .map(|i| self.row_bytes[i])
+        self.leaves.keys().position(|l| l.as_str() == leaf_id).map(|i| self.row_bytes[i])
     }
 
     /// Hold the worker before its next copy until the guard drops.
     pub fn pause_worker(&self) -> WorkerPause {
-        self.shared
-            .pause
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .0 += 1;
-        WorkerPause {
-            shared: self.shared.clone(),
-        }
+        self.shared.pause.lock().unwrap_or_else(|e| e.into_inner()).0 += 1;
+        WorkerPause { shared: self.shared.clone() }
     }
 
     fn tier(&self) -> std::sync::MutexGuard<'_, Tier> {
@@ -165,28 +142,18 @@ impl HostTierConnector {
     }
 
     fn leaf_index(&self, leaf_id: &LeafId) -> u32 {
-        self.leaves
-            .keys()
-            .position(|l| l == leaf_id)
-            .expect("leaf checked") as u32
+        self.leaves.keys().position(|l| l == leaf_id).expect("leaf checked") as u32
     }
 
     fn replica(&self, replica_idx: usize) -> Result<&[Arc<dyn DevicePages>], ConnectorError> {
         self.replicas
             .get(replica_idx)
             .map(Vec::as_slice)
-            .ok_or(ConnectorError::NoSuchReplica {
-                replica_idx,
-                num_replicas: self.replicas.len(),
-            })
+            .ok_or(ConnectorError::NoSuchReplica { replica_idx, num_replicas: self.replicas.len() })
     }
 
     fn sender(&self) -> Result<Sender<Job>, ConnectorError> {
-        self.jobs
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .clone()
-            .ok_or(ConnectorError::ShutDown)
+        self.jobs.lock().unwrap_or_else(|e| e.into_inner()).clone().ok_or(ConnectorError::ShutDown)
     }
 
     /// Shared checks of `load`/`offload`: leaves, lengths, replica, bounds.
@@ -201,11 +168,7 @@ impl HostTierConnector {
         for (leaf_id, ids) in block_ids {
             let num_pages = pages[self.leaf_index(leaf_id) as usize].num_pages();
             if let Some(&block_id) = ids.iter().find(|b| b.index() >= num_pages) {
-                return Err(ConnectorError::BlockOutOfRange {
-                    leaf_id: leaf_id.clone(),
-                    block_id,
-                    num_pages,
-                });
+                return Err(ConnectorError::BlockOutOfRange { leaf_id: leaf_id.clone(), block_id, num_pages });
             }
         }
         Ok(pages)
@@ -239,21 +202,14 @@ impl HostTierConnector {
                     blocks.push(Vec::new());
                     blocks.len() - 1
                 });
-                blocks[g].push(Row {
-                    leaf_id: leaf_id.clone(),
-                    key,
-                    block,
-                });
+                blocks[g].push(Row { leaf_id: leaf_id.clone(), key, block });
             }
         }
         blocks
     }
 
     fn metrics_mut(&self) -> std::sync::MutexGuard<'_, KVCacheMetrics> {
-        self.shared
-            .metrics
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
+        self.shared.metrics.lock().unwrap_or_else(|e| e.into_inner())
     }
 }
 
@@ -288,15 +244,7 @@ impl KVConnector for HostTierConnector {
             .leaves
             .keys()
             .enumerate()
-            .map(|(i, l)| {
-                (
-                    l.clone(),
-                    block_hashes
-                        .iter()
-                        .map(|h| tier.is_ready(&(i as u32, *h)))
-                        .collect(),
-                )
-            })
+            .map(|(i, l)| (l.clone(), block_hashes.iter().map(|h| tier.is_ready(&(i as u32, *h))).collect()))
             .collect())
     }
 
@@ -324,43 +272,27 @@ impl KVConnector for HostTierConnector {
                 return Err(ConnectorError::LoadRefused {
                     leaf_id: Some(leaf_id.clone()),
                     block_hash: Some(*h),
-                    reason:
-                        "block not held by the host tier (evicted since lookup, or never offloaded)"
-                            .into(),
+                    reason: "block not held by the host tier (evicted since lookup, or never offloaded)".into(),
                 });
             }
         }
-        let rows: Vec<Row> = self
-            .blocks_in_prefix_order(block_ids, block_hashes, false)
-            .into_iter()
-            .flatten()
-            .collect();
+        let rows: Vec<Row> =
+            self.blocks_in_prefix_order(block_ids, block_hashes, false).into_iter().flatten().collect();
         let tick = tier.ticks(rows.len());
         for (k, r) in rows.into_iter().enumerate() {
             let data = tier.pin(&r.key).expect("checked ready under the same lock");
             tier.touch(&r.key, tick(k));
-            items.push(LoadItem {
-                key: r.key,
-                data,
-                pages: pages[r.key.0 as usize].clone(),
-                block: r.block,
-            });
+            items.push(LoadItem { key: r.key, data, pages: pages[r.key.0 as usize].clone(), block: r.block });
         }
         drop(tier);
         let state = TransferState::new(Direction::Load);
-        let job = Job::Load {
-            state: state.clone(),
-            items,
-            posted: Instant::now(),
-        };
+        let job = Job::Load { state: state.clone(), items, posted: Instant::now() };
         if let Err(crossbeam_channel::SendError(Job::Load { items, .. })) = jobs.send(job) {
             let mut tier = self.tier();
             items.iter().for_each(|it| tier.unpin(&it.key));
             drop(tier);
             self.metrics_mut().connector_load_failures += 1;
-            return Err(ConnectorError::LoadFailed {
-                reason: "the copy worker is gone".into(),
-            });
+            return Err(ConnectorError::LoadFailed { reason: "the copy worker is gone".into() });
         }
         Ok(Box::new(PendingTransfer(state)))
     }
@@ -393,14 +325,8 @@ impl KVConnector for HostTierConnector {
                     Admit::AlreadyHeld => {}
                     Admit::NoRoom => dropped += 1,
                     Admit::Admitted => {
-                        g0.entry(r.leaf_id.clone())
-                            .or_insert_with(Vec::new)
-                            .push(r.block);
-                        items.push(OffloadItem {
-                            key: r.key,
-                            pages: pages[r.key.0 as usize].clone(),
-                            block: r.block,
-                        });
+                        g0.entry(r.leaf_id.clone()).or_insert_with(Vec::new).push(r.block);
+                        items.push(OffloadItem { key: r.key, pages: pages[r.key.0 as usize].clone(), block: r.block });
                     }
                 }
             }
@@ -411,22 +337,13 @@ impl KVConnector for HostTierConnector {
             return Ok(KVConnectorTransfer::completed());
         }
         let state = TransferState::new(Direction::Offload);
-        let job = Job::Offload {
-            state: state.clone(),
-            items,
-            posted: Instant::now(),
-        };
+        let job = Job::Offload { state: state.clone(), items, posted: Instant::now() };
         if let Err(crossbeam_channel::SendError(Job::Offload { items, .. })) = jobs.send(job) {
             let mut tier = self.tier();
             items.iter().for_each(|it| tier.abort(&it.key));
-            return Err(ConnectorError::OffloadFailed {
-                reason: "the copy worker is gone".into(),
-            });
+            return Err(ConnectorError::OffloadFailed { reason: "the copy worker is gone".into() });
         }
-        Ok(KVConnectorTransfer::new(
-            g0,
-            Box::new(PendingTransfer(state)),
-        ))
+        Ok(KVConnectorTransfer::new(g0, Box::new(PendingTransfer(state))))
     }
 
     /// Refresh every served leaf's entries for `block_hashes` (position 0
@@ -474,10 +391,7 @@ impl KVConnector for HostTierConnector {
 
     fn host_byte_count(&self) -> ByteCount {
         let tier = self.tier();
-        ByteCount {
-            free: tier.capacity_bytes() - tier.used_bytes(),
-            total: tier.capacity_bytes(),
-        }
+        ByteCount { free: tier.capacity_bytes() - tier.used_bytes(), total: tier.capacity_bytes() }
     }
 }
 

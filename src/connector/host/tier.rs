@@ -94,9 +94,7 @@ impl Tier {
 
     /// True when `key` can be read (ready, not doomed).
     pub(crate) fn is_ready(&self, key: &Key) -> bool {
-        self.entries
-            .get(key)
-            .is_some_and(|e| matches!(e.slot, Slot::Ready(_)) && !e.doomed)
+        self.entries.get(key).is_some_and(|e| matches!(e.slot, Slot::Ready(_)) && !e.doomed)
     }
 
     /// Refresh `key`'s recency to `tick` when held.
@@ -132,9 +130,7 @@ impl Tier {
         }
         let free = self.capacity_bytes - self.used_bytes;
         if needed > free + self.evictable_bytes {
-            out.iter_mut()
-                .filter(|a| **a == Admit::Admitted)
-                .for_each(|a| *a = Admit::NoRoom);
+            out.iter_mut().filter(|a| **a == Admit::Admitted).for_each(|a| *a = Admit::NoRoom);
             return out;
         }
         for (&(key, len_bytes, tick), a) in rows.iter().zip(&out) {
@@ -142,24 +138,11 @@ impl Tier {
                 continue;
             }
             while self.capacity_bytes - self.used_bytes < len_bytes {
-                let victim = self
-                    .lru
-                    .values()
-                    .copied()
-                    .find(|k| self.entries[k].evictable());
+                let victim = self.lru.values().copied().find(|k| self.entries[k].evictable());
                 self.remove(&victim.expect("evictable bytes account for a victim"));
             }
             self.used_bytes += len_bytes;
-            self.entries.insert(
-                key,
-                Entry {
-                    len_bytes,
-                    tick,
-                    readers: 0,
-                    slot: Slot::Pending,
-                    doomed: false,
-                },
-            );
+            self.entries.insert(key, Entry { len_bytes, tick, readers: 0, slot: Slot::Pending, doomed: false });
             self.lru.insert(tick, key);
         }
         out
@@ -180,11 +163,7 @@ impl Tier {
 
     /// Drop a pending entry whose copy failed.
     pub(crate) fn abort(&mut self, key: &Key) {
-        if self
-            .entries
-            .get(key)
-            .is_some_and(|e| matches!(e.slot, Slot::Pending))
-        {
+        if self.entries.get(key).is_some_and(|e| matches!(e.slot, Slot::Pending)) {
             self.remove(key);
         }
     }

@@ -46,16 +46,8 @@ pub(crate) struct OffloadItem {
 /// A posted copy.
 #[derive(Debug)]
 pub(crate) enum Job {
-    Load {
-        state: Arc<TransferState>,
-        items: Vec<LoadItem>,
-        posted: Instant,
-    },
-    Offload {
-        state: Arc<TransferState>,
-        items: Vec<OffloadItem>,
-        posted: Instant,
-    },
+    Load { state: Arc<TransferState>, items: Vec<LoadItem>, posted: Instant },
+    Offload { state: Arc<TransferState>, items: Vec<OffloadItem>, posted: Instant },
 }
 
 /// Run jobs until every sender is gone.
@@ -63,20 +55,12 @@ pub(crate) fn run(shared: Arc<Shared>, jobs: Receiver<Job>) {
     for job in jobs {
         wait_unpaused(&shared);
         match job {
-            Job::Load {
-                state,
-                items,
-                posted,
-            } => {
+            Job::Load { state, items, posted } => {
                 let outcome = guarded(|| copy_in(&items));
                 settle_load(&shared, &items, &outcome, posted);
                 state.finish(outcome.map(|_| ()));
             }
-            Job::Offload {
-                state,
-                items,
-                posted,
-            } => {
+            Job::Offload { state, items, posted } => {
                 let outcome = guarded(|| copy_out(&items));
                 let result = outcome.as_ref().map(|_| ()).map_err(Clone::clone);
                 settle_offload(&shared, &items, outcome, posted);
@@ -105,11 +89,7 @@ fn copy_in(items: &[LoadItem]) -> Result<u64, String> {
     for it in items {
         let bpp = it.pages.bytes_per_page();
         for shard in 0..it.pages.num_shards() {
-            let chunk = if it.pages.replicated() {
-                &it.data[..]
-            } else {
-                &it.data[shard * bpp..(shard + 1) * bpp]
-            };
+            let chunk = if it.pages.replicated() { &it.data[..] } else { &it.data[shard * bpp..(shard + 1) * bpp] };
             it.pages
                 .write_page(shard, it.block, chunk)
                 .map_err(|e| format!("H2D copy into block {} shard {shard}: {e}", it.block.0))?;
@@ -128,21 +108,16 @@ fn copy_out(items: &[OffloadItem]) -> Result<Vec<Arc<[u8]>>, String> {
             let mut row = vec![0u8; it.pages.host_bytes_per_page()];
             let bpp = it.pages.bytes_per_page();
             for (shard, chunk) in row.chunks_mut(bpp).enumerate() {
-                it.pages.read_page(shard, it.block, chunk).map_err(|e| {
-                    format!("D2H copy from block {} shard {shard}: {e}", it.block.0)
-                })?;
+                it.pages
+                    .read_page(shard, it.block, chunk)
+                    .map_err(|e| format!("D2H copy from block {} shard {shard}: {e}", it.block.0))?;
             }
             Ok(Arc::from(row))
         })
         .collect()
 }
 
-fn settle_load(
-    shared: &Shared,
-    items: &[LoadItem],
-    outcome: &Result<u64, String>,
-    posted: Instant,
-) {
+fn settle_load(shared: &Shared, items: &[LoadItem], outcome: &Result<u64, String>, posted: Instant) {
     let mut tier = shared.tier.lock().unwrap_or_else(|e| e.into_inner());
     for it in items {
         tier.unpin(&it.key);
@@ -160,12 +135,7 @@ fn settle_load(
     }
 }
 
-fn settle_offload(
-    shared: &Shared,
-    items: &[OffloadItem],
-    outcome: Result<Vec<Arc<[u8]>>, String>,
-    posted: Instant,
-) {
+fn settle_offload(shared: &Shared, items: &[OffloadItem], outcome: Result<Vec<Arc<[u8]>>, String>, posted: Instant) {
     let mut tier = shared.tier.lock().unwrap_or_else(|e| e.into_inner());
     match outcome {
         Ok(rows) => {

@@ -11,7 +11,7 @@ use kvwire::sidechannel::SideChannel;
 use kvwire::transport::TransportConfig;
 
 use super::pool::PagePool;
-use super::prefill::{Idle, build_engine, spawn_reader};
+use super::prefill::{CacheShape, Idle, build_engine, spawn_reader};
 use super::{Msg, page_key};
 use crate::pattern::check_page;
 
@@ -41,8 +41,8 @@ pub fn run(mut chan: SideChannel) -> Result<()> {
         bail!("expected Setup from prefill");
     };
     let cfg = TransportConfig { copy_threads, options, ..TransportConfig::default() };
-    let (mut engine, hosts) =
-        build_engine("decode", g.dp, g.decode_tp, num_pages, g.bytes_per_page, g.mla, transport, &cfg)?;
+    let shape = CacheShape { dp: g.dp, tp: g.decode_tp, num_pages, bytes_per_page: g.bytes_per_page, mla: g.mla };
+    let (mut engine, hosts) = build_engine("decode", &shape, transport, &cfg)?;
     chan.send(&Msg::Meta(engine.metadata().to_bytes()))?;
     let Msg::Meta(bytes) = chan.recv()? else { bail!("expected the prefill engine's metadata") };
     engine.connect(&KVTransferEngineMetadata::from_bytes(&bytes)?)?;

@@ -65,7 +65,7 @@ impl ModelPreset {
         if self.mla {
             return Ok(self.bytes_per_token_layers(layers));
         }
-        if tp == 0 || self.kv_heads % tp != 0 {
+        if tp == 0 || !self.kv_heads.is_multiple_of(tp) {
             bail!("--tp {tp} must divide the {} KV heads of {}", self.kv_heads, self.name);
         }
         Ok(self.bytes_per_token_layers(layers) / tp)

@@ -65,18 +65,31 @@ impl Idle {
     }
 }
 
-/// Build a KV engine of `dp` replicas × `tp` shards × one group of
-/// `num_pages` pages of `bytes_per_page` bytes, in host memory.
+/// Shape of one side's paged cache: `dp` replicas × `tp` shards × one group
+/// of `num_pages` pages of `bytes_per_page` bytes.
+#[derive(Clone, Copy)]
+pub struct CacheShape {
+    /// Replicas.
+    pub dp: usize,
+    /// Shards.
+    pub tp: usize,
+    /// Pages per pool, null block included.
+    pub num_pages: u64,
+    /// Bytes of one page on one shard.
+    pub bytes_per_page: u64,
+    /// Replicated (MLA) group.
+    pub mla: bool,
+}
+
+/// Build a KV engine of `shape` in host memory; returns the shard buffers
+/// `[replica][shard]` too, for filling and checking pages.
 pub fn build_engine(
     name: &str,
-    dp: usize,
-    tp: usize,
-    num_pages: u64,
-    bytes_per_page: u64,
-    mla: bool,
+    shape: &CacheShape,
     transport: kvwire::transport::TransportKind,
     cfg: &TransportConfig,
 ) -> Result<(KVTransferEngine, Vec<Vec<Arc<HostBuffer>>>)> {
+    let CacheShape { dp, tp, num_pages, bytes_per_page, mla } = *shape;
     let mut memory = Vec::with_capacity(dp);
     let mut hosts = Vec::with_capacity(dp);
     for _ in 0..dp {
@@ -127,8 +140,9 @@ pub fn run(a: &ReplayArgs, mut chan: SideChannel) -> Result<Report> {
     })?;
     let cfg =
         TransportConfig { copy_threads: a.copy_threads, options: a.options.clone(), ..TransportConfig::default() };
-    let (mut engine, hosts) =
-        build_engine("prefill", a.dp, a.tp, prefill_pages, prefill_bpp, model.mla, a.transport, &cfg)?;
+    let shape =
+        CacheShape { dp: a.dp, tp: a.tp, num_pages: prefill_pages, bytes_per_page: prefill_bpp, mla: model.mla };
+    let (mut engine, hosts) = build_engine("prefill", &shape, a.transport, &cfg)?;
     let Msg::Meta(bytes) = chan.recv()? else { bail!("expected the decode engine's metadata") };
     let decode_md = KVTransferEngineMetadata::from_bytes(&bytes)?;
     engine.connect(&decode_md).context("connecting to the decode engine")?;
