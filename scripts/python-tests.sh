@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# Build the `kvwire` Python package (PyO3 + maturin, abi3) with pip and run
+# its pytest suite (python/tests): two-process shm transfers, error paths,
+# TransferReqData JSON.
+#
+# Needs: python3 with pip and venv, cargo. On a fresh Debian machine:
+#   apt-get install -y python3 python3-pip python3-venv
+# From PyPI (into a venv under target/, ignored by git): maturin, numpy, pytest.
+#
+# Env: KVWIRE_VENV (default target/python-venv), PYTEST_ARGS (extra args).
+# Exits non-zero on any failure, including "no tests collected".
+set -euo pipefail
+cd "$(dirname "$0")/.."
+root=$(pwd)
+venv=${KVWIRE_VENV:-$root/target/python-venv}
+
+if [ ! -x "$venv/bin/python" ]; then
+    python3 -m venv "$venv"
+fi
+"$venv/bin/python" -m pip install -q --upgrade pip
+"$venv/bin/python" -m pip install -q "maturin>=1.5,<2" numpy pytest
+
+start=$(date +%s)
+# --no-build-isolation: use the maturin just installed instead of fetching another.
+"$venv/bin/python" -m pip install -q --no-build-isolation --force-reinstall --no-deps "$root/python"
+echo "python-tests: pip install ./python took $(( $(date +%s) - start )) s"
+
+# Run from outside the source tree so the installed wheel is what is tested.
+cd "$root/python/tests"
+# shellcheck disable=SC2086
+"$venv/bin/python" -m pytest -q -p no:cacheprovider ${PYTEST_ARGS:-} .
