@@ -17,6 +17,7 @@ venv=${KVWIRE_VENV:-$root/target/python-venv}
 if [ ! -x "$venv/bin/python" ]; then
     python3 -m venv "$venv"
 fi
+export PATH="$venv/bin:$PATH"  # the maturin build backend runs `maturin` from PATH
 "$venv/bin/python" -m pip install -q --upgrade pip
 "$venv/bin/python" -m pip install -q "maturin>=1.5,<2" numpy pytest
 
