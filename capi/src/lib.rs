@@ -1,0 +1,462 @@
+//! C ABI over kvwire's NIXL-like [`TransferEngine`]: create/destroy an
+//! engine, register/deregister caller-owned memory, get/load (connect)
+//! metadata, post one-sided READ/WRITE transfers, poll status, release,
+//! drain notifications.
+//!
+//! Rules (see `docs/CAPI.md`): every function returns a [`KvwStatus`]
+//! (0 = OK); on failure [`kvw_last_error`] returns a message, kept per
+//! thread until the next failing call on that thread. Handles are opaque;
+//! no Rust type crosses the boundary; no panic crosses it either (it becomes
+//! `KVW_ERR_PANIC`). An engine is not thread-safe: drive each from one
+//! thread at a time.
+
+use std::cell::RefCell;
+use std::collections::HashMap;
+use std::ffi::{CStr, CString, c_char, c_void};
+use std::panic::{AssertUnwindSafe, catch_unwind};
+use std::sync::Arc;
+
+use kvwire::engine::{AgentMetadata, Desc, EngineError, RegistrationHandle, TransferEngine, TransferHandle, TransferStatus};
+use kvwire::transport::{MemoryDesc, MemoryKind, Op, RawMemory, TransportConfig, TransportKind};
+
+/// Result of every call. 0 is success.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum KvwStatus {
+    /// Success.
+    KvwOk = 0,
+    /// A null pointer, bad UTF-8, an unknown enum value or transport name.
+    KvwErrInvalidArg = 1,
+    /// An unknown registration, transfer handle or peer agent.
+    KvwErrNotFound = 2,
+    /// Descriptors out of bounds, mismatched or empty; overlapping or empty registration.
+    KvwErrBadDesc = 3,
+    /// Malformed peer metadata.
+    KvwErrMetadata = 4,
+    /// The transport failed (socket, peer died, registration refused).
+    KvwErrTransport = 5,
+    /// A registration still used by a transfer in flight.
+    KvwErrInUse = 6,
+    /// The output buffer is too small; the needed size was written.
+    KvwErrBufferTooSmall = 7,
+    /// Already connected to that agent, or connecting to itself.
+    KvwErrState = 8,
+    /// A bug in kvwire (a Rust panic was caught at the boundary).
+    KvwErrPanic = 99,
+}
+
+/// State of a posted transfer.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum KvwXferState {
+    /// Still moving.
+    KvwXferInProgress = 0,
+    /// Every byte landed (and the notification, if any, was sent).
+    KvwXferDone = 1,
+    /// Terminal failure; `kvw_last_error()` says why.
+    KvwXferFailed = 2,
+}
+
+/// `KVW_OP_READ` pulls remote bytes into local memory; `KVW_OP_WRITE` pushes.
+pub const KVW_OP_READ: i32 = 0;
+/// See [`KVW_OP_READ`].
+pub const KVW_OP_WRITE: i32 = 1;
+
+/// One contiguous range: `len_bytes` bytes at virtual address `addr`.
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+pub struct KvwDesc {
+    /// Start virtual address (bytes).
+    pub addr: u64,
+    /// Length (bytes).
+    pub len_bytes: u64,
+}
+
+/// Called once per notification by [`kvw_get_notifs`]: the sending agent's
+/// name (NUL-terminated) and the payload (`len` bytes), both valid only
+/// during the call.
+pub type KvwNotifFn = Option<unsafe extern "C" fn(user: *mut c_void, agent: *const c_char, msg: *const u8, len: usize)>;
+
+/// An engine (opaque to C).
+pub struct KvwEngine {
+    engine: TransferEngine,
+    regs: HashMap<u64, RegistrationHandle>,
+    next_reg: u64,
+}
+
+thread_local! {
+    static LAST_ERROR: RefCell<CString> = RefCell::new(CString::default());
+}
+
+fn set_error(msg: String) {
+    let c = CString::new(msg.replace('\0', " ")).unwrap_or_default();
+    LAST_ERROR.with(|e| *e.borrow_mut() = c);
+}
+
+fn engine_status(e: &EngineError) -> KvwStatus {
+    match e {
+        EngineError::Transport(_) => KvwStatus::KvwErrTransport,
+        EngineError::Metadata(_) => KvwStatus::KvwErrMetadata,
+        EngineError::UnknownRegistration | EngineError::UnknownAgent(_) | EngineError::UnknownHandle(_) => {
+            KvwStatus::KvwErrNotFound
+        }
+        EngineError::RegistrationInUse { .. } => KvwStatus::KvwErrInUse,
+        EngineError::AlreadyConnected(_) | EngineError::SelfConnect(_) | EngineError::TransportMismatch { .. } => {
+            KvwStatus::KvwErrState
+        }
+        _ => KvwStatus::KvwErrBadDesc,
+    }
+}
+
+/// An error to hand back to C: status and message.
+struct Fail(KvwStatus, String);
+
+impl From<EngineError> for Fail {
+    fn from(e: EngineError) -> Self {
+        Fail(engine_status(&e), e.to_string())
+    }
+}
+
+fn invalid(msg: impl Into<String>) -> Fail {
+    Fail(KvwStatus::KvwErrInvalidArg, msg.into())
+}
+
+/// Run `f`, turning errors and panics into a status plus last-error message.
+fn guard(f: impl FnOnce() -> Result<(), Fail>) -> KvwStatus {
+    match catch_unwind(AssertUnwindSafe(f)) {
+        Ok(Ok(())) => KvwStatus::KvwOk,
+        Ok(Err(Fail(code, msg))) => {
+            set_error(msg);
+            code
+        }
+        Err(_) => {
+            set_error("internal error: a Rust panic was caught at the C boundary".into());
+            KvwStatus::KvwErrPanic
+        }
+    }
+}
+
+/// # Safety
+/// `p` is null or a NUL-terminated string valid for the call.
+unsafe fn str_arg<'a>(p: *const c_char, what: &str) -> Result<&'a str, Fail> {
+    if p.is_null() {
+        return Err(invalid(format!("{what} is NULL")));
+    }
+    // SAFETY: non-null and NUL-terminated per this function's contract.
+    unsafe { CStr::from_ptr(p) }.to_str().map_err(|_| invalid(format!("{what} is not UTF-8")))
+}
+
+/// # Safety
+/// `p` is null or points to a live engine made by [`kvw_engine_create`], not used elsewhere meanwhile.
+unsafe fn engine_arg<'a>(p: *mut KvwEngine) -> Result<&'a mut KvwEngine, Fail> {
+    // SAFETY: per this function's contract the pointer is null or valid and exclusive.
+    unsafe { p.as_mut() }.ok_or_else(|| invalid("engine is NULL"))
+}
+
+/// # Safety
+/// `p` is null only when `n == 0`; otherwise it points to `n` readable `T`.
+unsafe fn slice_arg<'a, T>(p: *const T, n: usize, what: &str) -> Result<&'a [T], Fail> {
+    if n == 0 {
+        return Ok(&[]);
+    }
+    if p.is_null() {
+        return Err(invalid(format!("{what} is NULL with a count of {n}")));
+    }
+    // SAFETY: non-null and `n` elements readable per this function's contract.
+    Ok(unsafe { std::slice::from_raw_parts(p, n) })
+}
+
+/// # Safety
+/// `p` is null or points to writable `T`.
+unsafe fn write_out<T>(p: *mut T, v: T, what: &str) -> Result<(), Fail> {
+    if p.is_null() {
+        return Err(invalid(format!("{what} is NULL")));
+    }
+    // SAFETY: non-null and writable per this function's contract.
+    unsafe { p.write(v) };
+    Ok(())
+}
+
+/// The message of the last failing call on this thread ("" if none). Valid
+/// until the next failing call on this thread; never NULL.
+#[unsafe(no_mangle)]
+pub extern "C" fn kvw_last_error() -> *const c_char {
+    LAST_ERROR.with(|e| e.borrow().as_ptr())
+}
+
+/// Create an engine (agent) named `name` on `transport` (`"shm"`, `"tcp"`,
+/// `"verbs"`; NULL = `"shm"`), written to `*out`. Destroy it with
+/// [`kvw_engine_destroy`].
+///
+/// # Safety
+/// `name` is a NUL-terminated string; `transport` is NULL or one; `out` is writable.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn kvw_engine_create(
+    name: *const c_char,
+    transport: *const c_char,
+    out: *mut *mut KvwEngine,
+) -> KvwStatus {
+    guard(|| {
+        // SAFETY: the caller passes a NUL-terminated name.
+        let name = unsafe { str_arg(name, "name") }?;
+        let kind: TransportKind = if transport.is_null() {
+            TransportKind::Shm
+        } else {
+            // SAFETY: non-null, NUL-terminated per the contract.
+            let t = unsafe { str_arg(transport, "transport") }?;
+            t.parse().map_err(|e| invalid(format!("{e}")))?
+        };
+        if out.is_null() {
+            return Err(invalid("out is NULL"));
+        }
+        let engine = TransferEngine::new(name, kind, &TransportConfig::default())?;
+        let boxed = Box::into_raw(Box::new(KvwEngine { engine, regs: HashMap::new(), next_reg: 1 }));
+        // SAFETY: `out` is non-null and writable per the contract.
+        unsafe { write_out(out, boxed, "out") }
+    })
+}
+
+/// Destroy an engine: cancels what is in flight, then frees it. NULL is a no-op.
+///
+/// # Safety
+/// `engine` is NULL or from [`kvw_engine_create`], and is not used afterwards.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn kvw_engine_destroy(engine: *mut KvwEngine) {
+    if engine.is_null() {
+        return;
+    }
+    // SAFETY: made by Box::into_raw in kvw_engine_create; ownership returns here once.
+    let boxed = unsafe { Box::from_raw(engine) };
+    let _ = catch_unwind(AssertUnwindSafe(move || drop(boxed)));
+}
+
+/// Register `len_bytes` of host memory at `addr` (`device_id` 0) for
+/// transfers; `*out_reg` receives a registration id for [`kvw_deregister`].
+///
+/// # Safety
+/// `[addr, addr + len_bytes)` is writable memory that stays valid until it
+/// is deregistered or the engine destroyed; `engine` valid; `out_reg` writable.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn kvw_register(engine: *mut KvwEngine, addr: u64, len_bytes: u64, out_reg: *mut u64) -> KvwStatus {
+    guard(|| {
+        // SAFETY: per the contract.
+        let e = unsafe { engine_arg(engine) }?;
+        if out_reg.is_null() {
+            return Err(invalid("out_reg is NULL"));
+        }
+        let desc = MemoryDesc { addr, len_bytes, kind: MemoryKind::Dram, device_id: 0 };
+        // SAFETY: the caller guarantees the range stays valid while registered.
+        let raw = unsafe { RawMemory::new(desc) };
+        let h = e.engine.register(Arc::new(raw))?;
+        let id = e.next_reg;
+        e.next_reg += 1;
+        e.regs.insert(id, h);
+        // SAFETY: checked non-null; writable per the contract.
+        unsafe { write_out(out_reg, id, "out_reg") }
+    })
+}
+
+/// Deregister memory. Fails with `KVW_ERR_IN_USE` while a transfer uses it.
+///
+/// # Safety
+/// `engine` is valid.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn kvw_deregister(engine: *mut KvwEngine, reg: u64) -> KvwStatus {
+    guard(|| {
+        // SAFETY: per the contract.
+        let e = unsafe { engine_arg(engine) }?;
+        let h = *e.regs.get(&reg).ok_or_else(|| Fail(KvwStatus::KvwErrNotFound, format!("unknown registration {reg}")))?;
+        e.engine.deregister(h)?;
+        e.regs.remove(&reg);
+        Ok(())
+    })
+}
+
+/// Copy this engine's metadata (take it after registering) into `buf`
+/// (`cap` bytes); `*out_len` receives its size. With `buf` NULL or `cap` too
+/// small, returns `KVW_ERR_BUFFER_TOO_SMALL` and only sets `*out_len`.
+///
+/// # Safety
+/// `engine` valid; `buf` NULL or `cap` writable bytes; `out_len` writable.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn kvw_metadata_get(
+    engine: *mut KvwEngine,
+    buf: *mut u8,
+    cap: usize,
+    out_len: *mut usize,
+) -> KvwStatus {
+    guard(|| {
+        // SAFETY: per the contract.
+        let e = unsafe { engine_arg(engine) }?;
+        let md = e.engine.metadata().to_bytes();
+        // SAFETY: writable per the contract (checked non-null inside).
+        unsafe { write_out(out_len, md.len(), "out_len") }?;
+        if buf.is_null() || cap < md.len() {
+            return Err(Fail(KvwStatus::KvwErrBufferTooSmall, format!("metadata needs {} bytes", md.len())));
+        }
+        // SAFETY: `buf` has `cap >= md.len()` writable bytes, and cannot overlap our fresh Vec.
+        unsafe { std::ptr::copy_nonoverlapping(md.as_ptr(), buf, md.len()) };
+        Ok(())
+    })
+}
+
+/// Load a peer's metadata (from its [`kvw_metadata_get`]) and connect to it.
+///
+/// # Safety
+/// `engine` valid; `md` points to `len` readable bytes.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn kvw_metadata_load(engine: *mut KvwEngine, md: *const u8, len: usize) -> KvwStatus {
+    guard(|| {
+        // SAFETY: per the contract.
+        let e = unsafe { engine_arg(engine) }?;
+        // SAFETY: `len` readable bytes per the contract.
+        let bytes = unsafe { slice_arg(md, len, "md") }?;
+        let meta = AgentMetadata::from_bytes(bytes).map_err(|err| Fail(KvwStatus::KvwErrMetadata, err.to_string()))?;
+        e.engine.connect(&meta)?;
+        Ok(())
+    })
+}
+
+/// Forget a connected peer agent.
+///
+/// # Safety
+/// `engine` valid; `agent` NUL-terminated.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn kvw_disconnect(engine: *mut KvwEngine, agent: *const c_char) -> KvwStatus {
+    guard(|| {
+        // SAFETY: per the contract.
+        let e = unsafe { engine_arg(engine) }?;
+        // SAFETY: NUL-terminated per the contract.
+        let agent = unsafe { str_arg(agent, "agent") }?;
+        e.engine.disconnect(agent)?;
+        Ok(())
+    })
+}
+
+/// Post a one-sided transfer: `op` (`KVW_OP_READ` / `KVW_OP_WRITE`) between
+/// `local[i]` and `remote[i]` of connected agent `remote_agent`, with an
+/// optional notification (`notif` NULL = none) delivered to that agent once
+/// every byte is visible there. `*out_handle` receives the transfer handle.
+/// Nothing moves when an error is returned.
+///
+/// # Safety
+/// `engine` valid; `local`/`remote` point to `num_local`/`num_remote`
+/// descriptors; `remote_agent` NUL-terminated; `notif` NULL or `notif_len` bytes.
+#[unsafe(no_mangle)]
+#[allow(clippy::too_many_arguments)]
+pub unsafe extern "C" fn kvw_post(
+    engine: *mut KvwEngine,
+    op: i32,
+    local: *const KvwDesc,
+    num_local: usize,
+    remote_agent: *const c_char,
+    remote: *const KvwDesc,
+    num_remote: usize,
+    notif: *const u8,
+    notif_len: usize,
+    out_handle: *mut u64,
+) -> KvwStatus {
+    guard(|| {
+        // SAFETY: per the contract.
+        let e = unsafe { engine_arg(engine) }?;
+        let op = match op {
+            KVW_OP_READ => Op::Read,
+            KVW_OP_WRITE => Op::Write,
+            other => return Err(invalid(format!("unknown op {other}"))),
+        };
+        // SAFETY: the slices and string are valid per the contract.
+        let (local, remote, agent) = unsafe {
+            (slice_arg(local, num_local, "local")?, slice_arg(remote, num_remote, "remote")?, str_arg(remote_agent, "remote_agent")?)
+        };
+        let notif = if notif.is_null() {
+            None
+        } else {
+            // SAFETY: `notif_len` readable bytes per the contract.
+            Some(unsafe { slice_arg(notif, notif_len, "notif") }?.to_vec())
+        };
+        if out_handle.is_null() {
+            return Err(invalid("out_handle is NULL"));
+        }
+        let to = |d: &[KvwDesc]| d.iter().map(|d| Desc::new(d.addr, d.len_bytes)).collect::<Vec<_>>();
+        let h = e.engine.post(op, &to(local), agent, &to(remote), notif)?;
+        // SAFETY: checked non-null; writable per the contract.
+        unsafe { write_out(out_handle, h.0, "out_handle") }
+    })
+}
+
+/// Poll a transfer: `*out_state` receives a [`KvwXferState`]. When it is
+/// `KVW_XFER_FAILED` the call still returns OK and `kvw_last_error()` holds the reason.
+///
+/// # Safety
+/// `engine` valid; `out_state` writable.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn kvw_status(engine: *mut KvwEngine, handle: u64, out_state: *mut KvwXferState) -> KvwStatus {
+    guard(|| {
+        // SAFETY: per the contract.
+        let e = unsafe { engine_arg(engine) }?;
+        if out_state.is_null() {
+            return Err(invalid("out_state is NULL"));
+        }
+        let state = match e.engine.status(TransferHandle(handle))? {
+            TransferStatus::InProgress => KvwXferState::KvwXferInProgress,
+            TransferStatus::Done => KvwXferState::KvwXferDone,
+            TransferStatus::Failed(why) => {
+                set_error(why);
+                KvwXferState::KvwXferFailed
+            }
+        };
+        // SAFETY: checked non-null; writable per the contract.
+        unsafe { write_out(out_state, state, "out_state") }
+    })
+}
+
+/// Release a transfer handle. Releasing one still in progress cancels it and
+/// returns once no copy can touch its buffers.
+///
+/// # Safety
+/// `engine` valid.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn kvw_release(engine: *mut KvwEngine, handle: u64) -> KvwStatus {
+    guard(|| {
+        // SAFETY: per the contract.
+        let e = unsafe { engine_arg(engine) }?;
+        e.engine.release(TransferHandle(handle))?;
+        Ok(())
+    })
+}
+
+/// Drain the notifications received so far, calling `cb(user, agent, msg,
+/// len)` once each (in arrival order per agent); `*out_count` (may be NULL)
+/// receives how many.
+///
+/// # Safety
+/// `engine` valid; `cb` NULL (notifications are then dropped) or a function
+/// safe to call with these arguments; `out_count` NULL or writable.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn kvw_get_notifs(
+    engine: *mut KvwEngine,
+    cb: KvwNotifFn,
+    user: *mut c_void,
+    out_count: *mut usize,
+) -> KvwStatus {
+    guard(|| {
+        // SAFETY: per the contract.
+        let e = unsafe { engine_arg(engine) }?;
+        let mut n = 0usize;
+        for (agent, msgs) in e.engine.get_notifs() {
+            let agent = CString::new(agent).unwrap_or_default();
+            for m in msgs {
+                if let Some(f) = cb {
+                    // SAFETY: the caller vouches for `cb`; the pointers live for the call.
+                    unsafe { f(user, agent.as_ptr(), m.as_ptr(), m.len()) };
+                }
+                n += 1;
+            }
+        }
+        if !out_count.is_null() {
+            // SAFETY: non-null and writable per the contract.
+            unsafe { write_out(out_count, n, "out_count") }?;
+        }
+        Ok(())
+    })
+}

@@ -1,0 +1,121 @@
+/* Two kvwire engines in one process moving bytes over shm through the C ABI,
+ * plus its error paths. Built and run by scripts/capi-tests.sh. */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "kvwire.h"
+
+static int failures = 0, passed = 0;
+#define CHECK(cond)                                                                            \
+    do {                                                                                       \
+        if (cond) {                                                                            \
+            passed++;                                                                          \
+        } else {                                                                               \
+            failures++;                                                                        \
+            fprintf(stderr, "%s:%d: CHECK(%s) failed; last error: %s\n", __FILE__, __LINE__, #cond, \
+                    kvw_last_error());                                                         \
+        }                                                                                      \
+    } while (0)
+
+struct notifs {
+    int count;
+    char agent[64];
+    char msg[64];
+};
+
+static void on_notif(void *user, const char *agent, const uint8_t *msg, size_t len) {
+    struct notifs *n = user;
+    n->count++;
+    snprintf(n->agent, sizeof n->agent, "%s", agent);
+    snprintf(n->msg, sizeof n->msg, "%.*s", (int)len, (const char *)msg);
+}
+
+static int wait_done(KvwEngine *e, uint64_t h) {
+    KvwXferState st = KVW_XFER_IN_PROGRESS;
+    for (long i = 0; i < 50000000L && st == KVW_XFER_IN_PROGRESS; i++) {
+        if (kvw_status(e, h, &st) != KVW_OK) return -1;
+    }
+    return st == KVW_XFER_DONE ? 0 : -1;
+}
+
+int main(void) {
+    enum { LEN = 1 << 20 };
+    uint8_t *src = malloc(LEN), *dst = calloc(1, LEN);
+    for (size_t i = 0; i < LEN; i++) src[i] = (uint8_t)(i * 7 + 3);
+
+    KvwEngine *target = NULL, *initiator = NULL;
+    CHECK(kvw_engine_create("c-decode", "shm", &target) == KVW_OK);
+    CHECK(kvw_engine_create("c-prefill", NULL, &initiator) == KVW_OK);
+    uint64_t rdst = 0, rsrc = 0;
+    CHECK(kvw_register(target, (uint64_t)(uintptr_t)dst, LEN, &rdst) == KVW_OK);
+    CHECK(kvw_register(initiator, (uint64_t)(uintptr_t)src, LEN, &rsrc) == KVW_OK);
+
+    /* metadata: size query, then copy, then load (connect) */
+    size_t md_len = 0;
+    CHECK(kvw_metadata_get(target, NULL, 0, &md_len) == KVW_ERR_BUFFER_TOO_SMALL);
+    CHECK(md_len > 0);
+    uint8_t *md = malloc(md_len);
+    CHECK(kvw_metadata_get(target, md, md_len, &md_len) == KVW_OK);
+    CHECK(kvw_metadata_load(initiator, md, md_len) == KVW_OK);
+    CHECK(kvw_metadata_load(initiator, md, md_len) == KVW_ERR_STATE); /* already connected */
+
+    /* WRITE two ranges with a notification */
+    KvwDesc l[2] = {{(uint64_t)(uintptr_t)src, 4096}, {(uint64_t)(uintptr_t)(src + 8192), 65536}};
+    KvwDesc r[2] = {{(uint64_t)(uintptr_t)(dst + 100), 4096}, {(uint64_t)(uintptr_t)(dst + 200000), 65536}};
+    uint64_t h = 0;
+    CHECK(kvw_post(initiator, KVW_OP_WRITE, l, 2, "c-decode", r, 2, (const uint8_t *)"xfer-1", 6, &h) == KVW_OK);
+    CHECK(wait_done(initiator, h) == 0);
+    CHECK(kvw_release(initiator, h) == KVW_OK);
+    CHECK(memcmp(dst + 100, src, 4096) == 0);
+    CHECK(memcmp(dst + 200000, src + 8192, 65536) == 0);
+    CHECK(dst[99] == 0 && dst[100 + 4096] == 0);
+
+    struct notifs n = {0};
+    KvwStatus nrc = KVW_OK;
+    for (long i = 0; i < 50000000L && n.count == 0 && nrc == KVW_OK; i++) nrc = kvw_get_notifs(target, on_notif, &n, NULL);
+    CHECK(nrc == KVW_OK);
+    CHECK(n.count == 1);
+    CHECK(strcmp(n.agent, "c-prefill") == 0);
+    CHECK(strcmp(n.msg, "xfer-1") == 0);
+
+    /* READ back into another local range, no notification */
+    KvwDesc lr = {(uint64_t)(uintptr_t)(src + 500000), 4096};
+    KvwDesc rr = {(uint64_t)(uintptr_t)(dst + 100), 4096};
+    memset(src + 500000, 0, 4096);
+    CHECK(kvw_post(initiator, KVW_OP_READ, &lr, 1, "c-decode", &rr, 1, NULL, 0, &h) == KVW_OK);
+    CHECK(wait_done(initiator, h) == 0);
+    CHECK(kvw_release(initiator, h) == KVW_OK);
+    CHECK(memcmp(src + 500000, src, 4096) == 0);
+
+    /* error paths */
+    KvwDesc oob = {(uint64_t)(uintptr_t)(dst + LEN - 10), 4096};
+    CHECK(kvw_post(initiator, KVW_OP_WRITE, l, 1, "c-decode", &oob, 1, NULL, 0, &h) == KVW_ERR_BAD_DESC);
+    CHECK(strlen(kvw_last_error()) > 0);
+    CHECK(kvw_post(initiator, KVW_OP_WRITE, l, 2, "c-decode", r, 1, NULL, 0, &h) == KVW_ERR_BAD_DESC);
+    CHECK(kvw_post(initiator, KVW_OP_WRITE, l, 1, "nobody", r, 1, NULL, 0, &h) == KVW_ERR_NOT_FOUND);
+    CHECK(kvw_post(initiator, 7, l, 1, "c-decode", r, 1, NULL, 0, &h) == KVW_ERR_INVALID_ARG);
+    CHECK(kvw_post(initiator, KVW_OP_WRITE, NULL, 1, "c-decode", r, 1, NULL, 0, &h) == KVW_ERR_INVALID_ARG);
+    KvwXferState st;
+    CHECK(kvw_status(initiator, 123456, &st) == KVW_ERR_NOT_FOUND);
+    CHECK(kvw_release(initiator, 123456) == KVW_ERR_NOT_FOUND);
+    CHECK(kvw_deregister(initiator, 999) == KVW_ERR_NOT_FOUND);
+    CHECK(kvw_metadata_load(initiator, (const uint8_t *)"junk", 4) == KVW_ERR_METADATA);
+    CHECK(kvw_register(initiator, (uint64_t)(uintptr_t)(src + 10), 100, &rsrc) == KVW_ERR_BAD_DESC); /* overlaps */
+    CHECK(kvw_engine_create("x", "carrier-pigeon", &target) == KVW_ERR_INVALID_ARG);
+    CHECK(kvw_engine_create(NULL, NULL, &target) == KVW_ERR_INVALID_ARG);
+    CHECK(kvw_register(NULL, 0, 1, &rsrc) == KVW_ERR_INVALID_ARG);
+
+    CHECK(kvw_disconnect(initiator, "c-decode") == KVW_OK);
+    CHECK(kvw_disconnect(initiator, "c-decode") == KVW_ERR_NOT_FOUND);
+    CHECK(kvw_deregister(target, rdst) == KVW_OK);
+    kvw_engine_destroy(initiator);
+    kvw_engine_destroy(target);
+    kvw_engine_destroy(NULL);
+    free(md);
+    free(src);
+    free(dst);
+
+    printf("%d passed, %d failed\n", passed, failures);
+    return failures ? 1 : 0;
+}
