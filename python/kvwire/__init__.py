@@ -12,6 +12,11 @@ See docs/PYTHON.md.
 """
 
 from ._kvwire import (
+    HostTierConnector,
+    KVCacheGroupId,
+    KVConnector,
+    KVConnectorTransfer,
+    NullConnector,
     KVCacheMemory,
     KVLoadFailed,
     KVLoadRefused,
@@ -22,6 +27,11 @@ from ._kvwire import (
 )
 
 __all__ = [
+    "HostTierConnector",
+    "KVCacheGroupId",
+    "KVConnector",
+    "KVConnectorTransfer",
+    "NullConnector",
     "KVCacheMemory",
     "KVLoadFailed",
     "KVLoadRefused",

@@ -150,3 +150,56 @@ pub fn kv_buffer(obj: &Bound<'_, PyAny>) -> PyResult<KvBuffer> {
     }
     Ok(KvBuffer::with_layout(backing, 0, shape, row_stride_bytes))
 }
+
+/// [`kvwire::connector::DevicePages`] over Python-owned host buffers (no
+/// shared fd): pages are copied with `pread`/`pwrite` on `/proc/self/mem`,
+/// which aliases this process's memory, so no `unsafe` is needed. The
+/// buffers stay alive through the [`PyBacking`]s held by `mem`.
+#[derive(Debug)]
+pub struct PyPages {
+    mem: kvwire::kv::KVCacheMemory,
+    proc_mem: std::fs::File,
+}
+
+impl PyPages {
+    /// Pages of `mem`.
+    ///
+    /// # Errors
+    /// `/proc/self/mem` cannot be opened read-write.
+    pub fn new(mem: kvwire::kv::KVCacheMemory) -> std::io::Result<Self> {
+        let proc_mem = std::fs::OpenOptions::new().read(true).write(true).open("/proc/self/mem")?;
+        Ok(Self { mem, proc_mem })
+    }
+
+    fn page_addr(&self, shard: usize, page: kvwire::connector::BlockId, len: usize) -> std::io::Result<u64> {
+        let invalid = |m: String| std::io::Error::new(std::io::ErrorKind::InvalidInput, m);
+        let b = self.mem.buffers().get(shard).ok_or_else(|| invalid(format!("shard {shard} out of range")))?;
+        if u64::from(page.0) >= b.num_pages() || len as u64 != b.bytes_per_page() {
+            return Err(invalid(format!("page {} ({len} bytes) outside {:?}", page.0, b.shape())));
+        }
+        Ok(b.addr() + u64::from(page.0) * b.row_stride_bytes())
+    }
+}
+
+impl kvwire::connector::DevicePages for PyPages {
+    fn num_shards(&self) -> usize {
+        self.mem.num_shards()
+    }
+    fn replicated(&self) -> bool {
+        self.mem.replicated()
+    }
+    fn bytes_per_page(&self) -> usize {
+        self.mem.bytes_per_page() as usize
+    }
+    fn num_pages(&self) -> usize {
+        self.mem.total_num_pages() as usize
+    }
+    fn read_page(&self, shard: usize, page: kvwire::connector::BlockId, out: &mut [u8]) -> std::io::Result<()> {
+        use std::os::unix::fs::FileExt;
+        self.proc_mem.read_exact_at(out, self.page_addr(shard, page, out.len())?)
+    }
+    fn write_page(&self, shard: usize, page: kvwire::connector::BlockId, data: &[u8]) -> std::io::Result<()> {
+        use std::os::unix::fs::FileExt;
+        self.proc_mem.write_all_at(data, self.page_addr(shard, page, data.len())?)
+    }
+}

@@ -6,6 +6,7 @@
 #![forbid(unsafe_code)]
 
 mod buffers;
+mod connector;
 mod engine;
 mod errors;
 mod reqdata;
@@ -19,6 +20,11 @@ fn _kvwire(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<engine::PyMetadata>()?;
     m.add_class::<engine::PyKVTransferEngine>()?;
     m.add_class::<reqdata::PyTransferReqData>()?;
+    m.add_class::<connector::PyGroupId>()?;
+    m.add_class::<connector::PyConnTransfer>()?;
+    m.add_class::<connector::PyConnector>()?;
+    m.add_class::<connector::PyNullConnector>()?;
+    m.add_class::<connector::PyHostTierConnector>()?;
     m.add("TransferError", py.get_type::<errors::TransferError>())?;
     m.add("KVLoadRefused", py.get_type::<errors::KVLoadRefused>())?;
     m.add("KVLoadFailed", py.get_type::<errors::KVLoadFailed>())?;

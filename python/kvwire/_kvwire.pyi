@@ -1,0 +1,193 @@
+"""Type stubs of the kvwire extension. Shapes are in elements of uint8 (= bytes)."""
+
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
+
+PageIdxs = Union[Sequence[int], Mapping[str, Sequence[int]]]
+"""Page indices: one list for every leaf, or ``{leaf_id: [page, ...]}``."""
+
+class TransferError(RuntimeError):
+    """A transfer or the transport under it failed (peer died, remote access error)."""
+
+class KVLoadRefused(RuntimeError):
+    """A connector refused a load before any byte moved."""
+
+class KVLoadFailed(RuntimeError):
+    """A connector load failed after it was accepted."""
+
+class KVCacheMemory:
+    """One logical KV tensor (a NIXL group) as one view per TP shard.
+
+    ``buffers``: one writable host buffer per TP shard, each 2-D ``uint8``
+    ``[num_pages, bytes_per_page]`` (null block included), contiguous:
+    numpy arrays, CPU torch tensors (``__dlpack__``), or 2-D buffer-protocol
+    objects. Kept alive by this object and every engine registering them.
+
+    Raises:
+        ValueError: no buffers, not 2-D, not uint8, not contiguous, read-only,
+            shapes differ, ``replicated`` with fewer than 2 buffers.
+    """
+
+    def __init__(self, replicated: bool, buffers: Sequence[Any]) -> None: ...
+    @property
+    def replicated(self) -> bool: ...
+    @property
+    def buffers(self) -> List[Any]: ...
+    @property
+    def bytes_per_page(self) -> int:
+        """``buffers[0].shape[1]`` (bytes)."""
+    @property
+    def total_num_pages(self) -> int:
+        """``buffers[0].shape[0]``, null block included."""
+    @property
+    def host_bytes_per_page(self) -> int:
+        """``bytes_per_page * (1 if replicated else len(buffers))`` (bytes)."""
+
+class KVTransferEngineMetadata:
+    """What a peer needs to connect; ``to_bytes()`` / ``from_bytes()`` round-trip, and it pickles."""
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def hostname(self) -> str: ...
+    @property
+    def memory_type(self) -> str:
+        """``"DRAM"`` or ``"VRAM"``."""
+    @property
+    def leaf_ids(self) -> List[str]: ...
+    @property
+    def num_pages_per_group(self) -> List[int]: ...
+    @property
+    def bytes_per_group(self) -> List[int]: ...
+    @property
+    def replicated_per_group(self) -> List[bool]: ...
+    @property
+    def dp(self) -> int: ...
+    @property
+    def tp(self) -> int: ...
+    def to_json(self) -> str: ...
+    def to_bytes(self) -> bytes: ...
+    @staticmethod
+    def from_bytes(data: bytes) -> "KVTransferEngineMetadata":
+        """Raises ValueError on malformed data."""
+    @staticmethod
+    def from_json(text: str) -> "KVTransferEngineMetadata":
+        """Raises ValueError on malformed data."""
+
+class TransferReqData:
+    """MAX's ``TransferReqData`` (msgspec, tag=True, kw_only=True, omit_defaults=True)."""
+
+    def __init__(
+        self,
+        *,
+        dst_name: str,
+        src_name: str,
+        transfer_name: str,
+        transfer_ids: Sequence[int],
+        src_idxs: PageIdxs,
+        dst_idxs: PageIdxs,
+        src_replica_idx: int,
+        dst_replica_idx: int,
+        is_read: bool = False,
+        tp_shard_count: int = 0,
+        local_shards_used: Optional[Sequence[int]] = None,
+    ) -> None: ...
+    @property
+    def dst_name(self) -> str: ...
+    @property
+    def src_name(self) -> str: ...
+    @property
+    def transfer_name(self) -> str: ...
+    @property
+    def transfer_ids(self) -> List[int]: ...
+    @property
+    def src_idxs(self) -> Union[List[int], Dict[str, List[int]]]: ...
+    @property
+    def dst_idxs(self) -> Union[List[int], Dict[str, List[int]]]: ...
+    @property
+    def src_replica_idx(self) -> int: ...
+    @property
+    def dst_replica_idx(self) -> int: ...
+    @property
+    def is_read(self) -> bool: ...
+    @property
+    def tp_shard_count(self) -> int: ...
+    @property
+    def local_shards_used(self) -> List[int]: ...
+    def to_json(self) -> str:
+        """Compact msgspec JSON, byte-identical to ``msgspec.json.encode(req).decode()``."""
+    def to_bytes(self) -> bytes: ...
+    @staticmethod
+    def from_json(data: Union[str, bytes]) -> "TransferReqData":
+        """Raises ValueError on malformed data."""
+    @staticmethod
+    def from_bytes(data: Union[str, bytes]) -> "TransferReqData": ...
+
+class KVTransferEngine:
+    """KV-cache transfer engine with DP and TP, as MAX's ``KVTransferEngine``.
+
+    ``memory`` is ``[replica][group]``; ``leaf_ids`` defaults to ``"0"``, ``"1"``, ...
+    ``transport``: ``"shm"`` (same host), ``"tcp"``, ``"verbs"``. Calls release the GIL.
+
+    Raises:
+        ValueError: MAX's ``__init__`` validation (in its order).
+    """
+
+    def __init__(
+        self,
+        name: str,
+        memory: Sequence[Sequence[KVCacheMemory]],
+        leaf_ids: Optional[Sequence[str]] = None,
+        *,
+        transport: str = "shm",
+        peer_timeout_s: float = 5.0,
+        copy_threads: int = 2,
+        options: Optional[Sequence[Tuple[str, str]]] = None,
+    ) -> None: ...
+    @property
+    def name(self) -> str: ...
+    @property
+    def dp(self) -> int: ...
+    @property
+    def tp(self) -> int: ...
+    @property
+    def leaf_ids(self) -> List[str]: ...
+    @property
+    def bytes_per_group(self) -> List[int]: ...
+    @property
+    def num_pages_per_group(self) -> List[int]: ...
+    @property
+    def replicated_per_group(self) -> List[bool]: ...
+    @property
+    def metadata(self) -> KVTransferEngineMetadata: ...
+    def connect(self, remote: KVTransferEngineMetadata) -> None:
+        """Raises ValueError (already connected, bytes-per-page or leaf mismatch),
+        NotImplementedError (GATHER_SCATTER: sharded TP != TP')."""
+    def disconnect(self, remote_name: str) -> None:
+        """Raises ValueError when not connected."""
+    def is_connected(self, remote_name: str) -> bool: ...
+    def initiate_send_transfer(
+        self,
+        remote: Union[str, KVTransferEngineMetadata],
+        src_idxs: PageIdxs,
+        dst_idxs: PageIdxs,
+        src_replica_idx: int = 0,
+        dst_replica_idx: int = 0,
+    ) -> TransferReqData:
+        """WRITE local pages to ``remote``. Raises ValueError, TransferError."""
+    def initiate_read_transfer(
+        self,
+        remote: Union[str, KVTransferEngineMetadata],
+        src_idxs: PageIdxs,
+        dst_idxs: PageIdxs,
+        src_replica_idx: int = 0,
+        dst_replica_idx: int = 0,
+    ) -> TransferReqData:
+        """READ ``remote``'s pages into local pages. Raises ValueError, TransferError."""
+    def is_complete(self, req: TransferReqData) -> bool:
+        """Either side. Raises TransferError when a shard request failed."""
+    def cleanup_transfer(self, req: TransferReqData) -> None:
+        """Raises ValueError when not complete or unknown."""
+    def cancel_transfer(self, req: TransferReqData) -> None: ...
+    def sync_and_release(self, req: TransferReqData, timeout_s: float = 30.0) -> None:
+        """Wait (seconds), then release. Raises TimeoutError (after cancelling)."""
+    def cleanup(self) -> None: ...
