@@ -10,13 +10,17 @@
 //! `KVW_ERR_PANIC`). An engine is not thread-safe: drive each from one
 //! thread at a time.
 
+#![warn(clippy::undocumented_unsafe_blocks)]
+
 use std::cell::RefCell;
 use std::collections::HashMap;
 use std::ffi::{CStr, CString, c_char, c_void};
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::sync::Arc;
 
-use kvwire::engine::{AgentMetadata, Desc, EngineError, RegistrationHandle, TransferEngine, TransferHandle, TransferStatus};
+use kvwire::engine::{
+    AgentMetadata, Desc, EngineError, RegistrationHandle, TransferEngine, TransferHandle, TransferStatus,
+};
 use kvwire::transport::{MemoryDesc, MemoryKind, Op, RawMemory, TransportConfig, TransportKind};
 
 /// Result of every call. 0 is success.
@@ -237,7 +241,12 @@ pub unsafe extern "C" fn kvw_engine_destroy(engine: *mut KvwEngine) {
 /// `[addr, addr + len_bytes)` is writable memory that stays valid until it
 /// is deregistered or the engine destroyed; `engine` valid; `out_reg` writable.
 #[unsafe(no_mangle)]
-pub unsafe extern "C" fn kvw_register(engine: *mut KvwEngine, addr: u64, len_bytes: u64, out_reg: *mut u64) -> KvwStatus {
+pub unsafe extern "C" fn kvw_register(
+    engine: *mut KvwEngine,
+    addr: u64,
+    len_bytes: u64,
+    out_reg: *mut u64,
+) -> KvwStatus {
     guard(|| {
         // SAFETY: per the contract.
         let e = unsafe { engine_arg(engine) }?;
@@ -265,7 +274,8 @@ pub unsafe extern "C" fn kvw_deregister(engine: *mut KvwEngine, reg: u64) -> Kvw
     guard(|| {
         // SAFETY: per the contract.
         let e = unsafe { engine_arg(engine) }?;
-        let h = *e.regs.get(&reg).ok_or_else(|| Fail(KvwStatus::KvwErrNotFound, format!("unknown registration {reg}")))?;
+        let h =
+            *e.regs.get(&reg).ok_or_else(|| Fail(KvwStatus::KvwErrNotFound, format!("unknown registration {reg}")))?;
         e.engine.deregister(h)?;
         e.regs.remove(&reg);
         Ok(())
@@ -366,7 +376,11 @@ pub unsafe extern "C" fn kvw_post(
         };
         // SAFETY: the slices and string are valid per the contract.
         let (local, remote, agent) = unsafe {
-            (slice_arg(local, num_local, "local")?, slice_arg(remote, num_remote, "remote")?, str_arg(remote_agent, "remote_agent")?)
+            (
+                slice_arg(local, num_local, "local")?,
+                slice_arg(remote, num_remote, "remote")?,
+                str_arg(remote_agent, "remote_agent")?,
+            )
         };
         let notif = if notif.is_null() {
             None

@@ -191,3 +191,76 @@ class KVTransferEngine:
     def sync_and_release(self, req: TransferReqData, timeout_s: float = 30.0) -> None:
         """Wait (seconds), then release. Raises TimeoutError (after cancelling)."""
     def cleanup(self) -> None: ...
+
+class KVCacheGroupId:
+    """Cache group of a leaf: ``kind`` in {"full", "sliding_window", "recurrent"}; window in tokens."""
+
+    def __init__(self, kind: str = "full", window_size: Optional[int] = None) -> None: ...
+    @property
+    def kind(self) -> str: ...
+    @property
+    def window_size(self) -> Optional[int]: ...
+
+class KVConnectorTransfer:
+    """A connector copy. ``g0_blocks_per_leaf``: device blocks pinned until it lands (offloads)."""
+
+    def is_complete(self) -> bool:
+        """Never blocks. Raises KVLoadFailed (load) or RuntimeError (offload) when the copy failed."""
+    def synchronize(self) -> None:
+        """Blocks (GIL released) until the copy lands or fails."""
+    @property
+    def g0_blocks_per_leaf(self) -> Dict[str, List[int]]: ...
+
+BlockHashes = Sequence[Union[bytes, int]]
+"""Canonical block hashes: 8 big-endian bytes (ahash64) or 32 bytes (SHA-256); an int is taken as 8 bytes."""
+
+class KVConnector:
+    """MAX's ``KVConnector`` protocol (base of the connectors)."""
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def leaves(self) -> Dict[str, KVCacheGroupId]: ...
+    def lookup(self, block_hashes: BlockHashes, replica_idx: int = 0, hint: Optional[bytes] = None) -> Dict[str, List[bool]]:
+        """Presence per leaf, one bool per hash. Reserves nothing."""
+    def load(
+        self,
+        block_ids: Mapping[str, Sequence[int]],
+        block_hashes: Mapping[str, BlockHashes],
+        replica_idx: int = 0,
+        hint: Optional[bytes] = None,
+    ) -> KVConnectorTransfer:
+        """All or nothing; must follow a ``lookup`` with the same replica and hint.
+        Raises KVLoadRefused (nothing moved), KVLoadFailed, ValueError."""
+    def offload(
+        self, block_ids: Mapping[str, Sequence[int]], block_hashes: Mapping[str, BlockHashes], replica_idx: int = 0
+    ) -> KVConnectorTransfer: ...
+    def touch(self, block_hashes: BlockHashes, replica_idx: int = 0) -> None: ...
+    def poll_transfers(self) -> None: ...
+    def shutdown(self) -> None: ...
+    def reset_prefix_cache(self) -> None: ...
+    @property
+    def metrics(self) -> Dict[str, Any]: ...
+    def take_metrics(self) -> Dict[str, Any]: ...
+    @property
+    def host_byte_count(self) -> Tuple[int, int]:
+        """``(free_bytes, total_bytes)``."""
+
+class NullConnector(KVConnector):
+    """No external cache: every lookup misses."""
+
+    def __init__(self, leaves: Optional[Mapping[str, KVCacheGroupId]] = None) -> None: ...
+
+class HostTierConnector(KVConnector):
+    """Host-memory tier of ``capacity_bytes``, LRU by (leaf, hash), copying on a worker thread.
+
+    ``replicas[replica_idx]`` maps leaf id -> the device ``KVCacheMemory``.
+    A host row is ``host_bytes_per_page`` bytes (replicated leaves stored once, broadcast on load).
+    """
+
+    def __init__(
+        self,
+        replicas: Sequence[Mapping[str, KVCacheMemory]],
+        capacity_bytes: int,
+        leaves: Optional[Mapping[str, KVCacheGroupId]] = None,
+    ) -> None: ...

@@ -281,10 +281,14 @@ impl PyHostTierConnector {
         let mut reps: Vec<BTreeMap<LeafId, Arc<dyn DevicePages>>> = Vec::new();
         for r in replicas.try_iter()? {
             let r = r?;
-            let d = r.downcast::<PyDict>().map_err(|_| PyValueError::new_err("replicas must be [{leaf_id: KVCacheMemory}]"))?;
+            let d = r
+                .downcast::<PyDict>()
+                .map_err(|_| PyValueError::new_err("replicas must be [{leaf_id: KVCacheMemory}]"))?;
             let mut m: BTreeMap<LeafId, Arc<dyn DevicePages>> = BTreeMap::new();
             for (k, v) in d.iter() {
-                let mem = v.downcast::<PyKVCacheMemory>().map_err(|_| PyValueError::new_err("values must be KVCacheMemory"))?;
+                let mem = v
+                    .downcast::<PyKVCacheMemory>()
+                    .map_err(|_| PyValueError::new_err("values must be KVCacheMemory"))?;
                 let pages = PyPages::new(mem.get().inner.clone())
                     .map_err(|e| PyRuntimeError::new_err(format!("opening /proc/self/mem: {e}")))?;
                 m.insert(LeafId(k.extract()?), Arc::new(pages));
@@ -293,7 +297,8 @@ impl PyHostTierConnector {
         }
         let default: Vec<String> = reps.first().map(|m| m.keys().map(|k| k.0.clone()).collect()).unwrap_or_default();
         let leaves = leaves_arg(leaves, &default)?;
-        let inner: Arc<dyn KVConnector> = Arc::new(HostTierConnector::new(leaves, reps, capacity_bytes).map_err(conn_err)?);
+        let inner: Arc<dyn KVConnector> =
+            Arc::new(HostTierConnector::new(leaves, reps, capacity_bytes).map_err(conn_err)?);
         Ok((PyHostTierConnector, PyConnector { inner }))
     }
 }

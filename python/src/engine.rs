@@ -200,7 +200,8 @@ impl PyKVTransferEngine {
         f: impl FnOnce(&mut KVTransferEngine) -> Result<T, kvwire::kv::KvError> + Send,
     ) -> PyResult<T> {
         py.allow_threads(|| {
-            let mut e = self.inner.lock().map_err(|_| PyRuntimeError::new_err("engine poisoned by an earlier panic"))?;
+            let mut e =
+                self.inner.lock().map_err(|_| PyRuntimeError::new_err("engine poisoned by an earlier panic"))?;
             f(&mut e).map_err(kv_err)
         })
     }
@@ -270,9 +271,9 @@ impl PyKVTransferEngine {
                 PyValueError::new_err("memory must be [replica][group] of KVCacheMemory (a list of lists)")
             })? {
                 let g = g?;
-                let m = g.downcast::<PyKVCacheMemory>().map_err(|_| {
-                    PyValueError::new_err("memory must be [replica][group] of KVCacheMemory")
-                })?;
+                let m = g
+                    .downcast::<PyKVCacheMemory>()
+                    .map_err(|_| PyValueError::new_err("memory must be [replica][group] of KVCacheMemory"))?;
                 row.push(m.get().inner.clone());
             }
             groups.push(row);
@@ -282,9 +283,7 @@ impl PyKVTransferEngine {
             copy_threads,
             options: options.unwrap_or_default(),
         };
-        let engine = py
-            .allow_threads(|| KVTransferEngine::new(&name, groups, leaf_ids, kind, &cfg))
-            .map_err(kv_err)?;
+        let engine = py.allow_threads(|| KVTransferEngine::new(&name, groups, leaf_ids, kind, &cfg)).map_err(kv_err)?;
         Ok(Self { inner: Mutex::new(engine), name })
     }
 

@@ -18,9 +18,7 @@ pub fn kv_err(e: KvError) -> PyErr {
     match e {
         KvError::Unsupported(_) => PyNotImplementedError::new_err(msg),
         KvError::Timeout { .. } => PyTimeoutError::new_err(msg),
-        KvError::PostFailed { .. } | KvError::TransferFailed { .. } | KvError::Engine(_) => {
-            TransferError::new_err(msg)
-        }
+        KvError::PostFailed { .. } | KvError::TransferFailed { .. } | KvError::Engine(_) => TransferError::new_err(msg),
         // Everything else is a caller mistake: bad shapes, names, indices, wire data.
         _ => PyValueError::new_err(msg),
     }

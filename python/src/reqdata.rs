@@ -13,7 +13,8 @@ pub fn page_idxs(obj: &Bound<'_, PyAny>) -> PyResult<PageIdxs> {
     if let Ok(d) = obj.downcast::<PyDict>() {
         let mut out = Vec::with_capacity(d.len());
         for (k, v) in d.iter() {
-            let leaf: String = k.extract().map_err(|_| PyValueError::new_err("page index keys must be leaf ids (str)"))?;
+            let leaf: String =
+                k.extract().map_err(|_| PyValueError::new_err("page index keys must be leaf ids (str)"))?;
             let pages: Vec<u64> = v
                 .extract()
                 .map_err(|_| PyValueError::new_err(format!("pages of leaf {leaf:?} must be a list of ints >= 0")))?;
@@ -164,8 +165,7 @@ impl PyTransferReqData {
         let inner = if let Ok(s) = data.extract::<String>() {
             TransferReqData::from_json(&s)
         } else {
-            let b: Vec<u8> =
-                data.extract().map_err(|_| PyValueError::new_err("from_json takes str or bytes"))?;
+            let b: Vec<u8> = data.extract().map_err(|_| PyValueError::new_err("from_json takes str or bytes"))?;
             TransferReqData::from_bytes(&b)
         }
         .map_err(kv_err)?;
