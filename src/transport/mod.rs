@@ -13,6 +13,7 @@
 
 pub mod memory;
 pub mod shm;
+pub mod tcp;
 
 use std::time::Duration;
 
@@ -334,8 +335,6 @@ pub fn create(
         TransportKind::Verbs => Err(TransportError::Unsupported(
             "the verbs transport is not built yet".into(),
         )),
-        TransportKind::Tcp => Err(TransportError::Unsupported(
-            "the tcp transport is not built yet".into(),
-        )),
+        TransportKind::Tcp => Ok(Box::new(tcp::TcpTransport::new(agent_name, config)?)),
     }
 }
