@@ -10,22 +10,15 @@ use kvwire::HostBuffer;
 use kvwire::engine::{Desc, TransferEngine, TransferStatus};
 use kvwire::transport::tcp::{TcpTransport, wire};
 use kvwire::transport::{
-    Completion, LocalKey, MemoryBacking, Op, PeerId, PostRequest, RemoteKey, Segment, Transport,
-    TransportConfig, TransportKind, XferId,
+    Completion, LocalKey, MemoryBacking, Op, PeerId, PostRequest, RemoteKey, Segment, Transport, TransportConfig,
+    TransportKind, XferId,
 };
 
 fn cfg(timeout_ms: u64) -> TransportConfig {
-    TransportConfig {
-        peer_timeout: Duration::from_millis(timeout_ms),
-        ..Default::default()
-    }
+    TransportConfig { peer_timeout: Duration::from_millis(timeout_ms), ..Default::default() }
 }
 
-fn wait(
-    e: &mut TransferEngine,
-    h: kvwire::engine::TransferHandle,
-    limit: Duration,
-) -> TransferStatus {
+fn wait(e: &mut TransferEngine, h: kvwire::engine::TransferHandle, limit: Duration) -> TransferStatus {
     let t0 = Instant::now();
     loop {
         let s = e.status(h).unwrap();
@@ -53,25 +46,10 @@ fn scattered_write_lands_before_its_notification() {
     target.register(dst.clone()).unwrap();
     init.connect(&target.metadata()).unwrap();
     // Page i goes to page (i * 7) % pages: scattered, no two runs adjacent.
-    let local: Vec<Desc> = (0..pages)
-        .map(|i| Desc::new(src.addr() + i * page, page))
-        .collect();
-    let remote: Vec<Desc> = (0..pages)
-        .map(|i| Desc::new(dst.addr() + (i * 7 % pages) * page, page))
-        .collect();
-    let h = init
-        .post(
-            Op::Write,
-            &local,
-            "decode",
-            &remote,
-            Some(b"xfer-1".to_vec()),
-        )
-        .unwrap();
-    assert_eq!(
-        wait(&mut init, h, Duration::from_secs(20)),
-        TransferStatus::Done
-    );
+    let local: Vec<Desc> = (0..pages).map(|i| Desc::new(src.addr() + i * page, page)).collect();
+    let remote: Vec<Desc> = (0..pages).map(|i| Desc::new(dst.addr() + (i * 7 % pages) * page, page)).collect();
+    let h = init.post(Op::Write, &local, "decode", &remote, Some(b"xfer-1".to_vec())).unwrap();
+    assert_eq!(wait(&mut init, h, Duration::from_secs(20)), TransferStatus::Done);
     let t0 = Instant::now();
     let notifs = loop {
         let n = target.get_notifs();
@@ -84,11 +62,7 @@ fn scattered_write_lands_before_its_notification() {
     for i in 0..pages {
         let d = ((i * 7 % pages) * page) as usize;
         let s = (i * page) as usize;
-        assert_eq!(
-            &dst.as_slice()[d..d + page as usize],
-            &src.as_slice()[s..s + page as usize],
-            "page {i}"
-        );
+        assert_eq!(&dst.as_slice()[d..d + page as usize], &src.as_slice()[s..s + page as usize], "page {i}");
     }
     init.release(h).unwrap();
 }
@@ -104,39 +78,18 @@ fn read_pulls_remote_pages() {
     init.register(local_buf.clone()).unwrap();
     init.connect(&target.metadata()).unwrap();
     let page = 65536u64;
-    let local: Vec<Desc> = (0..32)
-        .map(|i| Desc::new(local_buf.addr() + i * page, page))
-        .collect();
-    let remote: Vec<Desc> = (0..32)
-        .map(|i| Desc::new(remote_buf.addr() + (63 - i) * page, page))
-        .collect();
-    let h = init
-        .post(
-            Op::Read,
-            &local,
-            "prefill",
-            &remote,
-            Some(b"read-done".to_vec()),
-        )
-        .unwrap();
-    assert_eq!(
-        wait(&mut init, h, Duration::from_secs(10)),
-        TransferStatus::Done
-    );
+    let local: Vec<Desc> = (0..32).map(|i| Desc::new(local_buf.addr() + i * page, page)).collect();
+    let remote: Vec<Desc> = (0..32).map(|i| Desc::new(remote_buf.addr() + (63 - i) * page, page)).collect();
+    let h = init.post(Op::Read, &local, "prefill", &remote, Some(b"read-done".to_vec())).unwrap();
+    assert_eq!(wait(&mut init, h, Duration::from_secs(10)), TransferStatus::Done);
     for i in 0..32u64 {
         let l = (i * page) as usize;
         let r = ((63 - i) * page) as usize;
-        assert_eq!(
-            &local_buf.as_slice()[l..l + page as usize],
-            &remote_buf.as_slice()[r..r + page as usize]
-        );
+        assert_eq!(&local_buf.as_slice()[l..l + page as usize], &remote_buf.as_slice()[r..r + page as usize]);
     }
     let t0 = Instant::now();
-    while target.get_notifs().get("decode").is_none() {
-        assert!(
-            t0.elapsed() < Duration::from_secs(5),
-            "READ notification never arrived"
-        );
+    while !target.get_notifs().contains_key("decode") {
+        assert!(t0.elapsed() < Duration::from_secs(5), "READ notification never arrived");
         std::thread::sleep(Duration::from_millis(1));
     }
 }
@@ -160,28 +113,12 @@ fn raw_pair(timeout_ms: u64) -> RawPair {
     src.fill_with(0, src.len(), pattern(3));
     let l = init.register(src.as_ref()).unwrap();
     let r = target.register(dst.as_ref()).unwrap();
-    let peer = init
-        .connect("target", &target.connection_info(), &[])
-        .unwrap();
-    RawPair {
-        init,
-        target,
-        peer,
-        src,
-        dst,
-        lkey: l.lkey,
-        rkey: r.rkey,
-    }
+    let peer = init.connect("target", &target.connection_info(), &[]).unwrap();
+    RawPair { init, target, peer, src, dst, lkey: l.lkey, rkey: r.rkey }
 }
 
 fn post_one(id: u64, op: Op, remote_addr: u64, rkey: RemoteKey, len: u64, p: &mut RawPair) {
-    let seg = Segment {
-        local_addr: p.src.addr(),
-        remote_addr,
-        len_bytes: len,
-        lkey: p.lkey,
-        rkey,
-    };
+    let seg = Segment { local_addr: p.src.addr(), remote_addr, len_bytes: len, lkey: p.lkey, rkey };
     p.init
         .post(PostRequest {
             xfer: XferId(id),
@@ -224,21 +161,13 @@ fn out_of_bounds_and_unknown_keys_fail_and_write_nothing() {
         let err = c.result.expect_err("refused");
         assert!(err.contains("remote access error"), "{err}");
     }
-    assert!(
-        p.dst.as_slice().iter().all(|&b| b == 0),
-        "a refused WRITE wrote something"
-    );
+    assert!(p.dst.as_slice().iter().all(|&b| b == 0), "a refused WRITE wrote something");
     let mut n = Vec::new();
     p.target.take_notifications(&mut n);
     assert!(n.is_empty(), "no notification for refused transfers");
     // The connection is still good for a valid transfer.
     post_one(9, Op::Write, p.dst.addr(), p.rkey, 4096, &mut p);
-    assert_eq!(
-        completion(&mut p.init, Duration::from_secs(5))
-            .unwrap()
-            .result,
-        Ok(())
-    );
+    assert_eq!(completion(&mut p.init, Duration::from_secs(5)).unwrap().result, Ok(()));
     assert_eq!(&p.dst.as_slice()[..4096], &p.src.as_slice()[..4096]);
 }
 
@@ -249,10 +178,7 @@ fn dead_peer_fails_transfers_fast_and_later_posts_at_once() {
     for id in 0..50 {
         post_one(id, Op::Read, p.dst.addr(), p.rkey, 1 << 20, &mut p);
     }
-    drop(std::mem::replace(
-        &mut p.target,
-        TcpTransport::new("other", &cfg(1000)).unwrap(),
-    ));
+    drop(std::mem::replace(&mut p.target, TcpTransport::new("other", &cfg(1000)).unwrap()));
     let t0 = Instant::now();
     let mut failed = 0;
     let mut out = Vec::new();
@@ -267,18 +193,8 @@ fn dead_peer_fails_transfers_fast_and_later_posts_at_once() {
         }
     }
     assert!(failed > 0, "transfers to a closed peer must fail");
-    assert!(
-        t0.elapsed() < Duration::from_secs(2),
-        "failure took {:?}",
-        t0.elapsed()
-    );
-    let seg = Segment {
-        local_addr: p.src.addr(),
-        remote_addr: p.dst.addr(),
-        len_bytes: 8,
-        lkey: p.lkey,
-        rkey: p.rkey,
-    };
+    assert!(t0.elapsed() < Duration::from_secs(2), "failure took {:?}", t0.elapsed());
+    let seg = Segment { local_addr: p.src.addr(), remote_addr: p.dst.addr(), len_bytes: 8, lkey: p.lkey, rkey: p.rkey };
     let r = p.init.post(PostRequest {
         xfer: XferId(99),
         op: Op::Write,
@@ -303,12 +219,7 @@ fn silent_peer() -> (Vec<u8>, std::thread::JoinHandle<()>) {
             let h = wire::Header::decode(&hdr).unwrap();
             let mut name = vec![0u8; h.body_bytes()];
             s.read_exact(&mut name).unwrap();
-            let ack = wire::Header {
-                kind: wire::Kind::HelloAck,
-                count: 0,
-                id: wire::MAGIC_VERSION,
-                len: 0,
-            };
+            let ack = wire::Header { kind: wire::Kind::HelloAck, count: 0, id: wire::MAGIC_VERSION, len: 0 };
             s.write_all(&ack.encode()).unwrap();
             held.push(s);
         }
@@ -322,10 +233,7 @@ fn postcard_info(addr: &str) -> Vec<u8> {
     let probe = TcpTransport::new(
         "probe",
         &TransportConfig {
-            options: vec![
-                ("listen".into(), "127.0.0.1:0".into()),
-                ("advertise".into(), addr.into()),
-            ],
+            options: vec![("listen".into(), "127.0.0.1:0".into()), ("advertise".into(), addr.into())],
             ..Default::default()
         },
     )
@@ -340,30 +248,14 @@ fn silent_peer_fails_within_the_timeout() {
     let src = HostBuffer::new(1 << 16).unwrap();
     let l = init.register(&src).unwrap();
     let peer = init.connect("silent", &info, &[]).unwrap();
-    let seg = Segment {
-        local_addr: src.addr(),
-        remote_addr: 0x1000,
-        len_bytes: 4096,
-        lkey: l.lkey,
-        rkey: RemoteKey(1),
-    };
+    let seg =
+        Segment { local_addr: src.addr(), remote_addr: 0x1000, len_bytes: 4096, lkey: l.lkey, rkey: RemoteKey(1) };
     let t0 = Instant::now();
-    init.post(PostRequest {
-        xfer: XferId(1),
-        op: Op::Write,
-        peer,
-        segments: vec![seg],
-        notification: None,
-    })
-    .unwrap();
-    let c =
-        completion(&mut init, Duration::from_secs(3)).expect("silent peer must fail the transfer");
+    init.post(PostRequest { xfer: XferId(1), op: Op::Write, peer, segments: vec![seg], notification: None }).unwrap();
+    let c = completion(&mut init, Duration::from_secs(3)).expect("silent peer must fail the transfer");
     assert!(c.result.is_err());
     let took = t0.elapsed();
-    assert!(
-        took >= Duration::from_millis(400) && took < Duration::from_millis(1500),
-        "took {took:?}"
-    );
+    assert!(took >= Duration::from_millis(400) && took < Duration::from_millis(1500), "took {took:?}");
     drop(init);
     fake.join().unwrap();
 }
@@ -378,51 +270,18 @@ fn hostile_frames_are_refused_and_the_target_keeps_serving() {
         s[s.find("127.0.0.1").unwrap()..].to_string()
     };
     let hello = |s: &mut TcpStream| {
-        let h = wire::Header {
-            kind: wire::Kind::Hello,
-            count: 4,
-            id: wire::MAGIC_VERSION,
-            len: 0,
-        };
+        let h = wire::Header { kind: wire::Kind::Hello, count: 4, id: wire::MAGIC_VERSION, len: 0 };
         s.write_all(&h.encode()).unwrap();
         s.write_all(b"evil").unwrap();
         let mut ack = [0u8; wire::HEADER_BYTES];
         s.read_exact(&mut ack).unwrap();
     };
     let frames: Vec<Vec<u8>> = vec![
-        vec![0xff; 24], // unknown kind
-        wire::Header {
-            kind: wire::Kind::Write,
-            count: u32::MAX,
-            id: 1,
-            len: 1,
-        }
-        .encode()
-        .to_vec(), // too many segments
-        wire::Header {
-            kind: wire::Kind::Read,
-            count: 1,
-            id: 1,
-            len: u64::MAX,
-        }
-        .encode()
-        .to_vec(), // huge length
-        wire::Header {
-            kind: wire::Kind::Notify,
-            count: u32::MAX,
-            id: 1,
-            len: 0,
-        }
-        .encode()
-        .to_vec(), // huge payload
-        wire::Header {
-            kind: wire::Kind::Resp,
-            count: 0,
-            id: 1,
-            len: 0,
-        }
-        .encode()
-        .to_vec(), // wrong direction
+        vec![0xff; 24],                                                                             // unknown kind
+        wire::Header { kind: wire::Kind::Write, count: u32::MAX, id: 1, len: 1 }.encode().to_vec(), // too many segments
+        wire::Header { kind: wire::Kind::Read, count: 1, id: 1, len: u64::MAX }.encode().to_vec(),  // huge length
+        wire::Header { kind: wire::Kind::Notify, count: u32::MAX, id: 1, len: 0 }.encode().to_vec(), // huge payload
+        wire::Header { kind: wire::Kind::Resp, count: 0, id: 1, len: 0 }.encode().to_vec(),         // wrong direction
     ];
     for f in frames {
         let mut s = TcpStream::connect(&addr).unwrap();
@@ -437,36 +296,15 @@ fn hostile_frames_are_refused_and_the_target_keeps_serving() {
     let mut s = TcpStream::connect(&addr).unwrap();
     s.set_read_timeout(Some(Duration::from_secs(3))).unwrap();
     hello(&mut s);
-    let mut f = wire::Header {
-        kind: wire::Kind::Write,
-        count: 1,
-        id: 1,
-        len: 10,
-    }
-    .encode()
-    .to_vec();
-    wire::encode_segments(
-        [wire::SegmentDesc {
-            rkey: p.rkey.0,
-            addr: p.dst.addr(),
-            len_bytes: 5,
-        }],
-        &mut f,
-    );
+    let mut f = wire::Header { kind: wire::Kind::Write, count: 1, id: 1, len: 10 }.encode().to_vec();
+    wire::encode_segments([wire::SegmentDesc { rkey: p.rkey.0, addr: p.dst.addr(), len_bytes: 5 }], &mut f);
     s.write_all(&f).unwrap();
     let mut rest = Vec::new();
     let _ = s.read_to_end(&mut rest);
     // A hello with a wrong version is dropped without an ack.
     let mut s = TcpStream::connect(&addr).unwrap();
     s.set_read_timeout(Some(Duration::from_secs(3))).unwrap();
-    let mut bad = wire::Header {
-        kind: wire::Kind::Hello,
-        count: 1,
-        id: 1,
-        len: 0,
-    }
-    .encode()
-    .to_vec();
+    let mut bad = wire::Header { kind: wire::Kind::Hello, count: 1, id: 1, len: 0 }.encode().to_vec();
     bad[8] ^= 1;
     s.write_all(&bad).unwrap();
     let mut rest = Vec::new();
@@ -474,12 +312,7 @@ fn hostile_frames_are_refused_and_the_target_keeps_serving() {
     assert!(rest.is_empty());
     assert!(p.dst.as_slice().iter().all(|&b| b == 0));
     post_one(1, Op::Write, p.dst.addr(), p.rkey, 1 << 16, &mut p);
-    assert_eq!(
-        completion(&mut p.init, Duration::from_secs(5))
-            .unwrap()
-            .result,
-        Ok(())
-    );
+    assert_eq!(completion(&mut p.init, Duration::from_secs(5)).unwrap().result, Ok(()));
 }
 
 #[test]
@@ -494,22 +327,13 @@ fn cancel_returns_once_nothing_writes_local_memory() {
     }
     let snapshot = p.src.as_slice().to_vec();
     std::thread::sleep(Duration::from_millis(200));
-    assert_eq!(
-        p.src.as_slice(),
-        &snapshot[..],
-        "a cancelled READ wrote after cancel returned"
-    );
+    assert_eq!(p.src.as_slice(), &snapshot[..], "a cancelled READ wrote after cancel returned");
     let mut out = Vec::new();
     p.init.poll(&mut out);
     assert!(out.is_empty(), "no completion after cancel");
     // The peer still works.
     post_one(100, Op::Read, p.dst.addr(), p.rkey, 4096, &mut p);
-    assert_eq!(
-        completion(&mut p.init, Duration::from_secs(5))
-            .unwrap()
-            .result,
-        Ok(())
-    );
+    assert_eq!(completion(&mut p.init, Duration::from_secs(5)).unwrap().result, Ok(()));
 }
 
 impl RawPair {
@@ -536,10 +360,7 @@ fn backing_must_be_host_memory() {
     assert!(
         TcpTransport::new(
             "y",
-            &TransportConfig {
-                options: vec![("conns_per_peer".into(), "0".into())],
-                ..Default::default()
-            }
+            &TransportConfig { options: vec![("conns_per_peer".into(), "0".into())], ..Default::default() }
         )
         .is_err()
     );

@@ -1,6 +1,10 @@
 //! The `kvwire` command line: benchmarks, trace replay, device listing.
 //! Each subcommand lives in its own module file next to this one.
 
+mod bench;
+mod pattern;
+mod units;
+
 use anyhow::Result;
 use clap::{Parser, Subcommand};
 
@@ -12,12 +16,22 @@ struct Cli {
 }
 
 #[derive(Subcommand)]
-enum Command {}
+#[allow(clippy::large_enum_variant)] // parsed once at start-up
+enum Command {
+    /// perftest/nixlbench-style bandwidth, latency and post-cost benchmark.
+    Bench(bench::BenchArgs),
+    /// Internal: the target side of `bench`, started as a child process.
+    #[command(hide = true)]
+    BenchTarget(bench::TargetArgs),
+}
 
 fn main() -> Result<()> {
     tracing_subscriber::fmt()
         .with_env_filter(tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "warn".into()))
         .with_writer(std::io::stderr)
         .init();
-    match Cli::parse().command {}
+    match Cli::parse().command {
+        Command::Bench(a) => bench::run(a),
+        Command::BenchTarget(a) => bench::run_target(a),
+    }
 }

@@ -100,12 +100,7 @@ impl HostBuffer {
 
 impl MemoryBacking for HostBuffer {
     fn desc(&self) -> MemoryDesc {
-        MemoryDesc {
-            addr: self.addr(),
-            len_bytes: self.len_bytes as u64,
-            kind: MemoryKind::Dram,
-            device_id: 0,
-        }
+        MemoryDesc { addr: self.addr(), len_bytes: self.len_bytes as u64, kind: MemoryKind::Dram, device_id: 0 }
     }
 
     fn shared_fd(&self) -> Option<(BorrowedFd<'_>, u64)> {

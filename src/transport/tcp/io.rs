@@ -17,15 +17,9 @@ pub type Range = (u64, u64);
 fn iovecs(head: Option<&[u8]>, ranges: &[Range]) -> Vec<libc::iovec> {
     let mut v = Vec::with_capacity(ranges.len() + 1);
     if let Some(h) = head.filter(|h| !h.is_empty()) {
-        v.push(libc::iovec {
-            iov_base: h.as_ptr() as *mut libc::c_void,
-            iov_len: h.len(),
-        });
+        v.push(libc::iovec { iov_base: h.as_ptr() as *mut libc::c_void, iov_len: h.len() });
     }
-    v.extend(ranges.iter().map(|&(a, l)| libc::iovec {
-        iov_base: a as *mut libc::c_void,
-        iov_len: l as usize,
-    }));
+    v.extend(ranges.iter().map(|&(a, l)| libc::iovec { iov_base: a as *mut libc::c_void, iov_len: l as usize }));
     v
 }
 
@@ -49,9 +43,7 @@ fn advance(iov: &mut [libc::iovec], at: &mut usize, mut n: usize) {
 
 fn timed_out(e: io::Error) -> io::Error {
     match e.kind() {
-        io::ErrorKind::WouldBlock => {
-            io::Error::new(io::ErrorKind::TimedOut, "peer silent past the timeout")
-        }
+        io::ErrorKind::WouldBlock => io::Error::new(io::ErrorKind::TimedOut, "peer silent past the timeout"),
         _ => e,
     }
 }
@@ -100,11 +92,7 @@ pub unsafe fn write_ranges(sock: &TcpStream, head: &[u8], ranges: &[Range]) -> i
 /// # Safety
 /// Every range must be writable memory that no Rust reference aliases, for
 /// the whole call (or until `cancelled` is seen set).
-pub unsafe fn read_ranges(
-    sock: &TcpStream,
-    ranges: &[Range],
-    cancelled: &AtomicBool,
-) -> io::Result<bool> {
+pub unsafe fn read_ranges(sock: &TcpStream, ranges: &[Range], cancelled: &AtomicBool) -> io::Result<bool> {
     let mut iov = iovecs(None, ranges);
     let mut at = 0;
     advance(&mut iov, &mut at, 0);
@@ -126,10 +114,7 @@ pub unsafe fn read_ranges(
             return Err(timed_out(e));
         }
         if n == 0 {
-            return Err(io::Error::new(
-                io::ErrorKind::UnexpectedEof,
-                "peer closed the connection",
-            ));
+            return Err(io::Error::new(io::ErrorKind::UnexpectedEof, "peer closed the connection"));
         }
         advance(&mut iov, &mut at, n as usize);
     }
@@ -146,10 +131,7 @@ pub fn drain(mut sock: &TcpStream, mut n: u64) -> io::Result<()> {
         let want = n.min(scratch.len() as u64) as usize;
         let got = sock.read(&mut scratch[..want]).map_err(timed_out)?;
         if got == 0 {
-            return Err(io::Error::new(
-                io::ErrorKind::UnexpectedEof,
-                "peer closed the connection",
-            ));
+            return Err(io::Error::new(io::ErrorKind::UnexpectedEof, "peer closed the connection"));
         }
         n -= got as u64;
     }

@@ -38,9 +38,8 @@ use service::{LocalRegion, NotifQueue, RegionTable, Service};
 use worker::{Job, PeerShared, XferShared};
 
 use super::{
-    Completion, LocalKey, MemoryBacking, MemoryKind, Notification, PeerId, PostRequest,
-    Registration, RemoteKey, RemoteRegion, Segment, Transport, TransportConfig, TransportError,
-    TransportKind, XferId,
+    Completion, LocalKey, MemoryBacking, MemoryKind, Notification, PeerId, PostRequest, Registration, RemoteKey,
+    RemoteRegion, Segment, Transport, TransportConfig, TransportError, TransportKind, XferId,
 };
 
 /// Connections per peer unless option `conns_per_peer` says otherwise.
@@ -69,8 +68,7 @@ struct PeerConn {
 
 impl PeerConn {
     fn close(&mut self) {
-        self.shared
-            .kill(format!("peer {} disconnected", self.shared.name));
+        self.shared.kill(format!("peer {} disconnected", self.shared.name));
         self.jobs = None;
         for w in self.workers.drain(..) {
             let _ = w.join();
@@ -117,15 +115,9 @@ impl TcpTransport {
                 .ok_or_else(|| bad_option("conns_per_peer", v))?,
         };
         let env_listen = std::env::var("KVWIRE_TCP_LISTEN").ok();
-        let listen = config
-            .option("listen")
-            .or(env_listen.as_deref())
-            .unwrap_or("127.0.0.1:0")
-            .to_string();
+        let listen = config.option("listen").or(env_listen.as_deref()).unwrap_or("127.0.0.1:0").to_string();
         let listener = TcpListener::bind(&listen).map_err(|e| TransportError::io("bind", e))?;
-        let local = listener
-            .local_addr()
-            .map_err(|e| TransportError::io("getsockname", e))?;
+        let local = listener.local_addr().map_err(|e| TransportError::io("getsockname", e))?;
         let advertise = match config.option("advertise") {
             Some(a) => a.to_string(),
             None if local.ip().is_unspecified() => {
@@ -137,12 +129,7 @@ impl TcpTransport {
         };
         let regions: RegionTable = Arc::default();
         let notifs: NotifQueue = Arc::default();
-        let service = Service::start(
-            listener,
-            regions.clone(),
-            notifs.clone(),
-            config.peer_timeout,
-        )?;
+        let service = Service::start(listener, regions.clone(), notifs.clone(), config.peer_timeout)?;
         let (done_tx, done) = crossbeam_channel::unbounded();
         Ok(Self {
             agent: agent.to_string(),
@@ -192,10 +179,7 @@ impl TcpTransport {
         io::read_exact(&sock, &mut b)?;
         match wire::Header::decode(&b) {
             Ok(a) if a.kind == wire::Kind::HelloAck => Ok(sock),
-            Ok(a) => Err(std::io::Error::other(format!(
-                "expected a hello ack, got {:?}",
-                a.kind
-            ))),
+            Ok(a) => Err(std::io::Error::other(format!("expected a hello ack, got {:?}", a.kind))),
             Err(e) => Err(std::io::Error::other(e)),
         }
     }
@@ -209,21 +193,14 @@ fn plan_chunks(segments: Vec<Segment>) -> (Vec<Segment>, Vec<std::ops::Range<usi
         let mut off = 0;
         while off < s.len_bytes {
             let n = (s.len_bytes - off).min(CHUNK_BYTES);
-            out.push(Segment {
-                local_addr: s.local_addr + off,
-                remote_addr: s.remote_addr + off,
-                len_bytes: n,
-                ..s
-            });
+            out.push(Segment { local_addr: s.local_addr + off, remote_addr: s.remote_addr + off, len_bytes: n, ..s });
             off += n;
         }
     }
     let mut ranges = Vec::new();
     let (mut start, mut acc) = (0usize, 0u64);
     for (i, s) in out.iter().enumerate() {
-        if i > start
-            && (acc + s.len_bytes > CHUNK_BYTES || i - start == wire::MAX_SEGMENTS as usize)
-        {
+        if i > start && (acc + s.len_bytes > CHUNK_BYTES || i - start == wire::MAX_SEGMENTS as usize) {
             ranges.push(start..i);
             start = i;
             acc = 0;
@@ -244,26 +221,15 @@ impl Transport for TcpTransport {
     fn register(&mut self, backing: &dyn MemoryBacking) -> Result<Registration, TransportError> {
         let desc = backing.desc();
         if desc.kind != MemoryKind::Dram {
-            return Err(TransportError::Unsupported(
-                "the tcp transport moves host (DRAM) memory only".into(),
-            ));
+            return Err(TransportError::Unsupported("the tcp transport moves host (DRAM) memory only".into()));
         }
         let key = self.next_key;
         self.next_key += 1;
         self.regions
             .write()
             .unwrap_or_else(|p| p.into_inner())
-            .insert(
-                key,
-                LocalRegion {
-                    addr: desc.addr,
-                    len_bytes: desc.len_bytes,
-                },
-            );
-        Ok(Registration {
-            lkey: LocalKey(key),
-            rkey: RemoteKey(key),
-        })
+            .insert(key, LocalRegion { addr: desc.addr, len_bytes: desc.len_bytes });
+        Ok(Registration { lkey: LocalKey(key), rkey: RemoteKey(key) })
     }
 
     fn deregister(&mut self, lkey: LocalKey) -> Result<(), TransportError> {
@@ -277,25 +243,13 @@ impl Transport for TcpTransport {
     }
 
     fn connection_info(&self) -> Vec<u8> {
-        postcard::to_allocvec(&TcpInfo {
-            version: wire::PROTOCOL_VERSION,
-            addr: self.advertise.clone(),
-        })
-        .expect("plain data encodes")
+        postcard::to_allocvec(&TcpInfo { version: wire::PROTOCOL_VERSION, addr: self.advertise.clone() })
+            .expect("plain data encodes")
     }
 
-    fn connect(
-        &mut self,
-        peer_name: &str,
-        info: &[u8],
-        _regions: &[RemoteRegion],
-    ) -> Result<PeerId, TransportError> {
-        let info: TcpInfo = postcard::from_bytes(info)
-            .map_err(|e| TransportError::BadConnectionInfo(e.to_string()))?;
-        let cerr = |reason: String| TransportError::Connect {
-            peer: peer_name.to_string(),
-            reason,
-        };
+    fn connect(&mut self, peer_name: &str, info: &[u8], _regions: &[RemoteRegion]) -> Result<PeerId, TransportError> {
+        let info: TcpInfo = postcard::from_bytes(info).map_err(|e| TransportError::BadConnectionInfo(e.to_string()))?;
+        let cerr = |reason: String| TransportError::Connect { peer: peer_name.to_string(), reason };
         if info.version != wire::PROTOCOL_VERSION {
             return Err(cerr(format!(
                 "peer speaks tcp wire version {}, we speak {}",
@@ -308,20 +262,12 @@ impl Transport for TcpTransport {
             .to_socket_addrs()
             .map_err(|e| TransportError::BadConnectionInfo(format!("{}: {e}", info.addr)))?
             .next()
-            .ok_or_else(|| {
-                TransportError::BadConnectionInfo(format!("{} resolves to nothing", info.addr))
-            })?;
+            .ok_or_else(|| TransportError::BadConnectionInfo(format!("{} resolves to nothing", info.addr)))?;
         let mut socks = Vec::with_capacity(self.conns_per_peer);
         for i in 0..self.conns_per_peer {
-            socks.push(
-                self.open(&addr, i)
-                    .map_err(|e| cerr(format!("{addr}: {e}")))?,
-            );
+            socks.push(self.open(&addr, i).map_err(|e| cerr(format!("{addr}: {e}")))?);
         }
-        let clones = socks
-            .iter()
-            .map(TcpStream::try_clone)
-            .collect::<Result<Vec<_>, _>>();
+        let clones = socks.iter().map(TcpStream::try_clone).collect::<Result<Vec<_>, _>>();
         let shared = Arc::new(PeerShared {
             name: peer_name.to_string(),
             dead: AtomicBool::new(false),
@@ -339,26 +285,14 @@ impl Transport for TcpTransport {
             match spawned {
                 Ok(h) => workers.push(h),
                 Err(e) => {
-                    PeerConn {
-                        shared,
-                        jobs: Some(tx),
-                        workers,
-                    }
-                    .close();
+                    PeerConn { shared, jobs: Some(tx), workers }.close();
                     return Err(e);
                 }
             }
         }
         let id = self.next_peer;
         self.next_peer += 1;
-        self.peers.insert(
-            id,
-            PeerConn {
-                shared,
-                jobs: Some(tx),
-                workers,
-            },
-        );
+        self.peers.insert(id, PeerConn { shared, jobs: Some(tx), workers });
         Ok(PeerId(id))
     }
 
@@ -369,18 +303,11 @@ impl Transport for TcpTransport {
     }
 
     fn post(&mut self, req: PostRequest) -> Result<(), TransportError> {
-        let peer = self
-            .peers
-            .get(&req.peer.0)
-            .ok_or(TransportError::NotConnected(req.peer))?;
+        let peer = self.peers.get(&req.peer.0).ok_or(TransportError::NotConnected(req.peer))?;
         if peer.shared.dead.load(Ordering::Acquire) {
             return Err(TransportError::PeerDisconnected(peer.shared.failure()));
         }
-        if req
-            .notification
-            .as_ref()
-            .is_some_and(|n| n.len() > wire::MAX_NOTIFICATION_BYTES as usize)
-        {
+        if req.notification.as_ref().is_some_and(|n| n.len() > wire::MAX_NOTIFICATION_BYTES as usize) {
             return Err(TransportError::Post(format!(
                 "notification larger than {} bytes",
                 wire::MAX_NOTIFICATION_BYTES
@@ -402,16 +329,10 @@ impl Transport for TcpTransport {
         });
         self.inflight.insert(req.xfer.0, x.clone());
         if ranges.is_empty() {
-            let _ = jobs.send(Job {
-                xfer: x.clone(),
-                range: 0..0,
-            });
+            let _ = jobs.send(Job { xfer: x.clone(), range: 0..0 });
         }
         for range in ranges {
-            let _ = jobs.send(Job {
-                xfer: x.clone(),
-                range,
-            });
+            let _ = jobs.send(Job { xfer: x.clone(), range });
         }
         Ok(())
     }
@@ -469,13 +390,7 @@ mod tests {
     use super::*;
 
     fn seg(local: u64, remote: u64, len: u64) -> Segment {
-        Segment {
-            local_addr: local,
-            remote_addr: remote,
-            len_bytes: len,
-            lkey: LocalKey(1),
-            rkey: RemoteKey(1),
-        }
+        Segment { local_addr: local, remote_addr: remote, len_bytes: len, lkey: LocalKey(1), rkey: RemoteKey(1) }
     }
 
     #[test]

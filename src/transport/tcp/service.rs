@@ -73,11 +73,7 @@ impl Service {
                 .spawn(move || accept_loop(&l, &s))
                 .map_err(|e| TransportError::io("spawn", e))?
         };
-        Ok(Self {
-            listener,
-            shared,
-            accept: Some(accept),
-        })
+        Ok(Self { listener, shared, accept: Some(accept) })
     }
 }
 
@@ -85,13 +81,11 @@ impl Drop for Service {
     fn drop(&mut self) {
         self.shared.stopping.store(true, Ordering::Release);
         // Wakes the thread blocked in accept (it then gets EINVAL).
-        let _ =
-            nix::sys::socket::shutdown(self.listener.as_raw_fd(), nix::sys::socket::Shutdown::Both);
+        let _ = nix::sys::socket::shutdown(self.listener.as_raw_fd(), nix::sys::socket::Shutdown::Both);
         if let Some(h) = self.accept.take() {
             let _ = h.join();
         }
-        let conns =
-            std::mem::take(&mut *self.shared.conns.lock().unwrap_or_else(|p| p.into_inner()));
+        let conns = std::mem::take(&mut *self.shared.conns.lock().unwrap_or_else(|p| p.into_inner()));
         for (s, _) in &conns {
             let _ = s.shutdown(std::net::Shutdown::Both);
         }
@@ -110,15 +104,13 @@ fn accept_loop(listener: &TcpListener, shared: &Arc<Shared>) {
             continue;
         };
         let s = shared.clone();
-        let spawned = std::thread::Builder::new()
-            .name("kvwire-tcp-serve".into())
-            .spawn(move || {
-                if let Err(e) = serve_conn(&stream, &s) {
-                    tracing::debug!("tcp: connection from {from} ended: {e}");
-                }
-                // `conns` holds a clone: close explicitly so the peer sees it now.
-                let _ = stream.shutdown(std::net::Shutdown::Both);
-            });
+        let spawned = std::thread::Builder::new().name("kvwire-tcp-serve".into()).spawn(move || {
+            if let Err(e) = serve_conn(&stream, &s) {
+                tracing::debug!("tcp: connection from {from} ended: {e}");
+            }
+            // `conns` holds a clone: close explicitly so the peer sees it now.
+            let _ = stream.shutdown(std::net::Shutdown::Both);
+        });
         match spawned {
             Ok(h) => {
                 let mut conns = shared.conns.lock().unwrap_or_else(|p| p.into_inner());
@@ -142,21 +134,12 @@ fn read_header(sock: &TcpStream) -> io::Result<Header> {
 
 /// Wait for the first byte of the next request; idle time is not a failure.
 /// `Ok(false)` at a clean close or when the service stops.
-fn wait_request(
-    mut sock: &TcpStream,
-    first: &mut [u8; 1],
-    stopping: &AtomicBool,
-) -> io::Result<bool> {
+fn wait_request(mut sock: &TcpStream, first: &mut [u8; 1], stopping: &AtomicBool) -> io::Result<bool> {
     loop {
         match sock.read(first) {
             Ok(0) => return Ok(false),
             Ok(_) => return Ok(true),
-            Err(e)
-                if matches!(
-                    e.kind(),
-                    io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut
-                ) =>
-            {
+            Err(e) if matches!(e.kind(), io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut) => {
                 if stopping.load(Ordering::Acquire) {
                     return Ok(false);
                 }
@@ -169,12 +152,7 @@ fn wait_request(
 
 fn respond(mut sock: &TcpStream, id: u64, status: Status, reason: &str) -> io::Result<()> {
     let reason = &reason.as_bytes()[..reason.len().min(wire::MAX_REASON_BYTES as usize)];
-    let h = Header {
-        kind: Kind::Resp,
-        count: status as u32,
-        id,
-        len: reason.len() as u64,
-    };
+    let h = Header { kind: Kind::Resp, count: status as u32, id, len: reason.len() as u64 };
     let mut frame = Vec::with_capacity(wire::HEADER_BYTES + reason.len());
     frame.extend_from_slice(&h.encode());
     frame.extend_from_slice(reason);
@@ -187,22 +165,14 @@ fn serve_conn(sock: &TcpStream, shared: &Shared) -> io::Result<()> {
     sock.set_write_timeout(Some(shared.timeout))?;
     let hello = read_header(sock)?;
     if hello.kind != Kind::Hello {
-        tracing::warn!(
-            "tcp: expected a hello, got {:?}; dropping the connection",
-            hello.kind
-        );
+        tracing::warn!("tcp: expected a hello, got {:?}; dropping the connection", hello.kind);
         return Ok(());
     }
     let mut name = vec![0u8; hello.body_bytes()];
     tio::read_exact(sock, &mut name)?;
-    let agent = String::from_utf8(name)
-        .map_err(|_| io::Error::new(io::ErrorKind::InvalidData, "agent name not UTF-8"))?;
-    let ack = Header {
-        kind: Kind::HelloAck,
-        count: 0,
-        id: wire::MAGIC_VERSION,
-        len: 0,
-    };
+    let agent =
+        String::from_utf8(name).map_err(|_| io::Error::new(io::ErrorKind::InvalidData, "agent name not UTF-8"))?;
+    let ack = Header { kind: Kind::HelloAck, count: 0, id: wire::MAGIC_VERSION, len: 0 };
     (&*sock).write_all(&ack.encode())?;
 
     let mut body = Vec::new();
@@ -229,9 +199,7 @@ fn serve_conn(sock: &TcpStream, shared: &Shared) -> io::Result<()> {
         match h.kind {
             Kind::Write | Kind::Read => {
                 if let Err(e) = wire::decode_segments(&h, &body, &mut segs) {
-                    tracing::warn!(
-                        "tcp: refused a request from {agent}: {e}; dropping the connection"
-                    );
+                    tracing::warn!("tcp: refused a request from {agent}: {e}; dropping the connection");
                     let _ = respond(sock, h.id, Status::Protocol, &e.to_string());
                     return Ok(());
                 }
@@ -242,16 +210,11 @@ fn serve_conn(sock: &TcpStream, shared: &Shared) -> io::Result<()> {
                     .notifs
                     .lock()
                     .unwrap_or_else(|p| p.into_inner())
-                    .push(Notification {
-                        from_agent: agent.clone(),
-                        payload: body.clone(),
-                    });
+                    .push(Notification { from_agent: agent.clone(), payload: body.clone() });
                 respond(sock, h.id, Status::Ok, "")?;
             }
             other => {
-                tracing::warn!(
-                    "tcp: unexpected {other:?} frame from {agent}; dropping the connection"
-                );
+                tracing::warn!("tcp: unexpected {other:?} frame from {agent}; dropping the connection");
                 let _ = respond(sock, h.id, Status::Protocol, "unexpected frame kind");
                 return Ok(());
             }
@@ -261,20 +224,13 @@ fn serve_conn(sock: &TcpStream, shared: &Shared) -> io::Result<()> {
 
 /// Check every segment against the region table; the reason for the first
 /// violation, if any.
-fn check(
-    table: &HashMap<u32, LocalRegion>,
-    segs: &[SegmentDesc],
-    ranges: &mut Vec<Range>,
-) -> Option<String> {
+fn check(table: &HashMap<u32, LocalRegion>, segs: &[SegmentDesc], ranges: &mut Vec<Range>) -> Option<String> {
     ranges.clear();
     for s in segs {
         let Some(r) = table.get(&s.rkey) else {
             return Some(format!("remote access error: unknown rkey {}", s.rkey));
         };
-        let inside = s.addr >= r.addr
-            && s.addr
-                .checked_add(s.len_bytes)
-                .is_some_and(|e| e <= r.addr + r.len_bytes);
+        let inside = s.addr >= r.addr && s.addr.checked_add(s.len_bytes).is_some_and(|e| e <= r.addr + r.len_bytes);
         if !inside {
             return Some(format!(
                 "remote access error: {:#x}+{} outside rkey {} ({:#x}+{})",
@@ -316,12 +272,7 @@ fn serve_data(
             respond(sock, h.id, Status::Ok, "")
         }
         _ => {
-            let resp = Header {
-                kind: Kind::Resp,
-                count: Status::Ok as u32,
-                id: h.id,
-                len: h.len,
-            };
+            let resp = Header { kind: Kind::Resp, count: Status::Ok as u32, id: h.id, len: h.len };
             // SAFETY: as above; writev only reads the ranges.
             let r = unsafe { tio::write_ranges(sock, &resp.encode(), ranges) };
             drop(table);

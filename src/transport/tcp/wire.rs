@@ -129,15 +129,7 @@ pub struct Header {
 }
 
 fn limit(what: &'static str, value: u64, max: u64) -> Result<(), WireError> {
-    if value > max {
-        Err(WireError::Limit {
-            what,
-            value,
-            limit: max,
-        })
-    } else {
-        Ok(())
-    }
+    if value > max { Err(WireError::Limit { what, value, limit: max }) } else { Ok(()) }
 }
 
 impl Header {
@@ -177,11 +169,7 @@ impl Header {
                     return Err(WireError::Version(id));
                 }
                 if count == 0 {
-                    return Err(WireError::Limit {
-                        what: "name bytes",
-                        value: 0,
-                        limit: MAX_NAME_BYTES as u64,
-                    });
+                    return Err(WireError::Limit { what: "name bytes", value: 0, limit: MAX_NAME_BYTES as u64 });
                 }
                 limit("name bytes", count as u64, MAX_NAME_BYTES as u64)?;
                 limit("connection index", len, 1 << 16)?;
@@ -195,21 +183,13 @@ impl Header {
             }
             Kind::Write | Kind::Read => {
                 if count == 0 {
-                    return Err(WireError::Limit {
-                        what: "segments",
-                        value: 0,
-                        limit: MAX_SEGMENTS as u64,
-                    });
+                    return Err(WireError::Limit { what: "segments", value: 0, limit: MAX_SEGMENTS as u64 });
                 }
                 limit("segments", count as u64, MAX_SEGMENTS as u64)?;
                 limit("request bytes", len, MAX_REQUEST_BYTES)?;
             }
             Kind::Notify => {
-                limit(
-                    "notification bytes",
-                    count as u64,
-                    MAX_NOTIFICATION_BYTES as u64,
-                )?;
+                limit("notification bytes", count as u64, MAX_NOTIFICATION_BYTES as u64)?;
                 limit("notify length", len, 0)?;
             }
             Kind::Resp => {
@@ -218,20 +198,11 @@ impl Header {
                     value: count as u64,
                     limit: Status::Protocol as u64,
                 })?;
-                let max = if status == Status::Ok {
-                    MAX_REQUEST_BYTES
-                } else {
-                    MAX_REASON_BYTES
-                };
+                let max = if status == Status::Ok { MAX_REQUEST_BYTES } else { MAX_REASON_BYTES };
                 limit("response bytes", len, max)?;
             }
         }
-        Ok(Self {
-            kind,
-            count,
-            id,
-            len,
-        })
+        Ok(Self { kind, count, id, len })
     }
 
     /// The status of a [`Kind::Resp`] header (decoded headers always have one).
@@ -278,11 +249,7 @@ pub fn encode_segments(segs: impl IntoIterator<Item = SegmentDesc>, out: &mut Ve
 ///
 /// # Errors
 /// [`WireError::BodySize`], [`WireError::Limit`], [`WireError::LengthMismatch`].
-pub fn decode_segments(
-    h: &Header,
-    body: &[u8],
-    out: &mut Vec<SegmentDesc>,
-) -> Result<(), WireError> {
+pub fn decode_segments(h: &Header, body: &[u8], out: &mut Vec<SegmentDesc>) -> Result<(), WireError> {
     if body.len() != h.body_bytes() || !matches!(h.kind, Kind::Write | Kind::Read) {
         return Err(WireError::BodySize(body.len()));
     }
@@ -295,18 +262,9 @@ pub fn decode_segments(
             len_bytes: u64::from_le_bytes(c[12..20].try_into().expect("8 bytes")),
         };
         if s.len_bytes == 0 {
-            return Err(WireError::Limit {
-                what: "segment bytes",
-                value: 0,
-                limit: MAX_REQUEST_BYTES,
-            });
+            return Err(WireError::Limit { what: "segment bytes", value: 0, limit: MAX_REQUEST_BYTES });
         }
-        sum = sum
-            .checked_add(s.len_bytes)
-            .ok_or(WireError::LengthMismatch {
-                sum: u64::MAX,
-                len: h.len,
-            })?;
+        sum = sum.checked_add(s.len_bytes).ok_or(WireError::LengthMismatch { sum: u64::MAX, len: h.len })?;
         out.push(s);
     }
     if sum != h.len {

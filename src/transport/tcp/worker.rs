@@ -42,12 +42,7 @@ impl PeerShared {
             }
         }
         self.dead.store(true, Ordering::Release);
-        for s in self
-            .streams
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .iter()
-        {
+        for s in self.streams.lock().unwrap_or_else(|p| p.into_inner()).iter() {
             let _ = s.shutdown(std::net::Shutdown::Both);
         }
     }
@@ -55,8 +50,7 @@ impl PeerShared {
     /// The failure message for transfers to a dead peer.
     pub fn failure(&self) -> String {
         let r = self.reason.lock().unwrap_or_else(|p| p.into_inner());
-        r.clone()
-            .unwrap_or_else(|| format!("peer {} disconnected", self.name))
+        r.clone().unwrap_or_else(|| format!("peer {} disconnected", self.name))
     }
 }
 
@@ -133,10 +127,7 @@ impl Conn {
         if h.kind != Kind::Resp || h.id != id {
             return Err(ReqError::Conn(io::Error::new(
                 io::ErrorKind::InvalidData,
-                format!(
-                    "expected the response to request {id}, got {:?} {}",
-                    h.kind, h.id
-                ),
+                format!("expected the response to request {id}, got {:?} {}", h.kind, h.id),
             )));
         }
         if h.status() != Status::Ok {
@@ -145,10 +136,7 @@ impl Conn {
             let reason = String::from_utf8_lossy(&reason).into_owned();
             return Err(match h.status() {
                 Status::RemoteAccess => ReqError::Remote(reason),
-                _ => ReqError::Conn(io::Error::new(
-                    io::ErrorKind::InvalidData,
-                    format!("peer refused: {reason}"),
-                )),
+                _ => ReqError::Conn(io::Error::new(io::ErrorKind::InvalidData, format!("peer refused: {reason}"))),
             });
         }
         Ok(h)
@@ -158,30 +146,16 @@ impl Conn {
         self.next_id += 1;
         let id = self.next_id;
         let len: u64 = segs.iter().map(|s| s.len_bytes).sum();
-        let kind = if x.op == Op::Write {
-            Kind::Write
-        } else {
-            Kind::Read
-        };
-        let h = Header {
-            kind,
-            count: segs.len() as u32,
-            id,
-            len,
-        };
+        let kind = if x.op == Op::Write { Kind::Write } else { Kind::Read };
+        let h = Header { kind, count: segs.len() as u32, id, len };
         self.head.clear();
         self.head.extend_from_slice(&h.encode());
         wire::encode_segments(
-            segs.iter().map(|s| SegmentDesc {
-                rkey: s.rkey.0,
-                addr: s.remote_addr,
-                len_bytes: s.len_bytes,
-            }),
+            segs.iter().map(|s| SegmentDesc { rkey: s.rkey.0, addr: s.remote_addr, len_bytes: s.len_bytes }),
             &mut self.head,
         );
         self.ranges.clear();
-        self.ranges
-            .extend(segs.iter().map(|s| (s.local_addr, s.len_bytes)));
+        self.ranges.extend(segs.iter().map(|s| (s.local_addr, s.len_bytes)));
         match x.op {
             Op::Write => {
                 // SAFETY: the engine checked every local range against a live
@@ -212,12 +186,7 @@ impl Conn {
     fn notify(&mut self, payload: &[u8]) -> Result<(), ReqError> {
         self.next_id += 1;
         let id = self.next_id;
-        let h = Header {
-            kind: Kind::Notify,
-            count: payload.len() as u32,
-            id,
-            len: 0,
-        };
+        let h = Header { kind: Kind::Notify, count: payload.len() as u32, id, len: 0 };
         self.head.clear();
         self.head.extend_from_slice(&h.encode());
         self.head.extend_from_slice(payload);
@@ -228,12 +197,7 @@ impl Conn {
 
 /// Run a worker over `sock` until the job queue closes.
 pub fn run(sock: TcpStream, jobs: Receiver<Job>, done: Sender<Completion>) {
-    let mut conn = Conn {
-        sock,
-        next_id: 0,
-        head: Vec::new(),
-        ranges: Vec::new(),
-    };
+    let mut conn = Conn { sock, next_id: 0, head: Vec::new(), ranges: Vec::new() };
     for job in jobs.iter() {
         let x = &job.xfer;
         let peer = &x.peer;
@@ -262,20 +226,20 @@ pub fn run(sock: TcpStream, jobs: Receiver<Job>, done: Sender<Completion>) {
             Some(e) => Err(e),
             None => Ok(()),
         };
-        if result.is_ok() {
-            if let Some(payload) = &x.notification {
-                if peer.dead.load(Ordering::Acquire) {
-                    result = Err(peer.failure());
-                } else if let Err(e) = conn.notify(payload) {
-                    let why = match e {
-                        ReqError::Remote(r) => r,
-                        ReqError::Conn(e) => {
-                            peer.kill(format!("peer {} failed: {e}", peer.name));
-                            peer.failure()
-                        }
-                    };
-                    result = Err(format!("notification not delivered: {why}"));
-                }
+        if result.is_ok()
+            && let Some(payload) = &x.notification
+        {
+            if peer.dead.load(Ordering::Acquire) {
+                result = Err(peer.failure());
+            } else if let Err(e) = conn.notify(payload) {
+                let why = match e {
+                    ReqError::Remote(r) => r,
+                    ReqError::Conn(e) => {
+                        peer.kill(format!("peer {} failed: {e}", peer.name));
+                        peer.failure()
+                    }
+                };
+                result = Err(format!("notification not delivered: {why}"));
             }
         }
         let _ = done.send(Completion { xfer: x.id, result });

@@ -85,19 +85,10 @@ fn hostile_headers_are_refused() {
         b[16..24].copy_from_slice(&len.to_le_bytes());
         Header::decode(&b)
     };
-    assert!(matches!(
-        h(3, MAX_SEGMENTS + 1, 1, 10),
-        Err(WireError::Limit { .. })
-    ));
-    assert!(matches!(
-        h(3, 1, 1, MAX_REQUEST_BYTES + 1),
-        Err(WireError::Limit { .. })
-    ));
+    assert!(matches!(h(3, MAX_SEGMENTS + 1, 1, 10), Err(WireError::Limit { .. })));
+    assert!(matches!(h(3, 1, 1, MAX_REQUEST_BYTES + 1), Err(WireError::Limit { .. })));
     assert!(matches!(h(5, u32::MAX, 1, 0), Err(WireError::Limit { .. })));
-    assert!(matches!(
-        h(1, 5, 0xdead, 0),
-        Err(WireError::Version(0xdead))
-    ));
+    assert!(matches!(h(1, 5, 0xdead, 0), Err(WireError::Version(0xdead))));
     assert!(matches!(h(6, 1, 1, u64::MAX), Err(WireError::Limit { .. })));
     assert!(matches!(h(6, 9, 1, 0), Err(WireError::Limit { .. })));
     assert!(matches!(h(0, 0, 0, 0), Err(WireError::UnknownKind(0))));
