@@ -45,6 +45,7 @@
 #![warn(missing_docs)]
 #![warn(clippy::undocumented_unsafe_blocks)]
 
+pub mod discovery;
 pub mod engine;
 pub mod sidechannel;
 pub mod transport;
