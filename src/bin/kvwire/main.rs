@@ -3,6 +3,7 @@
 
 mod bench;
 mod pattern;
+mod serve;
 mod units;
 
 use anyhow::Result;
@@ -23,6 +24,8 @@ enum Command {
     /// Internal: the target side of `bench`, started as a child process.
     #[command(hide = true)]
     BenchTarget(bench::TargetArgs),
+    /// Serve transfers as agent NAME, published in etcd, until killed (with --pull: also a decode engine).
+    Serve(serve::ServeArgs),
 }
 
 fn main() -> Result<()> {
@@ -33,5 +36,6 @@ fn main() -> Result<()> {
     match Cli::parse().command {
         Command::Bench(a) => bench::run(a),
         Command::BenchTarget(a) => bench::run_target(a),
+        Command::Serve(a) => serve::run(a),
     }
 }
