@@ -108,7 +108,7 @@ fn tcp_transport_vs_single_stream_socket() {
     src.fill_with(0, total, |i| (i as u64).wrapping_mul(0x9E37_79B9).to_le_bytes()[3]);
     let iters = 3;
     println!("{mib} MiB of scattered pages per transfer, WRITE, {iters} iterations, loopback");
-    println!("{:>8} {:>14} {}", "page", "socket GB/s", "tcp transport GB/s (ratio) per conns_per_peer");
+    println!("{:>8} {:>14} tcp transport GB/s (ratio) per conns_per_peer", "page", "socket GB/s");
     for page in [4usize << 10, 64 << 10, 1 << 20] {
         let perm = permutation(total / page, 42);
         let dst = HostBuffer::new(total).unwrap();
