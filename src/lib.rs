@@ -47,6 +47,7 @@
 
 pub mod discovery;
 pub mod engine;
+pub mod kv;
 pub mod sidechannel;
 pub mod transport;
 
