@@ -13,6 +13,7 @@
 
 pub mod memory;
 pub mod shm;
+pub mod tcp;
 
 use std::time::Duration;
 
@@ -311,6 +312,6 @@ pub fn create(
     match kind {
         TransportKind::Shm => Ok(Box::new(shm::ShmTransport::new(agent_name, config)?)),
         TransportKind::Verbs => Err(TransportError::Unsupported("the verbs transport is not built yet".into())),
-        TransportKind::Tcp => Err(TransportError::Unsupported("the tcp transport is not built yet".into())),
+        TransportKind::Tcp => Ok(Box::new(tcp::TcpTransport::new(agent_name, config)?)),
     }
 }

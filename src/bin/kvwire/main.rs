@@ -4,6 +4,7 @@
 mod bench;
 mod pattern;
 mod replay;
+mod serve;
 mod units;
 
 use anyhow::Result;
@@ -29,6 +30,8 @@ enum Command {
     /// Internal: the decode side of `replay`, started as a child process.
     #[command(hide = true)]
     ReplayDecode(replay::DecodeArgs),
+    /// Serve transfers as agent NAME, published in etcd, until killed (with --pull: also a decode engine).
+    Serve(serve::ServeArgs),
 }
 
 fn main() -> Result<()> {
@@ -41,5 +44,6 @@ fn main() -> Result<()> {
         Command::BenchTarget(a) => bench::run_target(a),
         Command::Replay(a) => replay::run(a),
         Command::ReplayDecode(a) => replay::run_decode(a),
+        Command::Serve(a) => serve::run(a),
     }
 }
