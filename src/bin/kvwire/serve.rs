@@ -160,10 +160,9 @@ fn round(a: &ServeArgs, engine: &mut TransferEngine, buf: &HostBuffer, p: &Peer,
     let remote: Vec<Desc> = (0..n).map(|k| Desc::new(remote_base + src_page(k) * ps, ps)).collect();
     let h = engine.post(Op::Read, &local, &p.name, &remote, None).map_err(|e| e.to_string())?;
     wait(engine, h)?;
-    let mut scratch = Vec::new();
     for k in 0..n {
         let off = (k * ps) as usize;
-        if !check_page(&buf.as_slice()[off..off + ps as usize], page_key(&p.name, src_page(k)), &mut scratch) {
+        if !check_page(&buf.as_slice()[off..off + ps as usize], page_key(&p.name, src_page(k))) {
             return Err(format!("page {} from {} has wrong bytes", src_page(k), p.name));
         }
     }
