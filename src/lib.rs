@@ -48,5 +48,6 @@
 pub mod engine;
 pub mod sidechannel;
 pub mod transport;
+pub mod verbs;
 
 pub use transport::shm::HostBuffer;
