@@ -15,6 +15,10 @@ pub struct WrBatch {
     sges: Vec<ibv_sge>,
 }
 
+// SAFETY: the raw pointers inside the WRs are only set (to the batch's own
+// vectors) during `post_raw` and never dereferenced outside it.
+unsafe impl Send for WrBatch {}
+
 impl Default for WrBatch {
     fn default() -> Self {
         Self::with_capacity(64)
