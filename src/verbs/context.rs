@@ -32,7 +32,12 @@ pub fn device_names() -> Result<Vec<String>, VerbsError> {
     // SAFETY: `n` is a valid out-pointer; the list is freed below.
     let list = unsafe { (lib.get_device_list)(&mut n) };
     if list.is_null() {
-        return Err(VerbsError::call("ibv_get_device_list", 0));
+        let err = VerbsError::call("ibv_get_device_list", 0);
+        // ENOSYS: the kernel has no RDMA support (no ib_uverbs): no devices.
+        if matches!(&err, VerbsError::Call { source, .. } if source.raw_os_error() == Some(libc::ENOSYS)) {
+            return Ok(Vec::new());
+        }
+        return Err(err);
     }
     let mut names = Vec::with_capacity(n.max(0) as usize);
     for i in 0..n.max(0) as usize {

@@ -1,6 +1,8 @@
 //! The `kvwire` command line: benchmarks, trace replay, device listing.
 //! Each subcommand lives in its own module file next to this one.
 
+mod devices;
+
 use anyhow::Result;
 use clap::{Parser, Subcommand};
 
@@ -12,12 +14,17 @@ struct Cli {
 }
 
 #[derive(Subcommand)]
-enum Command {}
+enum Command {
+    /// List RDMA devices, ports, MTUs, link layers and GID tables.
+    Devices(devices::DevicesArgs),
+}
 
 fn main() -> Result<()> {
     tracing_subscriber::fmt()
         .with_env_filter(tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "warn".into()))
         .with_writer(std::io::stderr)
         .init();
-    match Cli::parse().command {}
+    match Cli::parse().command {
+        Command::Devices(a) => devices::run(&a),
+    }
 }

@@ -439,8 +439,28 @@ impl Transport for VerbsTransport {
             st.try_finish(xfer.0, &limits);
         }
         // Posted WRs finish (or fail after the QP's retry budget, or flush):
-        // only then can the NIC no longer touch the buffers.
-        while self.inner.lock().xfers.contains_key(&xfer.0) {
+        // only then can the NIC no longer touch the buffers. Past
+        // `peer_timeout`, move the QPs carrying them to the error state,
+        // which flushes them at once (the next post reconnects).
+        let deadline = Instant::now() + self.inner.config.peer_timeout;
+        let mut flushed = false;
+        loop {
+            {
+                let mut st = self.inner.lock();
+                if !st.xfers.contains_key(&xfer.0) {
+                    break;
+                }
+                if !flushed && Instant::now() > deadline {
+                    flushed = true;
+                    for sq in st.send_qps.values_mut() {
+                        if sq.chunks.values().any(|(x, _)| *x == xfer.0) && sq.error.is_none() {
+                            tracing::warn!("verbs: cancel of {xfer:?} flushes QP {}", sq.qp.qp_num());
+                            sq.error = Some(format!("QP flushed to cancel {xfer:?}"));
+                            let _ = sq.qp.set_error();
+                        }
+                    }
+                }
+            }
             std::thread::sleep(Duration::from_micros(200));
         }
     }

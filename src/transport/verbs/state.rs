@@ -248,8 +248,9 @@ impl State {
                 tracing::warn!("verbs: {why}");
                 sq.error = Some(why.clone());
                 let _ = sq.qp.set_error();
-                failed_queue.extend(sq.queue.drain(..).map(|w| w.xfer()));
             }
+            // Nothing more is posted on a QP in error: fail what is queued.
+            failed_queue.extend(sq.queue.drain(..).map(|w| w.xfer()));
             if let Some(xf) = self.xfers.get_mut(&x) {
                 xf.error.get_or_insert(why);
             }
