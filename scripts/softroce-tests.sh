@@ -12,6 +12,7 @@ repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 softroce=${SOFTROCE_DIR:-$repo/../shared/softroce}
 [ -x "$softroce/cargo-test-in-softroce.sh" ] || softroce=/work/shared/softroce
 cd "$repo"
+export CARGO_TARGET_DIR=${CARGO_TARGET_DIR:-$repo/target}
 export SOFTROCE_TIMEOUT=${SOFTROCE_TIMEOUT:-600}
 exec "$softroce/cargo-test-in-softroce.sh" --test verbs_transport --test verbs_layer \
   -- --test-threads=1 --nocapture "$@"

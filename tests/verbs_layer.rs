@@ -10,7 +10,16 @@ fn batches_chain_and_post_once() {
     let mut qp = FakeQueuePair::default();
     let mut b = WrBatch::with_capacity(8);
     for i in 0..100u64 {
-        b.push_rdma(WrId(i), i % 2 == 0, i == 99, 0x1000 + i * 64, 64, 1, 0x9000 + i * 64, 2);
+        b.push_rdma(
+            WrId(i),
+            i % 2 == 0,
+            i == 99,
+            0x1000 + i * 64,
+            64,
+            1,
+            0x9000 + i * 64,
+            2,
+        );
     }
     assert_eq!(qp.post(&mut b), 100);
     b.clear();
@@ -41,7 +50,14 @@ fn devices_are_described_with_ports_and_gids() {
         let d = d.expect("device opens");
         assert!(!d.ports.is_empty(), "{} has no port", d.name);
         for p in &d.ports {
-            eprintln!("{} port {} state {} mtu {} gids {}", d.name, p.port, p.attr.state, p.attr.active_mtu, p.gids.len());
+            eprintln!(
+                "{} port {} state {} mtu {} gids {}",
+                d.name,
+                p.port,
+                p.attr.state,
+                p.attr.active_mtu,
+                p.gids.len()
+            );
         }
     }
 }

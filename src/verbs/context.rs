@@ -34,7 +34,8 @@ pub fn device_names() -> Result<Vec<String>, VerbsError> {
     if list.is_null() {
         let err = VerbsError::call("ibv_get_device_list", 0);
         // ENOSYS: the kernel has no RDMA support (no ib_uverbs): no devices.
-        if matches!(&err, VerbsError::Call { source, .. } if source.raw_os_error() == Some(libc::ENOSYS)) {
+        if matches!(&err, VerbsError::Call { source, .. } if source.raw_os_error() == Some(libc::ENOSYS))
+        {
             return Ok(Vec::new());
         }
         return Err(err);

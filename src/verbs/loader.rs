@@ -67,6 +67,8 @@ pub fn available() -> bool {
     verbs().is_ok()
 }
 
+// The target type of each transmute is the field it is assigned to.
+#[allow(clippy::missing_transmute_annotations)]
 fn load() -> Result<Verbs, String> {
     // SAFETY: loading libibverbs runs its constructors, which only set up
     // provider discovery; it has no other initialisation requirements.

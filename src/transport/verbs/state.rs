@@ -102,20 +102,36 @@ pub const RECV_BIT: u64 = 1 << 63;
 impl State {
     /// Queue `segments` of `xfer` round-robin over `qpns` (by runs of
     /// `stripe` segments) and post what fits.
-    pub fn enqueue(&mut self, xfer: XferId, op: Op, segments: &[Segment], qpns: &[u32], limits: &PostLimits) {
+    pub fn enqueue(
+        &mut self,
+        xfer: XferId,
+        op: Op,
+        segments: &[Segment],
+        qpns: &[u32],
+        limits: &PostLimits,
+    ) {
         let read = op == Op::Read;
         let stripe = 64usize;
         let mut queued = 0u32;
-        let mut i = 0usize;
-        for s in segments {
+        for (i, s) in segments.iter().enumerate() {
             let q = qpns[(i / stripe) % qpns.len()];
-            i += 1;
-            let Some(sq) = self.send_qps.get_mut(&q) else { continue };
+            let Some(sq) = self.send_qps.get_mut(&q) else {
+                continue;
+            };
             let mut off = 0;
             while off < s.len_bytes {
                 let n = (s.len_bytes - off).min(MAX_WR_BYTES);
-                let seg = Segment { local_addr: s.local_addr + off, remote_addr: s.remote_addr + off, len_bytes: n, ..*s };
-                sq.queue.push_back(Work::Rdma { xfer: xfer.0, read, seg });
+                let seg = Segment {
+                    local_addr: s.local_addr + off,
+                    remote_addr: s.remote_addr + off,
+                    len_bytes: n,
+                    ..*s
+                };
+                sq.queue.push_back(Work::Rdma {
+                    xfer: xfer.0,
+                    read,
+                    seg,
+                });
                 queued += 1;
                 off += n;
             }
@@ -129,7 +145,14 @@ impl State {
     }
 
     /// Queue a notification SEND on `qpn`.
-    pub fn enqueue_notify(&mut self, xfer: u64, qpn: u32, slot: u32, len: u32, limits: &PostLimits) {
+    pub fn enqueue_notify(
+        &mut self,
+        xfer: u64,
+        qpn: u32,
+        slot: u32,
+        len: u32,
+        limits: &PostLimits,
+    ) {
         if let Some(sq) = self.send_qps.get_mut(&qpn) {
             sq.queue.push_back(Work::Notify { xfer, slot, len });
             if let Some(x) = self.xfers.get_mut(&xfer) {
@@ -141,8 +164,17 @@ impl State {
 
     /// Post as much of `qpn`'s queue as the send queue has room for.
     pub fn pump(&mut self, qpn: u32, limits: &PostLimits) {
-        let State { send_qps, xfers, slabs, batch, next_chunk, .. } = self;
-        let Some(sq) = send_qps.get_mut(&qpn) else { return };
+        let State {
+            send_qps,
+            xfers,
+            slabs,
+            batch,
+            next_chunk,
+            ..
+        } = self;
+        let Some(sq) = send_qps.get_mut(&qpn) else {
+            return;
+        };
         if sq.error.is_some() {
             return;
         }
@@ -172,7 +204,12 @@ impl State {
                     Work::Notify { slot, len, .. } => {
                         let (addr, lkey) = slabs
                             .get(&sq.peer)
-                            .map(|s| (s.mr.addr() + u64::from(slot) * NOTIF_SLOT_BYTES as u64, s.mr.lkey()))
+                            .map(|s| {
+                                (
+                                    s.mr.addr() + u64::from(slot) * NOTIF_SLOT_BYTES as u64,
+                                    s.mr.lkey(),
+                                )
+                            })
                             .unwrap_or((0, 0));
                         batch.push_send(WrId(chunk), signaled, addr, len, lkey);
                     }
@@ -234,15 +271,24 @@ impl State {
             self.on_recv(wc);
             return;
         }
-        let Some(sq) = self.send_qps.get_mut(&wc.qp_num) else { return };
-        let Some((x, cnt)) = sq.chunks.remove(&wc.wr_id) else { return };
+        let Some(sq) = self.send_qps.get_mut(&wc.qp_num) else {
+            return;
+        };
+        let Some((x, cnt)) = sq.chunks.remove(&wc.wr_id) else {
+            return;
+        };
         sq.outstanding = sq.outstanding.saturating_sub(cnt);
         let mut failed_queue = Vec::new();
         if wc.status != IBV_WC_SUCCESS {
             let name = wc_status_name(wc.status);
             let why = match &sq.error {
-                Some(first) if wc.status == IBV_WC_WR_FLUSH_ERR => format!("{name} (after {first} on this QP)"),
-                _ => format!("{name} (vendor error {:#x}) on QP {}", wc.vendor_err, wc.qp_num),
+                Some(first) if wc.status == IBV_WC_WR_FLUSH_ERR => {
+                    format!("{name} (after {first} on this QP)")
+                }
+                _ => format!(
+                    "{name} (vendor error {:#x}) on QP {}",
+                    wc.vendor_err, wc.qp_num
+                ),
             };
             if sq.error.is_none() {
                 tracing::warn!("verbs: {why}");
@@ -259,7 +305,8 @@ impl State {
         for fx in failed_queue {
             if let Some(xf) = self.xfers.get_mut(&fx) {
                 xf.queued = xf.queued.saturating_sub(1);
-                xf.error.get_or_insert_with(|| qp_error.clone().unwrap_or_default());
+                xf.error
+                    .get_or_insert_with(|| qp_error.clone().unwrap_or_default());
             }
         }
         if let Some(xf) = self.xfers.get_mut(&x) {
@@ -271,7 +318,9 @@ impl State {
 
     /// Report `x` when nothing of it is queued or in flight.
     pub fn try_finish(&mut self, x: u64, limits: &PostLimits) {
-        let Some(xf) = self.xfers.get_mut(&x) else { return };
+        let Some(xf) = self.xfers.get_mut(&x) else {
+            return;
+        };
         if xf.queued > 0 || xf.chunks > 0 {
             return;
         }
@@ -281,22 +330,33 @@ impl State {
             self.enqueue_notify(x, qpn, slot, len, limits);
             return;
         }
-        let Some(xf) = self.xfers.remove(&x) else { return };
+        let Some(xf) = self.xfers.remove(&x) else {
+            return;
+        };
         if let Some((peer, slot)) = xf.slot
             && let Some(s) = self.slabs.get_mut(&peer)
         {
             s.free.push(slot);
         }
         if !xf.cancelled {
-            self.done.push(Completion { xfer: XferId(x), result: xf.error.map_or(Ok(()), Err) });
+            self.done.push(Completion {
+                xfer: XferId(x),
+                result: xf.error.map_or(Ok(()), Err),
+            });
         }
     }
 
     fn on_recv(&mut self, wc: &WorkCompletion) {
-        let Some(r) = self.recv_qps.get_mut(&wc.qp_num) else { return };
+        let Some(r) = self.recv_qps.get_mut(&wc.qp_num) else {
+            return;
+        };
         if wc.status != IBV_WC_SUCCESS {
             if wc.status != IBV_WC_WR_FLUSH_ERR {
-                tracing::warn!("verbs: receive from {} failed: {}", r.agent, wc_status_name(wc.status));
+                tracing::warn!(
+                    "verbs: receive from {} failed: {}",
+                    r.agent,
+                    wc_status_name(wc.status)
+                );
             }
             return;
         }
@@ -308,13 +368,19 @@ impl State {
         }
         // SAFETY: the slot lies inside the slab the MR owns; its receive
         // completed, so the NIC no longer writes it until we repost it.
-        let payload = unsafe { std::slice::from_raw_parts(base.add(slot * NOTIF_SLOT_BYTES), len) }.to_vec();
-        self.notifs.push(Notification { from_agent: r.agent.clone(), payload });
+        let payload =
+            unsafe { std::slice::from_raw_parts(base.add(slot * NOTIF_SLOT_BYTES), len) }.to_vec();
+        self.notifs.push(Notification {
+            from_agent: r.agent.clone(),
+            payload,
+        });
         let addr = r.slab.addr() + (slot * NOTIF_SLOT_BYTES) as u64;
         let lkey = r.slab.lkey();
         // SAFETY: the slot is inside the slab, registered with `lkey`, owned
         // by the RecvQp, which is dropped (QP destroyed first) together.
-        if let Err(e) = unsafe { r.qp.post_recv(wc.wr_id, addr, NOTIF_SLOT_BYTES as u32, lkey) } {
+        if let Err(e) = unsafe {
+            r.qp.post_recv(wc.wr_id, addr, NOTIF_SLOT_BYTES as u32, lkey)
+        } {
             tracing::warn!("verbs: cannot repost a receive for {}: {e}", r.agent);
         }
     }
