@@ -45,7 +45,9 @@
 #![warn(missing_docs)]
 #![warn(clippy::undocumented_unsafe_blocks)]
 
+pub mod connector;
 pub mod engine;
+pub mod kv;
 pub mod sidechannel;
 pub mod transport;
 pub mod verbs;

@@ -93,6 +93,15 @@ impl SideChannel {
         }
     }
 
+    /// A second handle on the same connection (e.g. one thread receives
+    /// while another sends).
+    ///
+    /// # Errors
+    /// `dup` failure.
+    pub fn try_clone(&self) -> Result<Self, SideChannelError> {
+        Ok(Self { stream: self.stream.try_clone().map_err(io_err("dup"))? })
+    }
+
     /// Bound every receive by `timeout` (`None`: wait forever).
     ///
     /// # Errors

@@ -38,10 +38,11 @@ pub struct LocalSpan {
 }
 
 fn find_span(spans: &[LocalSpan], addr: u64, end: u64, hint: &mut usize) -> Option<LocalKey> {
-    if let Some(s) = spans.get(*hint) {
-        if addr >= s.addr && end <= s.end {
-            return Some(s.lkey);
-        }
+    if let Some(s) = spans.get(*hint)
+        && addr >= s.addr
+        && end <= s.end
+    {
+        return Some(s.lkey);
     }
     let idx = spans.partition_point(|s| s.addr <= addr).checked_sub(1)?;
     let s = &spans[idx];
@@ -54,10 +55,11 @@ fn find_span(spans: &[LocalSpan], addr: u64, end: u64, hint: &mut usize) -> Opti
 }
 
 fn find_region(regions: &[RemoteRegion], addr: u64, end: u64, hint: &mut usize) -> Option<u32> {
-    if let Some(r) = regions.get(*hint) {
-        if addr >= r.addr && end <= r.addr + r.len_bytes {
-            return Some(r.rkey.0);
-        }
+    if let Some(r) = regions.get(*hint)
+        && addr >= r.addr
+        && end <= r.addr + r.len_bytes
+    {
+        return Some(r.rkey.0);
     }
     let idx = regions.partition_point(|r| r.addr <= addr).checked_sub(1)?;
     let r = &regions[idx];
@@ -87,21 +89,14 @@ pub fn build_segments(
     out: &mut Vec<Segment>,
 ) -> Result<(), EngineError> {
     if local.len() != remote.len() {
-        return Err(EngineError::DescCountMismatch {
-            local: local.len(),
-            remote: remote.len(),
-        });
+        return Err(EngineError::DescCountMismatch { local: local.len(), remote: remote.len() });
     }
     out.clear();
     out.reserve(local.len());
     let (mut lh, mut rh) = (0usize, 0usize);
     for (index, (l, r)) in local.iter().zip(remote).enumerate() {
         if l.len_bytes != r.len_bytes {
-            return Err(EngineError::LengthMismatch {
-                index,
-                local: l.len_bytes,
-                remote: r.len_bytes,
-            });
+            return Err(EngineError::LengthMismatch { index, local: l.len_bytes, remote: r.len_bytes });
         }
         if l.len_bytes == 0 {
             return Err(EngineError::EmptyDescriptor { index });
@@ -110,30 +105,24 @@ pub fn build_segments(
             .addr
             .checked_add(l.len_bytes)
             .and_then(|end| find_span(spans, l.addr, end, &mut lh))
-            .ok_or(EngineError::LocalOutOfBounds {
-                index,
-                addr: l.addr,
-                len_bytes: l.len_bytes,
-            })?;
-        let rkey = r
-            .addr
-            .checked_add(r.len_bytes)
-            .and_then(|end| find_region(regions, r.addr, end, &mut rh))
-            .ok_or_else(|| EngineError::RemoteOutOfBounds {
-                index,
-                addr: r.addr,
-                len_bytes: r.len_bytes,
-                agent: remote_agent.to_string(),
-            })?;
-        if let Some(last) = out.last_mut() {
-            if last.lkey == lkey
-                && last.rkey.0 == rkey
-                && last.local_addr + last.len_bytes == l.addr
-                && last.remote_addr + last.len_bytes == r.addr
-            {
-                last.len_bytes += l.len_bytes;
-                continue;
-            }
+            .ok_or(EngineError::LocalOutOfBounds { index, addr: l.addr, len_bytes: l.len_bytes })?;
+        let rkey =
+            r.addr.checked_add(r.len_bytes).and_then(|end| find_region(regions, r.addr, end, &mut rh)).ok_or_else(
+                || EngineError::RemoteOutOfBounds {
+                    index,
+                    addr: r.addr,
+                    len_bytes: r.len_bytes,
+                    agent: remote_agent.to_string(),
+                },
+            )?;
+        if let Some(last) = out.last_mut()
+            && last.lkey == lkey
+            && last.rkey.0 == rkey
+            && last.local_addr + last.len_bytes == l.addr
+            && last.remote_addr + last.len_bytes == r.addr
+        {
+            last.len_bytes += l.len_bytes;
+            continue;
         }
         out.push(Segment {
             local_addr: l.addr,
@@ -158,7 +147,13 @@ mod tests {
         ]
     }
     fn regions() -> Vec<RemoteRegion> {
-        vec![RemoteRegion { addr: 0x10_0000, len_bytes: 0x10_000, rkey: RemoteKey(7), kind: MemoryKind::Dram, device_id: 0 }]
+        vec![RemoteRegion {
+            addr: 0x10_0000,
+            len_bytes: 0x10_000,
+            rkey: RemoteKey(7),
+            kind: MemoryKind::Dram,
+            device_id: 0,
+        }]
     }
     fn run(local: &[Desc], remote: &[Desc]) -> Result<Vec<Segment>, EngineError> {
         let mut out = Vec::new();
@@ -167,8 +162,14 @@ mod tests {
 
     #[test]
     fn merges_runs_adjacent_on_both_sides_only() {
-        let l = [Desc::new(0x1000, 0x100), Desc::new(0x1100, 0x100), Desc::new(0x1200, 0x100), Desc::new(0x1300, 0x100)];
-        let r = [Desc::new(0x10_0000, 0x100), Desc::new(0x10_0100, 0x100), Desc::new(0x10_0900, 0x100), Desc::new(0x10_0a00, 0x100)];
+        let l =
+            [Desc::new(0x1000, 0x100), Desc::new(0x1100, 0x100), Desc::new(0x1200, 0x100), Desc::new(0x1300, 0x100)];
+        let r = [
+            Desc::new(0x10_0000, 0x100),
+            Desc::new(0x10_0100, 0x100),
+            Desc::new(0x10_0900, 0x100),
+            Desc::new(0x10_0a00, 0x100),
+        ];
         let segs = run(&l, &r).unwrap();
         assert_eq!(segs.len(), 2);
         assert_eq!((segs[0].local_addr, segs[0].remote_addr, segs[0].len_bytes), (0x1000, 0x10_0000, 0x200));
@@ -191,14 +192,20 @@ mod tests {
         let r1 = [Desc::new(0x10_0000, 0x100)];
         assert!(matches!(run(&[], &r1), Err(EngineError::DescCountMismatch { local: 0, remote: 1 })));
         assert!(matches!(run(&[Desc::new(0x1000, 0x80)], &r1), Err(EngineError::LengthMismatch { index: 0, .. })));
-        assert!(matches!(run(&[Desc::new(0x1000, 0)], &[Desc::new(0x10_0000, 0)]), Err(EngineError::EmptyDescriptor { index: 0 })));
+        assert!(matches!(
+            run(&[Desc::new(0x1000, 0)], &[Desc::new(0x10_0000, 0)]),
+            Err(EngineError::EmptyDescriptor { index: 0 })
+        ));
         // straddles two local registrations
         assert!(matches!(run(&[Desc::new(0x8f80, 0x100)], &r1), Err(EngineError::LocalOutOfBounds { index: 0, .. })));
         assert!(matches!(run(&[Desc::new(0x0, 0x100)], &r1), Err(EngineError::LocalOutOfBounds { .. })));
         assert!(matches!(run(&[Desc::new(u64::MAX - 4, 0x100)], &r1), Err(EngineError::LocalOutOfBounds { .. })));
         // one byte past the remote region
         let l = [Desc::new(0x1000, 0x100)];
-        assert!(matches!(run(&l, &[Desc::new(0x10_ff01, 0x100)]), Err(EngineError::RemoteOutOfBounds { index: 0, .. })));
+        assert!(matches!(
+            run(&l, &[Desc::new(0x10_ff01, 0x100)]),
+            Err(EngineError::RemoteOutOfBounds { index: 0, .. })
+        ));
         assert!(matches!(run(&l, &[Desc::new(u64::MAX - 8, 0x100)]), Err(EngineError::RemoteOutOfBounds { .. })));
         // the last valid byte is fine
         assert!(run(&l, &[Desc::new(0x10_ff00, 0x100)]).is_ok());

@@ -60,10 +60,7 @@ impl AgentMetadata {
     /// [`MetadataError::Malformed`], [`MetadataError::Inconsistent`].
     pub fn from_bytes(bytes: &[u8]) -> Result<Self, MetadataError> {
         if bytes.len() > MAX_METADATA_BYTES {
-            return Err(MetadataError::TooLarge {
-                len: bytes.len(),
-                limit: MAX_METADATA_BYTES,
-            });
+            return Err(MetadataError::TooLarge { len: bytes.len(), limit: MAX_METADATA_BYTES });
         }
         if bytes.len() < 6 {
             return Err(MetadataError::Truncated(bytes.len()));
@@ -73,10 +70,7 @@ impl AgentMetadata {
         }
         let version = u16::from_le_bytes([bytes[4], bytes[5]]);
         if version != METADATA_VERSION {
-            return Err(MetadataError::Version {
-                found: version,
-                supported: METADATA_VERSION,
-            });
+            return Err(MetadataError::Version { found: version, supported: METADATA_VERSION });
         }
         let (meta, rest): (Self, &[u8]) = postcard::take_from_bytes(&bytes[6..]).map_err(|e| match e {
             postcard::Error::DeserializeUnexpectedEnd => MetadataError::Truncated(bytes.len()),
@@ -100,10 +94,7 @@ impl AgentMetadata {
     /// As [`AgentMetadata::from_bytes`].
     pub fn from_json(text: &str) -> Result<Self, MetadataError> {
         if text.len() > MAX_METADATA_BYTES {
-            return Err(MetadataError::TooLarge {
-                len: text.len(),
-                limit: MAX_METADATA_BYTES,
-            });
+            return Err(MetadataError::TooLarge { len: text.len(), limit: MAX_METADATA_BYTES });
         }
         let meta: Self = serde_json::from_str(text).map_err(|e| MetadataError::Malformed(e.to_string()))?;
         meta.validate()?;
@@ -179,8 +170,20 @@ mod tests {
             generation: 3,
             connection_info: vec![1, 2, 3],
             regions: vec![
-                RemoteRegion { addr: 0x1000, len_bytes: 0x1000, rkey: RemoteKey(1), kind: MemoryKind::Dram, device_id: 0 },
-                RemoteRegion { addr: 0x4000, len_bytes: 0x100, rkey: RemoteKey(2), kind: MemoryKind::Dram, device_id: 0 },
+                RemoteRegion {
+                    addr: 0x1000,
+                    len_bytes: 0x1000,
+                    rkey: RemoteKey(1),
+                    kind: MemoryKind::Dram,
+                    device_id: 0,
+                },
+                RemoteRegion {
+                    addr: 0x4000,
+                    len_bytes: 0x100,
+                    rkey: RemoteKey(2),
+                    kind: MemoryKind::Dram,
+                    device_id: 0,
+                },
             ],
         }
     }

@@ -29,8 +29,8 @@ pub use error::{EngineError, MetadataError};
 pub use metadata::AgentMetadata;
 
 use crate::transport::{
-    self, Completion, LocalKey, MemoryBacking, MemoryDesc, Notification, Op, PeerId, PostRequest,
-    Registration, Segment, Transport, TransportConfig, TransportKind, XferId,
+    self, Completion, LocalKey, MemoryBacking, MemoryDesc, Notification, Op, PeerId, PostRequest, Registration,
+    Segment, Transport, TransportConfig, TransportKind, XferId,
 };
 
 /// A registration returned by [`TransferEngine::register`].
@@ -147,26 +147,16 @@ impl TransferEngine {
     /// [`EngineError::Transport`] when the backend refuses it.
     pub fn register(&mut self, backing: Arc<dyn MemoryBacking>) -> Result<RegistrationHandle, EngineError> {
         let desc = backing.desc();
-        let end = desc.end().filter(|_| desc.len_bytes > 0).ok_or(EngineError::EmptyRegistration { addr: desc.addr })?;
+        let end =
+            desc.end().filter(|_| desc.len_bytes > 0).ok_or(EngineError::EmptyRegistration { addr: desc.addr })?;
         let pos = self.regs.partition_point(|r| r.desc.addr < desc.addr);
         let overlaps_prev = pos > 0 && self.regs[pos - 1].desc.addr + self.regs[pos - 1].desc.len_bytes > desc.addr;
         let overlaps_next = self.regs.get(pos).is_some_and(|r| r.desc.addr < end);
         if overlaps_prev || overlaps_next {
-            return Err(EngineError::OverlappingRegistration {
-                addr: desc.addr,
-                len_bytes: desc.len_bytes,
-            });
+            return Err(EngineError::OverlappingRegistration { addr: desc.addr, len_bytes: desc.len_bytes });
         }
         let reg = self.transport.register(backing.as_ref())?;
-        self.regs.insert(
-            pos,
-            LocalRegistration {
-                desc,
-                reg,
-                _backing: backing,
-                inflight: 0,
-            },
-        );
+        self.regs.insert(pos, LocalRegistration { desc, reg, _backing: backing, inflight: 0 });
         self.rebuild_spans();
         self.generation += 1;
         Ok(RegistrationHandle(reg.lkey))
@@ -181,9 +171,7 @@ impl TransferEngine {
         self.progress();
         let pos = self.regs.iter().position(|r| r.reg.lkey == handle.0).ok_or(EngineError::UnknownRegistration)?;
         if self.regs[pos].inflight > 0 {
-            return Err(EngineError::RegistrationInUse {
-                inflight: self.regs[pos].inflight,
-            });
+            return Err(EngineError::RegistrationInUse { inflight: self.regs[pos].inflight });
         }
         self.transport.deregister(handle.0)?;
         self.regs.remove(pos);
@@ -196,11 +184,7 @@ impl TransferEngine {
         self.spans = self
             .regs
             .iter()
-            .map(|r| LocalSpan {
-                addr: r.desc.addr,
-                end: r.desc.addr + r.desc.len_bytes,
-                lkey: r.reg.lkey,
-            })
+            .map(|r| LocalSpan { addr: r.desc.addr, end: r.desc.addr + r.desc.len_bytes, lkey: r.reg.lkey })
             .collect();
     }
 
@@ -313,10 +297,8 @@ impl TransferEngine {
         notification: Option<Vec<u8>>,
         segments: &mut Vec<Segment>,
     ) -> Result<TransferHandle, EngineError> {
-        let agent = self
-            .remotes
-            .get(remote_agent)
-            .ok_or_else(|| EngineError::UnknownAgent(remote_agent.to_string()))?;
+        let agent =
+            self.remotes.get(remote_agent).ok_or_else(|| EngineError::UnknownAgent(remote_agent.to_string()))?;
         build_segments(local, remote, &self.spans, &agent.meta.regions, remote_agent, segments)?;
         let peer = agent.peer;
         let id = self.next_xfer;
@@ -343,12 +325,7 @@ impl TransferEngine {
         }
         self.transfers.insert(
             id,
-            TransferState {
-                status: TransferStatus::InProgress,
-                remote: remote_agent.to_string(),
-                lkeys,
-                bytes,
-            },
+            TransferState { status: TransferStatus::InProgress, remote: remote_agent.to_string(), lkeys, bytes },
         );
         Ok(TransferHandle(id))
     }
@@ -391,16 +368,13 @@ impl TransferEngine {
     /// # Errors
     /// [`EngineError::UnknownHandle`].
     pub fn status(&mut self, handle: TransferHandle) -> Result<TransferStatus, EngineError> {
-        if let Some(t) = self.transfers.get(&handle.0) {
-            if t.status != TransferStatus::InProgress {
-                return Ok(t.status.clone());
-            }
+        if let Some(t) = self.transfers.get(&handle.0)
+            && t.status != TransferStatus::InProgress
+        {
+            return Ok(t.status.clone());
         }
         self.progress();
-        self.transfers
-            .get(&handle.0)
-            .map(|t| t.status.clone())
-            .ok_or(EngineError::UnknownHandle(handle.0))
+        self.transfers.get(&handle.0).map(|t| t.status.clone()).ok_or(EngineError::UnknownHandle(handle.0))
     }
 
     /// Bytes a transfer moves.
@@ -445,12 +419,8 @@ impl TransferEngine {
 impl Drop for TransferEngine {
     fn drop(&mut self) {
         // Cancel what is still moving so no copy outlives the registrations.
-        let ids: Vec<u64> = self
-            .transfers
-            .iter()
-            .filter(|(_, t)| t.status == TransferStatus::InProgress)
-            .map(|(id, _)| *id)
-            .collect();
+        let ids: Vec<u64> =
+            self.transfers.iter().filter(|(_, t)| t.status == TransferStatus::InProgress).map(|(id, _)| *id).collect();
         for id in ids {
             self.transport.cancel(XferId(id));
         }

@@ -73,13 +73,8 @@ pub struct RemoteRegion {
 impl RemoteRegion {
     /// True when `[addr, addr + len)` lies inside this region.
     pub fn contains(&self, addr: u64, len: u64) -> bool {
-        MemoryDesc {
-            addr: self.addr,
-            len_bytes: self.len_bytes,
-            kind: self.kind,
-            device_id: self.device_id,
-        }
-        .contains(addr, len)
+        MemoryDesc { addr: self.addr, len_bytes: self.len_bytes, kind: self.kind, device_id: self.device_id }
+            .contains(addr, len)
     }
 }
 
@@ -161,9 +156,9 @@ impl std::str::FromStr for TransportKind {
             "shm" => Ok(Self::Shm),
             "verbs" | "rdma" | "ib" | "roce" => Ok(Self::Verbs),
             "tcp" => Ok(Self::Tcp),
-            other => Err(TransportError::Unsupported(format!(
-                "unknown transport {other:?} (expected shm, verbs or tcp)"
-            ))),
+            other => {
+                Err(TransportError::Unsupported(format!("unknown transport {other:?} (expected shm, verbs or tcp)")))
+            }
         }
     }
 }
@@ -184,22 +179,14 @@ pub struct TransportConfig {
 
 impl Default for TransportConfig {
     fn default() -> Self {
-        Self {
-            peer_timeout: Duration::from_secs(5),
-            copy_threads: 2,
-            options: Vec::new(),
-        }
+        Self { peer_timeout: Duration::from_secs(5), copy_threads: 2, options: Vec::new() }
     }
 }
 
 impl TransportConfig {
     /// The value of backend option `key`, if set.
     pub fn option(&self, key: &str) -> Option<&str> {
-        self.options
-            .iter()
-            .rev()
-            .find(|(k, _)| k == key)
-            .map(|(_, v)| v.as_str())
+        self.options.iter().rev().find(|(k, _)| k == key).map(|(_, v)| v.as_str())
     }
 }
 
@@ -253,10 +240,7 @@ pub enum TransportError {
 impl TransportError {
     /// Wrap an OS error with the name of the call that returned it.
     pub fn io(call: &'static str, source: impl Into<std::io::Error>) -> Self {
-        Self::Io {
-            call,
-            source: source.into(),
-        }
+        Self::Io { call, source: source.into() }
     }
 }
 
@@ -291,12 +275,7 @@ pub trait Transport: Send {
     /// # Errors
     /// [`TransportError::BadConnectionInfo`], [`TransportError::Connect`],
     /// [`TransportError::Unsupported`] (e.g. `shm` to another host).
-    fn connect(
-        &mut self,
-        peer_name: &str,
-        info: &[u8],
-        regions: &[RemoteRegion],
-    ) -> Result<PeerId, TransportError>;
+    fn connect(&mut self, peer_name: &str, info: &[u8], regions: &[RemoteRegion]) -> Result<PeerId, TransportError>;
 
     /// Drop a peer. In-flight transfers to it must already be cancelled.
     fn disconnect(&mut self, peer: PeerId);
@@ -333,8 +312,6 @@ pub fn create(
     match kind {
         TransportKind::Shm => Ok(Box::new(shm::ShmTransport::new(agent_name, config)?)),
         TransportKind::Verbs => Ok(Box::new(verbs::VerbsTransport::new(agent_name, config)?)),
-        TransportKind::Tcp => Err(TransportError::Unsupported(
-            "the tcp transport is not built yet".into(),
-        )),
+        TransportKind::Tcp => Err(TransportError::Unsupported("the tcp transport is not built yet".into())),
     }
 }

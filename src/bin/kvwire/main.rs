@@ -1,7 +1,11 @@
 //! The `kvwire` command line: benchmarks, trace replay, device listing.
 //! Each subcommand lives in its own module file next to this one.
 
+mod bench;
 mod devices;
+mod pattern;
+mod replay;
+mod units;
 
 use anyhow::Result;
 use clap::{Parser, Subcommand};
@@ -14,7 +18,18 @@ struct Cli {
 }
 
 #[derive(Subcommand)]
+#[allow(clippy::large_enum_variant)] // parsed once at start-up
 enum Command {
+    /// perftest/nixlbench-style bandwidth, latency and post-cost benchmark.
+    Bench(bench::BenchArgs),
+    /// Internal: the target side of `bench`, started as a child process.
+    #[command(hide = true)]
+    BenchTarget(bench::TargetArgs),
+    /// Disaggregated prefill → decode replay of a request trace (the main job).
+    Replay(replay::ReplayArgs),
+    /// Internal: the decode side of `replay`, started as a child process.
+    #[command(hide = true)]
+    ReplayDecode(replay::DecodeArgs),
     /// List RDMA devices, ports, MTUs, link layers and GID tables.
     Devices(devices::DevicesArgs),
 }
@@ -25,6 +40,10 @@ fn main() -> Result<()> {
         .with_writer(std::io::stderr)
         .init();
     match Cli::parse().command {
+        Command::Bench(a) => bench::run(a),
+        Command::BenchTarget(a) => bench::run_target(a),
+        Command::Replay(a) => replay::run(a),
+        Command::ReplayDecode(a) => replay::run_decode(a),
         Command::Devices(a) => devices::run(&a),
     }
 }

@@ -87,25 +87,32 @@ impl HostBuffer {
     /// # Panics
     /// When the range exceeds the buffer.
     pub fn fill_with(&self, offset: usize, len: usize, mut f: impl FnMut(usize) -> u8) {
+        self.write_with(offset, len, |s| {
+            for (i, b) in s.iter_mut().enumerate() {
+                *b = f(i);
+            }
+        });
+    }
+
+    /// Let `f` write `len` bytes at `offset` in place (no staging copy).
+    /// No transfer may read or write the range meanwhile.
+    ///
+    /// # Panics
+    /// When the range exceeds the buffer.
+    pub fn write_with<R>(&self, offset: usize, len: usize, f: impl FnOnce(&mut [u8]) -> R) -> R {
         let end = offset.checked_add(len).expect("offset overflow");
-        assert!(end <= self.len_bytes, "fill of {offset}..{end} past a {}-byte HostBuffer", self.len_bytes);
-        // SAFETY: bounds checked; exclusive use of the range is the caller's
-        // contract (no transfer reading or writing it is in progress).
+        assert!(end <= self.len_bytes, "write of {offset}..{end} past a {}-byte HostBuffer", self.len_bytes);
+        // SAFETY: bounds checked; the mapping is writable and lives as long as
+        // `self`. Exclusive use of the range while `f` runs is the caller's
+        // contract (documented): no transfer reading or writing it is in progress.
         let s = unsafe { std::slice::from_raw_parts_mut(self.map.as_mut_ptr().add(offset), len) };
-        for (i, b) in s.iter_mut().enumerate() {
-            *b = f(i);
-        }
+        f(s)
     }
 }
 
 impl MemoryBacking for HostBuffer {
     fn desc(&self) -> MemoryDesc {
-        MemoryDesc {
-            addr: self.addr(),
-            len_bytes: self.len_bytes as u64,
-            kind: MemoryKind::Dram,
-            device_id: 0,
-        }
+        MemoryDesc { addr: self.addr(), len_bytes: self.len_bytes as u64, kind: MemoryKind::Dram, device_id: 0 }
     }
 
     fn shared_fd(&self) -> Option<(BorrowedFd<'_>, u64)> {

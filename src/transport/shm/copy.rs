@@ -67,6 +67,10 @@ pub struct XferShared {
     pub segments: Vec<Segment>,
     /// Sent after the last byte.
     pub notification: Option<Vec<u8>>,
+    /// Segment ranges of about `CHUNK_BYTES`, claimed by workers in order.
+    pub chunks: Vec<std::ops::Range<usize>>,
+    /// Next chunk to claim.
+    pub next_chunk: AtomicUsize,
     /// Chunks not yet finished.
     pub pending: AtomicUsize,
     /// Set by `cancel`.
@@ -75,12 +79,12 @@ pub struct XferShared {
     pub error: Mutex<Option<String>>,
 }
 
-/// A contiguous range of a transfer's segments for one worker.
+/// A transfer for a worker to help with: it claims chunks until none are left.
+/// At most one job per worker is queued per transfer, so posting wakes at
+/// most `threads` threads whatever the transfer's size.
 pub struct Job {
     /// The transfer.
     pub xfer: Arc<XferShared>,
-    /// Segment indices.
-    pub range: std::ops::Range<usize>,
 }
 
 /// Copy worker pool.
@@ -137,16 +141,24 @@ fn fail(x: &XferShared, why: String) {
 
 fn run_job(job: Job, done: &Sender<Completion>) {
     let x = &job.xfer;
-    if !x.cancelled.load(Ordering::Acquire) && x.error.lock().map(|e| e.is_none()).unwrap_or(false) {
-        if x.peer.dead.load(Ordering::Acquire) {
-            fail(x, format!("peer {} disconnected", x.peer.name));
-        } else if let Err(why) = copy_segments(x, &x.segments[job.range.clone()]) {
-            fail(x, why);
+    loop {
+        let idx = x.next_chunk.fetch_add(1, Ordering::AcqRel);
+        let Some(range) = x.chunks.get(idx) else { return };
+        if !x.cancelled.load(Ordering::Acquire) && x.error.lock().map(|e| e.is_none()).unwrap_or(false) {
+            if x.peer.dead.load(Ordering::Acquire) {
+                fail(x, format!("peer {} disconnected", x.peer.name));
+            } else if let Err(why) = copy_segments(x, &x.segments[range.clone()]) {
+                fail(x, why);
+            }
+        }
+        if x.pending.fetch_sub(1, Ordering::AcqRel) == 1 {
+            finish(x, done);
+            return;
         }
     }
-    if x.pending.fetch_sub(1, Ordering::AcqRel) != 1 {
-        return;
-    }
+}
+
+fn finish(x: &XferShared, done: &Sender<Completion>) {
     // Last chunk: nothing touches the buffers any more.
     if x.cancelled.load(Ordering::Acquire) {
         return;
@@ -158,12 +170,11 @@ fn run_job(job: Job, done: &Sender<Completion>) {
     if result.is_ok() && x.peer.dead.load(Ordering::Acquire) {
         result = Err(format!("peer {} disconnected", x.peer.name));
     }
-    if result.is_ok() {
-        if let Some(payload) = &x.notification {
-            if let Err(e) = x.peer.channel.send(&Msg::Notify { payload: payload.clone() }, None) {
-                result = Err(format!("notification to {} failed: {e}", x.peer.name));
-            }
-        }
+    if result.is_ok()
+        && let Some(payload) = &x.notification
+        && let Err(e) = x.peer.channel.send(&Msg::Notify { payload: payload.clone() }, None)
+    {
+        result = Err(format!("notification to {} failed: {e}", x.peer.name));
     }
     let _ = done.send(Completion { xfer: x.id, result });
 }
@@ -220,8 +231,12 @@ fn cma_flush(op: Op, pid: i32, batch: &mut Vec<(libc::iovec, libc::iovec)>) -> R
     // address space and fails with EFAULT instead of touching anything else.
     let n = unsafe {
         match op {
-            Op::Write => libc::process_vm_writev(pid, local.as_ptr(), local.len() as _, remote.as_ptr(), remote.len() as _, 0),
-            Op::Read => libc::process_vm_readv(pid, local.as_ptr(), local.len() as _, remote.as_ptr(), remote.len() as _, 0),
+            Op::Write => {
+                libc::process_vm_writev(pid, local.as_ptr(), local.len() as _, remote.as_ptr(), remote.len() as _, 0)
+            }
+            Op::Read => {
+                libc::process_vm_readv(pid, local.as_ptr(), local.len() as _, remote.as_ptr(), remote.len() as _, 0)
+            }
         }
     };
     if n < 0 {

@@ -57,9 +57,7 @@ type RegionTable = Arc<Mutex<HashMap<u32, LocalRegion>>>;
 type NotifQueue = Arc<Mutex<Vec<Notification>>>;
 
 fn boot_id() -> String {
-    std::fs::read_to_string("/proc/sys/kernel/random/boot_id")
-        .map(|s| s.trim().to_string())
-        .unwrap_or_default()
+    std::fs::read_to_string("/proc/sys/kernel/random/boot_id").map(|s| s.trim().to_string()).unwrap_or_default()
 }
 
 /// The shared-memory backend. See the module docs.
@@ -130,7 +128,13 @@ impl ShmTransport {
     }
 }
 
-fn accept_loop(listener: &Listener, regions: &RegionTable, notifs: &NotifQueue, stopping: &AtomicBool, timeout: Duration) {
+fn accept_loop(
+    listener: &Listener,
+    regions: &RegionTable,
+    notifs: &NotifQueue,
+    stopping: &AtomicBool,
+    timeout: Duration,
+) {
     while let Ok(ch) = listener.accept() {
         if stopping.load(Ordering::Acquire) {
             break;
@@ -171,10 +175,10 @@ fn serve_peer(ch: Channel, regions: &RegionTable, notifs: &NotifQueue, timeout: 
     loop {
         match ch.recv() {
             Ok(Some((Msg::Notify { payload }, _))) => {
-                notifs.lock().unwrap_or_else(|p| p.into_inner()).push(Notification {
-                    from_agent: agent.clone(),
-                    payload,
-                });
+                notifs
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .push(Notification { from_agent: agent.clone(), payload });
             }
             Ok(Some((other, _))) => tracing::warn!("shm: unexpected message from {agent}: {other:?}"),
             Ok(None) => return,
@@ -194,7 +198,12 @@ fn answer_hello(ch: &Channel, regions: &RegionTable, rkeys: &[u32]) -> Result<()
                 None => (Msg::Region { rkey, addr: 0, len_bytes: 0, access: Access::Unknown }, None),
                 Some(r) => match &r.fd {
                     Some((fd, offset)) => (
-                        Msg::Region { rkey, addr: r.addr, len_bytes: r.len_bytes, access: Access::Fd { offset: *offset } },
+                        Msg::Region {
+                            rkey,
+                            addr: r.addr,
+                            len_bytes: r.len_bytes,
+                            access: Access::Fd { offset: *offset },
+                        },
                         Some(fd.as_raw_fd()),
                     ),
                     None => (Msg::Region { rkey, addr: r.addr, len_bytes: r.len_bytes, access: Access::Cma }, None),
@@ -341,10 +350,7 @@ impl Transport for ShmTransport {
             return Err(TransportError::PeerDisconnected(peer.name.clone()));
         }
         if req.notification.as_ref().is_some_and(|n| n.len() > wire::MAX_NOTIFICATION) {
-            return Err(TransportError::Post(format!(
-                "notification larger than {} bytes",
-                wire::MAX_NOTIFICATION
-            )));
+            return Err(TransportError::Post(format!("notification larger than {} bytes", wire::MAX_NOTIFICATION)));
         }
         // The HCA-style check: every segment inside a region the target
         // reported, by key and bounds, before a single byte moves.
@@ -364,8 +370,8 @@ impl Transport for ShmTransport {
                     }
                 },
             };
-            let inside = s.remote_addr >= addr
-                && s.remote_addr.checked_add(s.len_bytes).is_some_and(|e| e <= addr + len);
+            let inside =
+                s.remote_addr >= addr && s.remote_addr.checked_add(s.len_bytes).is_some_and(|e| e <= addr + len);
             if !inside {
                 violation = Some(format!(
                     "remote access error: {:#x}+{} outside rkey {} ({:#x}+{len})",
@@ -381,29 +387,34 @@ impl Transport for ShmTransport {
                 peer: peer.clone(),
                 segments: Vec::new(),
                 notification: None,
+                chunks: std::iter::once(0..0).collect(),
+                next_chunk: AtomicUsize::new(0),
                 pending: AtomicUsize::new(1),
                 cancelled: AtomicBool::new(false),
                 error: Mutex::new(Some(why)),
             });
             self.inflight.insert(req.xfer.0, x.clone());
-            self.pool.submit(Job { xfer: x, range: 0..0 });
+            self.pool.submit(Job { xfer: x });
             return Ok(());
         }
         let segments = split_large(req.segments);
-        let ranges = chunk_ranges(&segments);
+        let chunks = chunk_ranges(&segments);
+        let helpers = chunks.len().min(self.config.copy_threads.max(1));
         let x = Arc::new(XferShared {
             id: req.xfer,
             op: req.op,
             peer: peer.clone(),
             segments,
             notification: req.notification,
-            pending: AtomicUsize::new(ranges.len()),
+            pending: AtomicUsize::new(chunks.len()),
+            next_chunk: AtomicUsize::new(0),
+            chunks,
             cancelled: AtomicBool::new(false),
             error: Mutex::new(None),
         });
         self.inflight.insert(req.xfer.0, x.clone());
-        for range in ranges {
-            self.pool.submit(Job { xfer: x.clone(), range });
+        for _ in 0..helpers {
+            self.pool.submit(Job { xfer: x.clone() });
         }
         Ok(())
     }
@@ -456,7 +467,12 @@ fn split_large(segments: Vec<super::Segment>) -> Vec<super::Segment> {
         let mut off = 0;
         while off < s.len_bytes {
             let n = (s.len_bytes - off).min(CHUNK_BYTES);
-            out.push(super::Segment { local_addr: s.local_addr + off, remote_addr: s.remote_addr + off, len_bytes: n, ..s });
+            out.push(super::Segment {
+                local_addr: s.local_addr + off,
+                remote_addr: s.remote_addr + off,
+                len_bytes: n,
+                ..s
+            });
             off += n;
         }
     }

@@ -149,13 +149,9 @@ impl Channel {
         let mut space = nix::cmsg_space!([RawFd; 4]);
         let (n, truncated, fd) = {
             let mut iov = [IoSliceMut::new(&mut buf)];
-            let msg = socket::recvmsg::<()>(
-                self.fd.as_raw_fd(),
-                &mut iov,
-                Some(&mut space),
-                MsgFlags::MSG_CMSG_CLOEXEC,
-            )
-            .map_err(os("recvmsg"))?;
+            let msg =
+                socket::recvmsg::<()>(self.fd.as_raw_fd(), &mut iov, Some(&mut space), MsgFlags::MSG_CMSG_CLOEXEC)
+                    .map_err(os("recvmsg"))?;
             let mut fd = None;
             for c in msg.cmsgs().map_err(os("recvmsg(cmsgs)"))? {
                 if let ControlMessageOwned::ScmRights(fds) = c {
@@ -178,10 +174,10 @@ impl Channel {
             return Err(TransportError::BadConnectionInfo("truncated packet".into()));
         }
         let msg: Msg = postcard::from_bytes(&buf[..n]).map_err(|e| TransportError::BadConnectionInfo(e.to_string()))?;
-        if let Msg::Hello { rkeys, .. } = &msg {
-            if rkeys.len() > MAX_HELLO_KEYS {
-                return Err(TransportError::BadConnectionInfo("too many keys in hello".into()));
-            }
+        if let Msg::Hello { rkeys, .. } = &msg
+            && rkeys.len() > MAX_HELLO_KEYS
+        {
+            return Err(TransportError::BadConnectionInfo("too many keys in hello".into()));
         }
         Ok(Some((msg, fd)))
     }

@@ -1,0 +1,434 @@
+//! `kvwire bench`: perftest/nixlbench-style measurement of one transport.
+//!
+//! The initiator posts `--blocks` blocks of `--block-size` bytes per
+//! transfer (destination pages a seeded random permutation with `--scatter`),
+//! `--iters` times, and reports GB/s, transfer latency p50/p99, the prep+post
+//! cost per block, single-block latency, and the single-thread `memcpy`
+//! bandwidth of the same pattern measured in the same run. Every byte is
+//! verified at the end (by the target for WRITE, locally for READ).
+
+use std::process::{Command, Stdio};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, bail};
+use clap::Args;
+use kvwire::HostBuffer;
+use kvwire::engine::{AgentMetadata, Desc, TransferEngine, TransferHandle, TransferStatus};
+use kvwire::sidechannel::SideChannel;
+use kvwire::transport::{Op, TransportConfig, TransportKind};
+use serde::{Deserialize, Serialize};
+
+use crate::pattern::{check_page, fill_page, mix, permutation};
+use crate::units::{human, parse_kv, parse_size, percentile};
+
+/// Options of `kvwire bench`.
+#[derive(Args, Debug, Clone)]
+pub struct BenchArgs {
+    /// Transport: shm, verbs or tcp.
+    #[arg(long, default_value = "shm")]
+    transport: TransportKind,
+    /// write (push to the target) or read (pull from it).
+    #[arg(long, default_value = "write", value_parser = ["write", "read"])]
+    op: String,
+    /// Bytes per block (e.g. 4KiB, 64KiB, 1MiB).
+    #[arg(long, default_value = "64KiB", value_parser = parse_size)]
+    block_size: u64,
+    /// Blocks per transfer.
+    #[arg(long, default_value_t = 4096)]
+    blocks: u64,
+    /// Measured transfers.
+    #[arg(long, default_value_t = 10)]
+    iters: usize,
+    /// Unmeasured transfers first.
+    #[arg(long, default_value_t = 2)]
+    warmup: usize,
+    /// Destination blocks in a random permutation (a paged cache); default: contiguous.
+    #[arg(long)]
+    scatter: bool,
+    /// Single-block transfers timed for the latency columns.
+    #[arg(long, default_value_t = 200)]
+    lat_iters: usize,
+    /// Copy/progress threads of CPU-copying transports.
+    #[arg(long, default_value_t = 2)]
+    copy_threads: usize,
+    /// Backend option for this side, `key=value` (repeatable), e.g. gid_index=1.
+    #[arg(long = "option", value_parser = parse_kv)]
+    options: Vec<(String, String)>,
+    /// Backend option for the target side (repeatable).
+    #[arg(long = "target-option", value_parser = parse_kv)]
+    target_options: Vec<(String, String)>,
+    /// RDMA device for this side (same as --option device=NAME).
+    #[arg(long)]
+    device: Option<String>,
+    /// RDMA device for the target side.
+    #[arg(long)]
+    target_device: Option<String>,
+    /// Seed of the permutation.
+    #[arg(long, default_value_t = 42)]
+    seed: u64,
+    /// Print one JSON object instead of the table.
+    #[arg(long)]
+    json: bool,
+    /// Be the target and wait for an initiator on ADDR (two terminals).
+    #[arg(long, conflicts_with = "connect")]
+    listen: Option<String>,
+    /// Be the initiator against a target listening on ADDR (two terminals).
+    #[arg(long)]
+    connect: Option<String>,
+}
+
+/// Options of the hidden `bench-target` child.
+#[derive(Args, Debug)]
+pub struct TargetArgs {
+    /// Side-channel address of the initiator.
+    #[arg(long)]
+    connect: String,
+}
+
+#[derive(Debug, Serialize, Deserialize)]
+enum Ctl {
+    Setup {
+        transport: TransportKind,
+        op: Op,
+        block_size: u64,
+        blocks: u64,
+        options: Vec<(String, String)>,
+        copy_threads: usize,
+    },
+    Meta(Vec<u8>),
+    Verify {
+        seed: u64,
+        scatter: bool,
+        notifications: usize,
+    },
+    Verified {
+        bad_blocks: u64,
+        notifications: usize,
+    },
+    Exit,
+}
+
+/// Key of the contents of source block `i`.
+fn block_key(i: u64) -> u64 {
+    mix(i ^ 0x6b76_7769_7265)
+}
+
+fn config(copy_threads: usize, options: Vec<(String, String)>) -> TransportConfig {
+    TransportConfig { copy_threads, options, ..TransportConfig::default() }
+}
+
+fn fill_blocks(buf: &HostBuffer, block_size: u64, blocks: u64) {
+    for i in 0..blocks {
+        buf.write_with((i * block_size) as usize, block_size as usize, |page| fill_page(page, block_key(i)));
+    }
+}
+
+/// Source block `i` lands in destination block `dst[i]`.
+fn destinations(blocks: u64, scatter: bool, seed: u64) -> Vec<u32> {
+    if scatter { permutation(blocks as usize, seed) } else { (0..blocks as u32).collect() }
+}
+
+/// Blocks of `buf` whose contents are not those of source block `src_of[dst]`.
+fn count_bad(buf: &HostBuffer, block_size: u64, dst: &[u32], holder_is_dst: bool) -> u64 {
+    let mut bad = 0;
+    for (i, &d) in dst.iter().enumerate() {
+        let at = if holder_is_dst { d as u64 } else { i as u64 };
+        let page = &buf.as_slice()[(at * block_size) as usize..((at + 1) * block_size) as usize];
+        if !check_page(page, block_key(i as u64)) {
+            bad += 1;
+        }
+    }
+    bad
+}
+
+/// `kvwire bench-target`: the child started by `kvwire bench`.
+pub fn run_target(a: TargetArgs) -> Result<()> {
+    let chan = SideChannel::connect(&a.connect, Duration::from_secs(10))?;
+    serve_target(chan)
+}
+
+fn serve_target(mut chan: SideChannel) -> Result<()> {
+    let Ctl::Setup { transport, op, block_size, blocks, options, copy_threads } = chan.recv()? else {
+        bail!("expected Setup from the initiator");
+    };
+    let mut engine = TransferEngine::new("bench-target", transport, &config(copy_threads, options))?;
+    let buf = Arc::new(HostBuffer::new((block_size * blocks) as usize)?);
+    if op == Op::Read {
+        fill_blocks(&buf, block_size, blocks);
+    }
+    engine.register(buf.clone())?;
+    chan.send(&Ctl::Meta(engine.metadata().to_bytes()))?;
+    let mut seen = 0usize;
+    loop {
+        match chan.recv()? {
+            Ctl::Verify { seed, scatter, notifications } => {
+                let deadline = Instant::now() + Duration::from_secs(30);
+                while seen < notifications && Instant::now() < deadline {
+                    seen += engine.get_notifs().values().map(Vec::len).sum::<usize>();
+                    std::thread::yield_now();
+                }
+                let bad_blocks = if op == Op::Write {
+                    count_bad(&buf, block_size, &destinations(blocks, scatter, seed), true)
+                } else {
+                    0
+                };
+                chan.send(&Ctl::Verified { bad_blocks, notifications: seen })?;
+            }
+            Ctl::Exit => return Ok(()),
+            other => bail!("unexpected {other:?}"),
+        }
+    }
+}
+
+fn wait_done(e: &mut TransferEngine, h: TransferHandle) -> Result<()> {
+    let deadline = Instant::now() + Duration::from_secs(120);
+    // Spin briefly, then yield the core to the copy threads (this machine
+    // may have no more cores than the transport has threads).
+    let mut spins = 0u32;
+    loop {
+        match e.status(h)? {
+            TransferStatus::Done => return Ok(e.release(h)?),
+            TransferStatus::Failed(why) => bail!("transfer failed: {why}"),
+            TransferStatus::InProgress if Instant::now() > deadline => bail!("transfer did not finish in 120 s"),
+            TransferStatus::InProgress if spins < 64 => {
+                spins += 1;
+                std::hint::spin_loop()
+            }
+            TransferStatus::InProgress => std::thread::yield_now(),
+        }
+    }
+}
+
+/// The measured figures (`--json` prints them).
+#[derive(Debug, Serialize)]
+struct Report {
+    transport: String,
+    op: String,
+    block_size: u64,
+    blocks: u64,
+    bytes_per_transfer: u64,
+    iters: usize,
+    scatter: bool,
+    copy_threads: usize,
+    segments_after_coalescing: usize,
+    gb_per_s: f64,
+    memcpy_gb_per_s: f64,
+    memcpy_ratio: f64,
+    p50_us: f64,
+    p99_us: f64,
+    post_ns_per_block: f64,
+    page_p50_us: f64,
+    page_p99_us: f64,
+    verified: bool,
+}
+
+/// `kvwire bench`.
+pub fn run(a: BenchArgs) -> Result<()> {
+    if a.blocks == 0 || a.iters == 0 {
+        bail!("--blocks and --iters must be at least 1");
+    }
+    let total =
+        a.block_size.checked_mul(a.blocks).filter(|&t| t <= 64 << 30).context("block size × blocks exceeds 64 GiB")?;
+    if let Some(addr) = &a.listen {
+        let (l, bound) = SideChannel::bind(addr)?;
+        eprintln!("kvwire bench: target waiting for an initiator on {bound}");
+        return serve_target(SideChannel::accept(&l)?);
+    }
+    let mut child = None;
+    let mut chan = match &a.connect {
+        Some(addr) => SideChannel::connect(addr, Duration::from_secs(30))?,
+        None => {
+            let (l, addr) = SideChannel::bind("127.0.0.1:0")?;
+            let exe = std::env::current_exe()?;
+            child = Some(
+                Command::new(exe)
+                    .args(["bench-target", "--connect", &addr.to_string()])
+                    .stdin(Stdio::null())
+                    .spawn()
+                    .context("starting the target process")?,
+            );
+            SideChannel::accept(&l)?
+        }
+    };
+    chan.set_read_timeout(Some(Duration::from_secs(120)))?;
+    let result = initiate(&a, total, &mut chan);
+    let _ = chan.send(&Ctl::Exit);
+    if let Some(mut c) = child {
+        let _ = c.wait();
+    }
+    let report = result?;
+    print_report(&report, a.json);
+    if !report.verified {
+        bail!("verification failed");
+    }
+    Ok(())
+}
+
+fn initiate(a: &BenchArgs, total: u64, chan: &mut SideChannel) -> Result<Report> {
+    let op = if a.op == "read" { Op::Read } else { Op::Write };
+    let mut mine = a.options.clone();
+    mine.extend(a.device.iter().map(|d| ("device".to_string(), d.clone())));
+    let mut theirs = a.target_options.clone();
+    theirs.extend(a.target_device.iter().map(|d| ("device".to_string(), d.clone())));
+    chan.send(&Ctl::Setup {
+        transport: a.transport,
+        op,
+        block_size: a.block_size,
+        blocks: a.blocks,
+        options: theirs,
+        copy_threads: a.copy_threads,
+    })?;
+    let Ctl::Meta(bytes) = chan.recv()? else { bail!("expected the target's metadata") };
+    let meta = AgentMetadata::from_bytes(&bytes)?;
+    let mut engine = TransferEngine::new("bench-initiator", a.transport, &config(a.copy_threads, mine))?;
+    let buf = Arc::new(HostBuffer::new(total as usize)?);
+    engine.register(buf.clone())?;
+    engine.connect(&meta)?;
+    if op == Op::Write {
+        fill_blocks(&buf, a.block_size, a.blocks);
+    }
+    let remote_base = meta.regions.first().context("target registered nothing")?.addr;
+    let dst = destinations(a.blocks, a.scatter, a.seed);
+    let local: Vec<Desc> = (0..a.blocks).map(|i| Desc::new(buf.addr() + i * a.block_size, a.block_size)).collect();
+    let remote: Vec<Desc> =
+        dst.iter().map(|&d| Desc::new(remote_base + d as u64 * a.block_size, a.block_size)).collect();
+
+    let mut lat_us = Vec::with_capacity(a.iters);
+    let mut post_ns = Vec::with_capacity(a.iters);
+    let mut segments = Vec::new();
+    let mut moved_ns = 0u128;
+    for it in 0..a.warmup + a.iters {
+        if op == Op::Read && it + 1 == a.warmup + a.iters {
+            buf.fill_with(0, buf.len(), |_| 0);
+        }
+        let t0 = Instant::now();
+        let h = engine.post_with(
+            op,
+            &local,
+            &meta.name,
+            &remote,
+            Some(format!("iter-{it}").into_bytes()),
+            &mut segments,
+        )?;
+        let t_post = t0.elapsed();
+        wait_done(&mut engine, h)?;
+        let t = t0.elapsed();
+        if it >= a.warmup {
+            lat_us.push(t.as_secs_f64() * 1e6);
+            post_ns.push(t_post.as_nanos() as f64 / a.blocks as f64);
+            moved_ns += t.as_nanos();
+        }
+    }
+    let segment_count = count_segments(&local, &remote);
+    let verified_local = op == Op::Write || count_bad(&buf, a.block_size, &dst, false) == 0;
+    let mut page_lat = Vec::with_capacity(a.lat_iters);
+    for i in 0..a.lat_iters {
+        let k = i % a.blocks as usize;
+        let t0 = Instant::now();
+        let h = engine.post_with(op, &local[k..k + 1], &meta.name, &remote[k..k + 1], None, &mut segments)?;
+        wait_done(&mut engine, h)?;
+        page_lat.push(t0.elapsed().as_secs_f64() * 1e6);
+    }
+    let notifications = a.warmup + a.iters;
+    chan.send(&Ctl::Verify { seed: a.seed, scatter: a.scatter, notifications })?;
+    let Ctl::Verified { bad_blocks, notifications: got } = chan.recv()? else { bail!("expected Verified") };
+    let memcpy_gb_per_s = memcpy_baseline(&buf, a.block_size, &dst, op, a.iters)?;
+    let gb_per_s = (total as f64 * a.iters as f64) / (moved_ns as f64);
+    Ok(Report {
+        transport: a.transport.to_string(),
+        op: a.op.clone(),
+        block_size: a.block_size,
+        blocks: a.blocks,
+        bytes_per_transfer: total,
+        iters: a.iters,
+        scatter: a.scatter,
+        copy_threads: a.copy_threads,
+        segments_after_coalescing: segment_count,
+        gb_per_s,
+        memcpy_gb_per_s,
+        memcpy_ratio: gb_per_s / memcpy_gb_per_s,
+        p50_us: percentile(&mut lat_us.clone(), 0.5),
+        p99_us: percentile(&mut lat_us, 0.99),
+        post_ns_per_block: percentile(&mut post_ns, 0.5),
+        page_p50_us: percentile(&mut page_lat.clone(), 0.5),
+        page_p99_us: percentile(&mut page_lat, 0.99),
+        verified: verified_local && bad_blocks == 0 && got >= notifications,
+    })
+}
+
+/// Segments `local`/`remote` coalesce into (as the engine merges them).
+fn count_segments(local: &[Desc], remote: &[Desc]) -> usize {
+    1 + local
+        .windows(2)
+        .zip(remote.windows(2))
+        .filter(|(l, r)| l[0].addr + l[0].len_bytes != l[1].addr || r[0].addr + r[0].len_bytes != r[1].addr)
+        .count()
+}
+
+/// One thread copying the same block pattern between two shared mappings.
+fn memcpy_baseline(src: &HostBuffer, block_size: u64, dst_of: &[u32], op: Op, iters: usize) -> Result<f64> {
+    let dst = HostBuffer::new(src.len())?;
+    let bs = block_size as usize;
+    let s = src.as_slice();
+    let mut total = Duration::ZERO;
+    for _ in 0..iters.max(1) {
+        let t0 = Instant::now();
+        for (i, &d) in dst_of.iter().enumerate() {
+            let (from, to) = match op {
+                Op::Write => (i * bs, d as usize * bs),
+                Op::Read => (d as usize * bs, i * bs),
+            };
+            dst.write(to, &s[from..from + bs]);
+        }
+        total += t0.elapsed();
+    }
+    Ok((src.len() as f64 * iters.max(1) as f64) / total.as_nanos() as f64)
+}
+
+fn print_report(r: &Report, json: bool) {
+    if json {
+        println!("{}", serde_json::to_string(r).expect("plain data"));
+        return;
+    }
+    println!(
+        "kvwire bench: {} {}, {} x {} blocks ({}), {}, {} iters, {} copy threads, {} segments after coalescing",
+        r.transport,
+        r.op.to_uppercase(),
+        r.blocks,
+        human(r.block_size),
+        human(r.bytes_per_transfer),
+        if r.scatter { "scattered" } else { "contiguous" },
+        r.iters,
+        r.copy_threads,
+        r.segments_after_coalescing
+    );
+    println!(
+        "{:>10} {:>7} {:>8} {:>11} {:>6} {:>9} {:>9} {:>13} {:>11} {:>11} {:>9}",
+        "block",
+        "blocks",
+        "GB/s",
+        "memcpy GB/s",
+        "ratio",
+        "p50 us",
+        "p99 us",
+        "post ns/block",
+        "page p50 us",
+        "page p99 us",
+        "verified"
+    );
+    println!(
+        "{:>10} {:>7} {:>8.2} {:>11.2} {:>6.2} {:>9.1} {:>9.1} {:>13.1} {:>11.1} {:>11.1} {:>9}",
+        human(r.block_size),
+        r.blocks,
+        r.gb_per_s,
+        r.memcpy_gb_per_s,
+        r.memcpy_ratio,
+        r.p50_us,
+        r.p99_us,
+        r.post_ns_per_block,
+        r.page_p50_us,
+        r.page_p99_us,
+        r.verified
+    );
+}

@@ -1,0 +1,246 @@
+//! `kvwire replay`: disaggregated prefill → decode on one host, driven by a
+//! Mooncake-format request trace.
+//!
+//! The prefill engine (this process) and the decode engine (a child process)
+//! each own a paged KV cache (`KVTransferEngine`, `--dp` replicas × `--tp`
+//! shards, one group). Per request, decode allocates destination pages from
+//! its pool (waiting, in simulated time, for earlier requests to finish
+//! decoding when the pool is full), prefill fills `ceil(input/page_tokens)`
+//! pages with bytes derived from (request, page, shard), sends them with
+//! `initiate_send_transfer`, and decode verifies every byte and frees the
+//! pages once the request's `output_length` decode steps have elapsed.
+
+mod decode;
+pub mod model;
+pub mod pool;
+mod prefill;
+mod report;
+pub mod trace;
+
+use std::path::PathBuf;
+use std::process::{Command, Stdio};
+use std::time::Duration;
+
+use anyhow::{Context, Result};
+use clap::Args;
+use kvwire::sidechannel::SideChannel;
+use kvwire::transport::TransportKind;
+use serde::{Deserialize, Serialize};
+
+use crate::units::parse_kv;
+
+/// Options of `kvwire replay`.
+#[derive(Args, Debug, Clone)]
+pub struct ReplayArgs {
+    /// Mooncake-format trace (JSON lines); default: the bundled conversation trace.
+    #[arg(long)]
+    pub trace: Option<PathBuf>,
+    /// Model whose per-token KV geometry to use (llama3-8b, llama3-70b, qwen3-32b, deepseek-v3).
+    #[arg(long, default_value = "llama3-8b")]
+    pub model: String,
+    /// Layers to move (real per-layer geometry, fewer layers); default 1.
+    #[arg(long, default_value_t = 1)]
+    pub layers: u64,
+    /// Tensor-parallel shards of the prefill engine.
+    #[arg(long, default_value_t = 1)]
+    pub tp: usize,
+    /// Tensor-parallel shards of the decode engine (default: --tp). Differing
+    /// TP needs a replicated (MLA) model: BROADCAST.
+    #[arg(long)]
+    pub decode_tp: Option<usize>,
+    /// Data-parallel replicas on each side; request i uses replica i % dp.
+    #[arg(long, default_value_t = 1)]
+    pub dp: usize,
+    /// Tokens per page.
+    #[arg(long, default_value_t = 128)]
+    pub page_tokens: u64,
+    /// Pages in each decode replica's pool (null block included).
+    #[arg(long, default_value_t = 4096)]
+    pub decode_pages: u64,
+    /// Pages in each prefill replica's pool (default: enough for the largest request twice, at least 1024).
+    #[arg(long)]
+    pub prefill_pages: Option<u64>,
+    /// Replay only the first N requests.
+    #[arg(long)]
+    pub requests: Option<usize>,
+    /// Replay the timestamps X times faster than real time (default: as fast as possible, in arrival order).
+    #[arg(long)]
+    pub speed: Option<f64>,
+    /// Simulated time per decode step (ms per output token).
+    #[arg(long, default_value_t = 20.0)]
+    pub decode_step_ms: f64,
+    /// Requests in flight at once.
+    #[arg(long, default_value_t = 8)]
+    pub inflight: usize,
+    /// Transport: shm, verbs or tcp.
+    #[arg(long, default_value = "shm")]
+    pub transport: TransportKind,
+    /// Copy/progress threads of CPU-copying transports.
+    #[arg(long, default_value_t = 2)]
+    pub copy_threads: usize,
+    /// Backend option for the prefill side, `key=value` (repeatable).
+    #[arg(long = "option", value_parser = parse_kv)]
+    pub options: Vec<(String, String)>,
+    /// Backend option for the decode side, `key=value` (repeatable).
+    #[arg(long = "decode-option", value_parser = parse_kv)]
+    pub decode_options: Vec<(String, String)>,
+    /// Print one JSON object instead of the table.
+    #[arg(long)]
+    pub json: bool,
+    /// Test hook: fill page 0 of request N with the wrong bytes, to prove
+    /// that verification catches it (the replay must then fail).
+    #[arg(long, hide = true)]
+    pub inject_bad_page: Option<u64>,
+}
+
+/// Options of the hidden `replay-decode` child.
+#[derive(Args, Debug)]
+pub struct DecodeArgs {
+    /// Side-channel address of the prefill process.
+    #[arg(long)]
+    pub connect: String,
+}
+
+/// Geometry both sides agree on.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Geometry {
+    /// Bytes of one page on one shard.
+    pub bytes_per_page: u64,
+    /// Shards of the decode engine.
+    pub decode_tp: usize,
+    /// Shards of the prefill engine.
+    pub prefill_tp: usize,
+    /// Replicas on each side.
+    pub dp: usize,
+    /// The group is replicated across shards (MLA).
+    pub mla: bool,
+}
+
+impl Geometry {
+    /// Which prefill shard's bytes decode shard `s` receives: the same shard
+    /// (DIRECT), or shard 0 fanned out (BROADCAST).
+    pub fn source_shard(&self, s: usize) -> usize {
+        if self.prefill_tp == self.decode_tp { s } else { 0 }
+    }
+}
+
+/// Key of the contents of page `j` of request `id` on prefill shard `shard`.
+pub fn page_key(id: u64, j: u64, shard: usize) -> u64 {
+    crate::pattern::mix(id.wrapping_mul(0x1_0000_0001) ^ (j << 8) ^ shard as u64)
+}
+
+/// Side-channel messages between prefill (P) and decode (D).
+#[derive(Debug, Serialize, Deserialize)]
+pub enum Msg {
+    /// P→D: build your engine.
+    Setup {
+        /// Page geometry.
+        geometry: Geometry,
+        /// Decode pool pages per replica.
+        num_pages: u64,
+        /// Transport.
+        transport: TransportKind,
+        /// Copy threads.
+        copy_threads: usize,
+        /// Decode-side backend options.
+        options: Vec<(String, String)>,
+        /// Simulated ms per decode step.
+        decode_step_ms: f64,
+        /// Real-time speed-up, if replaying timestamps.
+        speed: Option<f64>,
+    },
+    /// Either way: KV engine metadata bytes.
+    Meta(Vec<u8>),
+    /// P→D: request `id` needs `pages` pages on `replica`.
+    Alloc {
+        /// Request id (trace order).
+        id: u64,
+        /// Pages.
+        pages: u64,
+        /// Replica.
+        replica: usize,
+        /// Arrival (trace ms).
+        arrival_ms: u64,
+        /// Output tokens (decode steps before the pages free).
+        output_len: u64,
+    },
+    /// D→P: destination pages for `id`.
+    Allocated {
+        /// Request id.
+        id: u64,
+        /// Destination page indices.
+        pages: Vec<u64>,
+    },
+    /// P→D: the transfer of `id` is posted.
+    Sent {
+        /// Request id.
+        id: u64,
+        /// `TransferReqData` JSON.
+        req: String,
+    },
+    /// D→P: `id` arrived and was checked.
+    Verified {
+        /// Request id.
+        id: u64,
+        /// Pages (× shards) whose bytes were wrong.
+        bad_pages: u64,
+        /// Transport error, if the transfer failed.
+        error: Option<String>,
+    },
+    /// P→D: the transfer of `id` failed and was cancelled; free its pages.
+    Abort {
+        /// Request id.
+        id: u64,
+        /// Why.
+        reason: String,
+    },
+    /// P→D: all done; report your pool high-water mark.
+    Finish,
+    /// D→P: final decode-side figures.
+    Finished {
+        /// Most decode pages in use at once (per replica, max).
+        high_water: u64,
+        /// Pool capacity.
+        capacity: u64,
+        /// Requests that waited for pages.
+        backpressured: u64,
+    },
+}
+
+/// Default trace path: ./data/… when run from the repository, else the
+/// copy in the source tree this binary was built from.
+pub fn default_trace() -> PathBuf {
+    let local = PathBuf::from("data/mooncake_conversation_trace.jsonl");
+    if local.exists() {
+        return local;
+    }
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("data/mooncake_conversation_trace.jsonl")
+}
+
+/// `kvwire replay`.
+pub fn run(a: ReplayArgs) -> Result<()> {
+    let (l, addr) = SideChannel::bind("127.0.0.1:0")?;
+    let exe = std::env::current_exe()?;
+    let mut child = Command::new(exe)
+        .args(["replay-decode", "--connect", &addr.to_string()])
+        .stdin(Stdio::null())
+        .spawn()
+        .context("starting the decode process")?;
+    let chan = SideChannel::accept(&l)?;
+    chan.set_read_timeout(Some(Duration::from_secs(300)))?;
+    let result = prefill::run(&a, chan);
+    let status = child.wait();
+    let report = result?;
+    status.context("waiting for the decode process")?;
+    report::print(&report, a.json);
+    if !report.verified {
+        anyhow::bail!("replay failed: {} bad pages, {} failed transfers", report.bad_pages, report.failed);
+    }
+    Ok(())
+}
+
+/// `kvwire replay-decode`: the decode engine, started by `replay`.
+pub fn run_decode(a: DecodeArgs) -> Result<()> {
+    let chan = SideChannel::connect(&a.connect, Duration::from_secs(10))?;
+    decode::run(chan)
+}

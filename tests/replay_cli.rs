@@ -1,0 +1,80 @@
+//! The main job end to end: `kvwire replay` on the bundled trace, two real
+//! processes over shm, every byte verified by the decode side.
+
+use std::process::Command;
+
+fn replay(args: &[&str]) -> (bool, serde_json::Value, String) {
+    let out = Command::new(env!("CARGO_BIN_EXE_kvwire"))
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .arg("replay")
+        .args(args)
+        .arg("--json")
+        .output()
+        .expect("running kvwire replay");
+    let stdout = String::from_utf8_lossy(&out.stdout).to_string();
+    let stderr = String::from_utf8_lossy(&out.stderr).to_string();
+    let json = stdout.lines().last().and_then(|l| serde_json::from_str(l).ok()).unwrap_or(serde_json::Value::Null);
+    (out.status.success(), json, stderr)
+}
+
+#[test]
+fn first_200_requests_of_the_trace_arrive_intact_with_backpressure() {
+    let (ok, j, err) = replay(&["--requests", "200", "--decode-pages", "2048"]);
+    assert!(ok, "{err}");
+    assert_eq!(j["requests"], 200);
+    assert_eq!(j["verified"], true);
+    assert_eq!(j["bad_pages"], 0);
+    // the first 200 requests hold more pages than a 2047-page pool: decode must wait
+    assert!(j["backpressured"].as_u64().unwrap() > 0, "{j}");
+    assert!(j["decode_pool_high_water"].as_u64().unwrap() <= 2047);
+    // Llama-3-8B, 1 layer: 2 × 8 heads × 128 dims × 2 bytes
+    assert_eq!(j["bytes_per_token"], 4096);
+    assert_eq!(j["bytes"].as_u64().unwrap(), j["pages"].as_u64().unwrap() * 128 * 4096);
+}
+
+#[test]
+fn tp2_and_dp2_move_every_shard() {
+    let (ok, j, err) = replay(&["--requests", "24", "--tp", "2", "--dp", "2", "--decode-pages", "1024"]);
+    assert!(ok, "{err}");
+    assert_eq!(j["verified"], true);
+    assert_eq!(j["tp"], 2);
+    assert_eq!(j["dp"], 2);
+    // two shards of half the heads each: the same bytes per token in total
+    assert_eq!(j["bytes"].as_u64().unwrap(), j["pages"].as_u64().unwrap() * 128 * 4096);
+}
+
+#[test]
+fn mla_broadcast_from_tp1_to_tp4() {
+    let (ok, j, err) = replay(&[
+        "--requests",
+        "16",
+        "--model",
+        "deepseek-v3",
+        "--tp",
+        "1",
+        "--decode-tp",
+        "4",
+        "--decode-pages",
+        "1024",
+    ]);
+    assert!(ok, "{err}");
+    assert_eq!(j["verified"], true);
+    assert_eq!(j["decode_tp"], 4);
+}
+
+#[test]
+fn gqa_with_different_tp_is_refused_clearly() {
+    let (ok, _, err) = replay(&["--requests", "4", "--tp", "1", "--decode-tp", "2", "--decode-pages", "1024"]);
+    assert!(!ok);
+    assert!(
+        err.contains("GATHER_SCATTER") || err.to_lowercase().contains("not implemented") || err.contains("bytes"),
+        "{err}"
+    );
+}
+
+#[test]
+fn a_corrupted_page_is_detected_and_fails_the_run() {
+    let (ok, j, err) = replay(&["--requests", "6", "--decode-pages", "1024", "--inject-bad-page", "3"]);
+    assert!(!ok, "a wrong page must fail the replay: {j}");
+    assert!(err.contains("bad pages"), "{err}");
+}
