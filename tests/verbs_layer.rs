@@ -10,16 +10,7 @@ fn batches_chain_and_post_once() {
     let mut qp = FakeQueuePair::default();
     let mut b = WrBatch::with_capacity(8);
     for i in 0..100u64 {
-        b.push_rdma(
-            WrId(i),
-            i % 2 == 0,
-            i == 99,
-            0x1000 + i * 64,
-            64,
-            1,
-            0x9000 + i * 64,
-            2,
-        );
+        b.push_rdma(WrId(i), i % 2 == 0, i == 99, 0x1000 + i * 64, 64, 1, 0x9000 + i * 64, 2);
     }
     assert_eq!(qp.post(&mut b), 100);
     b.clear();

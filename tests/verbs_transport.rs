@@ -12,8 +12,8 @@ use std::time::{Duration, Instant};
 use kvwire::HostBuffer;
 use kvwire::engine::{AgentMetadata, Desc, TransferEngine, TransferHandle, TransferStatus};
 use kvwire::transport::{
-    self, Completion, LocalKey, MemoryBacking, Notification, Op, PostRequest, RemoteKey, Segment,
-    TransportConfig, TransportKind, XferId,
+    self, Completion, LocalKey, MemoryBacking, Notification, Op, PostRequest, RemoteKey, Segment, TransportConfig,
+    TransportKind, XferId,
 };
 
 const WAIT: Duration = Duration::from_secs(60);
@@ -28,9 +28,7 @@ fn devices() -> Result<(String, String), String> {
     }
     match kvwire::verbs::device_names() {
         Err(e) => Err(e.to_string()),
-        Ok(names) if names.is_empty() => {
-            Err("libibverbs lists no device and SOFTROCE_DEVS is unset".into())
-        }
+        Ok(names) if names.is_empty() => Err("libibverbs lists no device and SOFTROCE_DEVS is unset".into()),
         Ok(names) => Ok((names[0].clone(), names[0].clone())),
     }
 }
@@ -114,13 +112,7 @@ fn verbs_write_read_and_notification() {
 
     // READ it back into another part of the initiator's buffer.
     let h = init
-        .post(
-            Op::Read,
-            &[Desc::new(src.addr() + 50_000, 8_000)],
-            "decode",
-            &[Desc::new(dst.addr() + 100, 8_000)],
-            None,
-        )
+        .post(Op::Read, &[Desc::new(src.addr() + 50_000, 8_000)], "decode", &[Desc::new(dst.addr() + 100, 8_000)], None)
         .unwrap();
     assert_eq!(wait(&mut init, h), TransferStatus::Done);
     init.release(h).unwrap();
@@ -159,15 +151,9 @@ fn verbs_notifications_arrive_in_order_after_their_data() {
     let mut seen = 0usize;
     while seen < n && t0.elapsed() < WAIT {
         for p in target.get_notifs().remove("i-order").unwrap_or_default() {
-            assert_eq!(
-                p,
-                format!("n{seen}").into_bytes(),
-                "notifications out of order"
-            );
+            assert_eq!(p, format!("n{seen}").into_bytes(), "notifications out of order");
             assert!(
-                dst.as_slice()[seen * page..(seen + 1) * page]
-                    .iter()
-                    .all(|&b| b == (seen + 1) as u8),
+                dst.as_slice()[seen * page..(seen + 1) * page].iter().all(|&b| b == (seen + 1) as u8),
                 "notification {seen} before its data"
             );
             seen += 1;
@@ -185,84 +171,40 @@ fn verbs_notifications_arrive_in_order_after_their_data() {
 fn verbs_thousand_scattered_pages_byte_exact() {
     let (tdev, idev) = need_devices!();
     for qps in ["1", "2"] {
-        let mut target = TransferEngine::new(
-            "t-pages",
-            TransportKind::Verbs,
-            &config(&tdev, &[("qps_per_peer", qps)]),
-        )
-        .unwrap();
-        let mut init = TransferEngine::new(
-            "i-pages",
-            TransportKind::Verbs,
-            &config(&idev, &[("qps_per_peer", qps)]),
-        )
-        .unwrap();
+        let mut target =
+            TransferEngine::new("t-pages", TransportKind::Verbs, &config(&tdev, &[("qps_per_peer", qps)])).unwrap();
+        let mut init =
+            TransferEngine::new("i-pages", TransportKind::Verbs, &config(&idev, &[("qps_per_peer", qps)])).unwrap();
         let pages = 1000usize;
         let page = 1024usize;
         let dst = Arc::new(HostBuffer::new(2 * pages * page).unwrap());
         let src = Arc::new(HostBuffer::new(pages * page).unwrap());
-        src.fill_with(0, pages * page, |i| {
-            (i.wrapping_mul(2654435761) >> 13) as u8
-        });
+        src.fill_with(0, pages * page, |i| (i.wrapping_mul(2654435761) >> 13) as u8);
         target.register(dst.clone()).unwrap();
         init.register(src.clone()).unwrap();
         init.connect(&target.metadata()).unwrap();
         // Source page i → destination slot perm(i), every other slot: no two
         // neighbours coalesce.
         let perm = |i: usize| (i * 389 + 17) % pages;
-        let local: Vec<Desc> = (0..pages)
-            .map(|i| Desc::new(src.addr() + (i * page) as u64, page as u64))
-            .collect();
-        let remote: Vec<Desc> = (0..pages)
-            .map(|i| Desc::new(dst.addr() + (2 * perm(i) * page) as u64, page as u64))
-            .collect();
+        let local: Vec<Desc> = (0..pages).map(|i| Desc::new(src.addr() + (i * page) as u64, page as u64)).collect();
+        let remote: Vec<Desc> =
+            (0..pages).map(|i| Desc::new(dst.addr() + (2 * perm(i) * page) as u64, page as u64)).collect();
         let t0 = Instant::now();
-        let h = init
-            .post(
-                Op::Write,
-                &local,
-                "t-pages",
-                &remote,
-                Some(b"pages".to_vec()),
-            )
-            .unwrap();
-        assert_eq!(
-            wait(&mut init, h),
-            TransferStatus::Done,
-            "qps_per_peer={qps}"
-        );
+        let h = init.post(Op::Write, &local, "t-pages", &remote, Some(b"pages".to_vec())).unwrap();
+        assert_eq!(wait(&mut init, h), TransferStatus::Done, "qps_per_peer={qps}");
         init.release(h).unwrap();
-        eprintln!(
-            "1000 x {page} B scattered WRITE, qps_per_peer={qps}: {:?}",
-            t0.elapsed()
-        );
-        assert_eq!(
-            wait_notifs(&mut target, "i-pages", 1),
-            vec![b"pages".to_vec()]
-        );
+        eprintln!("1000 x {page} B scattered WRITE, qps_per_peer={qps}: {:?}", t0.elapsed());
+        assert_eq!(wait_notifs(&mut target, "i-pages", 1), vec![b"pages".to_vec()]);
         for i in 0..pages {
             let d = 2 * perm(i) * page;
-            assert_eq!(
-                &dst.as_slice()[d..d + page],
-                &src.as_slice()[i * page..(i + 1) * page],
-                "page {i}"
-            );
-            assert!(
-                dst.as_slice()[d + page..d + 2 * page]
-                    .iter()
-                    .all(|&b| b == 0),
-                "gap after page {i} written"
-            );
+            assert_eq!(&dst.as_slice()[d..d + page], &src.as_slice()[i * page..(i + 1) * page], "page {i}");
+            assert!(dst.as_slice()[d + page..d + 2 * page].iter().all(|&b| b == 0), "gap after page {i} written");
         }
         // And READ them back scattered into a fresh buffer.
         let back = Arc::new(HostBuffer::new(pages * page).unwrap());
         init.register(back.clone()).unwrap();
-        let local: Vec<Desc> = (0..pages)
-            .map(|i| Desc::new(back.addr() + (i * page) as u64, page as u64))
-            .collect();
-        let h = init
-            .post(Op::Read, &local, "t-pages", &remote, None)
-            .unwrap();
+        let local: Vec<Desc> = (0..pages).map(|i| Desc::new(back.addr() + (i * page) as u64, page as u64)).collect();
+        let h = init.post(Op::Read, &local, "t-pages", &remote, None).unwrap();
         assert_eq!(wait(&mut init, h), TransferStatus::Done);
         init.release(h).unwrap();
         assert_eq!(back.as_slice(), src.as_slice());
@@ -285,17 +227,14 @@ fn wait_completion(t: &mut Box<dyn transport::Transport>, x: XferId) -> Completi
 #[test]
 fn verbs_wrong_rkey_fails_with_remote_access_error_then_recovers() {
     let (tdev, idev) = need_devices!();
-    let mut target =
-        transport::create(TransportKind::Verbs, "t-rkey", &config(&tdev, &[])).unwrap();
+    let mut target = transport::create(TransportKind::Verbs, "t-rkey", &config(&tdev, &[])).unwrap();
     let mut init = transport::create(TransportKind::Verbs, "i-rkey", &config(&idev, &[])).unwrap();
     let dst = HostBuffer::new(1 << 14).unwrap();
     let src = HostBuffer::new(1 << 14).unwrap();
     src.fill_with(0, 1 << 14, |_| 0xab);
     let treg = target.register(&dst).unwrap();
     let ireg = init.register(&src).unwrap();
-    let peer = init
-        .connect("t-rkey", &target.connection_info(), &[])
-        .unwrap();
+    let peer = init.connect("t-rkey", &target.connection_info(), &[]).unwrap();
     let seg = |rkey: RemoteKey| Segment {
         local_addr: src.addr(),
         remote_addr: dst.addr(),
@@ -315,10 +254,7 @@ fn verbs_wrong_rkey_fails_with_remote_access_error_then_recovers() {
     let c = wait_completion(&mut init, XferId(1));
     let err = c.result.expect_err("a wrong rkey must fail");
     assert!(err.contains("IBV_WC_REM_ACCESS_ERR"), "got {err:?}");
-    assert!(
-        dst.as_slice().iter().all(|&b| b == 0),
-        "bytes written through a wrong rkey"
-    );
+    assert!(dst.as_slice().iter().all(|&b| b == 0), "bytes written through a wrong rkey");
     let mut n: Vec<Notification> = Vec::new();
     target.take_notifications(&mut n);
     assert!(n.is_empty(), "notification delivered for a failed transfer");
@@ -370,16 +306,10 @@ fn verbs_child_target_process() {
 fn verbs_peer_killed_mid_transfer_fails_within_retry_budget() {
     let (tdev, idev) = need_devices!();
     let exe = std::env::current_exe().unwrap();
-    let meta_path =
-        std::env::temp_dir().join(format!("kvwire-verbs-child-{}.json", std::process::id()));
+    let meta_path = std::env::temp_dir().join(format!("kvwire-verbs-child-{}.json", std::process::id()));
     let _ = std::fs::remove_file(&meta_path);
     let mut child = std::process::Command::new(exe)
-        .args([
-            "verbs_child_target_process",
-            "--exact",
-            "--nocapture",
-            "--test-threads=1",
-        ])
+        .args(["verbs_child_target_process", "--exact", "--nocapture", "--test-threads=1"])
         .env(CHILD_ENV, &tdev)
         .env(CHILD_META_ENV, &meta_path)
         .stdout(std::process::Stdio::null())
@@ -407,28 +337,13 @@ fn verbs_peer_killed_mid_transfer_fails_within_retry_budget() {
     let base = meta.regions[0].addr;
     let pages = 512u64;
     let page = 16u64 << 10;
-    let local: Vec<Desc> = (0..pages)
-        .map(|i| Desc::new(src.addr() + i * page, page))
-        .collect();
-    let remote: Vec<Desc> = (0..pages)
-        .map(|i| Desc::new(base + i * page, page))
-        .collect();
-    let h = init
-        .post(
-            Op::Write,
-            &local,
-            "t-killed",
-            &remote,
-            Some(b"never".to_vec()),
-        )
-        .unwrap();
+    let local: Vec<Desc> = (0..pages).map(|i| Desc::new(src.addr() + i * page, page)).collect();
+    let remote: Vec<Desc> = (0..pages).map(|i| Desc::new(base + i * page, page)).collect();
+    let h = init.post(Op::Write, &local, "t-killed", &remote, Some(b"never".to_vec())).unwrap();
     std::thread::sleep(Duration::from_millis(20));
     child.kill().unwrap();
     child.wait().unwrap();
-    eprintln!(
-        "kill test: child killed, status now {:?}",
-        init.status(h).unwrap()
-    );
+    eprintln!("kill test: child killed, status now {:?}", init.status(h).unwrap());
     let killed = Instant::now();
     let s = wait(&mut init, h);
     let took = killed.elapsed();
@@ -456,15 +371,13 @@ fn verbs_peer_killed_mid_transfer_fails_within_retry_budget() {
 #[test]
 fn verbs_missing_device_is_a_clear_error() {
     if devices().is_err() && !kvwire::verbs::available() {
-        let e = TransferEngine::new("x", TransportKind::Verbs, &TransportConfig::default())
-            .unwrap_err();
+        let e = TransferEngine::new("x", TransportKind::Verbs, &TransportConfig::default()).unwrap_err();
         assert!(e.to_string().contains("libibverbs.so.1"), "{e}");
         return;
     }
     let (_, idev) = need_devices!();
     let _ = idev;
-    let e =
-        TransferEngine::new("x", TransportKind::Verbs, &config("no_such_dev9", &[])).unwrap_err();
+    let e = TransferEngine::new("x", TransportKind::Verbs, &config("no_such_dev9", &[])).unwrap_err();
     assert!(e.to_string().contains("no_such_dev9"), "{e}");
 }
 

@@ -34,8 +34,7 @@ pub fn device_names() -> Result<Vec<String>, VerbsError> {
     if list.is_null() {
         let err = VerbsError::call("ibv_get_device_list", 0);
         // ENOSYS: the kernel has no RDMA support (no ib_uverbs): no devices.
-        if matches!(&err, VerbsError::Call { source, .. } if source.raw_os_error() == Some(libc::ENOSYS))
-        {
+        if matches!(&err, VerbsError::Call { source, .. } if source.raw_os_error() == Some(libc::ENOSYS)) {
             return Ok(Vec::new());
         }
         return Err(err);
@@ -74,9 +73,7 @@ impl Context {
             // SAFETY: the list holds `n` valid device pointers.
             let dev = unsafe { *list.add(i) };
             // SAFETY: valid device, NUL-terminated name.
-            let dev_name = unsafe { CStr::from_ptr((lib.get_device_name)(dev)) }
-                .to_string_lossy()
-                .into_owned();
+            let dev_name = unsafe { CStr::from_ptr((lib.get_device_name)(dev)) }.to_string_lossy().into_owned();
             if found.is_none() && name.is_none_or(|w| w == dev_name) {
                 found = Some((dev, dev_name.clone()));
             }
@@ -85,9 +82,7 @@ impl Context {
         let result = match found {
             None => Err(VerbsError::Unsupported(match name {
                 Some(w) => format!("no RDMA device named {w:?} (found: {seen:?})"),
-                None => {
-                    "no RDMA device found (is the rdma kernel module / rxe link set up?)".into()
-                }
+                None => "no RDMA device found (is the rdma kernel module / rxe link set up?)".into(),
             })),
             Some((dev, dev_name)) => {
                 // SAFETY: `dev` is valid while the list is alive (freed below,
@@ -106,12 +101,7 @@ impl Context {
         let mut attr: ibv_device_attr = unsafe { std::mem::zeroed() };
         // SAFETY: `raw` is an open context, `attr` a valid out-pointer.
         let rc = unsafe { (lib.query_device)(raw.as_ptr(), &mut attr) };
-        let ctx = Self {
-            raw,
-            lib,
-            name,
-            attr,
-        };
+        let ctx = Self { raw, lib, name, attr };
         if rc != 0 {
             return Err(VerbsError::call("ibv_query_device", rc));
         }
@@ -183,12 +173,7 @@ impl Context {
             ))
             .map(|s| s.trim().to_string())
             .unwrap_or_default();
-            out.push(GidEntry {
-                index: index as u32,
-                gid,
-                kind,
-                netdev,
-            });
+            out.push(GidEntry { index: index as u32, gid, kind, netdev });
         }
         Ok(out)
     }
@@ -208,9 +193,7 @@ impl Context {
             .or_else(|| table.iter().find(v2))
             .or_else(|| table.first())
             .map(|e| e.index)
-            .ok_or_else(|| {
-                VerbsError::Unsupported(format!("{} port {port} has no valid GID", self.name))
-            })
+            .ok_or_else(|| VerbsError::Unsupported(format!("{} port {port} has no valid GID", self.name)))
     }
 }
 
@@ -287,35 +270,19 @@ pub fn list_devices() -> Result<Vec<Result<DeviceInfo, VerbsError>>, VerbsError>
             let ctx = Context::open(Some(n))?;
             let attr = *ctx.attr();
             // SAFETY: fw_ver is a NUL-terminated C string within its array.
-            let fw_ver = unsafe { CStr::from_ptr(attr.fw_ver.as_ptr()) }
-                .to_string_lossy()
-                .into_owned();
+            let fw_ver = unsafe { CStr::from_ptr(attr.fw_ver.as_ptr()) }.to_string_lossy().into_owned();
             let mut ports = Vec::new();
             for port in 1..=attr.phys_port_cnt {
                 let pattr = ctx.query_port(port)?;
                 let gids = ctx.gid_table(port).unwrap_or_default();
-                ports.push(PortInfo {
-                    port,
-                    attr: pattr,
-                    gids,
-                });
+                ports.push(PortInfo { port, attr: pattr, gids });
             }
-            Ok(DeviceInfo {
-                name: n.clone(),
-                fw_ver,
-                node_guid: u64::from_be(attr.node_guid),
-                attr,
-                ports,
-            })
+            Ok(DeviceInfo { name: n.clone(), fw_ver, node_guid: u64::from_be(attr.node_guid), attr, ports })
         })
         .collect())
 }
 
 /// Bytes of an `enum ibv_mtu` value (0 when unknown).
 pub fn mtu_bytes(mtu: u32) -> u32 {
-    if (1..=5).contains(&mtu) {
-        128 << mtu
-    } else {
-        0
-    }
+    if (1..=5).contains(&mtu) { 128 << mtu } else { 0 }
 }

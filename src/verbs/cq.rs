@@ -33,20 +33,10 @@ impl CompletionQueue {
             .ok_or_else(|| VerbsError::Unsupported("provider has no poll_cq".into()))?;
         // SAFETY: open context; no channel, no user context, vector 0.
         let raw = unsafe {
-            (ctx.lib.create_cq)(
-                ctx.raw.as_ptr(),
-                num_entries,
-                std::ptr::null_mut(),
-                std::ptr::null_mut(),
-                0,
-            )
+            (ctx.lib.create_cq)(ctx.raw.as_ptr(), num_entries, std::ptr::null_mut(), std::ptr::null_mut(), 0)
         };
         let raw = NonNull::new(raw).ok_or_else(|| VerbsError::call("ibv_create_cq", 0))?;
-        Ok(Arc::new(Self {
-            raw,
-            ctx: ctx.clone(),
-            poll,
-        }))
+        Ok(Arc::new(Self { raw, ctx: ctx.clone(), poll }))
     }
 
     /// Poll up to `out.len()` completions into `out`; returns how many.

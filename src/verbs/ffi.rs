@@ -117,10 +117,8 @@ pub struct ibv_device {
     pub ibdev_path: [c_char; IBV_SYSFS_PATH_MAX],
 }
 
-pub type PostSendFn =
-    unsafe extern "C" fn(*mut ibv_qp, *mut ibv_send_wr, *mut *mut ibv_send_wr) -> c_int;
-pub type PostRecvFn =
-    unsafe extern "C" fn(*mut ibv_qp, *mut ibv_recv_wr, *mut *mut ibv_recv_wr) -> c_int;
+pub type PostSendFn = unsafe extern "C" fn(*mut ibv_qp, *mut ibv_send_wr, *mut *mut ibv_send_wr) -> c_int;
+pub type PostRecvFn = unsafe extern "C" fn(*mut ibv_qp, *mut ibv_recv_wr, *mut *mut ibv_recv_wr) -> c_int;
 pub type PollCqFn = unsafe extern "C" fn(*mut ibv_cq, c_int, *mut ibv_wc) -> c_int;
 
 /// `struct ibv_context_ops`: the provider's function table. The data-path
@@ -455,10 +453,7 @@ pub const IBV_WC_WR_FLUSH_ERR: u32 = 5;
 
 /// The name of work-completion status `status`, e.g. `"IBV_WC_REM_ACCESS_ERR"`.
 pub fn wc_status_name(status: u32) -> &'static str {
-    WC_STATUS_NAMES
-        .get(status as usize)
-        .copied()
-        .unwrap_or("IBV_WC_UNKNOWN")
+    WC_STATUS_NAMES.get(status as usize).copied().unwrap_or("IBV_WC_UNKNOWN")
 }
 
 #[cfg(kvwire_abi_checked)]

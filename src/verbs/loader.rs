@@ -29,18 +29,10 @@ pub struct Verbs {
     pub alloc_pd: unsafe extern "C" fn(*mut ibv_context) -> *mut ibv_pd,
     pub dealloc_pd: unsafe extern "C" fn(*mut ibv_pd) -> c_int,
     pub reg_mr: unsafe extern "C" fn(*mut ibv_pd, *mut c_void, usize, c_int) -> *mut ibv_mr,
-    pub reg_mr_iova2:
-        Option<unsafe extern "C" fn(*mut ibv_pd, *mut c_void, usize, u64, u32) -> *mut ibv_mr>,
-    pub reg_dmabuf_mr:
-        Option<unsafe extern "C" fn(*mut ibv_pd, u64, usize, u64, c_int, c_int) -> *mut ibv_mr>,
+    pub reg_mr_iova2: Option<unsafe extern "C" fn(*mut ibv_pd, *mut c_void, usize, u64, u32) -> *mut ibv_mr>,
+    pub reg_dmabuf_mr: Option<unsafe extern "C" fn(*mut ibv_pd, u64, usize, u64, c_int, c_int) -> *mut ibv_mr>,
     pub dereg_mr: unsafe extern "C" fn(*mut ibv_mr) -> c_int,
-    pub create_cq: unsafe extern "C" fn(
-        *mut ibv_context,
-        c_int,
-        *mut c_void,
-        *mut c_void,
-        c_int,
-    ) -> *mut ibv_cq,
+    pub create_cq: unsafe extern "C" fn(*mut ibv_context, c_int, *mut c_void, *mut c_void, c_int) -> *mut ibv_cq,
     pub destroy_cq: unsafe extern "C" fn(*mut ibv_cq) -> c_int,
     pub create_qp: unsafe extern "C" fn(*mut ibv_pd, *mut ibv_qp_init_attr) -> *mut ibv_qp,
     pub modify_qp: unsafe extern "C" fn(*mut ibv_qp, *mut ibv_qp_attr, c_int) -> c_int,
@@ -56,10 +48,7 @@ static VERBS: OnceLock<Result<Verbs, String>> = OnceLock::new();
 /// # Errors
 /// [`VerbsError::Unsupported`] naming the missing library or symbol.
 pub fn verbs() -> Result<&'static Verbs, VerbsError> {
-    VERBS
-        .get_or_init(load)
-        .as_ref()
-        .map_err(|e| VerbsError::Unsupported(e.clone()))
+    VERBS.get_or_init(load).as_ref().map_err(|e| VerbsError::Unsupported(e.clone()))
 }
 
 /// True when libibverbs can be loaded here (for `auto` transport selection).

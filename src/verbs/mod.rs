@@ -53,11 +53,7 @@ impl VerbsError {
     /// The error of `call` from the current `errno` (or `rc` when positive,
     /// as `ibv_modify_qp` and `ibv_post_send` return it directly).
     pub(crate) fn call(call: &'static str, rc: i32) -> Self {
-        let source = if rc > 0 {
-            std::io::Error::from_raw_os_error(rc)
-        } else {
-            std::io::Error::last_os_error()
-        };
+        let source = if rc > 0 { std::io::Error::from_raw_os_error(rc) } else { std::io::Error::last_os_error() };
         Self::Call { call, source }
     }
 }

@@ -11,10 +11,8 @@ use super::{ProtectionDomain, VerbsError, record_drop_failure};
 
 /// Local write, remote read, remote write; relaxed ordering where the device
 /// supports it (an optional flag: ignored by devices that do not).
-pub const DEFAULT_ACCESS: i32 = IBV_ACCESS_LOCAL_WRITE
-    | IBV_ACCESS_REMOTE_READ
-    | IBV_ACCESS_REMOTE_WRITE
-    | IBV_ACCESS_RELAXED_ORDERING;
+pub const DEFAULT_ACCESS: i32 =
+    IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_READ | IBV_ACCESS_REMOTE_WRITE | IBV_ACCESS_RELAXED_ORDERING;
 
 /// `struct ibv_mr`; deregistered on drop, before its PD, and before any
 /// buffer it owns is freed.
@@ -41,11 +39,7 @@ impl MemoryRegion {
     /// # Errors
     /// [`VerbsError::Call`] for `ibv_reg_mr` (e.g. `ENOMEM` from `ulimit -l`,
     /// `EFAULT` for a GPU pointer without nvidia-peermem).
-    pub unsafe fn register(
-        pd: &Arc<ProtectionDomain>,
-        addr: u64,
-        len_bytes: usize,
-    ) -> Result<Self, VerbsError> {
+    pub unsafe fn register(pd: &Arc<ProtectionDomain>, addr: u64, len_bytes: usize) -> Result<Self, VerbsError> {
         let lib = pd.ctx.lib;
         let ptr = addr as *mut c_void;
         let raw = match lib.reg_mr_iova2 {
@@ -56,23 +50,12 @@ impl MemoryRegion {
         let raw = if raw.is_null() {
             // SAFETY: as above; older libraries lack iova2 and reject the
             // optional relaxed-ordering flag, so drop it here.
-            unsafe {
-                (lib.reg_mr)(
-                    pd.raw.as_ptr(),
-                    ptr,
-                    len_bytes,
-                    DEFAULT_ACCESS & !IBV_ACCESS_RELAXED_ORDERING,
-                )
-            }
+            unsafe { (lib.reg_mr)(pd.raw.as_ptr(), ptr, len_bytes, DEFAULT_ACCESS & !IBV_ACCESS_RELAXED_ORDERING) }
         } else {
             raw
         };
         let raw = NonNull::new(raw).ok_or_else(|| VerbsError::call("ibv_reg_mr", 0))?;
-        Ok(Self {
-            raw,
-            pd: pd.clone(),
-            owned: None,
-        })
+        Ok(Self { raw, pd: pd.clone(), owned: None })
     }
 
     /// Register GPU memory exported as a dma-buf: `len_bytes` from `offset`
@@ -92,26 +75,15 @@ impl MemoryRegion {
         len_bytes: usize,
         iova: u64,
     ) -> Result<Self, VerbsError> {
-        let f = pd.ctx.lib.reg_dmabuf_mr.ok_or_else(|| {
-            VerbsError::Unsupported("libibverbs lacks ibv_reg_dmabuf_mr (rdma-core < 34)".into())
-        })?;
+        let f = pd
+            .ctx
+            .lib
+            .reg_dmabuf_mr
+            .ok_or_else(|| VerbsError::Unsupported("libibverbs lacks ibv_reg_dmabuf_mr (rdma-core < 34)".into()))?;
         // SAFETY: live PD and fd; the caller guarantees the memory.
-        let raw = unsafe {
-            f(
-                pd.raw.as_ptr(),
-                offset,
-                len_bytes,
-                iova,
-                fd.as_raw_fd(),
-                DEFAULT_ACCESS,
-            )
-        };
+        let raw = unsafe { f(pd.raw.as_ptr(), offset, len_bytes, iova, fd.as_raw_fd(), DEFAULT_ACCESS) };
         let raw = NonNull::new(raw).ok_or_else(|| VerbsError::call("ibv_reg_dmabuf_mr", 0))?;
-        Ok(Self {
-            raw,
-            pd: pd.clone(),
-            owned: None,
-        })
+        Ok(Self { raw, pd: pd.clone(), owned: None })
     }
 
     /// Allocate a zeroed, 8-byte-aligned buffer of `len_bytes` and register

@@ -26,10 +26,7 @@ impl ProtectionDomain {
         // SAFETY: `ctx` is an open context.
         let raw = unsafe { (ctx.lib.alloc_pd)(ctx.raw.as_ptr()) };
         let raw = NonNull::new(raw).ok_or_else(|| VerbsError::call("ibv_alloc_pd", 0))?;
-        Ok(Arc::new(Self {
-            raw,
-            ctx: ctx.clone(),
-        }))
+        Ok(Arc::new(Self { raw, ctx: ctx.clone() }))
     }
 
     /// The device context.

@@ -79,22 +79,14 @@ impl QueuePair {
         // SAFETY: open context; reading the ops table.
         let ops = unsafe { (*ctx.raw.as_ptr()).ops };
         let (Some(post_send), Some(post_recv)) = (ops.post_send, ops.post_recv) else {
-            return Err(VerbsError::Unsupported(
-                "provider has no post_send/post_recv".into(),
-            ));
+            return Err(VerbsError::Unsupported("provider has no post_send/post_recv".into()));
         };
         let mut init = ibv_qp_init_attr {
             qp_context: std::ptr::null_mut(),
             send_cq: send_cq.raw.as_ptr(),
             recv_cq: recv_cq.raw.as_ptr(),
             srq: std::ptr::null_mut(),
-            cap: ibv_qp_cap {
-                max_send_wr,
-                max_recv_wr,
-                max_send_sge: 1,
-                max_recv_sge: 1,
-                max_inline_data: 0,
-            },
+            cap: ibv_qp_cap { max_send_wr, max_recv_wr, max_send_sge: 1, max_recv_sge: 1, max_inline_data: 0 },
             qp_type: IBV_QPT_RC,
             sq_sig_all: 0,
         };
@@ -136,21 +128,10 @@ impl QueuePair {
             Some(i) => ctx.query_gid(port, i32::from(i))?.raw,
             None => [0; 16],
         };
-        Ok(QpEndpoint {
-            qpn: self.qp_num(),
-            psn: self.psn,
-            gid,
-            lid: pattr.lid,
-            mtu: pattr.active_mtu,
-        })
+        Ok(QpEndpoint { qpn: self.qp_num(), psn: self.psn, gid, lid: pattr.lid, mtu: pattr.active_mtu })
     }
 
-    fn modify(
-        &self,
-        attr: &mut ibv_qp_attr,
-        mask: i32,
-        what: &'static str,
-    ) -> Result<(), VerbsError> {
+    fn modify(&self, attr: &mut ibv_qp_attr, mask: i32, what: &'static str) -> Result<(), VerbsError> {
         // SAFETY: live QP, valid attribute block and mask.
         let rc = unsafe { (self.pd.ctx.lib.modify_qp)(self.raw.as_ptr(), attr, mask) };
         if rc != 0 {
@@ -164,19 +145,12 @@ impl QueuePair {
     /// # Errors
     /// [`VerbsError::Call`] naming the failing transition
     /// (e.g. "ibv_modify_qp(RTR)": wrong GID index, MTU or LID).
-    pub fn connect(
-        &self,
-        local: &QpEndpoint,
-        remote: &QpEndpoint,
-        o: &QpOptions,
-    ) -> Result<(), VerbsError> {
+    pub fn connect(&self, local: &QpEndpoint, remote: &QpEndpoint, o: &QpOptions) -> Result<(), VerbsError> {
         let mut a = ibv_qp_attr {
             qp_state: IBV_QPS_INIT,
             pkey_index: 0,
             port_num: o.port,
-            qp_access_flags: (IBV_ACCESS_LOCAL_WRITE
-                | IBV_ACCESS_REMOTE_READ
-                | IBV_ACCESS_REMOTE_WRITE) as u32,
+            qp_access_flags: (IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_READ | IBV_ACCESS_REMOTE_WRITE) as u32,
             ..Default::default()
         };
         self.modify(
@@ -184,12 +158,7 @@ impl QueuePair {
             IBV_QP_STATE | IBV_QP_PKEY_INDEX | IBV_QP_PORT | IBV_QP_ACCESS_FLAGS,
             "ibv_modify_qp(INIT)",
         )?;
-        let mut ah = ibv_ah_attr {
-            dlid: remote.lid,
-            sl: 0,
-            port_num: o.port,
-            ..Default::default()
-        };
+        let mut ah = ibv_ah_attr { dlid: remote.lid, sl: 0, port_num: o.port, ..Default::default() };
         if let Some(idx) = o.gid_index {
             ah.is_global = 1;
             ah.grh = ibv_global_route {
@@ -248,10 +217,7 @@ impl QueuePair {
     /// # Errors
     /// [`VerbsError::Call`] for `ibv_modify_qp(ERR)`.
     pub fn set_error(&self) -> Result<(), VerbsError> {
-        let mut a = ibv_qp_attr {
-            qp_state: IBV_QPS_ERR,
-            ..Default::default()
-        };
+        let mut a = ibv_qp_attr { qp_state: IBV_QPS_ERR, ..Default::default() };
         self.modify(&mut a, IBV_QP_STATE, "ibv_modify_qp(ERR)")
     }
 
@@ -260,10 +226,7 @@ impl QueuePair {
     /// # Errors
     /// [`VerbsError::Call`] for `ibv_modify_qp(RESET)`.
     pub fn reset(&self) -> Result<(), VerbsError> {
-        let mut a = ibv_qp_attr {
-            qp_state: IBV_QPS_RESET,
-            ..Default::default()
-        };
+        let mut a = ibv_qp_attr { qp_state: IBV_QPS_RESET, ..Default::default() };
         self.modify(&mut a, IBV_QP_STATE, "ibv_modify_qp(RESET)")
     }
 
@@ -290,24 +253,9 @@ impl QueuePair {
     ///
     /// # Errors
     /// [`VerbsError::Call`] for `ibv_post_recv`.
-    pub unsafe fn post_recv(
-        &mut self,
-        wr_id: u64,
-        addr: u64,
-        len_bytes: u32,
-        lkey: u32,
-    ) -> Result<(), VerbsError> {
-        let mut sge = ibv_sge {
-            addr,
-            length: len_bytes,
-            lkey,
-        };
-        let mut wr = ibv_recv_wr {
-            wr_id,
-            next: std::ptr::null_mut(),
-            sg_list: &mut sge,
-            num_sge: 1,
-        };
+    pub unsafe fn post_recv(&mut self, wr_id: u64, addr: u64, len_bytes: u32, lkey: u32) -> Result<(), VerbsError> {
+        let mut sge = ibv_sge { addr, length: len_bytes, lkey };
+        let mut wr = ibv_recv_wr { wr_id, next: std::ptr::null_mut(), sg_list: &mut sge, num_sge: 1 };
         let mut bad = std::ptr::null_mut();
         // SAFETY: live QP; `wr`/`sge` live across the call; memory per caller.
         let rc = unsafe { (self.post_recv)(self.raw.as_ptr(), &mut wr, &mut bad) };

@@ -28,10 +28,7 @@ impl Default for WrBatch {
 impl WrBatch {
     /// An empty batch with room for `n` WRs.
     pub fn with_capacity(n: usize) -> Self {
-        Self {
-            wrs: Vec::with_capacity(n),
-            sges: Vec::with_capacity(n),
-        }
+        Self { wrs: Vec::with_capacity(n), sges: Vec::with_capacity(n) }
     }
 
     /// Forget the WRs (keeps the allocation).
@@ -50,14 +47,7 @@ impl WrBatch {
         self.wrs.is_empty()
     }
 
-    fn push(
-        &mut self,
-        id: WrId,
-        opcode: u32,
-        signaled: bool,
-        sge: ibv_sge,
-        remote: ibv_send_wr_rdma,
-    ) {
+    fn push(&mut self, id: WrId, opcode: u32, signaled: bool, sge: ibv_sge, remote: ibv_send_wr_rdma) {
         self.sges.push(sge);
         self.wrs.push(ibv_send_wr {
             wr_id: id.0,
@@ -88,42 +78,23 @@ impl WrBatch {
         remote_addr: u64,
         rkey: u32,
     ) {
-        let opcode = if read {
-            IBV_WR_RDMA_READ
-        } else {
-            IBV_WR_RDMA_WRITE
-        };
+        let opcode = if read { IBV_WR_RDMA_READ } else { IBV_WR_RDMA_WRITE };
         self.push(
             id,
             opcode,
             signaled,
-            ibv_sge {
-                addr: local_addr,
-                length: len_bytes,
-                lkey,
-            },
+            ibv_sge { addr: local_addr, length: len_bytes, lkey },
             ibv_send_wr_rdma { remote_addr, rkey },
         );
     }
 
     /// A SEND of `len_bytes` from `local_addr` (the notification path).
-    pub fn push_send(
-        &mut self,
-        id: WrId,
-        signaled: bool,
-        local_addr: u64,
-        len_bytes: u32,
-        lkey: u32,
-    ) {
+    pub fn push_send(&mut self, id: WrId, signaled: bool, local_addr: u64, len_bytes: u32, lkey: u32) {
         self.push(
             id,
             IBV_WR_SEND,
             signaled,
-            ibv_sge {
-                addr: local_addr,
-                length: len_bytes,
-                lkey,
-            },
+            ibv_sge { addr: local_addr, length: len_bytes, lkey },
             ibv_send_wr_rdma::default(),
         );
     }
@@ -135,11 +106,7 @@ impl WrBatch {
     /// `qp` must be a live QP whose provider's `post_send` is `post_send`,
     /// and every SGE must lie in memory registered with its `lkey` that
     /// stays valid until the WRs complete.
-    pub(crate) unsafe fn post_raw(
-        &mut self,
-        post_send: PostSendFn,
-        qp: *mut ibv_qp,
-    ) -> Result<(), (usize, i32)> {
+    pub(crate) unsafe fn post_raw(&mut self, post_send: PostSendFn, qp: *mut ibv_qp) -> Result<(), (usize, i32)> {
         let n = self.wrs.len();
         if n == 0 {
             return Ok(());
@@ -152,11 +119,7 @@ impl WrBatch {
             unsafe {
                 let wr = &mut *base.add(i);
                 wr.sg_list = sges.add(i);
-                wr.next = if i + 1 < n {
-                    base.add(i + 1)
-                } else {
-                    std::ptr::null_mut()
-                };
+                wr.next = if i + 1 < n { base.add(i + 1) } else { std::ptr::null_mut() };
             }
         }
         let mut bad: *mut ibv_send_wr = std::ptr::null_mut();
@@ -183,11 +146,7 @@ pub struct FakeQueuePair {
     qp: Box<ibv_qp>,
 }
 
-unsafe extern "C" fn fake_post_send(
-    qp: *mut ibv_qp,
-    wr: *mut ibv_send_wr,
-    _bad: *mut *mut ibv_send_wr,
-) -> i32 {
+unsafe extern "C" fn fake_post_send(qp: *mut ibv_qp, wr: *mut ibv_send_wr, _bad: *mut *mut ibv_send_wr) -> i32 {
     // Walk the chain as a provider would (it reads every WR and SGE), and
     // count WRs in `events_completed`.
     let mut n = 0u32;

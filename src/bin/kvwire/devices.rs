@@ -36,10 +36,7 @@ fn link_layer(l: u8) -> &'static str {
 
 fn print_device(d: &DeviceInfo) {
     println!("{}", d.name);
-    println!(
-        "  fw_ver: {}  node_guid: {:016x}  phys_port_cnt: {}",
-        d.fw_ver, d.node_guid, d.attr.phys_port_cnt
-    );
+    println!("  fw_ver: {}  node_guid: {:016x}  phys_port_cnt: {}", d.fw_ver, d.node_guid, d.attr.phys_port_cnt);
     println!(
         "  max_qp: {}  max_qp_wr: {}  max_cqe: {}  max_mr_size: {}  max_qp_rd_atom: {}",
         d.attr.max_qp, d.attr.max_qp_wr, d.attr.max_cqe, d.attr.max_mr_size, d.attr.max_qp_rd_atom
@@ -62,24 +59,9 @@ fn print_device(d: &DeviceInfo) {
             println!("    (no valid GID)");
         }
         for g in &p.gids {
-            let kind = if g.kind.is_empty() {
-                "?"
-            } else {
-                g.kind.as_str()
-            };
-            let v4 = if g.is_ipv4_mapped() {
-                "  (IPv4-mapped)"
-            } else {
-                ""
-            };
-            println!(
-                "    GID[{:3}] {:<40} {:<12} {}{}",
-                g.index,
-                g.to_ip_string(),
-                kind,
-                g.netdev,
-                v4
-            );
+            let kind = if g.kind.is_empty() { "?" } else { g.kind.as_str() };
+            let v4 = if g.is_ipv4_mapped() { "  (IPv4-mapped)" } else { "" };
+            println!("    GID[{:3}] {:<40} {:<12} {}{}", g.index, g.to_ip_string(), kind, g.netdev, v4);
         }
     }
 }

@@ -52,9 +52,7 @@ pub(super) fn accept_loop(inner: Arc<Inner>, listener: TcpListener) {
         }
         let Ok(ch) = conn else { continue };
         let inner = inner.clone();
-        let spawned = std::thread::Builder::new()
-            .name("kvwire-verbs-peer".into())
-            .spawn(move || serve(&inner, ch));
+        let spawned = std::thread::Builder::new().name("kvwire-verbs-peer".into()).spawn(move || serve(&inner, ch));
         if let Err(e) = spawned {
             tracing::warn!("verbs: cannot serve a peer: {e}");
         }
@@ -87,9 +85,7 @@ fn serve(inner: &Inner, mut ch: SideChannel) {
         Ok(())
     })();
     if let Err(e) = result {
-        let _ = ch.send(&Handshake::Refuse {
-            reason: e.to_string(),
-        });
+        let _ = ch.send(&Handshake::Refuse { reason: e.to_string() });
         return;
     }
     {
@@ -99,26 +95,14 @@ fn serve(inner: &Inner, mut ch: SideChannel) {
                 let addr = slab.addr() + u64::from(slot) * NOTIF_SLOT_BYTES as u64;
                 // SAFETY: the slot lies in `slab`, registered with its lkey
                 // and owned by the RecvQp together with the QP (destroyed first).
-                if let Err(e) = unsafe {
-                    qp.post_recv(
-                        RECV_BIT | u64::from(slot),
-                        addr,
-                        NOTIF_SLOT_BYTES as u32,
-                        slab.lkey(),
-                    )
-                } {
+                if let Err(e) =
+                    unsafe { qp.post_recv(RECV_BIT | u64::from(slot), addr, NOTIF_SLOT_BYTES as u32, slab.lkey()) }
+                {
                     tracing::warn!("verbs: post_recv for {agent}: {e}");
                 }
             }
             qpns.push(qp.qp_num());
-            st.recv_qps.insert(
-                qp.qp_num(),
-                RecvQp {
-                    qp,
-                    agent: agent.clone(),
-                    slab,
-                },
-            );
+            st.recv_qps.insert(qp.qp_num(), RecvQp { qp, agent: agent.clone(), slab });
         }
     }
     if ch.send(&Handshake::Accept { qps: mine }).is_ok() {
@@ -150,20 +134,11 @@ pub(super) fn handshake(
     timeout: Duration,
 ) -> Result<(Vec<QpEndpoint>, SideChannel), String> {
     let mut ch = SideChannel::connect(addr, timeout).map_err(|e| e.to_string())?;
-    ch.set_read_timeout(Some(timeout))
-        .map_err(|e| e.to_string())?;
-    ch.send(&Handshake::Hello {
-        agent: agent.to_string(),
-        qps: local.to_vec(),
-    })
-    .map_err(|e| e.to_string())?;
+    ch.set_read_timeout(Some(timeout)).map_err(|e| e.to_string())?;
+    ch.send(&Handshake::Hello { agent: agent.to_string(), qps: local.to_vec() }).map_err(|e| e.to_string())?;
     match ch.recv::<Handshake>().map_err(|e| e.to_string())? {
         Handshake::Accept { qps } if qps.len() == local.len() => Ok((qps, ch)),
-        Handshake::Accept { qps } => Err(format!(
-            "target answered {} QPs for {}",
-            qps.len(),
-            local.len()
-        )),
+        Handshake::Accept { qps } => Err(format!("target answered {} QPs for {}", qps.len(), local.len())),
         Handshake::Refuse { reason } => Err(format!("target refused: {reason}")),
         Handshake::Hello { .. } => Err("unexpected hello from the target".into()),
     }
@@ -171,11 +146,8 @@ pub(super) fn handshake(
 
 impl Inner {
     fn new_recv_qp(&self) -> Result<(QueuePair, QpEndpoint, MemoryRegion), TransportError> {
-        let qp =
-            QueuePair::new(&self.pd, &self.cq, &self.cq, 4, RECVS_PER_QP).map_err(verbs_err)?;
-        let ep = qp
-            .endpoint(self.qp_options.port, self.qp_options.gid_index)
-            .map_err(verbs_err)?;
+        let qp = QueuePair::new(&self.pd, &self.cq, &self.cq, 4, RECVS_PER_QP).map_err(verbs_err)?;
+        let ep = qp.endpoint(self.qp_options.port, self.qp_options.gid_index).map_err(verbs_err)?;
         let slab = MemoryRegion::alloc(&self.pd, RECVS_PER_QP as usize * NOTIF_SLOT_BYTES)
             .map_err(|e| TransportError::Registration(e.to_string()))?;
         Ok((qp, ep, slab))

@@ -38,15 +38,13 @@ use std::time::{Duration, Instant};
 use serde::{Deserialize, Serialize};
 
 use super::{
-    Completion, LocalKey, MemoryBacking, MemoryKind, Notification, PeerId, PostRequest,
-    Registration, RemoteKey, RemoteRegion, Transport, TransportConfig, TransportError,
-    TransportKind, XferId,
+    Completion, LocalKey, MemoryBacking, MemoryKind, Notification, PeerId, PostRequest, Registration, RemoteKey,
+    RemoteRegion, Transport, TransportConfig, TransportError, TransportKind, XferId,
 };
 use crate::sidechannel::SideChannel;
 use crate::verbs::ffi::IBV_LINK_LAYER_INFINIBAND;
 use crate::verbs::{
-    CompletionQueue, Context, MemoryRegion, ProtectionDomain, QpOptions, QueuePair, VerbsError,
-    WorkCompletion,
+    CompletionQueue, Context, MemoryRegion, ProtectionDomain, QpOptions, QueuePair, VerbsError, WorkCompletion,
 };
 use state::{NOTIF_SLOT_BYTES, NotifSlab, PostLimits, SendQp, State, Xfer};
 
@@ -96,16 +94,12 @@ pub struct VerbsTransport {
     threads: Vec<JoinHandle<()>>,
 }
 
-fn opt<T: std::str::FromStr>(
-    config: &TransportConfig,
-    key: &str,
-    default: T,
-) -> Result<T, TransportError> {
+fn opt<T: std::str::FromStr>(config: &TransportConfig, key: &str, default: T) -> Result<T, TransportError> {
     match config.option(key) {
         None => Ok(default),
-        Some(v) => v.parse().map_err(|_| {
-            TransportError::Unsupported(format!("verbs option {key}={v:?} is not a valid value"))
-        }),
+        Some(v) => {
+            v.parse().map_err(|_| TransportError::Unsupported(format!("verbs option {key}={v:?} is not a valid value")))
+        }
     }
 }
 
@@ -139,8 +133,7 @@ impl VerbsTransport {
             max_rd_atomic: rd_atom,
             min_rnr_timer: 12,
         };
-        let max_send_wr: u32 =
-            opt::<u32>(config, "max_send_wr", 1024)?.min(ctx.attr().max_qp_wr.max(16) as u32);
+        let max_send_wr: u32 = opt::<u32>(config, "max_send_wr", 1024)?.min(ctx.attr().max_qp_wr.max(16) as u32);
         let limits = PostLimits {
             max_send_wr,
             signal_every: opt::<u32>(config, "signal_every", 32)?.clamp(1, max_send_wr),
@@ -158,11 +151,9 @@ impl VerbsTransport {
                 _ => "127.0.0.1".to_string(),
             },
         };
-        let listener = TcpListener::bind((listen_ip.as_str(), 0))
-            .map_err(|e| TransportError::io("bind(verbs listener)", e))?;
-        let listen_addr = listener
-            .local_addr()
-            .map_err(|e| TransportError::io("getsockname", e))?;
+        let listener =
+            TcpListener::bind((listen_ip.as_str(), 0)).map_err(|e| TransportError::io("bind(verbs listener)", e))?;
+        let listen_addr = listener.local_addr().map_err(|e| TransportError::io("getsockname", e))?;
         let num_cqe = ctx.attr().max_cqe.clamp(256, 16384);
         let pd = ProtectionDomain::new(&ctx).map_err(unsupported)?;
         let cq = CompletionQueue::new(&ctx, num_cqe).map_err(unsupported)?;
@@ -208,22 +199,12 @@ impl VerbsTransport {
         let mut qps = Vec::new();
         let mut eps = Vec::new();
         for _ in 0..n {
-            let qp = QueuePair::new(
-                &self.inner.pd,
-                &self.inner.cq,
-                &self.inner.cq,
-                self.inner.limits.max_send_wr,
-                1,
-            )
-            .map_err(|e| e.to_string())?;
-            eps.push(
-                qp.endpoint(o.port, o.gid_index)
-                    .map_err(|e| e.to_string())?,
-            );
+            let qp = QueuePair::new(&self.inner.pd, &self.inner.cq, &self.inner.cq, self.inner.limits.max_send_wr, 1)
+                .map_err(|e| e.to_string())?;
+            eps.push(qp.endpoint(o.port, o.gid_index).map_err(|e| e.to_string())?);
             qps.push(qp);
         }
-        let (remote, ch) =
-            conn::handshake(addr, &self.agent, &eps, self.inner.config.peer_timeout)?;
+        let (remote, ch) = conn::handshake(addr, &self.agent, &eps, self.inner.config.peer_timeout)?;
         for ((qp, l), r) in qps.iter().zip(&eps).zip(&remote) {
             qp.connect(l, r, o).map_err(|e| e.to_string())?;
         }
@@ -232,22 +213,13 @@ impl VerbsTransport {
 
     /// Reset and reconnect a peer whose QP hit an error, once its work drained.
     fn recover(&mut self, peer: PeerId) -> Result<(), TransportError> {
-        let p = self
-            .peers
-            .get(&peer.0)
-            .ok_or(TransportError::NotConnected(peer))?;
+        let p = self.peers.get(&peer.0).ok_or(TransportError::NotConnected(peer))?;
         let budget = self.inner.config.peer_timeout + Duration::from_secs(10);
         let deadline = Instant::now() + budget;
         loop {
             let st = self.inner.lock();
-            let busy = p
-                .qpns
-                .iter()
-                .any(|q| st.send_qps.get(q).is_some_and(|s| s.outstanding > 0));
-            let broken = p
-                .qpns
-                .iter()
-                .any(|q| st.send_qps.get(q).is_none_or(|s| s.error.is_some()));
+            let busy = p.qpns.iter().any(|q| st.send_qps.get(q).is_some_and(|s| s.outstanding > 0));
+            let broken = p.qpns.iter().any(|q| st.send_qps.get(q).is_none_or(|s| s.error.is_some()));
             drop(st);
             if !broken {
                 return Ok(());
@@ -256,10 +228,7 @@ impl VerbsTransport {
                 break;
             }
             if Instant::now() > deadline {
-                return Err(TransportError::PeerDisconnected(format!(
-                    "{} (QP did not drain in {budget:?})",
-                    p.name
-                )));
+                return Err(TransportError::PeerDisconnected(format!("{} (QP did not drain in {budget:?})", p.name)));
             }
             std::thread::sleep(Duration::from_millis(1));
         }
@@ -274,9 +243,9 @@ impl VerbsTransport {
             p.ctrl = None;
             p.qpns.clear();
         }
-        let (qps, ch) = self.open_qps(&addr, self.qps_per_peer).map_err(|why| {
-            TransportError::PeerDisconnected(format!("{name} (reconnect failed: {why})"))
-        })?;
+        let (qps, ch) = self
+            .open_qps(&addr, self.qps_per_peer)
+            .map_err(|why| TransportError::PeerDisconnected(format!("{name} (reconnect failed: {why})")))?;
         tracing::info!("verbs: reconnected to {name}");
         let qpns = self.install(peer.0, qps);
         if let Some(p) = self.peers.get_mut(&peer.0) {
@@ -293,14 +262,7 @@ impl VerbsTransport {
                 let qpn = qp.qp_num();
                 st.send_qps.insert(
                     qpn,
-                    SendQp {
-                        qp,
-                        peer,
-                        outstanding: 0,
-                        chunks: HashMap::new(),
-                        queue: Default::default(),
-                        error: None,
-                    },
+                    SendQp { qp, peer, outstanding: 0, chunks: HashMap::new(), queue: Default::default(), error: None },
                 );
                 qpn
             })
@@ -345,8 +307,7 @@ impl Transport for VerbsTransport {
 
     fn register(&mut self, backing: &dyn MemoryBacking) -> Result<Registration, TransportError> {
         let d = backing.desc();
-        let len = usize::try_from(d.len_bytes)
-            .map_err(|_| TransportError::Registration("range too large".into()))?;
+        let len = usize::try_from(d.len_bytes).map_err(|_| TransportError::Registration("range too large".into()))?;
         let reg = |e: VerbsError| TransportError::Registration(e.to_string());
         let mr = match (d.kind, backing.dmabuf_fd()) {
             // SAFETY: the engine keeps `backing` alive until `deregister`,
@@ -359,62 +320,31 @@ impl Transport for VerbsTransport {
             // SAFETY: as above (host memory, or GPU memory via nvidia-peermem).
             _ => unsafe { MemoryRegion::register(&self.inner.pd, d.addr, len).map_err(reg)? },
         };
-        let r = Registration {
-            lkey: LocalKey(mr.lkey()),
-            rkey: RemoteKey(mr.rkey()),
-        };
+        let r = Registration { lkey: LocalKey(mr.lkey()), rkey: RemoteKey(mr.rkey()) };
         self.regions.insert(mr.lkey(), mr);
         Ok(r)
     }
 
     fn deregister(&mut self, lkey: LocalKey) -> Result<(), TransportError> {
-        self.regions
-            .remove(&lkey.0)
-            .map(drop)
-            .ok_or(TransportError::UnknownLocalKey(lkey))
+        self.regions.remove(&lkey.0).map(drop).ok_or(TransportError::UnknownLocalKey(lkey))
     }
 
     fn connection_info(&self) -> Vec<u8> {
-        postcard::to_allocvec(&VerbsInfo {
-            addr: self.listen_addr.to_string(),
-        })
-        .expect("plain data encodes")
+        postcard::to_allocvec(&VerbsInfo { addr: self.listen_addr.to_string() }).expect("plain data encodes")
     }
 
-    fn connect(
-        &mut self,
-        peer_name: &str,
-        info: &[u8],
-        _regions: &[RemoteRegion],
-    ) -> Result<PeerId, TransportError> {
-        let info: VerbsInfo = postcard::from_bytes(info)
-            .map_err(|e| TransportError::BadConnectionInfo(e.to_string()))?;
-        let cerr = |reason: String| TransportError::Connect {
-            peer: peer_name.to_string(),
-            reason,
-        };
+    fn connect(&mut self, peer_name: &str, info: &[u8], _regions: &[RemoteRegion]) -> Result<PeerId, TransportError> {
+        let info: VerbsInfo =
+            postcard::from_bytes(info).map_err(|e| TransportError::BadConnectionInfo(e.to_string()))?;
+        let cerr = |reason: String| TransportError::Connect { peer: peer_name.to_string(), reason };
         let slab = MemoryRegion::alloc(&self.inner.pd, NOTIF_SLOTS as usize * NOTIF_SLOT_BYTES)
             .map_err(|e| TransportError::Registration(e.to_string()))?;
         let (qps, ch) = self.open_qps(&info.addr, self.qps_per_peer).map_err(cerr)?;
         let id = self.next_peer;
         self.next_peer += 1;
         let qpns = self.install(id, qps);
-        self.inner.lock().slabs.insert(
-            id,
-            NotifSlab {
-                mr: slab,
-                free: (0..NOTIF_SLOTS).rev().collect(),
-            },
-        );
-        self.peers.insert(
-            id,
-            Peer {
-                name: peer_name.to_string(),
-                addr: info.addr,
-                qpns,
-                ctrl: Some(ch),
-            },
-        );
+        self.inner.lock().slabs.insert(id, NotifSlab { mr: slab, free: (0..NOTIF_SLOTS).rev().collect() });
+        self.peers.insert(id, Peer { name: peer_name.to_string(), addr: info.addr, qpns, ctrl: Some(ch) });
         Ok(PeerId(id))
     }
 
@@ -435,37 +365,21 @@ impl Transport for VerbsTransport {
         }
         self.recover(req.peer)?;
         let p = &self.peers[&req.peer.0];
-        if req
-            .notification
-            .as_ref()
-            .is_some_and(|n| n.len() > NOTIF_SLOT_BYTES)
-        {
-            return Err(TransportError::Post(format!(
-                "notification larger than {NOTIF_SLOT_BYTES} bytes"
-            )));
+        if req.notification.as_ref().is_some_and(|n| n.len() > NOTIF_SLOT_BYTES) {
+            return Err(TransportError::Post(format!("notification larger than {NOTIF_SLOT_BYTES} bytes")));
         }
         let limits = self.inner.limits;
         let mut st = self.inner.lock();
         let mut slot = None;
         if let Some(payload) = &req.notification {
-            let slab = st
-                .slabs
-                .get_mut(&req.peer.0)
-                .ok_or(TransportError::NotConnected(req.peer))?;
+            let slab = st.slabs.get_mut(&req.peer.0).ok_or(TransportError::NotConnected(req.peer))?;
             let s = slab.free.pop().ok_or_else(|| {
-                TransportError::Post(format!(
-                    "more than {NOTIF_SLOTS} notifications in flight to {}",
-                    p.name
-                ))
+                TransportError::Post(format!("more than {NOTIF_SLOTS} notifications in flight to {}", p.name))
             })?;
             let base = slab.mr.owned_ptr().expect("slab owns its buffer");
             // SAFETY: slot `s` is free: no WR reads it until we post one.
             unsafe {
-                std::ptr::copy_nonoverlapping(
-                    payload.as_ptr(),
-                    base.add(s as usize * NOTIF_SLOT_BYTES),
-                    payload.len(),
-                )
+                std::ptr::copy_nonoverlapping(payload.as_ptr(), base.add(s as usize * NOTIF_SLOT_BYTES), payload.len())
             };
             slot = Some((s, payload.len() as u32));
         }
@@ -531,10 +445,7 @@ impl Transport for VerbsTransport {
                     flushed = true;
                     for sq in st.send_qps.values_mut() {
                         if sq.chunks.values().any(|(x, _)| *x == xfer.0) && sq.error.is_none() {
-                            tracing::warn!(
-                                "verbs: cancel of {xfer:?} flushes QP {}",
-                                sq.qp.qp_num()
-                            );
+                            tracing::warn!("verbs: cancel of {xfer:?} flushes QP {}", sq.qp.qp_num());
                             sq.error = Some(format!("QP flushed to cancel {xfer:?}"));
                             let _ = sq.qp.set_error();
                         }

@@ -102,14 +102,7 @@ pub const RECV_BIT: u64 = 1 << 63;
 impl State {
     /// Queue `segments` of `xfer` round-robin over `qpns` (by runs of
     /// `stripe` segments) and post what fits.
-    pub fn enqueue(
-        &mut self,
-        xfer: XferId,
-        op: Op,
-        segments: &[Segment],
-        qpns: &[u32],
-        limits: &PostLimits,
-    ) {
+    pub fn enqueue(&mut self, xfer: XferId, op: Op, segments: &[Segment], qpns: &[u32], limits: &PostLimits) {
         let read = op == Op::Read;
         let stripe = 64usize;
         let mut queued = 0u32;
@@ -121,17 +114,9 @@ impl State {
             let mut off = 0;
             while off < s.len_bytes {
                 let n = (s.len_bytes - off).min(MAX_WR_BYTES);
-                let seg = Segment {
-                    local_addr: s.local_addr + off,
-                    remote_addr: s.remote_addr + off,
-                    len_bytes: n,
-                    ..*s
-                };
-                sq.queue.push_back(Work::Rdma {
-                    xfer: xfer.0,
-                    read,
-                    seg,
-                });
+                let seg =
+                    Segment { local_addr: s.local_addr + off, remote_addr: s.remote_addr + off, len_bytes: n, ..*s };
+                sq.queue.push_back(Work::Rdma { xfer: xfer.0, read, seg });
                 queued += 1;
                 off += n;
             }
@@ -145,14 +130,7 @@ impl State {
     }
 
     /// Queue a notification SEND on `qpn`.
-    pub fn enqueue_notify(
-        &mut self,
-        xfer: u64,
-        qpn: u32,
-        slot: u32,
-        len: u32,
-        limits: &PostLimits,
-    ) {
+    pub fn enqueue_notify(&mut self, xfer: u64, qpn: u32, slot: u32, len: u32, limits: &PostLimits) {
         if let Some(sq) = self.send_qps.get_mut(&qpn) {
             sq.queue.push_back(Work::Notify { xfer, slot, len });
             if let Some(x) = self.xfers.get_mut(&xfer) {
@@ -164,14 +142,7 @@ impl State {
 
     /// Post as much of `qpn`'s queue as the send queue has room for.
     pub fn pump(&mut self, qpn: u32, limits: &PostLimits) {
-        let State {
-            send_qps,
-            xfers,
-            slabs,
-            batch,
-            next_chunk,
-            ..
-        } = self;
+        let State { send_qps, xfers, slabs, batch, next_chunk, .. } = self;
         let Some(sq) = send_qps.get_mut(&qpn) else {
             return;
         };
@@ -204,12 +175,7 @@ impl State {
                     Work::Notify { slot, len, .. } => {
                         let (addr, lkey) = slabs
                             .get(&sq.peer)
-                            .map(|s| {
-                                (
-                                    s.mr.addr() + u64::from(slot) * NOTIF_SLOT_BYTES as u64,
-                                    s.mr.lkey(),
-                                )
-                            })
+                            .map(|s| (s.mr.addr() + u64::from(slot) * NOTIF_SLOT_BYTES as u64, s.mr.lkey()))
                             .unwrap_or((0, 0));
                         batch.push_send(WrId(chunk), signaled, addr, len, lkey);
                     }
@@ -285,10 +251,7 @@ impl State {
                 Some(first) if wc.status == IBV_WC_WR_FLUSH_ERR => {
                     format!("{name} (after {first} on this QP)")
                 }
-                _ => format!(
-                    "{name} (vendor error {:#x}) on QP {}",
-                    wc.vendor_err, wc.qp_num
-                ),
+                _ => format!("{name} (vendor error {:#x}) on QP {}", wc.vendor_err, wc.qp_num),
             };
             if sq.error.is_none() {
                 tracing::warn!("verbs: {why}");
@@ -305,8 +268,7 @@ impl State {
         for fx in failed_queue {
             if let Some(xf) = self.xfers.get_mut(&fx) {
                 xf.queued = xf.queued.saturating_sub(1);
-                xf.error
-                    .get_or_insert_with(|| qp_error.clone().unwrap_or_default());
+                xf.error.get_or_insert_with(|| qp_error.clone().unwrap_or_default());
             }
         }
         if let Some(xf) = self.xfers.get_mut(&x) {
@@ -339,10 +301,7 @@ impl State {
             s.free.push(slot);
         }
         if !xf.cancelled {
-            self.done.push(Completion {
-                xfer: XferId(x),
-                result: xf.error.map_or(Ok(()), Err),
-            });
+            self.done.push(Completion { xfer: XferId(x), result: xf.error.map_or(Ok(()), Err) });
         }
     }
 
@@ -352,11 +311,7 @@ impl State {
         };
         if wc.status != IBV_WC_SUCCESS {
             if wc.status != IBV_WC_WR_FLUSH_ERR {
-                tracing::warn!(
-                    "verbs: receive from {} failed: {}",
-                    r.agent,
-                    wc_status_name(wc.status)
-                );
+                tracing::warn!("verbs: receive from {} failed: {}", r.agent, wc_status_name(wc.status));
             }
             return;
         }
@@ -368,19 +323,13 @@ impl State {
         }
         // SAFETY: the slot lies inside the slab the MR owns; its receive
         // completed, so the NIC no longer writes it until we repost it.
-        let payload =
-            unsafe { std::slice::from_raw_parts(base.add(slot * NOTIF_SLOT_BYTES), len) }.to_vec();
-        self.notifs.push(Notification {
-            from_agent: r.agent.clone(),
-            payload,
-        });
+        let payload = unsafe { std::slice::from_raw_parts(base.add(slot * NOTIF_SLOT_BYTES), len) }.to_vec();
+        self.notifs.push(Notification { from_agent: r.agent.clone(), payload });
         let addr = r.slab.addr() + (slot * NOTIF_SLOT_BYTES) as u64;
         let lkey = r.slab.lkey();
         // SAFETY: the slot is inside the slab, registered with `lkey`, owned
         // by the RecvQp, which is dropped (QP destroyed first) together.
-        if let Err(e) = unsafe {
-            r.qp.post_recv(wc.wr_id, addr, NOTIF_SLOT_BYTES as u32, lkey)
-        } {
+        if let Err(e) = unsafe { r.qp.post_recv(wc.wr_id, addr, NOTIF_SLOT_BYTES as u32, lkey) } {
             tracing::warn!("verbs: cannot repost a receive for {}: {e}", r.agent);
         }
     }
