@@ -51,5 +51,6 @@ pub mod engine;
 pub mod kv;
 pub mod sidechannel;
 pub mod transport;
+pub mod verbs;
 
 pub use transport::shm::HostBuffer;

@@ -14,6 +14,7 @@
 pub mod memory;
 pub mod shm;
 pub mod tcp;
+pub mod verbs;
 
 use std::time::Duration;
 
@@ -311,7 +312,7 @@ pub fn create(
 ) -> Result<Box<dyn Transport>, TransportError> {
     match kind {
         TransportKind::Shm => Ok(Box::new(shm::ShmTransport::new(agent_name, config)?)),
-        TransportKind::Verbs => Err(TransportError::Unsupported("the verbs transport is not built yet".into())),
+        TransportKind::Verbs => Ok(Box::new(verbs::VerbsTransport::new(agent_name, config)?)),
         TransportKind::Tcp => Ok(Box::new(tcp::TcpTransport::new(agent_name, config)?)),
     }
 }

@@ -2,6 +2,7 @@
 //! Each subcommand lives in its own module file next to this one.
 
 mod bench;
+mod devices;
 mod pattern;
 mod replay;
 mod serve;
@@ -32,6 +33,8 @@ enum Command {
     ReplayDecode(replay::DecodeArgs),
     /// Serve transfers as agent NAME, published in etcd, until killed (with --pull: also a decode engine).
     Serve(serve::ServeArgs),
+    /// List RDMA devices, ports, MTUs, link layers and GID tables.
+    Devices(devices::DevicesArgs),
 }
 
 fn main() -> Result<()> {
@@ -45,5 +48,6 @@ fn main() -> Result<()> {
         Command::Replay(a) => replay::run(a),
         Command::ReplayDecode(a) => replay::run_decode(a),
         Command::Serve(a) => serve::run(a),
+        Command::Devices(a) => devices::run(&a),
     }
 }
