@@ -108,3 +108,12 @@ fn a_tiny_tier_evicts_and_hits_less_than_an_unlimited_one() {
     assert_eq!(j["verified"], true);
     assert!(j["prefix_hit_rate"].as_f64().unwrap() < j["unlimited_tier_hit_rate"].as_f64().unwrap(), "{j}");
 }
+
+#[test]
+fn speed_replays_the_timestamps_in_scaled_real_time() {
+    // request 29 of the trace arrives at t = 9000 ms: at 3x it may not start before 3 s
+    let (ok, j, err) = replay(&["--requests", "30", "--speed", "3", "--decode-pages", "2048"]);
+    assert!(ok, "{err}");
+    assert_eq!(j["verified"], true);
+    assert!(j["elapsed_s"].as_f64().unwrap() >= 3.0, "{j}");
+}
