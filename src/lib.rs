@@ -46,9 +46,11 @@
 #![warn(clippy::undocumented_unsafe_blocks)]
 
 pub mod connector;
+pub mod discovery;
 pub mod engine;
 pub mod kv;
 pub mod sidechannel;
 pub mod transport;
+pub mod verbs;
 
 pub use transport::shm::HostBuffer;
