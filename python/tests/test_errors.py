@@ -191,13 +191,31 @@ def test_dead_peer_fails_with_transfer_error():
     md = kvwire.KVTransferEngineMetadata.from_bytes(parent.recv())
     a = kvwire.KVTransferEngine("survivor", [[mem(tp=1)]], peer_timeout_s=1.0)
     p.join(30)
-    with pytest.raises((kvwire.TransferError, ValueError)):
+    with pytest.raises(kvwire.TransferError, match="doomed"):
         a.connect(md)
+    a.cleanup()
+
+
+def test_peer_dying_after_connect_fails_the_transfer():
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    p = ctx.Process(target=_die_after_metadata, args=(child, True))
+    p.start()
+    md = kvwire.KVTransferEngineMetadata.from_bytes(parent.recv())
+    a = kvwire.KVTransferEngine("survivor2", [[mem(tp=1)]], peer_timeout_s=1.0)
+    a.connect(md)
+    parent.send("die")
+    p.join(30)
+    with pytest.raises(kvwire.TransferError):
         req = a.initiate_send_transfer("doomed", [1], [1])
         a.sync_and_release(req, timeout_s=10)
     a.cleanup()
 
 
-def _die_after_metadata(conn):
+def _die_after_metadata(conn, wait=False):
     e = kvwire.KVTransferEngine("doomed", [[mem(tp=1)]])
     conn.send(e.metadata.to_bytes())
+    if wait:
+        conn.recv()
