@@ -7,7 +7,7 @@ use std::sync::Arc;
 
 use kvwire::HostBuffer;
 use kvwire::connector::{BlockId, DevicePages};
-use kvwire::cuda::{self, CudaError};
+use kvwire::cuda;
 use kvwire::kv::{KVCacheMemory, KVTransferEngine, KvBuffer, KvError};
 use kvwire::transport::{MemoryBacking, MemoryDesc, MemoryKind, TransportConfig, TransportKind};
 
@@ -49,6 +49,7 @@ fn probe_is_consistent_and_says_why_when_empty() {
 fn vram_paths_fail_clearly_without_a_device() {
     let r = cuda::probe();
     let past = r.devices.len() as u32;
+    use kvwire::cuda::CudaError;
     let e = cuda::DeviceBuffer::new(past, 4096).unwrap_err();
     match (&e, r.driver_version) {
         (CudaError::NoDriver { reason }, None) => assert!(!reason.is_empty()),

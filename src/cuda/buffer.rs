@@ -112,11 +112,14 @@ impl DeviceBuffer {
     /// Set every byte to `value`; complete on return.
     ///
     /// # Errors
-    /// `cuMemsetD8_v2`, `cuStreamSynchronize`.
+    /// `cuMemsetD8Async`, `cuStreamSynchronize`.
     pub fn fill(&self, value: u8) -> Result<(), CudaError> {
         self.ctx.bind()?;
-        // SAFETY: the whole allocation is ours.
-        check("cuMemsetD8_v2", unsafe { sys::cuMemsetD8_v2(self.ptr, value, self.alloc_len_bytes as usize) })?;
+        // SAFETY: the whole allocation is ours. On our stream, not the legacy
+        // default one, which our non-blocking stream does not wait for.
+        check("cuMemsetD8Async", unsafe {
+            sys::cuMemsetD8Async(self.ptr, value, self.alloc_len_bytes as usize, self.stream.raw())
+        })?;
         self.stream.synchronize()
     }
 

@@ -30,7 +30,7 @@ const REQUIRED: &[&str] = &[
     "cuMemAlloc_v2",
     "cuMemFree_v2",
     "cuMemGetAddressRange_v2",
-    "cuMemsetD8_v2",
+    "cuMemsetD8Async",
     "cuMemcpyHtoDAsync_v2",
     "cuMemcpyDtoHAsync_v2",
     "cuMemHostAlloc",
