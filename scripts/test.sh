@@ -7,7 +7,8 @@ cd "$(dirname "$0")/.."
 cargo fmt --check
 cargo clippy --all-targets -- -D warnings
 cargo build --release --bins
-cargo test --all-targets
+# Release: the replay and bench tests move gigabytes and verify every byte.
+cargo test --release --all-targets
 for suite in scripts/softroce-tests.sh scripts/netns-tests.sh; do
   if [ -f "$suite" ]; then bash "$suite"; fi
 done

@@ -47,9 +47,11 @@
 
 pub mod connector;
 pub mod cuda;
+pub mod discovery;
 pub mod engine;
 pub mod kv;
 pub mod sidechannel;
 pub mod transport;
+pub mod verbs;
 
 pub use transport::shm::HostBuffer;

@@ -78,3 +78,42 @@ fn a_corrupted_page_is_detected_and_fails_the_run() {
     assert!(!ok, "a wrong page must fail the replay: {j}");
     assert!(err.contains("bad pages"), "{err}");
 }
+
+#[test]
+fn host_tier_serves_repeated_prefixes_and_the_bytes_still_verify() {
+    let (ok, j, err) =
+        replay(&["--requests", "60", "--decode-pages", "2048", "--connector", "host", "--host-tier-gib", "4"]);
+    assert!(ok, "{err}");
+    assert_eq!(j["verified"], true);
+    assert_eq!(j["connector"], "host");
+    let hit = j["prefix_hit_rate"].as_f64().unwrap();
+    let unlimited = j["unlimited_tier_hit_rate"].as_f64().unwrap();
+    // the first 60 requests repeat ~4% of their prefix pages; a 4 GiB tier
+    // holds them all, so only offloads still in flight can cost hits
+    assert!(unlimited > 0.03, "{j}");
+    assert!(hit > 0.5 * unlimited && hit <= unlimited + 1e-9, "{j}");
+    assert_eq!(
+        j["pages_loaded"].as_u64().unwrap() + j["pages_computed"].as_u64().unwrap(),
+        j["pages"].as_u64().unwrap()
+    );
+    // loaded pages were byte-identical to computed ones: decode checked them all
+    assert_eq!(j["bad_pages"], 0);
+}
+
+#[test]
+fn a_tiny_tier_evicts_and_hits_less_than_an_unlimited_one() {
+    let (ok, j, err) =
+        replay(&["--requests", "60", "--decode-pages", "2048", "--connector", "host", "--host-tier-gib", "0.01"]);
+    assert!(ok, "{err}");
+    assert_eq!(j["verified"], true);
+    assert!(j["prefix_hit_rate"].as_f64().unwrap() < j["unlimited_tier_hit_rate"].as_f64().unwrap(), "{j}");
+}
+
+#[test]
+fn speed_replays_the_timestamps_in_scaled_real_time() {
+    // request 29 of the trace arrives at t = 9000 ms: at 3x it may not start before 3 s
+    let (ok, j, err) = replay(&["--requests", "30", "--speed", "3", "--decode-pages", "2048"]);
+    assert!(ok, "{err}");
+    assert_eq!(j["verified"], true);
+    assert!(j["elapsed_s"].as_f64().unwrap() >= 3.0, "{j}");
+}

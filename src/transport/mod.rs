@@ -13,6 +13,8 @@
 
 pub mod memory;
 pub mod shm;
+pub mod tcp;
+pub mod verbs;
 
 use std::time::Duration;
 
@@ -310,7 +312,7 @@ pub fn create(
 ) -> Result<Box<dyn Transport>, TransportError> {
     match kind {
         TransportKind::Shm => Ok(Box::new(shm::ShmTransport::new(agent_name, config)?)),
-        TransportKind::Verbs => Err(TransportError::Unsupported("the verbs transport is not built yet".into())),
-        TransportKind::Tcp => Err(TransportError::Unsupported("the tcp transport is not built yet".into())),
+        TransportKind::Verbs => Ok(Box::new(verbs::VerbsTransport::new(agent_name, config)?)),
+        TransportKind::Tcp => Ok(Box::new(tcp::TcpTransport::new(agent_name, config)?)),
     }
 }

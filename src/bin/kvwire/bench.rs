@@ -129,13 +129,19 @@ fn destinations(blocks: u64, scatter: bool, seed: u64) -> Vec<u32> {
     if scatter { permutation(blocks as usize, seed) } else { (0..blocks as u32).collect() }
 }
 
-/// Blocks of `buf` whose contents are not those of source block `src_of[dst]`.
-fn count_bad(buf: &HostBuffer, block_size: u64, dst: &[u32], holder_is_dst: bool) -> u64 {
+/// Blocks of `buf` whose contents are wrong. Source block `i` (contents
+/// `block_key(i)`) moves to destination block `dst[i]`: for WRITE the target
+/// checks its block `dst[i]`; for READ the initiator pulled the target's
+/// block `dst[i]` (contents `block_key(dst[i])`) into its block `i`.
+fn count_bad(buf: &HostBuffer, block_size: u64, dst: &[u32], op: Op) -> u64 {
     let mut bad = 0;
     for (i, &d) in dst.iter().enumerate() {
-        let at = if holder_is_dst { d as u64 } else { i as u64 };
+        let (at, key) = match op {
+            Op::Write => (d as u64, block_key(i as u64)),
+            Op::Read => (i as u64, block_key(d as u64)),
+        };
         let page = &buf.as_slice()[(at * block_size) as usize..((at + 1) * block_size) as usize];
-        if !check_page(page, block_key(i as u64)) {
+        if !check_page(page, key) {
             bad += 1;
         }
     }
@@ -169,7 +175,7 @@ fn serve_target(mut chan: SideChannel) -> Result<()> {
                     std::thread::yield_now();
                 }
                 let bad_blocks = if op == Op::Write {
-                    count_bad(&buf, block_size, &destinations(blocks, scatter, seed), true)
+                    count_bad(&buf, block_size, &destinations(blocks, scatter, seed), Op::Write)
                 } else {
                     0
                 };
@@ -321,7 +327,7 @@ fn initiate(a: &BenchArgs, total: u64, chan: &mut SideChannel) -> Result<Report>
         }
     }
     let segment_count = count_segments(&local, &remote);
-    let verified_local = op == Op::Write || count_bad(&buf, a.block_size, &dst, false) == 0;
+    let verified_local = op == Op::Write || count_bad(&buf, a.block_size, &dst, Op::Read) == 0;
     let mut page_lat = Vec::with_capacity(a.lat_iters);
     for i in 0..a.lat_iters {
         let k = i % a.blocks as usize;

@@ -2,8 +2,10 @@
 //! Each subcommand lives in its own module file next to this one.
 
 mod bench;
+mod devices;
 mod pattern;
 mod replay;
+mod serve;
 mod units;
 
 use anyhow::Result;
@@ -29,6 +31,10 @@ enum Command {
     /// Internal: the decode side of `replay`, started as a child process.
     #[command(hide = true)]
     ReplayDecode(replay::DecodeArgs),
+    /// Serve transfers as agent NAME, published in etcd, until killed (with --pull: also a decode engine).
+    Serve(serve::ServeArgs),
+    /// List RDMA devices, ports, MTUs, link layers and GID tables.
+    Devices(devices::DevicesArgs),
 }
 
 fn main() -> Result<()> {
@@ -41,5 +47,7 @@ fn main() -> Result<()> {
         Command::BenchTarget(a) => bench::run_target(a),
         Command::Replay(a) => replay::run(a),
         Command::ReplayDecode(a) => replay::run_decode(a),
+        Command::Serve(a) => serve::run(a),
+        Command::Devices(a) => devices::run(&a),
     }
 }

@@ -13,9 +13,16 @@ pub fn mix(mut x: u64) -> u64 {
 /// page and shard): 8-byte words `mix(key) + k * odd`, unique per key and offset.
 pub fn fill_page(page: &mut [u8], key: u64) {
     let base = mix(key);
-    for (k, chunk) in page.chunks_mut(8).enumerate() {
-        let w = base.wrapping_add((k as u64).wrapping_mul(0xD6E8_FEB8_6659_FD93)).to_le_bytes();
-        chunk.copy_from_slice(&w[..chunk.len()]);
+    let full_words = (page.len() / 8) as u64;
+    let mut words = page.chunks_exact_mut(8);
+    for (k, chunk) in words.by_ref().enumerate() {
+        chunk.copy_from_slice(&base.wrapping_add((k as u64).wrapping_mul(0xD6E8_FEB8_6659_FD93)).to_le_bytes());
+    }
+    let tail = words.into_remainder();
+    if !tail.is_empty() {
+        let w = base.wrapping_add(full_words.wrapping_mul(0xD6E8_FEB8_6659_FD93)).to_le_bytes();
+        let n = tail.len();
+        tail.copy_from_slice(&w[..n]);
     }
 }
 
@@ -68,6 +75,34 @@ mod tests {
         a[99] ^= 1;
         a[3] ^= 0x80;
         assert!(!check_page(&a, 1));
+    }
+
+    #[test]
+    fn odd_lengths_fill_and_check() {
+        for len in [1usize, 7, 9, 4097] {
+            let mut p = vec![0u8; len];
+            fill_page(&mut p, 5);
+            assert!(check_page(&p, 5), "{len}");
+            p[len - 1] ^= 1;
+            assert!(!check_page(&p, 5), "{len}");
+        }
+    }
+
+    /// Fill and check must be far faster than the copy they verify.
+    #[test]
+    #[ignore = "prints fill/check speed; run with --release --ignored --nocapture"]
+    fn fill_and_check_speed() {
+        let mut p = vec![1u8; 256 << 20]; // touched: no page faults below
+        let t = std::time::Instant::now();
+        for (i, c) in p.chunks_mut(512 << 10).enumerate() {
+            fill_page(c, i as u64);
+        }
+        let fill = t.elapsed();
+        let t = std::time::Instant::now();
+        let ok = p.chunks(512 << 10).enumerate().all(|(i, c)| check_page(c, i as u64));
+        let check = t.elapsed();
+        assert!(ok);
+        eprintln!("fill {:.1} GB/s, check {:.1} GB/s", 0.268 / fill.as_secs_f64(), 0.268 / check.as_secs_f64());
     }
 
     #[test]

@@ -39,6 +39,8 @@ pub struct PeerRegion {
     pub len_bytes: u64,
     /// How to reach it.
     pub mem: PeerMem,
+    /// Set when the target deregistered the region.
+    pub revoked: AtomicBool,
 }
 
 /// One connected peer, shared by the engine thread and the workers.
@@ -186,6 +188,9 @@ fn copy_segments(x: &XferShared, segs: &[Segment]) -> Result<(), String> {
         let Some(region) = x.peer.regions.get(&s.rkey.0) else {
             return Err(format!("remote access error: unknown rkey {}", s.rkey.0));
         };
+        if region.revoked.load(Ordering::Acquire) {
+            return Err(format!("remote access error: rkey {} was deregistered by the target", s.rkey.0));
+        }
         let off = (s.remote_addr - region.addr) as usize;
         match &region.mem {
             PeerMem::Mapped { base, .. } => {

@@ -55,6 +55,8 @@ struct LocalRegion {
 
 type RegionTable = Arc<Mutex<HashMap<u32, LocalRegion>>>;
 type NotifQueue = Arc<Mutex<Vec<Notification>>>;
+/// Side channels of the peers that connected to us (closed on drop).
+type Accepted = Arc<Mutex<Vec<Arc<Channel>>>>;
 
 fn boot_id() -> String {
     std::fs::read_to_string("/proc/sys/kernel/random/boot_id").map(|s| s.trim().to_string()).unwrap_or_default()
@@ -71,6 +73,7 @@ pub struct ShmTransport {
     service: Option<JoinHandle<()>>,
     stopping: Arc<AtomicBool>,
     notifs: NotifQueue,
+    accepted: Accepted,
     peers: HashMap<u32, Arc<PeerShared>>,
     monitors: Vec<JoinHandle<()>>,
     next_peer: u32,
@@ -98,13 +101,14 @@ impl ShmTransport {
         let regions: RegionTable = Arc::default();
         let notifs: NotifQueue = Arc::default();
         let stopping = Arc::new(AtomicBool::new(false));
+        let accepted: Accepted = Arc::default();
         let service = {
-            let (listener, regions, notifs, stopping) =
-                (listener.clone(), regions.clone(), notifs.clone(), stopping.clone());
+            let (listener, regions, notifs, stopping, accepted) =
+                (listener.clone(), regions.clone(), notifs.clone(), stopping.clone(), accepted.clone());
             let timeout = config.peer_timeout;
             std::thread::Builder::new()
                 .name("kvwire-shm-listen".into())
-                .spawn(move || accept_loop(&listener, &regions, &notifs, &stopping, timeout))
+                .spawn(move || accept_loop(&listener, &regions, &notifs, &stopping, &accepted, timeout))
                 .map_err(|e| TransportError::io("spawn", e))?
         };
         let (done_tx, done) = crossbeam_channel::unbounded();
@@ -118,6 +122,7 @@ impl ShmTransport {
             service: Some(service),
             stopping,
             notifs,
+            accepted,
             peers: HashMap::new(),
             monitors: Vec::new(),
             next_peer: 1,
@@ -133,12 +138,18 @@ fn accept_loop(
     regions: &RegionTable,
     notifs: &NotifQueue,
     stopping: &AtomicBool,
+    accepted: &Accepted,
     timeout: Duration,
 ) {
     while let Ok(ch) = listener.accept() {
         if stopping.load(Ordering::Acquire) {
             break;
         }
+        let ch = Arc::new(ch);
+        let mut list = accepted.lock().unwrap_or_else(|p| p.into_inner());
+        list.retain(|c| Arc::strong_count(c) > 1); // drop channels whose peer left
+        list.push(ch.clone());
+        drop(list);
         let (regions, notifs) = (regions.clone(), notifs.clone());
         let spawned = std::thread::Builder::new()
             .name("kvwire-shm-peer".into())
@@ -149,7 +160,7 @@ fn accept_loop(
     }
 }
 
-fn serve_peer(ch: Channel, regions: &RegionTable, notifs: &NotifQueue, timeout: Duration) {
+fn serve_peer(ch: Arc<Channel>, regions: &RegionTable, notifs: &NotifQueue, timeout: Duration) {
     if ch.set_timeouts(timeout).is_err() {
         return;
     }
@@ -267,8 +278,13 @@ impl Transport for ShmTransport {
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .remove(&lkey.0)
-            .map(|_| ())
-            .ok_or(TransportError::UnknownLocalKey(lkey))
+            .ok_or(TransportError::UnknownLocalKey(lkey))?;
+        // Tell every connected initiator, so later accesses fail like a
+        // destroyed MR's rkey (their mapping stays valid memory meanwhile).
+        for ch in self.accepted.lock().unwrap_or_else(|p| p.into_inner()).iter() {
+            let _ = ch.send(&Msg::Revoke { rkey: lkey.0 }, None);
+        }
+        Ok(())
     }
 
     fn connection_info(&self) -> Vec<u8> {
@@ -311,7 +327,7 @@ impl Transport for ShmTransport {
                 Some((fd, offset)) => map_region(fd, offset, len_bytes)?,
                 None => PeerMem::Cma { pid },
             };
-            peer_regions.insert(rkey, PeerRegion { addr, len_bytes, mem });
+            peer_regions.insert(rkey, PeerRegion { addr, len_bytes, mem, revoked: AtomicBool::new(false) });
         }
         let peer = Arc::new(PeerShared {
             name: peer_name.to_string(),
@@ -319,14 +335,24 @@ impl Transport for ShmTransport {
             regions: peer_regions,
             dead: AtomicBool::new(false),
         });
-        // The target never speaks after `Ready`: a return from recv means it
-        // closed the socket (died or disconnected).
+        // After `Ready` the target only sends revocations; an end of stream
+        // or an error means it closed the socket (died or disconnected).
         let _ = peer.channel.block_receives();
         let watched = peer.clone();
         let monitor = std::thread::Builder::new()
             .name("kvwire-shm-monitor".into())
             .spawn(move || {
-                let _ = watched.channel.recv();
+                loop {
+                    match watched.channel.recv() {
+                        Ok(Some((Msg::Revoke { rkey }, _))) => {
+                            if let Some(r) = watched.regions.get(&rkey) {
+                                r.revoked.store(true, Ordering::Release);
+                            }
+                        }
+                        Ok(Some((other, _))) => tracing::warn!("shm: unexpected message {other:?}"),
+                        Ok(None) | Err(_) => break,
+                    }
+                }
                 watched.dead.store(true, Ordering::Release);
             })
             .map_err(|e| TransportError::io("spawn", e))?;
@@ -360,6 +386,11 @@ impl Transport for ShmTransport {
             let (addr, len) = match last {
                 Some((k, a, l)) if k == s.rkey.0 => (a, l),
                 _ => match peer.regions.get(&s.rkey.0) {
+                    Some(r) if r.revoked.load(Ordering::Acquire) => {
+                        violation =
+                            Some(format!("remote access error: rkey {} was deregistered by the target", s.rkey.0));
+                        break;
+                    }
                     Some(r) => {
                         last = Some((s.rkey.0, r.addr, r.len_bytes));
                         (r.addr, r.len_bytes)
@@ -510,6 +541,10 @@ impl Drop for ShmTransport {
         }
         for p in self.peers.values() {
             p.channel.shutdown();
+        }
+        // Close the channels of peers connected to us: they see us gone.
+        for ch in self.accepted.lock().unwrap_or_else(|p| p.into_inner()).drain(..) {
+            ch.shutdown();
         }
         for m in self.monitors.drain(..) {
             let _ = m.join();

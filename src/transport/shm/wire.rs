@@ -60,6 +60,12 @@ pub enum Msg {
         /// Target process id (for cross-memory attach).
         pid: u32,
     },
+    /// Target → initiator: the region with this key was deregistered; any
+    /// later access to it must fail (as a destroyed MR's rkey does).
+    Revoke {
+        /// Remote key.
+        rkey: u32,
+    },
     /// Initiator → target: a transfer's notification, sent after its data.
     Notify {
         /// Payload.

@@ -12,7 +12,7 @@ use kvwire::transport::TransportConfig;
 
 use super::pool::PagePool;
 use super::prefill::{CacheShape, Idle, build_engine, spawn_reader};
-use super::{Msg, page_key};
+use super::{Msg, shard_key};
 use crate::pattern::check_page;
 
 struct Pending {
@@ -30,6 +30,7 @@ struct Holding {
     arrival_ms: u64,
     output_len: u64,
     req: Option<TransferReqData>,
+    keys: Vec<u64>,
 }
 
 /// A release in simulated time: (time in µs, request id).
@@ -65,8 +66,12 @@ pub fn run(mut chan: SideChannel) -> Result<()> {
                 Msg::Alloc { id, pages, replica, arrival_ms, output_len } => {
                     pending.push_back(Pending { id, pages, replica, arrival_ms, output_len, waited: false })
                 }
-                Msg::Sent { id, req } => match holding.get_mut(&id) {
-                    Some(h) => h.req = Some(TransferReqData::from_json(&req)?),
+                Msg::Sent { id, req, keys } => match holding.get_mut(&id) {
+                    Some(h) if keys.len() == h.pages.len() => {
+                        h.req = Some(TransferReqData::from_json(&req)?);
+                        h.keys = keys;
+                    }
+                    Some(h) => bail!("request {id}: {} page keys for {} pages", keys.len(), h.pages.len()),
                     None => bail!("transfer for unknown request {id}"),
                 },
                 Msg::Abort { id, reason } => {
@@ -103,6 +108,7 @@ pub fn run(mut chan: SideChannel) -> Result<()> {
                     arrival_ms: p.arrival_ms,
                     output_len: p.output_len,
                     req: None,
+                    keys: Vec::new(),
                 };
                 holding.insert(p.id, h);
                 progressed = true;
@@ -141,7 +147,7 @@ pub fn run(mut chan: SideChannel) -> Result<()> {
                 let src_shard = g.source_shard(s);
                 for (j, &p) in h.pages.iter().enumerate() {
                     let page = &host.as_slice()[p as usize * bpp..(p as usize + 1) * bpp];
-                    if !check_page(page, page_key(id, j as u64, src_shard)) {
+                    if !check_page(page, shard_key(h.keys[j], src_shard)) {
                         bad += 1;
                     }
                 }

@@ -14,6 +14,7 @@ mod decode;
 pub mod model;
 pub mod pool;
 mod prefill;
+mod prefix;
 mod report;
 pub mod trace;
 
@@ -87,6 +88,13 @@ pub struct ReplayArgs {
     /// Print one JSON object instead of the table.
     #[arg(long)]
     pub json: bool,
+    /// External KV tier for prefix reuse: `none`, or `host` (a host-memory
+    /// tier with LRU eviction, sized by --host-tier-gib).
+    #[arg(long, default_value = "none", value_parser = ["none", "host"])]
+    pub connector: String,
+    /// Host tier size (GiB) for `--connector host`.
+    #[arg(long, default_value_t = 4.0)]
+    pub host_tier_gib: f64,
     /// Test hook: fill page 0 of request N with the wrong bytes, to prove
     /// that verification catches it (the replay must then fail).
     #[arg(long, hide = true)]
@@ -124,9 +132,9 @@ impl Geometry {
     }
 }
 
-/// Key of the contents of page `j` of request `id` on prefill shard `shard`.
-pub fn page_key(id: u64, j: u64, shard: usize) -> u64 {
-    crate::pattern::mix(id.wrapping_mul(0x1_0000_0001) ^ (j << 8) ^ shard as u64)
+/// Key of the bytes a page with content key `key` holds on prefill shard `shard`.
+pub fn shard_key(key: u64, shard: usize) -> u64 {
+    crate::pattern::mix(key ^ (shard as u64).wrapping_mul(0xA24B_AED4_963E_E407))
 }
 
 /// Side-channel messages between prefill (P) and decode (D).
@@ -177,6 +185,8 @@ pub enum Msg {
         id: u64,
         /// `TransferReqData` JSON.
         req: String,
+        /// Content key of each page, in request order (see `shard_key`).
+        keys: Vec<u64>,
     },
     /// D→P: `id` arrived and was checked.
     Verified {

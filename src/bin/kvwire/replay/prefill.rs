@@ -14,9 +14,10 @@ use kvwire::transport::TransportConfig;
 
 use super::model::ModelPreset;
 use super::pool::PagePool;
+use super::prefix::{PrefixTier, offload_landed, page_content_key, page_hashes};
 use super::report::Report;
 use super::trace::{self, TraceRequest};
-use super::{Geometry, Msg, ReplayArgs, default_trace, page_key};
+use super::{Geometry, Msg, ReplayArgs, default_trace, shard_key};
 use crate::pattern::fill_page;
 use crate::units::percentile;
 
@@ -107,6 +108,8 @@ struct Sending {
     src: Vec<u64>,
     replica: usize,
     started: Instant,
+    /// The offload of this request's new full pages, which pins `src`.
+    offload: Option<kvwire::connector::KVConnectorTransfer>,
 }
 
 pub fn run(a: &ReplayArgs, mut chan: SideChannel) -> Result<Report> {
@@ -180,6 +183,12 @@ pub fn run(a: &ReplayArgs, mut chan: SideChannel) -> Result<Report> {
     let mut lat_ms = Vec::with_capacity(reqs.len());
     let (mut busy, mut busy_since) = (Duration::ZERO, None::<Instant>);
     let mut idle = Idle::new();
+    let mut tier = match a.connector.as_str() {
+        "host" => Some(PrefixTier::new(&engine, (a.host_tier_gib * (1u64 << 30) as f64) as u64, a.page_tokens)?),
+        _ => None,
+    };
+    let mut all_hashes: Vec<Vec<u64>> = Vec::new();
+    let mut pinned: Vec<(usize, Vec<u64>, kvwire::connector::KVConnectorTransfer)> = Vec::new();
     while verified < reqs.len() {
         let mut progressed = false;
         // 1. admit arrivals
@@ -226,13 +235,28 @@ pub fn run(a: &ReplayArgs, mut chan: SideChannel) -> Result<Report> {
             let replica = id as usize % a.dp;
             let Some(src) = pools[replica].alloc(dst.len() as u64) else { break };
             let dst = ready.pop_front().expect("front exists").1;
+            let hashes = page_hashes(q, a.page_tokens);
+            let keys: Vec<u64> = (0..src.len()).map(|j| page_content_key(id, j, &hashes)).collect();
+            // Prefix reuse: pages the tier holds are loaded, not computed.
+            let hit = match tier.as_mut() {
+                Some(t) => t.load(&hashes, &src, replica)?,
+                None => 0,
+            };
             for (s, host) in hosts[replica].iter().enumerate() {
-                for (j, &p) in src.iter().enumerate() {
+                for (j, &p) in src.iter().enumerate().skip(hit) {
                     let corrupt = j == 0 && a.inject_bad_page == Some(id);
-                    let key = page_key(id, j as u64, s) ^ u64::from(corrupt);
+                    let key = shard_key(keys[j], s) ^ u64::from(corrupt);
                     host.write_with((p * prefill_bpp) as usize, prefill_bpp as usize, |page| fill_page(page, key));
                 }
             }
+            let offload = match tier.as_mut() {
+                Some(t) => {
+                    t.record(hit, hashes.len(), src.len(), prefill_bpp * a.tp as u64);
+                    all_hashes.push(hashes.clone());
+                    Some(t.offload(&hashes, &src, hit, replica)?)
+                }
+                None => None,
+            };
             let t0 = Instant::now();
             let req = engine.initiate_send_transfer(
                 decode_md.name.as_str(),
@@ -242,12 +266,12 @@ pub fn run(a: &ReplayArgs, mut chan: SideChannel) -> Result<Report> {
                 replica,
             )?;
             busy_since.get_or_insert(t0);
-            chan.send(&Msg::Sent { id, req: req.to_json() })?;
+            chan.send(&Msg::Sent { id, req: req.to_json(), keys })?;
             r.requests += 1;
             r.tokens += q.input_length;
             r.pages += src.len() as u64;
             r.bytes += src.len() as u64 * prefill_bpp * a.tp as u64;
-            sending.insert(id, Sending { req, src, replica, started: t0 });
+            sending.insert(id, Sending { req, src, replica, started: t0, offload });
             progressed = true;
         }
         // 4. completions of our sends
@@ -270,8 +294,22 @@ pub fn run(a: &ReplayArgs, mut chan: SideChannel) -> Result<Report> {
                     chan.send(&Msg::Abort { id, reason: e })?;
                 }
             }
-            pools[s.replica].free(s.src);
+            match s.offload {
+                Some(off) if !offload_landed(&off) => pinned.push((s.replica, s.src, off)),
+                _ => pools[s.replica].free(s.src),
+            }
             progressed = true;
+        }
+        // 5. pages pinned by an offload go back once it landed
+        let mut k = 0;
+        while k < pinned.len() {
+            if offload_landed(&pinned[k].2) {
+                let (replica, src, _) = pinned.swap_remove(k);
+                pools[replica].free(src);
+                progressed = true;
+            } else {
+                k += 1;
+            }
         }
         if sending.is_empty()
             && let Some(t) = busy_since.take()
@@ -306,6 +344,8 @@ pub fn run(a: &ReplayArgs, mut chan: SideChannel) -> Result<Report> {
     r.p99_ms = percentile(&mut lat_ms, 0.99);
     r.max_ms = percentile(&mut lat_ms, 1.0);
     r.decode_pool_high_water = finished;
+    r.connector = a.connector.clone();
+    r.prefix = tier.map(|t| t.finish(&all_hashes));
     r.verified = r.bad_pages == 0 && r.failed == 0 && r.requests == reqs.len() as u64;
     engine.cleanup()?;
     Ok(r)

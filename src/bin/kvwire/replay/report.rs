@@ -60,6 +60,11 @@ pub struct Report {
     pub failed: u64,
     /// True when every byte arrived intact and nothing failed.
     pub verified: bool,
+    /// KV connector used for prefix reuse (`none`, `host`).
+    pub connector: String,
+    /// Prefix-reuse figures, with a connector.
+    #[serde(flatten, skip_serializing_if = "Option::is_none")]
+    pub prefix: Option<super::prefix::PrefixStats>,
 }
 
 /// Print `r` as a table or as JSON.
@@ -111,6 +116,18 @@ pub fn print(r: &Report, json: bool) {
         r.decode_pool_capacity,
         r.verified
     );
+    if let Some(p) = &r.prefix {
+        println!(
+            "prefix reuse ({}): hit rate {:.1}% of {} full prefix pages (unlimited tier: {:.1}%; trace block repeats: {:.1}%), loaded {:.2} GB, computed {:.2} GB",
+            r.connector,
+            100.0 * p.prefix_hit_rate,
+            p.prefix_pages,
+            100.0 * p.unlimited_tier_hit_rate,
+            100.0 * r.unlimited_prefix_hit_rate,
+            p.bytes_loaded as f64 / 1e9,
+            p.bytes_computed as f64 / 1e9
+        );
+    }
     if r.bad_pages > 0 || r.failed > 0 {
         println!("{} bad pages, {} failed transfers", r.bad_pages, r.failed);
     }

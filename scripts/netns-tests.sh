@@ -1,0 +1,162 @@
+#!/usr/bin/env bash
+# Multi-host tests in network namespaces: prefill and decode engines
+# (`kvwire serve`) on different "hosts" find each other through etcd and move
+# verified KV pages over the tcp transport; a peer killed (or frozen)
+# mid-transfer fails its transfers within the peer timeout, its etcd lease
+# expires, and the decode engine keeps working with the other peer.
+#
+# Needs root, iproute2 and etcd (Debian: etcd-server). Installs nothing.
+# Topology (addresses only inside the namespaces created here):
+#   kvw-hub-$$: bridge 10.77.0.1/24, etcd on 10.77.0.1:2379
+#   kvw-a-$$ 10.77.0.2 (prefill-0), kvw-b-$$ 10.77.0.3 (decode-0), kvw-c-$$ 10.77.0.4 (prefill-1)
+# Everything is torn down on exit, also on failure.
+# Without root/netns support or etcd it says "skipped: ..." and exits 0,
+# unless KVWIRE_REQUIRE_NETNS=1.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+skip() {
+  if [ "${KVWIRE_REQUIRE_NETNS:-0}" = 1 ]; then echo "netns-tests: required but: $*" >&2; exit 1; fi
+  echo "netns-tests: skipped: $*"
+  exit 0
+}
+[ "$(id -u)" = 0 ] || skip "not root"
+command -v ip >/dev/null || skip "iproute2 not installed"
+command -v etcd >/dev/null || skip "etcd not installed (apt-get install etcd-server)"
+
+TARGET_DIR="${CARGO_TARGET_DIR:-target}"
+KVWIRE="${KVWIRE_BIN:-}"
+if [ -z "$KVWIRE" ]; then
+  for p in "$TARGET_DIR/release/kvwire" "$TARGET_DIR/debug/kvwire"; do
+    if [ -x "$p" ]; then KVWIRE="$p"; break; fi
+  done
+fi
+[ -n "$KVWIRE" ] || { cargo build --release --bin kvwire; KVWIRE="$TARGET_DIR/release/kvwire"; }
+KVWIRE="$(realpath "$KVWIRE")"
+
+S=$$
+HUB="kvw-hub-$S"; NA="kvw-a-$S"; NB="kvw-b-$S"; NC="kvw-c-$S"
+WORK="$(mktemp -d /tmp/kvwire-netns.XXXXXX)"
+PIDS=()
+
+cleanup() {
+  set +e
+  for p in "${PIDS[@]}"; do kill -CONT "$p" 2>/dev/null; kill -9 "$p" 2>/dev/null; done
+  for p in "${PIDS[@]}"; do wait "$p" 2>/dev/null; done
+  for n in "$NA" "$NB" "$NC" "$HUB"; do ip netns del "$n" 2>/dev/null; done
+  rm -rf "$WORK"
+}
+trap cleanup EXIT INT TERM
+
+ip netns add "$HUB" 2>/dev/null || skip "cannot create network namespaces here"
+ip -n "$HUB" link set lo up
+ip -n "$HUB" link add br0 type bridge
+ip -n "$HUB" addr add 10.77.0.1/24 dev br0
+ip -n "$HUB" link set br0 up
+i=2
+for n in "$NA" "$NB" "$NC"; do
+  ip netns add "$n"
+  ip -n "$n" link set lo up
+  ip link add "kvw$S-$i" netns "$n" type veth peer name "p$i" netns "$HUB"
+  ip -n "$n" link set "kvw$S-$i" name eth0
+  ip -n "$n" addr add "10.77.0.$i/24" dev eth0
+  ip -n "$n" link set eth0 up
+  ip -n "$HUB" link set "p$i" master br0
+  ip -n "$HUB" link set "p$i" up
+  i=$((i + 1))
+done
+
+ETCD_URL=http://10.77.0.1:2379
+ip netns exec "$HUB" etcd --name kvw --data-dir "$WORK/etcd" \
+  --listen-client-urls "$ETCD_URL" --advertise-client-urls "$ETCD_URL" \
+  --listen-peer-urls http://127.0.0.1:2380 --initial-advertise-peer-urls http://127.0.0.1:2380 \
+  --initial-cluster kvw=http://127.0.0.1:2380 >"$WORK/etcd.log" 2>&1 &
+PIDS+=($!)
+
+PASSED=0; FAILED=0
+ok() { echo "  ok: $*"; PASSED=$((PASSED + 1)); }
+bad() { echo "  FAILED: $*"; FAILED=$((FAILED + 1)); }
+
+# serve NS NAME IP LOG [args...]: start an engine in namespace NS; sets LAST_PID.
+serve() {
+  local ns=$1 name=$2 ip=$3 log=$4; shift 4
+  ip netns exec "$ns" "$KVWIRE" serve --name "$name" --etcd "$ETCD_URL" --listen "$ip:0" \
+    --ttl 2 --peer-timeout 1.5 --buffer 64MiB --page-size 64KiB --prefix "/kvwire-netns/$S/$TEST/" "$@" >"$log" 2>&1 &
+  LAST_PID=$!
+  PIDS+=("$LAST_PID")
+}
+
+wait_for() { # wait_for FILE PATTERN SECONDS
+  local t=0
+  until grep -q "$2" "$1" 2>/dev/null; do
+    sleep 0.1; t=$((t + 1))
+    if [ "$t" -ge $(($3 * 10)) ]; then return 1; fi
+  done
+}
+
+echo "netns-tests: $KVWIRE, namespaces $HUB $NA $NB $NC"
+# etcd may take a moment: the first serve's lookup/publish retries through its own timeouts.
+sleep 1
+
+echo "test 1: decode in $NB pulls verified pages from prefill-0 in $NA (discovered through etcd)"
+TEST=basic
+serve "$NA" prefill-0 10.77.0.2 "$WORK/basic-p0.log"
+P0=$LAST_PID
+if ! wait_for "$WORK/basic-p0.log" "^serving" 20; then cat "$WORK/basic-p0.log" "$WORK/etcd.log" | tail -20; fi
+serve "$NB" decode-0 10.77.0.3 "$WORK/basic-d0.log" --pull prefill-0 --rounds 10 --pages 256
+D0=$LAST_PID
+if wait "$D0" && grep -q "pull summary: ok=10 failed=0" "$WORK/basic-d0.log"; then
+  ok "10 rounds of 3 x 16 MiB (READ, WRITE, READ back) verified across namespaces"
+else
+  bad "basic pull"; cat "$WORK/basic-d0.log"
+fi
+if grep -q "notification from decode-0: decode-0-round-9" "$WORK/basic-p0.log"; then
+  ok "prefill-0 received the WRITE notifications"
+else
+  bad "notifications missing"; tail -5 "$WORK/basic-p0.log"
+fi
+kill "$P0"
+
+# failure_test SIGNAL: prefill-0 gets SIGNAL mid-transfer; prefill-1 must keep serving.
+failure_test() {
+  local sig=$1
+  TEST="fail-$sig"
+  serve "$NA" prefill-0 10.77.0.2 "$WORK/$TEST-p0.log"; local p0=$LAST_PID
+  serve "$NC" prefill-1 10.77.0.4 "$WORK/$TEST-p1.log"; local p1=$LAST_PID
+  serve "$NB" decode-0 10.77.0.3 "$WORK/$TEST-d0.log" --pull prefill-0,prefill-1 --rounds 60 --pages 256
+  local d0=$LAST_PID
+  if ! wait_for "$WORK/$TEST-d0.log" "^round 3:" 60; then bad "$sig: decode never reached round 3"; cat "$WORK/$TEST-d0.log"; return; fi
+  kill "-$sig" "$p0"
+  local rc=0
+  wait "$d0" || rc=$?
+  local log="$WORK/$TEST-d0.log"
+  local ms
+  ms=$(sed -n 's/^peer prefill-0 failed after \([0-9]*\) ms.*/\1/p' "$log" | head -1)
+  if [ -n "$ms" ] && [ "$ms" -le 3000 ]; then
+    ok "$sig: prefill-0's transfer failed after $ms ms (peer timeout 1.5 s): $(grep -m1 '^peer prefill-0 failed' "$log" | cut -d: -f2-)"
+  else
+    bad "$sig: no timely failure of prefill-0"; cat "$log"
+  fi
+  if grep -q "^peer prefill-0 left etcd" "$log"; then
+    ok "$sig: $(grep -m1 '^peer prefill-0 left etcd' "$log")"
+  else
+    bad "$sig: prefill-0 still in etcd"
+  fi
+  local after
+  after=$(sed -n '/^peer prefill-0 failed/,$p' "$log" | grep -c "^round .*: 1 peer(s) ok" || true)
+  if [ "$rc" = 0 ] && grep -q "live_peers=1" "$log" && [ "$after" -ge 10 ]; then
+    ok "$sig: decode-0 kept pulling verified pages from prefill-1 ($after rounds after the failure)"
+  else
+    bad "$sig: survivor did not keep working (rc=$rc, rounds after=$after)"; tail -5 "$log"
+  fi
+  kill -CONT "$p0" 2>/dev/null || true
+  kill -9 "$p0" "$p1" 2>/dev/null || true
+}
+
+echo "test 2: prefill-0 killed (SIGKILL) mid-transfer"
+failure_test KILL
+echo "test 3: prefill-0 frozen (SIGSTOP) mid-transfer: a silent peer"
+failure_test STOP
+
+echo "netns: $PASSED passed, $FAILED failed"
+[ "$FAILED" = 0 ]

@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# Build the verbs test binaries (tests/verbs_*.rs) on the host and run them in
+# the Soft-RoCE guest (rxe0 <-> rxe1), see ../shared/softroce/README.md.
+#
+#   scripts/softroce-tests.sh [test-binary args, e.g. a test name filter]
+#
+# One-time set-up on a new machine (root, downloads ~460 MB):
+#   $SOFTROCE_DIR/run-in-softroce-vm.sh --install-deps --prepare
+# Exit status: that of the tests (124/125: guest timeout / VM failure).
+set -euo pipefail
+repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+softroce=${SOFTROCE_DIR:-$repo/../shared/softroce}
+[ -x "$softroce/run-in-softroce-vm.sh" ] || softroce=/work/shared/softroce
+cd "$repo"
+export CARGO_TARGET_DIR=${CARGO_TARGET_DIR:-$repo/target}
+export SOFTROCE_TIMEOUT=${SOFTROCE_TIMEOUT:-600}
+stage=$(mktemp -d "${TMPDIR:-/tmp}/kvwire-softroce.XXXXXX")
+trap 'rm -rf "$stage"' EXIT
+# Only the verbs test binaries (cargo also lists the kvwire binary).
+cargo test --no-run --message-format=json --test verbs_transport --test verbs_layer |
+  sed -n 's/.*"executable":"\([^"]*\/verbs_[^"]*\)".*/\1/p' | sort -u > "$stage/.list"
+[ -s "$stage/.list" ] || { echo "softroce-tests: no verbs test binaries built" >&2; exit 125; }
+{
+  echo '#!/bin/sh'
+  echo 'rc=0'
+  while read -r exe; do
+    b=$(basename "$exe"); cp "$exe" "$stage/$b"
+    printf 'echo "### %s"; ./%s --test-threads=1 --nocapture "$@"; r=$?; [ $r = 0 ] || { echo "### %s exited $r"; [ $rc = 0 ] && rc=$r; }\n' "$b" "$b" "$b"
+  done < "$stage/.list"
+  echo 'exit $rc'
+} > "$stage/run-all.sh"
+chmod +x "$stage/run-all.sh"
+"$softroce/run-in-softroce-vm.sh" "$stage" ./run-all.sh "$@"

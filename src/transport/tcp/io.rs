@@ -1,0 +1,166 @@
+//! Scatter/gather socket I/O straight between a TCP socket and registered
+//! memory: `writev` from and `readv` into up to [`wire::MAX_SEGMENTS`]
+//! (`IOV_MAX`) ranges per call, with no intermediate copy. This file holds
+//! the only `unsafe` of the `tcp` backend: the two system calls that touch
+//! memory by raw address.
+
+use std::io::{self, Read};
+use std::net::TcpStream;
+use std::os::fd::AsRawFd;
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use super::wire;
+
+/// One contiguous memory range by raw address: `(addr, len_bytes)`.
+pub type Range = (u64, u64);
+
+fn iovecs(head: Option<&[u8]>, ranges: &[Range]) -> Vec<libc::iovec> {
+    let mut v = Vec::with_capacity(ranges.len() + 1);
+    if let Some(h) = head.filter(|h| !h.is_empty()) {
+        v.push(libc::iovec { iov_base: h.as_ptr() as *mut libc::c_void, iov_len: h.len() });
+    }
+    v.extend(ranges.iter().map(|&(a, l)| libc::iovec { iov_base: a as *mut libc::c_void, iov_len: l as usize }));
+    v
+}
+
+/// Drop `n` bytes from the front of `iov`, starting at index `*at`.
+fn advance(iov: &mut [libc::iovec], at: &mut usize, mut n: usize) {
+    while n > 0 && *at < iov.len() {
+        let cur = &mut iov[*at];
+        if n >= cur.iov_len {
+            n -= cur.iov_len;
+            *at += 1;
+        } else {
+            cur.iov_base = (cur.iov_base as usize + n) as *mut libc::c_void;
+            cur.iov_len -= n;
+            n = 0;
+        }
+    }
+    while *at < iov.len() && iov[*at].iov_len == 0 {
+        *at += 1;
+    }
+}
+
+fn timed_out(e: io::Error) -> io::Error {
+    match e.kind() {
+        io::ErrorKind::WouldBlock => io::Error::new(io::ErrorKind::TimedOut, "peer silent past the timeout"),
+        _ => e,
+    }
+}
+
+/// Send `head`, then the bytes of `ranges`, in as few `writev` calls as the
+/// socket allows.
+///
+/// # Errors
+/// The socket error; `TimedOut` when the peer stops reading for longer than
+/// the socket's send timeout.
+///
+/// # Safety
+/// Every range must be readable memory for the whole call (a live
+/// registration that nothing frees meanwhile).
+pub unsafe fn write_ranges(sock: &TcpStream, head: &[u8], ranges: &[Range]) -> io::Result<()> {
+    let mut iov = iovecs(Some(head), ranges);
+    let mut at = 0;
+    advance(&mut iov, &mut at, 0);
+    while at < iov.len() {
+        let n_iov = (iov.len() - at).min(wire::MAX_SEGMENTS as usize);
+        // SAFETY: the iovecs point into `head` (borrowed for the call) and
+        // into ranges the caller guarantees readable; writev only reads them.
+        let n = unsafe { libc::writev(sock.as_raw_fd(), iov[at..].as_ptr(), n_iov as libc::c_int) };
+        if n < 0 {
+            let e = io::Error::last_os_error();
+            if e.kind() == io::ErrorKind::Interrupted {
+                continue;
+            }
+            return Err(timed_out(e));
+        }
+        advance(&mut iov, &mut at, n as usize);
+    }
+    Ok(())
+}
+
+/// Receive exactly the bytes of `ranges` into them with `readv`.
+///
+/// When `cancelled` becomes true between two calls, the rest of the bytes
+/// are read into a scratch buffer instead, so the stream stays in step while
+/// local memory is no longer touched. Returns `false` in that case.
+///
+/// # Errors
+/// The socket error; `UnexpectedEof` when the peer closed; `TimedOut` past
+/// the socket's receive timeout.
+///
+/// # Safety
+/// Every range must be writable memory that no Rust reference aliases, for
+/// the whole call (or until `cancelled` is seen set).
+pub unsafe fn read_ranges(sock: &TcpStream, ranges: &[Range], cancelled: &AtomicBool) -> io::Result<bool> {
+    let mut iov = iovecs(None, ranges);
+    let mut at = 0;
+    advance(&mut iov, &mut at, 0);
+    while at < iov.len() {
+        if cancelled.load(Ordering::Acquire) {
+            let rest: u64 = iov[at..].iter().map(|v| v.iov_len as u64).sum();
+            drain(sock, rest)?;
+            return Ok(false);
+        }
+        let n_iov = (iov.len() - at).min(wire::MAX_SEGMENTS as usize);
+        // SAFETY: the iovecs point into ranges the caller guarantees writable
+        // and unaliased; readv writes at most their lengths.
+        let n = unsafe { libc::readv(sock.as_raw_fd(), iov[at..].as_ptr(), n_iov as libc::c_int) };
+        if n < 0 {
+            let e = io::Error::last_os_error();
+            if e.kind() == io::ErrorKind::Interrupted {
+                continue;
+            }
+            return Err(timed_out(e));
+        }
+        if n == 0 {
+            return Err(io::Error::new(io::ErrorKind::UnexpectedEof, "peer closed the connection"));
+        }
+        advance(&mut iov, &mut at, n as usize);
+    }
+    Ok(true)
+}
+
+/// Read and discard `n` bytes (keeps the stream in step after a refusal).
+///
+/// # Errors
+/// As [`read_exact`].
+pub fn drain(mut sock: &TcpStream, mut n: u64) -> io::Result<()> {
+    let mut scratch = [0u8; 64 << 10];
+    while n > 0 {
+        let want = n.min(scratch.len() as u64) as usize;
+        let got = sock.read(&mut scratch[..want]).map_err(timed_out)?;
+        if got == 0 {
+            return Err(io::Error::new(io::ErrorKind::UnexpectedEof, "peer closed the connection"));
+        }
+        n -= got as u64;
+    }
+    Ok(())
+}
+
+/// `read_exact` with timeouts reported as `TimedOut`.
+///
+/// # Errors
+/// `UnexpectedEof` when the peer closed; `TimedOut`; other socket errors.
+pub fn read_exact(mut sock: &TcpStream, buf: &mut [u8]) -> io::Result<()> {
+    sock.read_exact(buf).map_err(timed_out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn advance_skips_whole_and_partial_entries() {
+        let buf = [0u8; 64];
+        let base = buf.as_ptr() as u64;
+        let mut iov = iovecs(None, &[(base, 10), (base + 10, 0), (base + 20, 5)]);
+        let mut at = 0;
+        advance(&mut iov, &mut at, 12);
+        assert_eq!(at, 2);
+        assert_eq!(iov[2].iov_len, 3);
+        assert_eq!(iov[2].iov_base as u64, base + 22);
+        advance(&mut iov, &mut at, 3);
+        assert_eq!(at, 3);
+    }
+}

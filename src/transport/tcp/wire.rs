@@ -1,0 +1,277 @@
+//! The `tcp` wire format: fixed 24-byte little-endian frame headers, then a
+//! bounded body. Version 1.
+//!
+//! ```text
+//! header  = kind:u8 flags:u8 reserved:u16 count:u32 id:u64 len:u64   (24 bytes)
+//! HELLO     c→s  count = name bytes (1..=255), id = MAGIC_VERSION, len = connection index; body: name
+//! HELLO_ACK s→c  id = MAGIC_VERSION
+//! WRITE     c→s  count = segments (1..=MAX_SEGMENTS), id = request id, len = data bytes
+//!                body: count × SegmentDesc (20 bytes), then `len` data bytes
+//! READ      c→s  as WRITE without the data
+//! NOTIFY    c→s  count = payload bytes (0..=MAX_NOTIFICATION_BYTES), id = request id; body: payload
+//! RESP      s→c  count = status, id = request id, len = body bytes:
+//!                status OK: READ data (`len` = the request's `len`), else nothing;
+//!                status ≠ OK: a UTF-8 reason of at most MAX_REASON_BYTES
+//! ```
+//! Every length a peer sends is checked against a limit before anything is
+//! allocated or read, so a hostile or buggy peer cannot make either side
+//! allocate more than [`MAX_SEGMENTS`] × 20 bytes per request.
+
+/// `b"KVWT"` in the high 32 bits, the protocol version in the low 16.
+pub const MAGIC_VERSION: u64 = (0x4B56_5754u64 << 32) | PROTOCOL_VERSION as u64;
+/// Wire protocol version.
+pub const PROTOCOL_VERSION: u16 = 1;
+/// Size of a frame header (bytes).
+pub const HEADER_BYTES: usize = 24;
+/// Size of one segment descriptor on the wire (bytes).
+pub const SEGMENT_DESC_BYTES: usize = 20;
+/// Most segments in one request: the `IOV_MAX` of Linux, so one request's
+/// data moves with `readv`/`writev` calls of at most this many entries.
+pub const MAX_SEGMENTS: u32 = 1024;
+/// Most data bytes in one request (64 MiB).
+pub const MAX_REQUEST_BYTES: u64 = 64 << 20;
+/// Largest notification payload (bytes).
+pub const MAX_NOTIFICATION_BYTES: u32 = 64 << 10;
+/// Longest agent name in a hello (bytes).
+pub const MAX_NAME_BYTES: u32 = 255;
+/// Longest error reason in a response (bytes).
+pub const MAX_REASON_BYTES: u64 = 1024;
+
+/// Frame kinds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(u8)]
+pub enum Kind {
+    /// Initiator introduces itself.
+    Hello = 1,
+    /// Target accepts the hello.
+    HelloAck = 2,
+    /// Data from the initiator into target memory.
+    Write = 3,
+    /// Data from target memory to the initiator.
+    Read = 4,
+    /// A notification, sent after the transfer's data.
+    Notify = 5,
+    /// The target's answer to any request.
+    Resp = 6,
+}
+
+/// Response status codes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(u32)]
+pub enum Status {
+    /// Done.
+    Ok = 0,
+    /// A segment named an unknown key or left its region; nothing was accessed.
+    RemoteAccess = 1,
+    /// The request broke the protocol.
+    Protocol = 2,
+}
+
+impl Status {
+    fn from_u32(v: u32) -> Option<Self> {
+        match v {
+            0 => Some(Self::Ok),
+            1 => Some(Self::RemoteAccess),
+            2 => Some(Self::Protocol),
+            _ => None,
+        }
+    }
+}
+
+/// Errors decoding frames.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum WireError {
+    /// Unknown frame kind byte.
+    #[error("unknown frame kind {0}")]
+    UnknownKind(u8),
+    /// Nonzero flags or reserved bits.
+    #[error("reserved header bits set")]
+    Reserved,
+    /// The peer speaks another magic or version.
+    #[error("bad magic/version {0:#x} (expected {MAGIC_VERSION:#x})")]
+    Version(u64),
+    /// A length or count over its limit, or inconsistent with the kind.
+    #[error("{what} {value} out of range (limit {limit})")]
+    Limit {
+        /// Which field.
+        what: &'static str,
+        /// The value received.
+        value: u64,
+        /// The largest allowed.
+        limit: u64,
+    },
+    /// Segment lengths do not add up to the header's data length.
+    #[error("segments add up to {sum} bytes, header says {len}")]
+    LengthMismatch {
+        /// Sum of the segment lengths.
+        sum: u64,
+        /// The header's length.
+        len: u64,
+    },
+    /// A body of the wrong size was handed to a decoder.
+    #[error("body of {0} bytes has the wrong size")]
+    BodySize(usize),
+}
+
+/// A decoded frame header. Construct with the `*_header` helpers or
+/// [`Header::decode`], which enforces every limit.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Header {
+    /// Frame kind.
+    pub kind: Kind,
+    /// Kind-specific count (segments, payload bytes, status).
+    pub count: u32,
+    /// Request id (or magic/version in hellos).
+    pub id: u64,
+    /// Kind-specific length (data bytes, connection index).
+    pub len: u64,
+}
+
+fn limit(what: &'static str, value: u64, max: u64) -> Result<(), WireError> {
+    if value > max { Err(WireError::Limit { what, value, limit: max }) } else { Ok(()) }
+}
+
+impl Header {
+    /// Encode into 24 bytes.
+    pub fn encode(&self) -> [u8; HEADER_BYTES] {
+        let mut b = [0u8; HEADER_BYTES];
+        b[0] = self.kind as u8;
+        b[4..8].copy_from_slice(&self.count.to_le_bytes());
+        b[8..16].copy_from_slice(&self.id.to_le_bytes());
+        b[16..24].copy_from_slice(&self.len.to_le_bytes());
+        b
+    }
+
+    /// Decode and check a header against every limit of its kind.
+    ///
+    /// # Errors
+    /// [`WireError`] naming the broken rule.
+    pub fn decode(b: &[u8; HEADER_BYTES]) -> Result<Self, WireError> {
+        let kind = match b[0] {
+            1 => Kind::Hello,
+            2 => Kind::HelloAck,
+            3 => Kind::Write,
+            4 => Kind::Read,
+            5 => Kind::Notify,
+            6 => Kind::Resp,
+            k => return Err(WireError::UnknownKind(k)),
+        };
+        if b[1..4] != [0, 0, 0] {
+            return Err(WireError::Reserved);
+        }
+        let count = u32::from_le_bytes([b[4], b[5], b[6], b[7]]);
+        let id = u64::from_le_bytes(b[8..16].try_into().expect("8 bytes"));
+        let len = u64::from_le_bytes(b[16..24].try_into().expect("8 bytes"));
+        match kind {
+            Kind::Hello => {
+                if id != MAGIC_VERSION {
+                    return Err(WireError::Version(id));
+                }
+                if count == 0 {
+                    return Err(WireError::Limit { what: "name bytes", value: 0, limit: MAX_NAME_BYTES as u64 });
+                }
+                limit("name bytes", count as u64, MAX_NAME_BYTES as u64)?;
+                limit("connection index", len, 1 << 16)?;
+            }
+            Kind::HelloAck => {
+                if id != MAGIC_VERSION {
+                    return Err(WireError::Version(id));
+                }
+                limit("hello-ack count", count as u64, 0)?;
+                limit("hello-ack length", len, 0)?;
+            }
+            Kind::Write | Kind::Read => {
+                if count == 0 {
+                    return Err(WireError::Limit { what: "segments", value: 0, limit: MAX_SEGMENTS as u64 });
+                }
+                limit("segments", count as u64, MAX_SEGMENTS as u64)?;
+                limit("request bytes", len, MAX_REQUEST_BYTES)?;
+            }
+            Kind::Notify => {
+                limit("notification bytes", count as u64, MAX_NOTIFICATION_BYTES as u64)?;
+                limit("notify length", len, 0)?;
+            }
+            Kind::Resp => {
+                let status = Status::from_u32(count).ok_or(WireError::Limit {
+                    what: "status",
+                    value: count as u64,
+                    limit: Status::Protocol as u64,
+                })?;
+                let max = if status == Status::Ok { MAX_REQUEST_BYTES } else { MAX_REASON_BYTES };
+                limit("response bytes", len, max)?;
+            }
+        }
+        Ok(Self { kind, count, id, len })
+    }
+
+    /// The status of a [`Kind::Resp`] header (decoded headers always have one).
+    pub fn status(&self) -> Status {
+        Status::from_u32(self.count).unwrap_or(Status::Protocol)
+    }
+
+    /// Bytes of body that follow this header before any data: segment
+    /// descriptors, a name, a payload or a reason.
+    pub fn body_bytes(&self) -> usize {
+        match self.kind {
+            Kind::Write | Kind::Read => self.count as usize * SEGMENT_DESC_BYTES,
+            Kind::Hello | Kind::Notify => self.count as usize,
+            Kind::HelloAck => 0,
+            Kind::Resp if self.status() != Status::Ok => self.len as usize,
+            Kind::Resp => 0,
+        }
+    }
+}
+
+/// A segment as a request names it: target memory by key and address.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SegmentDesc {
+    /// Remote key of the target registration.
+    pub rkey: u32,
+    /// Target virtual address (bytes).
+    pub addr: u64,
+    /// Length (bytes).
+    pub len_bytes: u64,
+}
+
+/// Append the 20-byte encodings of `segs` to `out`.
+pub fn encode_segments(segs: impl IntoIterator<Item = SegmentDesc>, out: &mut Vec<u8>) {
+    for s in segs {
+        out.extend_from_slice(&s.rkey.to_le_bytes());
+        out.extend_from_slice(&s.addr.to_le_bytes());
+        out.extend_from_slice(&s.len_bytes.to_le_bytes());
+    }
+}
+
+/// Decode the segment list of a WRITE/READ whose header is `h` and check that
+/// the lengths add up to `h.len` without overflow. Zero-length segments are
+/// refused.
+///
+/// # Errors
+/// [`WireError::BodySize`], [`WireError::Limit`], [`WireError::LengthMismatch`].
+pub fn decode_segments(h: &Header, body: &[u8], out: &mut Vec<SegmentDesc>) -> Result<(), WireError> {
+    if body.len() != h.body_bytes() || !matches!(h.kind, Kind::Write | Kind::Read) {
+        return Err(WireError::BodySize(body.len()));
+    }
+    out.clear();
+    let mut sum = 0u64;
+    for c in body.chunks_exact(SEGMENT_DESC_BYTES) {
+        let s = SegmentDesc {
+            rkey: u32::from_le_bytes(c[0..4].try_into().expect("4 bytes")),
+            addr: u64::from_le_bytes(c[4..12].try_into().expect("8 bytes")),
+            len_bytes: u64::from_le_bytes(c[12..20].try_into().expect("8 bytes")),
+        };
+        if s.len_bytes == 0 {
+            return Err(WireError::Limit { what: "segment bytes", value: 0, limit: MAX_REQUEST_BYTES });
+        }
+        sum = sum.checked_add(s.len_bytes).ok_or(WireError::LengthMismatch { sum: u64::MAX, len: h.len })?;
+        out.push(s);
+    }
+    if sum != h.len {
+        return Err(WireError::LengthMismatch { sum, len: h.len });
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests;

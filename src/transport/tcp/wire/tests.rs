@@ -1,0 +1,96 @@
+//! Property tests of the frame decoder: arbitrary bytes never panic, every
+//! accepted header respects its limits, and encoding round-trips.
+
+use proptest::prelude::*;
+
+use super::*;
+
+fn kind_strategy() -> impl Strategy<Value = Kind> {
+    prop_oneof![
+        Just(Kind::Hello),
+        Just(Kind::HelloAck),
+        Just(Kind::Write),
+        Just(Kind::Read),
+        Just(Kind::Notify),
+        Just(Kind::Resp),
+    ]
+}
+
+proptest! {
+    #[test]
+    fn arbitrary_headers_never_panic_and_respect_limits(bytes in proptest::array::uniform24(any::<u8>())) {
+        if let Ok(h) = Header::decode(&bytes) {
+            prop_assert!(h.body_bytes() <= MAX_NOTIFICATION_BYTES as usize);
+            match h.kind {
+                Kind::Write | Kind::Read => {
+                    prop_assert!(h.count >= 1 && h.count <= MAX_SEGMENTS);
+                    prop_assert!(h.len <= MAX_REQUEST_BYTES);
+                }
+                Kind::Hello => prop_assert!(h.count >= 1 && h.count <= MAX_NAME_BYTES),
+                Kind::Notify => prop_assert!(h.count <= MAX_NOTIFICATION_BYTES),
+                Kind::Resp => prop_assert!(h.len <= MAX_REQUEST_BYTES),
+                Kind::HelloAck => prop_assert!(h.count == 0 && h.len == 0),
+            }
+            prop_assert_eq!(Header::decode(&h.encode()), Ok(h));
+        }
+    }
+
+    #[test]
+    fn headers_round_trip(kind in kind_strategy(), count in 0u32..2000, id: u64, len in 0u64..(1 << 27)) {
+        let id = if matches!(kind, Kind::Hello | Kind::HelloAck) { MAGIC_VERSION } else { id };
+        let h = Header { kind, count, id, len };
+        // Either it decodes to itself or it is refused; never anything else.
+        if let Ok(d) = Header::decode(&h.encode()) {
+            prop_assert_eq!(d, h);
+        }
+    }
+
+    #[test]
+    fn segment_lists_round_trip_or_are_refused(
+        segs in proptest::collection::vec((any::<u32>(), any::<u64>(), 0u64..(1 << 20)), 1..64),
+        bump in 0u64..2,
+    ) {
+        let descs: Vec<SegmentDesc> = segs.iter().map(|&(rkey, addr, len_bytes)| SegmentDesc { rkey, addr, len_bytes }).collect();
+        let sum: u64 = descs.iter().map(|s| s.len_bytes).sum();
+        let mut body = Vec::new();
+        encode_segments(descs.iter().copied(), &mut body);
+        let h = Header { kind: Kind::Write, count: descs.len() as u32, id: 7, len: sum + bump };
+        let mut out = Vec::new();
+        let r = decode_segments(&h, &body, &mut out);
+        if bump == 0 && descs.iter().all(|s| s.len_bytes > 0) {
+            prop_assert_eq!(r, Ok(()));
+            prop_assert_eq!(out, descs);
+        } else {
+            prop_assert!(r.is_err());
+        }
+    }
+
+    #[test]
+    fn arbitrary_segment_bodies_never_panic(body in proptest::collection::vec(any::<u8>(), 0..400), count in 1u32..24, len: u64) {
+        let h = Header { kind: Kind::Read, count, id: 1, len };
+        let mut out = Vec::new();
+        if decode_segments(&h, &body, &mut out).is_ok() {
+            prop_assert_eq!(out.iter().map(|s| s.len_bytes).sum::<u64>(), len);
+        }
+    }
+}
+
+#[test]
+fn hostile_headers_are_refused() {
+    let h = |kind: u8, count: u32, id: u64, len: u64| {
+        let mut b = [0u8; HEADER_BYTES];
+        b[0] = kind;
+        b[4..8].copy_from_slice(&count.to_le_bytes());
+        b[8..16].copy_from_slice(&id.to_le_bytes());
+        b[16..24].copy_from_slice(&len.to_le_bytes());
+        Header::decode(&b)
+    };
+    assert!(matches!(h(3, MAX_SEGMENTS + 1, 1, 10), Err(WireError::Limit { .. })));
+    assert!(matches!(h(3, 1, 1, MAX_REQUEST_BYTES + 1), Err(WireError::Limit { .. })));
+    assert!(matches!(h(5, u32::MAX, 1, 0), Err(WireError::Limit { .. })));
+    assert!(matches!(h(1, 5, 0xdead, 0), Err(WireError::Version(0xdead))));
+    assert!(matches!(h(6, 1, 1, u64::MAX), Err(WireError::Limit { .. })));
+    assert!(matches!(h(6, 9, 1, 0), Err(WireError::Limit { .. })));
+    assert!(matches!(h(0, 0, 0, 0), Err(WireError::UnknownKind(0))));
+    assert!(h(4, 3, 9, 4096).is_ok());
+}

@@ -1,0 +1,247 @@
+//! The initiator side: one worker thread per connection to a peer, all
+//! taking chunks of posted transfers from the peer's job queue. A worker
+//! sends one request and waits for its answer (data for a READ, an
+//! acknowledgement for a WRITE), so a connection carries one chunk at a time
+//! and a peer with `conns_per_peer` connections has that many in flight.
+//! The worker that finishes a transfer's last chunk sends its notification
+//! on its own connection, after every chunk was acknowledged, and reports
+//! the completion.
+
+use std::io::{self, Write};
+use std::net::TcpStream;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+
+use crossbeam_channel::{Receiver, Sender};
+
+use super::io::{self as tio, Range};
+use super::wire::{self, Header, Kind, SegmentDesc, Status};
+use crate::transport::{Completion, Op, Segment, XferId};
+
+/// One connected peer, shared by the transport and its workers.
+#[derive(Debug)]
+pub struct PeerShared {
+    /// Agent name.
+    pub name: String,
+    /// Set once any connection to the peer failed; the peer is then unusable.
+    pub dead: AtomicBool,
+    /// Why it died.
+    pub reason: Mutex<Option<String>>,
+    /// Clones of the connections, to wake blocked workers.
+    pub streams: Mutex<Vec<TcpStream>>,
+}
+
+impl PeerShared {
+    /// Mark the peer dead for `why` and shut every connection down, which
+    /// wakes the workers blocked on them.
+    pub fn kill(&self, why: String) {
+        {
+            let mut r = self.reason.lock().unwrap_or_else(|p| p.into_inner());
+            if r.is_none() {
+                *r = Some(why);
+            }
+        }
+        self.dead.store(true, Ordering::Release);
+        for s in self.streams.lock().unwrap_or_else(|p| p.into_inner()).iter() {
+            let _ = s.shutdown(std::net::Shutdown::Both);
+        }
+    }
+
+    /// The failure message for transfers to a dead peer.
+    pub fn failure(&self) -> String {
+        let r = self.reason.lock().unwrap_or_else(|p| p.into_inner());
+        r.clone().unwrap_or_else(|| format!("peer {} disconnected", self.name))
+    }
+}
+
+/// A posted transfer being moved.
+#[derive(Debug)]
+pub struct XferShared {
+    /// Id reported in the completion.
+    pub id: XferId,
+    /// READ or WRITE.
+    pub op: Op,
+    /// The peer.
+    pub peer: Arc<PeerShared>,
+    /// Segments, split so that no chunk exceeds the wire limits.
+    pub segments: Vec<Segment>,
+    /// Sent after the last byte.
+    pub notification: Option<Vec<u8>>,
+    /// Chunks not yet finished (a cancel waits for 0).
+    pub pending: AtomicUsize,
+    /// Set by `cancel`.
+    pub cancelled: AtomicBool,
+    /// First failure.
+    pub error: Mutex<Option<String>>,
+}
+
+impl XferShared {
+    fn fail(&self, why: String) {
+        let mut e = self.error.lock().unwrap_or_else(|p| p.into_inner());
+        if e.is_none() {
+            *e = Some(why);
+        }
+    }
+
+    fn failed(&self) -> bool {
+        self.error.lock().map(|e| e.is_some()).unwrap_or(true)
+    }
+}
+
+/// A contiguous range of a transfer's segments: one request on the wire.
+pub struct Job {
+    /// The transfer.
+    pub xfer: Arc<XferShared>,
+    /// Segment indices.
+    pub range: std::ops::Range<usize>,
+}
+
+/// Why a request failed.
+enum ReqError {
+    /// The target refused it; the connection is still good.
+    Remote(String),
+    /// The connection broke (peer died, silent past the timeout, protocol).
+    Conn(io::Error),
+}
+
+impl From<io::Error> for ReqError {
+    fn from(e: io::Error) -> Self {
+        Self::Conn(e)
+    }
+}
+
+/// State a worker keeps across requests.
+struct Conn {
+    sock: TcpStream,
+    next_id: u64,
+    head: Vec<u8>,
+    ranges: Vec<Range>,
+}
+
+impl Conn {
+    /// Read a response header for request `id`; a refusal's reason as `Remote`.
+    fn response(&mut self, id: u64) -> Result<Header, ReqError> {
+        let mut b = [0u8; wire::HEADER_BYTES];
+        tio::read_exact(&self.sock, &mut b)?;
+        let h = Header::decode(&b).map_err(|e| io::Error::new(io::ErrorKind::InvalidData, e))?;
+        if h.kind != Kind::Resp || h.id != id {
+            return Err(ReqError::Conn(io::Error::new(
+                io::ErrorKind::InvalidData,
+                format!("expected the response to request {id}, got {:?} {}", h.kind, h.id),
+            )));
+        }
+        if h.status() != Status::Ok {
+            let mut reason = vec![0u8; h.body_bytes()];
+            tio::read_exact(&self.sock, &mut reason)?;
+            let reason = String::from_utf8_lossy(&reason).into_owned();
+            return Err(match h.status() {
+                Status::RemoteAccess => ReqError::Remote(reason),
+                _ => ReqError::Conn(io::Error::new(io::ErrorKind::InvalidData, format!("peer refused: {reason}"))),
+            });
+        }
+        Ok(h)
+    }
+
+    fn transfer(&mut self, x: &XferShared, segs: &[Segment]) -> Result<(), ReqError> {
+        self.next_id += 1;
+        let id = self.next_id;
+        let len: u64 = segs.iter().map(|s| s.len_bytes).sum();
+        let kind = if x.op == Op::Write { Kind::Write } else { Kind::Read };
+        let h = Header { kind, count: segs.len() as u32, id, len };
+        self.head.clear();
+        self.head.extend_from_slice(&h.encode());
+        wire::encode_segments(
+            segs.iter().map(|s| SegmentDesc { rkey: s.rkey.0, addr: s.remote_addr, len_bytes: s.len_bytes }),
+            &mut self.head,
+        );
+        self.ranges.clear();
+        self.ranges.extend(segs.iter().map(|s| (s.local_addr, s.len_bytes)));
+        match x.op {
+            Op::Write => {
+                // SAFETY: the engine checked every local range against a live
+                // registration and keeps it registered until this transfer is
+                // terminal or cancelled; cancel waits for this chunk.
+                unsafe { tio::write_ranges(&self.sock, &self.head, &self.ranges)? };
+                self.response(id)?;
+            }
+            Op::Read => {
+                (&self.sock).write_all(&self.head)?;
+                let r = self.response(id)?;
+                if r.len != len {
+                    return Err(ReqError::Conn(io::Error::new(
+                        io::ErrorKind::InvalidData,
+                        format!("READ answered with {} bytes, asked {len}", r.len),
+                    )));
+                }
+                // SAFETY: as above; the local ranges are registered memory
+                // the application does not touch while the READ is in
+                // progress, and `read_ranges` stops writing into them once
+                // `cancelled` is set (cancel waits for this call to return).
+                unsafe { tio::read_ranges(&self.sock, &self.ranges, &x.cancelled)? };
+            }
+        }
+        Ok(())
+    }
+
+    fn notify(&mut self, payload: &[u8]) -> Result<(), ReqError> {
+        self.next_id += 1;
+        let id = self.next_id;
+        let h = Header { kind: Kind::Notify, count: payload.len() as u32, id, len: 0 };
+        self.head.clear();
+        self.head.extend_from_slice(&h.encode());
+        self.head.extend_from_slice(payload);
+        (&self.sock).write_all(&self.head)?;
+        self.response(id).map(|_| ())
+    }
+}
+
+/// Run a worker over `sock` until the job queue closes.
+pub fn run(sock: TcpStream, jobs: Receiver<Job>, done: Sender<Completion>) {
+    let mut conn = Conn { sock, next_id: 0, head: Vec::new(), ranges: Vec::new() };
+    for job in jobs.iter() {
+        let x = &job.xfer;
+        let peer = &x.peer;
+        if !x.cancelled.load(Ordering::Acquire) && !x.failed() {
+            if peer.dead.load(Ordering::Acquire) {
+                x.fail(peer.failure());
+            } else {
+                match conn.transfer(x, &x.segments[job.range.clone()]) {
+                    Ok(()) => {}
+                    Err(ReqError::Remote(why)) => x.fail(why),
+                    Err(ReqError::Conn(e)) => {
+                        peer.kill(format!("peer {} failed: {e}", peer.name));
+                        x.fail(peer.failure());
+                    }
+                }
+            }
+        }
+        if x.pending.fetch_sub(1, Ordering::AcqRel) != 1 {
+            continue;
+        }
+        // Last chunk: nothing touches the transfer's buffers any more.
+        if x.cancelled.load(Ordering::Acquire) {
+            continue;
+        }
+        let mut result = match x.error.lock().unwrap_or_else(|p| p.into_inner()).take() {
+            Some(e) => Err(e),
+            None => Ok(()),
+        };
+        if result.is_ok()
+            && let Some(payload) = &x.notification
+        {
+            if peer.dead.load(Ordering::Acquire) {
+                result = Err(peer.failure());
+            } else if let Err(e) = conn.notify(payload) {
+                let why = match e {
+                    ReqError::Remote(r) => r,
+                    ReqError::Conn(e) => {
+                        peer.kill(format!("peer {} failed: {e}", peer.name));
+                        peer.failure()
+                    }
+                };
+                result = Err(format!("notification not delivered: {why}"));
+            }
+        }
+        let _ = done.send(Completion { xfer: x.id, result });
+    }
+}

@@ -1,0 +1,336 @@
+//! The verbs transport's shared state, driven by the user thread (posting)
+//! and the progress thread (completions): send QPs with their queues of work,
+//! transfers, target-side receive QPs and the notifications they produced.
+
+use std::collections::{HashMap, VecDeque};
+
+use crate::transport::{Completion, Notification, Op, Segment, XferId};
+use crate::verbs::ffi::{IBV_WC_RECV, IBV_WC_SUCCESS, IBV_WC_WR_FLUSH_ERR, wc_status_name};
+use crate::verbs::{MemoryRegion, QueuePair, WorkCompletion, WrBatch, WrId};
+
+/// Largest notification payload (bytes): one receive slot.
+pub const NOTIF_SLOT_BYTES: usize = 4096;
+/// Largest single WR (bytes); longer segments are split.
+pub const MAX_WR_BYTES: u64 = 1 << 30;
+
+/// One unit of queued work: an RDMA WR or a notification SEND.
+#[derive(Debug, Clone, Copy)]
+pub enum Work {
+    /// RDMA READ/WRITE of one segment (≤ [`MAX_WR_BYTES`]).
+    Rdma { xfer: u64, read: bool, seg: Segment },
+    /// SEND of `len` bytes from notification slot `slot` of the peer slab.
+    Notify { xfer: u64, slot: u32, len: u32 },
+}
+
+impl Work {
+    fn xfer(&self) -> u64 {
+        match *self {
+            Work::Rdma { xfer, .. } | Work::Notify { xfer, .. } => xfer,
+        }
+    }
+}
+
+/// An initiator-side QP: its queue of work not yet posted and the
+/// signalled chunks in flight.
+pub struct SendQp {
+    pub qp: QueuePair,
+    pub peer: u32,
+    /// WRs posted and not yet covered by a polled completion.
+    pub outstanding: u32,
+    /// Chunk id (the wr_id of every WR of the chunk) → (xfer, WRs in chunk).
+    pub chunks: HashMap<u64, (u64, u32)>,
+    pub queue: VecDeque<Work>,
+    /// Set by the first error completion: the QP needs a reset + reconnect.
+    pub error: Option<String>,
+}
+
+/// A transfer in flight.
+pub struct Xfer {
+    /// Work items queued but not yet posted.
+    pub queued: u32,
+    /// Signalled chunks posted and not yet completed.
+    pub chunks: u32,
+    pub error: Option<String>,
+    pub cancelled: bool,
+    /// Notification to send once all data completed (multi-QP peers), with
+    /// its slot: `(qpn, slot, len)`.
+    pub deferred_notify: Option<(u32, u32, u32)>,
+    /// Notification slot to free at the end: `(peer, slot)`.
+    pub slot: Option<(u32, u32)>,
+}
+
+/// A target-side QP receiving notifications from one initiator.
+pub struct RecvQp {
+    pub qp: QueuePair,
+    pub agent: String,
+    pub slab: MemoryRegion,
+}
+
+/// Notification slots of one peer (a registered slab on the initiator).
+pub struct NotifSlab {
+    pub mr: MemoryRegion,
+    pub free: Vec<u32>,
+}
+
+/// Everything the user thread and the progress thread share.
+#[derive(Default)]
+pub struct State {
+    pub send_qps: HashMap<u32, SendQp>,
+    pub xfers: HashMap<u64, Xfer>,
+    pub slabs: HashMap<u32, NotifSlab>,
+    pub done: Vec<Completion>,
+    pub recv_qps: HashMap<u32, RecvQp>,
+    pub notifs: Vec<Notification>,
+    pub next_chunk: u64,
+    pub batch: WrBatch,
+}
+
+/// Posting parameters.
+#[derive(Debug, Clone, Copy)]
+pub struct PostLimits {
+    /// Send queue depth per QP.
+    pub max_send_wr: u32,
+    /// Signal every Nth WR (and the last of each transfer and batch).
+    pub signal_every: u32,
+    /// WRs per `post_send` call.
+    pub max_batch: u32,
+}
+
+/// Receive chunk ids have the top bit set; the rest is the slot.
+pub const RECV_BIT: u64 = 1 << 63;
+
+impl State {
+    /// Queue `segments` of `xfer` round-robin over `qpns` (by runs of
+    /// `stripe` segments) and post what fits.
+    pub fn enqueue(&mut self, xfer: XferId, op: Op, segments: &[Segment], qpns: &[u32], limits: &PostLimits) {
+        let read = op == Op::Read;
+        let stripe = 64usize;
+        let mut queued = 0u32;
+        for (i, s) in segments.iter().enumerate() {
+            let q = qpns[(i / stripe) % qpns.len()];
+            let Some(sq) = self.send_qps.get_mut(&q) else {
+                continue;
+            };
+            let mut off = 0;
+            while off < s.len_bytes {
+                let n = (s.len_bytes - off).min(MAX_WR_BYTES);
+                let seg =
+                    Segment { local_addr: s.local_addr + off, remote_addr: s.remote_addr + off, len_bytes: n, ..*s };
+                sq.queue.push_back(Work::Rdma { xfer: xfer.0, read, seg });
+                queued += 1;
+                off += n;
+            }
+        }
+        if let Some(x) = self.xfers.get_mut(&xfer.0) {
+            x.queued += queued;
+        }
+        for q in qpns {
+            self.pump(*q, limits);
+        }
+    }
+
+    /// Queue a notification SEND on `qpn`.
+    pub fn enqueue_notify(&mut self, xfer: u64, qpn: u32, slot: u32, len: u32, limits: &PostLimits) {
+        if let Some(sq) = self.send_qps.get_mut(&qpn) {
+            sq.queue.push_back(Work::Notify { xfer, slot, len });
+            if let Some(x) = self.xfers.get_mut(&xfer) {
+                x.queued += 1;
+            }
+            self.pump(qpn, limits);
+        }
+    }
+
+    /// Post as much of `qpn`'s queue as the send queue has room for.
+    pub fn pump(&mut self, qpn: u32, limits: &PostLimits) {
+        let State { send_qps, xfers, slabs, batch, next_chunk, .. } = self;
+        let Some(sq) = send_qps.get_mut(&qpn) else {
+            return;
+        };
+        if sq.error.is_some() {
+            return;
+        }
+        while !sq.queue.is_empty() && sq.outstanding < limits.max_send_wr {
+            let room = (limits.max_send_wr - sq.outstanding).min(limits.max_batch) as usize;
+            let n = room.min(sq.queue.len());
+            batch.clear();
+            let mut records: Vec<(u64, u64, u32)> = Vec::new();
+            let mut chunk = *next_chunk;
+            let mut in_chunk = 0u32;
+            for k in 0..n {
+                let w = sq.queue[k];
+                let last = k + 1 == n || sq.queue[k + 1].xfer() != w.xfer();
+                in_chunk += 1;
+                let signaled = last || in_chunk >= limits.signal_every;
+                match w {
+                    Work::Rdma { read, seg, .. } => batch.push_rdma(
+                        WrId(chunk),
+                        read,
+                        signaled,
+                        seg.local_addr,
+                        seg.len_bytes as u32,
+                        seg.lkey.0,
+                        seg.remote_addr,
+                        seg.rkey.0,
+                    ),
+                    Work::Notify { slot, len, .. } => {
+                        let (addr, lkey) = slabs
+                            .get(&sq.peer)
+                            .map(|s| (s.mr.addr() + u64::from(slot) * NOTIF_SLOT_BYTES as u64, s.mr.lkey()))
+                            .unwrap_or((0, 0));
+                        batch.push_send(WrId(chunk), signaled, addr, len, lkey);
+                    }
+                }
+                if signaled {
+                    records.push((chunk, w.xfer(), in_chunk));
+                    chunk += 1;
+                    in_chunk = 0;
+                }
+            }
+            *next_chunk = chunk;
+            // SAFETY: every SGE lies in memory registered with its lkey: user
+            // regions the engine keeps registered (and alive) until the
+            // transfer is released, which waits for these WRs (cancel), or a
+            // notification slab owned by this state.
+            let posted = unsafe { sq.qp.post_send(batch) };
+            let ok_upto = match &posted {
+                Ok(()) => n,
+                Err((i, _)) => *i,
+            };
+            let mut covered = 0usize;
+            for (id, x, cnt) in records {
+                if covered + cnt as usize > ok_upto {
+                    break;
+                }
+                covered += cnt as usize;
+                sq.chunks.insert(id, (x, cnt));
+                if let Some(xf) = xfers.get_mut(&x) {
+                    xf.chunks += 1;
+                }
+            }
+            for w in sq.queue.drain(..n) {
+                if let Some(xf) = xfers.get_mut(&w.xfer()) {
+                    xf.queued = xf.queued.saturating_sub(1);
+                }
+            }
+            sq.outstanding += covered as u32;
+            if let Err((_, e)) = posted {
+                // Rare (the queue is sized to fit): stop using the QP; what
+                // was posted completes (or flushes) and the peer reconnects.
+                let why = e.to_string();
+                tracing::error!("verbs: {why} on QP {qpn}");
+                sq.error = Some(why.clone());
+                let _ = sq.qp.set_error();
+                for w in sq.queue.drain(..) {
+                    if let Some(xf) = xfers.get_mut(&w.xfer()) {
+                        xf.queued = xf.queued.saturating_sub(1);
+                        xf.error.get_or_insert_with(|| why.clone());
+                    }
+                }
+                break;
+            }
+        }
+    }
+
+    /// Handle one work completion.
+    pub fn on_completion(&mut self, wc: &WorkCompletion, limits: &PostLimits) {
+        if wc.wr_id & RECV_BIT != 0 || wc.opcode & IBV_WC_RECV != 0 {
+            self.on_recv(wc);
+            return;
+        }
+        let Some(sq) = self.send_qps.get_mut(&wc.qp_num) else {
+            return;
+        };
+        let Some((x, cnt)) = sq.chunks.remove(&wc.wr_id) else {
+            return;
+        };
+        sq.outstanding = sq.outstanding.saturating_sub(cnt);
+        let mut failed_queue = Vec::new();
+        if wc.status != IBV_WC_SUCCESS {
+            let name = wc_status_name(wc.status);
+            let why = match &sq.error {
+                Some(first) if wc.status == IBV_WC_WR_FLUSH_ERR => {
+                    format!("{name} (after {first} on this QP)")
+                }
+                _ => format!("{name} (vendor error {:#x}) on QP {}", wc.vendor_err, wc.qp_num),
+            };
+            if sq.error.is_none() {
+                tracing::warn!("verbs: {why}");
+                sq.error = Some(why.clone());
+                let _ = sq.qp.set_error();
+            }
+            // Nothing more is posted on a QP in error: fail what is queued.
+            failed_queue.extend(sq.queue.drain(..).map(|w| w.xfer()));
+            if let Some(xf) = self.xfers.get_mut(&x) {
+                xf.error.get_or_insert(why);
+            }
+        }
+        let qp_error = sq.error.clone();
+        for fx in failed_queue {
+            if let Some(xf) = self.xfers.get_mut(&fx) {
+                xf.queued = xf.queued.saturating_sub(1);
+                xf.error.get_or_insert_with(|| qp_error.clone().unwrap_or_default());
+            }
+        }
+        if let Some(xf) = self.xfers.get_mut(&x) {
+            xf.chunks = xf.chunks.saturating_sub(1);
+        }
+        self.pump(wc.qp_num, limits);
+        self.try_finish(x, limits);
+    }
+
+    /// Report `x` when nothing of it is queued or in flight.
+    pub fn try_finish(&mut self, x: u64, limits: &PostLimits) {
+        let Some(xf) = self.xfers.get_mut(&x) else {
+            return;
+        };
+        if xf.queued > 0 || xf.chunks > 0 {
+            return;
+        }
+        if xf.error.is_none()
+            && let Some((qpn, slot, len)) = xf.deferred_notify.take()
+        {
+            self.enqueue_notify(x, qpn, slot, len, limits);
+            return;
+        }
+        let Some(xf) = self.xfers.remove(&x) else {
+            return;
+        };
+        if let Some((peer, slot)) = xf.slot
+            && let Some(s) = self.slabs.get_mut(&peer)
+        {
+            s.free.push(slot);
+        }
+        if !xf.cancelled {
+            self.done.push(Completion { xfer: XferId(x), result: xf.error.map_or(Ok(()), Err) });
+        }
+    }
+
+    fn on_recv(&mut self, wc: &WorkCompletion) {
+        let Some(r) = self.recv_qps.get_mut(&wc.qp_num) else {
+            return;
+        };
+        if wc.status != IBV_WC_SUCCESS {
+            if wc.status != IBV_WC_WR_FLUSH_ERR {
+                tracing::warn!("verbs: receive from {} failed: {}", r.agent, wc_status_name(wc.status));
+            }
+            return;
+        }
+        let slot = (wc.wr_id & !RECV_BIT) as usize;
+        let base = r.slab.owned_ptr().unwrap_or(std::ptr::null_mut());
+        let len = (wc.byte_len as usize).min(NOTIF_SLOT_BYTES);
+        if base.is_null() {
+            return;
+        }
+        // SAFETY: the slot lies inside the slab the MR owns; its receive
+        // completed, so the NIC no longer writes it until we repost it.
+        let payload = unsafe { std::slice::from_raw_parts(base.add(slot * NOTIF_SLOT_BYTES), len) }.to_vec();
+        self.notifs.push(Notification { from_agent: r.agent.clone(), payload });
+        let addr = r.slab.addr() + (slot * NOTIF_SLOT_BYTES) as u64;
+        let lkey = r.slab.lkey();
+        // SAFETY: the slot is inside the slab, registered with `lkey`, owned
+        // by the RecvQp, which is dropped (QP destroyed first) together.
+        if let Err(e) = unsafe { r.qp.post_recv(wc.wr_id, addr, NOTIF_SLOT_BYTES as u32, lkey) } {
+            tracing::warn!("verbs: cannot repost a receive for {}: {e}", r.agent);
+        }
+    }
+}

@@ -1,0 +1,146 @@
+//! Memory regions: host memory, dma-buf GPU memory, or a plain device
+//! pointer (nvidia-peermem). The GPU issue adds only the CUDA side.
+
+use std::ffi::c_void;
+use std::os::fd::{AsRawFd, BorrowedFd};
+use std::ptr::NonNull;
+use std::sync::Arc;
+
+use super::ffi::*;
+use super::{ProtectionDomain, VerbsError, record_drop_failure};
+
+/// Local write, remote read, remote write; relaxed ordering where the device
+/// supports it (an optional flag: ignored by devices that do not).
+pub const DEFAULT_ACCESS: i32 =
+    IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_READ | IBV_ACCESS_REMOTE_WRITE | IBV_ACCESS_RELAXED_ORDERING;
+
+/// `struct ibv_mr`; deregistered on drop, before its PD, and before any
+/// buffer it owns is freed.
+pub struct MemoryRegion {
+    raw: NonNull<ibv_mr>,
+    pd: Arc<ProtectionDomain>,
+    /// A buffer the MR owns (dropped after deregistration).
+    owned: Option<Box<[u64]>>,
+}
+
+// SAFETY: an MR is an immutable handle after registration.
+unsafe impl Send for MemoryRegion {}
+// SAFETY: as above.
+unsafe impl Sync for MemoryRegion {}
+
+impl MemoryRegion {
+    /// Register `[addr, addr + len_bytes)` of host (or peermem-mapped GPU)
+    /// memory with [`DEFAULT_ACCESS`].
+    ///
+    /// # Safety
+    /// The range must stay valid (mapped, not freed) until this MR is
+    /// dropped: the NIC may read or write it until then.
+    ///
+    /// # Errors
+    /// [`VerbsError::Call`] for `ibv_reg_mr` (e.g. `ENOMEM` from `ulimit -l`,
+    /// `EFAULT` for a GPU pointer without nvidia-peermem).
+    pub unsafe fn register(pd: &Arc<ProtectionDomain>, addr: u64, len_bytes: usize) -> Result<Self, VerbsError> {
+        let lib = pd.ctx.lib;
+        let ptr = addr as *mut c_void;
+        let raw = match lib.reg_mr_iova2 {
+            // SAFETY: live PD; the caller guarantees the range.
+            Some(f) => unsafe { f(pd.raw.as_ptr(), ptr, len_bytes, addr, DEFAULT_ACCESS as u32) },
+            None => std::ptr::null_mut(),
+        };
+        let raw = if raw.is_null() {
+            // SAFETY: as above; older libraries lack iova2 and reject the
+            // optional relaxed-ordering flag, so drop it here.
+            unsafe { (lib.reg_mr)(pd.raw.as_ptr(), ptr, len_bytes, DEFAULT_ACCESS & !IBV_ACCESS_RELAXED_ORDERING) }
+        } else {
+            raw
+        };
+        let raw = NonNull::new(raw).ok_or_else(|| VerbsError::call("ibv_reg_mr", 0))?;
+        Ok(Self { raw, pd: pd.clone(), owned: None })
+    }
+
+    /// Register GPU memory exported as a dma-buf: `len_bytes` from `offset`
+    /// in `fd`, addressed by peers as `iova` (the GPU virtual address).
+    ///
+    /// # Safety
+    /// The exported memory must stay allocated until this MR is dropped.
+    ///
+    /// # Errors
+    /// [`VerbsError::Unsupported`] when libibverbs lacks `ibv_reg_dmabuf_mr`
+    /// (before rdma-core 34); [`VerbsError::Call`] when it fails (the caller
+    /// may then fall back to [`MemoryRegion::register`] with the pointer).
+    pub unsafe fn register_dmabuf(
+        pd: &Arc<ProtectionDomain>,
+        fd: BorrowedFd<'_>,
+        offset: u64,
+        len_bytes: usize,
+        iova: u64,
+    ) -> Result<Self, VerbsError> {
+        let f = pd
+            .ctx
+            .lib
+            .reg_dmabuf_mr
+            .ok_or_else(|| VerbsError::Unsupported("libibverbs lacks ibv_reg_dmabuf_mr (rdma-core < 34)".into()))?;
+        // SAFETY: live PD and fd; the caller guarantees the memory.
+        let raw = unsafe { f(pd.raw.as_ptr(), offset, len_bytes, iova, fd.as_raw_fd(), DEFAULT_ACCESS) };
+        let raw = NonNull::new(raw).ok_or_else(|| VerbsError::call("ibv_reg_dmabuf_mr", 0))?;
+        Ok(Self { raw, pd: pd.clone(), owned: None })
+    }
+
+    /// Allocate a zeroed, 8-byte-aligned buffer of `len_bytes` and register
+    /// it; the MR owns it.
+    ///
+    /// # Errors
+    /// As [`MemoryRegion::register`].
+    pub fn alloc(pd: &Arc<ProtectionDomain>, len_bytes: usize) -> Result<Self, VerbsError> {
+        let buf = vec![0u64; len_bytes.div_ceil(8).max(1)].into_boxed_slice();
+        // SAFETY: the buffer is moved into the MR below and freed only after
+        // deregistration (field order and Drop).
+        let mut mr = unsafe { Self::register(pd, buf.as_ptr() as u64, len_bytes.max(1))? };
+        mr.owned = Some(buf);
+        Ok(mr)
+    }
+
+    /// Start address of the registered range.
+    pub fn addr(&self) -> u64 {
+        // SAFETY: `raw` is a live MR; fields are read-only after creation.
+        unsafe { (*self.raw.as_ptr()).addr as u64 }
+    }
+
+    /// Length in bytes.
+    pub fn len_bytes(&self) -> usize {
+        // SAFETY: as above.
+        unsafe { (*self.raw.as_ptr()).length }
+    }
+
+    /// Local key.
+    pub fn lkey(&self) -> u32 {
+        // SAFETY: as above.
+        unsafe { (*self.raw.as_ptr()).lkey }
+    }
+
+    /// Remote key.
+    pub fn rkey(&self) -> u32 {
+        // SAFETY: as above.
+        unsafe { (*self.raw.as_ptr()).rkey }
+    }
+
+    /// The owned buffer, if [`MemoryRegion::alloc`] made it, as a raw pointer
+    /// (the NIC may write it concurrently: read it only for completed work).
+    pub fn owned_ptr(&self) -> Option<*mut u8> {
+        self.owned.as_ref().map(|b| b.as_ptr() as *mut u8)
+    }
+}
+
+impl Drop for MemoryRegion {
+    fn drop(&mut self) {
+        // SAFETY: live MR, deregistered once; `owned` is freed after this.
+        let rc = unsafe { (self.pd.ctx.lib.dereg_mr)(self.raw.as_ptr()) };
+        if rc != 0 {
+            record_drop_failure("ibv_dereg_mr", rc);
+            // The NIC may still reach the buffer: leak it rather than free it.
+            if let Some(b) = self.owned.take() {
+                std::mem::forget(b);
+            }
+        }
+    }
+}

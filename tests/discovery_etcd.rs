@@ -1,0 +1,210 @@
+//! Discovery against a real etcd: publish/lookup/list, a lookup that waits
+//! for a late publisher, watch, revocation on drop, and a crashed publisher
+//! whose entry disappears when its lease expires.
+//!
+//! etcd comes from `KVWIRE_ETCD` (an `http://host:port` URL) or, failing
+//! that, an `etcd` binary on `PATH` started on a free loopback port. With
+//! neither, the tests say "skipped" — unless `KVWIRE_REQUIRE_ETCD=1`, where
+//! they fail (CI sets it).
+
+use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use kvwire::HostBuffer;
+use kvwire::discovery::{DirectStore, EtcdStore, MetadataStore, WatchEvent};
+use kvwire::engine::TransferEngine;
+use kvwire::transport::{TransportConfig, TransportKind};
+
+struct Etcd {
+    url: String,
+    child: Option<Child>,
+    _dir: Option<TempDir>,
+}
+
+struct TempDir(std::path::PathBuf);
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+impl Drop for Etcd {
+    fn drop(&mut self) {
+        if let Some(c) = &mut self.child {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+}
+
+fn etcd() -> Option<Etcd> {
+    if let Ok(url) = std::env::var("KVWIRE_ETCD") {
+        return Some(Etcd { url, child: None, _dir: None });
+    }
+    let found =
+        std::env::var_os("PATH").map(|p| std::env::split_paths(&p).any(|d| d.join("etcd").is_file())).unwrap_or(false);
+    if !found {
+        assert!(std::env::var("KVWIRE_REQUIRE_ETCD").is_err(), "KVWIRE_REQUIRE_ETCD set but no etcd available");
+        eprintln!("skipped: no etcd (set KVWIRE_ETCD or install etcd-server)");
+        return None;
+    }
+    let (cport, pport) = (free_port(), free_port());
+    let dir = std::env::temp_dir().join(format!("kvwire-etcd-{}-{cport}", std::process::id()));
+    let curl = format!("http://127.0.0.1:{cport}");
+    let purl = format!("http://127.0.0.1:{pport}");
+    let child = Command::new("etcd")
+        .args(["--name", "kvwire-test", "--data-dir"])
+        .arg(&dir)
+        .args(["--listen-client-urls", &curl, "--advertise-client-urls", &curl])
+        .args(["--listen-peer-urls", &purl, "--initial-advertise-peer-urls", &purl])
+        .args(["--initial-cluster", &format!("kvwire-test={purl}")])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("spawning etcd");
+    let e = Etcd { url: curl, child: Some(child), _dir: Some(TempDir(dir)) };
+    let t0 = Instant::now();
+    while EtcdStore::connect(&e.url, "/probe/", Duration::from_secs(2)).is_err() {
+        assert!(t0.elapsed() < Duration::from_secs(20), "etcd did not come up");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    Some(e)
+}
+
+fn unique_prefix(test: &str) -> String {
+    format!("/kvwire-test/{}/{test}/{}/", std::process::id(), uuid_like())
+}
+
+fn uuid_like() -> u64 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos() as u64
+}
+
+fn engine(name: &str) -> (TransferEngine, Arc<HostBuffer>) {
+    let mut e = TransferEngine::new(name, TransportKind::Tcp, &TransportConfig::default()).unwrap();
+    let b = Arc::new(HostBuffer::new(1 << 16).unwrap());
+    e.register(b.clone()).unwrap();
+    (e, b)
+}
+
+#[test]
+fn publish_lookup_list_and_revoke_on_drop() {
+    let Some(etcd) = etcd() else { return };
+    let prefix = unique_prefix("basic");
+    let (a, _ba) = engine("prefill-0");
+    let (b, _bb) = engine("prefill-1");
+    let mut store = EtcdStore::connect(&etcd.url, &prefix, Duration::from_secs(5)).unwrap();
+    store.publish(&a.metadata()).unwrap();
+    store.publish(&b.metadata()).unwrap();
+    let mut reader = EtcdStore::connect(&etcd.url, &prefix, Duration::from_secs(5)).unwrap();
+    assert_eq!(reader.lookup("prefill-0", Duration::from_secs(1)).unwrap(), a.metadata());
+    let mut names: Vec<String> = reader.list().unwrap().into_iter().map(|m| m.name).collect();
+    names.sort();
+    assert_eq!(names, ["prefill-0", "prefill-1"]);
+    store.unpublish("prefill-1").unwrap();
+    assert!(reader.get("prefill-1").unwrap().is_none());
+    // A lookup of an absent name waits the whole timeout, then says so.
+    let t0 = Instant::now();
+    let err = reader.lookup("nobody", Duration::from_millis(600)).unwrap_err();
+    assert!(matches!(err, kvwire::discovery::DiscoveryError::NotFound { .. }), "{err}");
+    assert!(t0.elapsed() >= Duration::from_millis(600));
+    drop(store); // revokes the lease: the entry goes at once
+    assert!(reader.get("prefill-0").unwrap().is_none());
+}
+
+#[test]
+fn lookup_waits_for_a_late_publisher_and_watch_sees_it() {
+    let Some(etcd) = etcd() else { return };
+    let prefix = unique_prefix("late");
+    let reader = EtcdStore::connect(&etcd.url, &prefix, Duration::from_secs(5)).unwrap();
+    let mut watch = reader.watch().unwrap();
+    let url = etcd.url.clone();
+    let p2 = prefix.clone();
+    let publisher = std::thread::spawn(move || {
+        std::thread::sleep(Duration::from_millis(700));
+        let (e, _b) = engine("decode-0");
+        let mut s = EtcdStore::connect(&url, &p2, Duration::from_secs(5)).unwrap();
+        s.publish(&e.metadata()).unwrap();
+        std::thread::sleep(Duration::from_millis(1500));
+        s.unpublish("decode-0").unwrap();
+        e.metadata()
+    });
+    let mut reader = reader;
+    let t0 = Instant::now();
+    let got = reader.lookup("decode-0", Duration::from_secs(10)).unwrap();
+    assert!(t0.elapsed() >= Duration::from_millis(600), "found before it was published?");
+    let published = publisher.join().unwrap();
+    assert_eq!(got, published);
+    assert_eq!(watch.next_event().unwrap(), Some(WatchEvent::Put(published)));
+    assert_eq!(watch.next_event().unwrap(), Some(WatchEvent::Delete("decode-0".into())));
+}
+
+#[test]
+fn crashed_publisher_disappears_when_its_lease_expires() {
+    let Some(etcd) = etcd() else { return };
+    let prefix = unique_prefix("crash");
+    let mut child = Command::new(std::env::current_exe().unwrap())
+        .args(["--exact", "child_publisher", "--ignored", "--nocapture"])
+        .env("KVWIRE_CHILD_ETCD", &etcd.url)
+        .env("KVWIRE_CHILD_PREFIX", &prefix)
+        .stdout(Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut reader = EtcdStore::connect(&etcd.url, &prefix, Duration::from_secs(5)).unwrap();
+    reader.lookup("crashy", Duration::from_secs(20)).expect("child published");
+    // The lease (2 s) is kept alive while the child lives.
+    std::thread::sleep(Duration::from_secs(3));
+    assert!(reader.get("crashy").unwrap().is_some(), "entry lost while its owner lives");
+    let mut watch = reader.watch().unwrap();
+    child.kill().unwrap(); // SIGKILL: no revoke, the lease must expire
+    child.wait().unwrap();
+    let t0 = Instant::now();
+    let ev = loop {
+        match watch.next_event() {
+            Ok(Some(ev)) => break ev,
+            Ok(None) => panic!("watch ended"),
+            Err(_) => assert!(t0.elapsed() < Duration::from_secs(10), "entry still there"),
+        }
+    };
+    assert_eq!(ev, WatchEvent::Delete("crashy".into()));
+    assert!(t0.elapsed() < Duration::from_secs(5), "lease took {:?} to expire", t0.elapsed());
+    assert!(reader.get("crashy").unwrap().is_none());
+}
+
+/// Child of the crash test: publish with a 2 s lease, then wait to be killed.
+#[test]
+#[ignore = "helper process of crashed_publisher_disappears_when_its_lease_expires"]
+fn child_publisher() {
+    let (Ok(url), Ok(prefix)) = (std::env::var("KVWIRE_CHILD_ETCD"), std::env::var("KVWIRE_CHILD_PREFIX")) else {
+        return;
+    };
+    let (e, _b) = engine("crashy");
+    let mut s = EtcdStore::connect(&url, &prefix, Duration::from_secs(2)).unwrap();
+    s.publish(&e.metadata()).unwrap();
+    std::thread::sleep(Duration::from_secs(60));
+}
+
+#[test]
+fn direct_store_exchanges_metadata_over_the_side_channel() {
+    let port = free_port();
+    let addr = format!("127.0.0.1:{port}");
+    let a2 = addr.clone();
+    let t = std::thread::spawn(move || {
+        let mut s = DirectStore::listen(&a2).unwrap();
+        let (e, _b) = engine("target");
+        s.publish(&e.metadata()).unwrap();
+        let peer = s.lookup("initiator", Duration::from_secs(10)).unwrap();
+        assert_eq!(peer.name, "initiator");
+    });
+    let mut c = DirectStore::connect(&addr, Duration::from_secs(10)).unwrap();
+    let (mut e, _b) = engine("initiator");
+    let target = c.lookup("target", Duration::from_secs(10)).unwrap();
+    e.connect(&target).unwrap(); // before publishing: the target lives until it sees us
+    c.publish(&e.metadata()).unwrap();
+    t.join().unwrap();
+    assert!(c.lookup("ghost", Duration::from_millis(200)).is_err());
+}

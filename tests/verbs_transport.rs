@@ -1,0 +1,387 @@
+//! The verbs transport on real RDMA devices (Soft-RoCE in CI: rxe0 ↔ rxe1).
+//!
+//! Each test runs only where a device exists (`SOFTROCE_DEVS`, or any device
+//! libibverbs lists); elsewhere it prints `skipped: no RDMA device (...)` to
+//! stderr and returns. `scripts/softroce-tests.sh` runs them in the
+//! Soft-RoCE guest. The guest is slow (20-60 MB/s, ms round trips): data is
+//! small and completions get seconds.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use kvwire::HostBuffer;
+use kvwire::engine::{AgentMetadata, Desc, TransferEngine, TransferHandle, TransferStatus};
+use kvwire::transport::{
+    self, Completion, LocalKey, MemoryBacking, Notification, Op, PostRequest, RemoteKey, Segment, TransportConfig,
+    TransportKind, XferId,
+};
+
+const WAIT: Duration = Duration::from_secs(60);
+
+/// `(target device, initiator device)` or the reason to skip.
+fn devices() -> Result<(String, String), String> {
+    if let Ok(devs) = std::env::var("SOFTROCE_DEVS") {
+        let d: Vec<&str> = devs.split_whitespace().collect();
+        if d.len() >= 2 {
+            return Ok((d[0].to_string(), d[1].to_string()));
+        }
+    }
+    match kvwire::verbs::device_names() {
+        Err(e) => Err(e.to_string()),
+        Ok(names) if names.is_empty() => Err("libibverbs lists no device and SOFTROCE_DEVS is unset".into()),
+        Ok(names) => Ok((names[0].clone(), names[0].clone())),
+    }
+}
+
+macro_rules! need_devices {
+    () => {
+        match devices() {
+            Ok(d) => d,
+            Err(why) => {
+                eprintln!("skipped: no RDMA device ({why})");
+                return;
+            }
+        }
+    };
+}
+
+fn config(device: &str, extra: &[(&str, &str)]) -> TransportConfig {
+    let mut c = TransportConfig::default();
+    c.options.push(("device".into(), device.into()));
+    if let Ok(i) = std::env::var("SOFTROCE_GID_IDX") {
+        c.options.push(("gid_index".into(), i));
+    }
+    for (k, v) in extra {
+        c.options.push((k.to_string(), v.to_string()));
+    }
+    c
+}
+
+fn engine(name: &str, device: &str) -> TransferEngine {
+    TransferEngine::new(name, TransportKind::Verbs, &config(device, &[])).expect("verbs engine")
+}
+
+fn wait(e: &mut TransferEngine, h: TransferHandle) -> TransferStatus {
+    let t0 = Instant::now();
+    loop {
+        let s = e.status(h).unwrap();
+        if s != TransferStatus::InProgress || t0.elapsed() > WAIT {
+            return s;
+        }
+        std::thread::sleep(Duration::from_micros(200));
+    }
+}
+
+fn wait_notifs(e: &mut TransferEngine, from: &str, n: usize) -> Vec<Vec<u8>> {
+    let t0 = Instant::now();
+    let mut got = Vec::new();
+    while got.len() < n && t0.elapsed() < WAIT {
+        if let Some(v) = e.get_notifs().remove(from) {
+            got.extend(v);
+        }
+        std::thread::sleep(Duration::from_micros(200));
+    }
+    got
+}
+
+#[test]
+fn verbs_write_read_and_notification() {
+    let (tdev, idev) = need_devices!();
+    let mut target = engine("decode", &tdev);
+    let mut init = engine("prefill", &idev);
+    let dst = Arc::new(HostBuffer::new(1 << 16).unwrap());
+    let src = Arc::new(HostBuffer::new(1 << 16).unwrap());
+    src.fill_with(0, 1 << 16, |i| (i * 7 + 3) as u8);
+    target.register(dst.clone()).unwrap();
+    init.register(src.clone()).unwrap();
+    init.connect(&target.metadata()).unwrap();
+
+    let h = init
+        .post(
+            Op::Write,
+            &[Desc::new(src.addr(), 40_000)],
+            "decode",
+            &[Desc::new(dst.addr() + 100, 40_000)],
+            Some(b"w1".to_vec()),
+        )
+        .unwrap();
+    assert_eq!(wait(&mut init, h), TransferStatus::Done);
+    init.release(h).unwrap();
+    assert_eq!(wait_notifs(&mut target, "prefill", 1), vec![b"w1".to_vec()]);
+    assert_eq!(&dst.as_slice()[100..40_100], &src.as_slice()[..40_000]);
+
+    // READ it back into another part of the initiator's buffer.
+    let h = init
+        .post(Op::Read, &[Desc::new(src.addr() + 50_000, 8_000)], "decode", &[Desc::new(dst.addr() + 100, 8_000)], None)
+        .unwrap();
+    assert_eq!(wait(&mut init, h), TransferStatus::Done);
+    init.release(h).unwrap();
+    assert_eq!(&src.as_slice()[50_000..58_000], &src.as_slice()[..8_000]);
+}
+
+#[test]
+fn verbs_notifications_arrive_in_order_after_their_data() {
+    let (tdev, idev) = need_devices!();
+    let mut target = engine("t-order", &tdev);
+    let mut init = engine("i-order", &idev);
+    let n = 16usize;
+    let page = 4096usize;
+    let dst = Arc::new(HostBuffer::new(n * page).unwrap());
+    let src = Arc::new(HostBuffer::new(n * page).unwrap());
+    src.fill_with(0, n * page, |i| (i / page + 1) as u8);
+    target.register(dst.clone()).unwrap();
+    init.register(src.clone()).unwrap();
+    init.connect(&target.metadata()).unwrap();
+    let mut handles = Vec::new();
+    for i in 0..n {
+        let off = (i * page) as u64;
+        let h = init
+            .post(
+                Op::Write,
+                &[Desc::new(src.addr() + off, page as u64)],
+                "t-order",
+                &[Desc::new(dst.addr() + off, page as u64)],
+                Some(format!("n{i}").into_bytes()),
+            )
+            .unwrap();
+        handles.push(h);
+    }
+    // As each notification arrives, its page must already be visible.
+    let t0 = Instant::now();
+    let mut seen = 0usize;
+    while seen < n && t0.elapsed() < WAIT {
+        for p in target.get_notifs().remove("i-order").unwrap_or_default() {
+            assert_eq!(p, format!("n{seen}").into_bytes(), "notifications out of order");
+            assert!(
+                dst.as_slice()[seen * page..(seen + 1) * page].iter().all(|&b| b == (seen + 1) as u8),
+                "notification {seen} before its data"
+            );
+            seen += 1;
+        }
+        std::thread::sleep(Duration::from_micros(200));
+    }
+    assert_eq!(seen, n);
+    for h in handles {
+        assert_eq!(wait(&mut init, h), TransferStatus::Done);
+        init.release(h).unwrap();
+    }
+}
+
+#[test]
+fn verbs_thousand_scattered_pages_byte_exact() {
+    let (tdev, idev) = need_devices!();
+    for qps in ["1", "2"] {
+        let mut target =
+            TransferEngine::new("t-pages", TransportKind::Verbs, &config(&tdev, &[("qps_per_peer", qps)])).unwrap();
+        let mut init =
+            TransferEngine::new("i-pages", TransportKind::Verbs, &config(&idev, &[("qps_per_peer", qps)])).unwrap();
+        let pages = 1000usize;
+        let page = 1024usize;
+        let dst = Arc::new(HostBuffer::new(2 * pages * page).unwrap());
+        let src = Arc::new(HostBuffer::new(pages * page).unwrap());
+        src.fill_with(0, pages * page, |i| (i.wrapping_mul(2654435761) >> 13) as u8);
+        target.register(dst.clone()).unwrap();
+        init.register(src.clone()).unwrap();
+        init.connect(&target.metadata()).unwrap();
+        // Source page i → destination slot perm(i), every other slot: no two
+        // neighbours coalesce.
+        let perm = |i: usize| (i * 389 + 17) % pages;
+        let local: Vec<Desc> = (0..pages).map(|i| Desc::new(src.addr() + (i * page) as u64, page as u64)).collect();
+        let remote: Vec<Desc> =
+            (0..pages).map(|i| Desc::new(dst.addr() + (2 * perm(i) * page) as u64, page as u64)).collect();
+        let t0 = Instant::now();
+        let h = init.post(Op::Write, &local, "t-pages", &remote, Some(b"pages".to_vec())).unwrap();
+        assert_eq!(wait(&mut init, h), TransferStatus::Done, "qps_per_peer={qps}");
+        init.release(h).unwrap();
+        eprintln!("1000 x {page} B scattered WRITE, qps_per_peer={qps}: {:?}", t0.elapsed());
+        assert_eq!(wait_notifs(&mut target, "i-pages", 1), vec![b"pages".to_vec()]);
+        for i in 0..pages {
+            let d = 2 * perm(i) * page;
+            assert_eq!(&dst.as_slice()[d..d + page], &src.as_slice()[i * page..(i + 1) * page], "page {i}");
+            assert!(dst.as_slice()[d + page..d + 2 * page].iter().all(|&b| b == 0), "gap after page {i} written");
+        }
+        // And READ them back scattered into a fresh buffer.
+        let back = Arc::new(HostBuffer::new(pages * page).unwrap());
+        init.register(back.clone()).unwrap();
+        let local: Vec<Desc> = (0..pages).map(|i| Desc::new(back.addr() + (i * page) as u64, page as u64)).collect();
+        let h = init.post(Op::Read, &local, "t-pages", &remote, None).unwrap();
+        assert_eq!(wait(&mut init, h), TransferStatus::Done);
+        init.release(h).unwrap();
+        assert_eq!(back.as_slice(), src.as_slice());
+    }
+}
+
+fn wait_completion(t: &mut Box<dyn transport::Transport>, x: XferId) -> Completion {
+    let t0 = Instant::now();
+    let mut out = Vec::new();
+    loop {
+        t.poll(&mut out);
+        if let Some(c) = out.iter().find(|c| c.xfer == x) {
+            return c.clone();
+        }
+        assert!(t0.elapsed() < WAIT, "no completion for {x:?}");
+        std::thread::sleep(Duration::from_micros(200));
+    }
+}
+
+#[test]
+fn verbs_wrong_rkey_fails_with_remote_access_error_then_recovers() {
+    let (tdev, idev) = need_devices!();
+    let mut target = transport::create(TransportKind::Verbs, "t-rkey", &config(&tdev, &[])).unwrap();
+    let mut init = transport::create(TransportKind::Verbs, "i-rkey", &config(&idev, &[])).unwrap();
+    let dst = HostBuffer::new(1 << 14).unwrap();
+    let src = HostBuffer::new(1 << 14).unwrap();
+    src.fill_with(0, 1 << 14, |_| 0xab);
+    let treg = target.register(&dst).unwrap();
+    let ireg = init.register(&src).unwrap();
+    let peer = init.connect("t-rkey", &target.connection_info(), &[]).unwrap();
+    let seg = |rkey: RemoteKey| Segment {
+        local_addr: src.addr(),
+        remote_addr: dst.addr(),
+        len_bytes: 4096,
+        lkey: ireg.lkey,
+        rkey,
+    };
+    let bad = RemoteKey(treg.rkey.0 ^ 0x5a5a00);
+    init.post(PostRequest {
+        xfer: XferId(1),
+        op: Op::Write,
+        peer,
+        segments: vec![seg(bad)],
+        notification: Some(b"x".to_vec()),
+    })
+    .unwrap();
+    let c = wait_completion(&mut init, XferId(1));
+    let err = c.result.expect_err("a wrong rkey must fail");
+    assert!(err.contains("IBV_WC_REM_ACCESS_ERR"), "got {err:?}");
+    assert!(dst.as_slice().iter().all(|&b| b == 0), "bytes written through a wrong rkey");
+    let mut n: Vec<Notification> = Vec::new();
+    target.take_notifications(&mut n);
+    assert!(n.is_empty(), "notification delivered for a failed transfer");
+
+    // The QP is reset and reconnected by the next post on that peer.
+    init.post(PostRequest {
+        xfer: XferId(2),
+        op: Op::Write,
+        peer,
+        segments: vec![seg(treg.rkey)],
+        notification: Some(b"ok".to_vec()),
+    })
+    .unwrap();
+    let c = wait_completion(&mut init, XferId(2));
+    assert_eq!(c.result, Ok(()));
+    assert!(dst.as_slice()[..4096].iter().all(|&b| b == 0xab));
+    let t0 = Instant::now();
+    while n.is_empty() && t0.elapsed() < WAIT {
+        target.take_notifications(&mut n);
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    assert_eq!(n.len(), 1);
+    assert_eq!(n[0].payload, b"ok");
+    let _ = init.deregister(LocalKey(ireg.lkey.0));
+}
+
+const CHILD_ENV: &str = "KVWIRE_VERBS_CHILD_DEVICE";
+const CHILD_META_ENV: &str = "KVWIRE_VERBS_CHILD_META";
+
+/// The target process of the kill test (does nothing unless spawned by it).
+#[test]
+fn verbs_child_target_process() {
+    let Ok(dev) = std::env::var(CHILD_ENV) else {
+        return;
+    };
+    eprintln!("child: opening {dev}");
+    let mut target = engine("t-killed", &dev);
+    let dst = Arc::new(HostBuffer::new(8 << 20).unwrap());
+    target.register(dst).unwrap();
+    eprintln!("child: registered");
+    let path = std::env::var(CHILD_META_ENV).unwrap();
+    std::fs::write(format!("{path}.tmp"), target.metadata().to_json()).unwrap();
+    std::fs::rename(format!("{path}.tmp"), &path).unwrap();
+    eprintln!("child: metadata written");
+    std::thread::sleep(Duration::from_secs(120));
+}
+
+#[test]
+fn verbs_peer_killed_mid_transfer_fails_within_retry_budget() {
+    let (tdev, idev) = need_devices!();
+    let exe = std::env::current_exe().unwrap();
+    let meta_path = std::env::temp_dir().join(format!("kvwire-verbs-child-{}.json", std::process::id()));
+    let _ = std::fs::remove_file(&meta_path);
+    let mut child = std::process::Command::new(exe)
+        .args(["verbs_child_target_process", "--exact", "--nocapture", "--test-threads=1"])
+        .env(CHILD_ENV, &tdev)
+        .env(CHILD_META_ENV, &meta_path)
+        .stdout(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    eprintln!("kill test: waiting for the child's metadata");
+    let t0 = Instant::now();
+    let meta = loop {
+        if let Ok(j) = std::fs::read_to_string(&meta_path) {
+            break AgentMetadata::from_json(&j).unwrap();
+        }
+        assert!(t0.elapsed() < WAIT, "child never published its metadata");
+        assert!(child.try_wait().unwrap().is_none(), "child exited early");
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    let _ = std::fs::remove_file(&meta_path);
+    // timeout 2^14 × 4.096 µs ≈ 67 ms, 3 retries: the budget is well under a second
+    // on hardware; rxe's timers are coarser, so allow seconds.
+    let cfg = config(&idev, &[("timeout", "14"), ("retry_cnt", "3")]);
+    let mut init = TransferEngine::new("i-kill", TransportKind::Verbs, &cfg).unwrap();
+    let src = Arc::new(HostBuffer::new(8 << 20).unwrap());
+    init.register(src.clone()).unwrap();
+    init.connect(&meta).unwrap();
+    eprintln!("kill test: connected");
+    let base = meta.regions[0].addr;
+    let pages = 512u64;
+    let page = 16u64 << 10;
+    let local: Vec<Desc> = (0..pages).map(|i| Desc::new(src.addr() + i * page, page)).collect();
+    let remote: Vec<Desc> = (0..pages).map(|i| Desc::new(base + i * page, page)).collect();
+    let h = init.post(Op::Write, &local, "t-killed", &remote, Some(b"never".to_vec())).unwrap();
+    std::thread::sleep(Duration::from_millis(20));
+    child.kill().unwrap();
+    child.wait().unwrap();
+    eprintln!("kill test: child killed, status now {:?}", init.status(h).unwrap());
+    let killed = Instant::now();
+    let s = wait(&mut init, h);
+    let took = killed.elapsed();
+    eprintln!("peer killed: {s:?} after {took:?}");
+    match s {
+        TransferStatus::Failed(why) => assert!(why.contains("IBV_WC_"), "{why}"),
+        TransferStatus::Done => eprintln!("note: the transfer finished before the kill landed"),
+        TransferStatus::InProgress => {
+            panic!("transfer still in progress {took:?} after the peer died")
+        }
+    }
+    assert!(took < Duration::from_secs(30), "failure took {took:?}");
+    init.release(h).unwrap();
+    // Later posts to the dead peer fail fast (reconnect refused), never hang.
+    let r = init.post(Op::Write, &local[..1], "t-killed", &remote[..1], None);
+    match r {
+        Err(e) => eprintln!("post to dead peer: {e}"),
+        Ok(h2) => {
+            let s = wait(&mut init, h2);
+            assert!(matches!(s, TransferStatus::Failed(_)), "{s:?}");
+        }
+    }
+}
+
+#[test]
+fn verbs_missing_device_is_a_clear_error() {
+    if devices().is_err() && !kvwire::verbs::available() {
+        let e = TransferEngine::new("x", TransportKind::Verbs, &TransportConfig::default()).unwrap_err();
+        assert!(e.to_string().contains("libibverbs.so.1"), "{e}");
+        return;
+    }
+    let (_, idev) = need_devices!();
+    let _ = idev;
+    let e = TransferEngine::new("x", TransportKind::Verbs, &config("no_such_dev9", &[])).unwrap_err();
+    assert!(e.to_string().contains("no_such_dev9"), "{e}");
+}
+
+#[allow(dead_code)]
+fn _backing_is_object_safe(b: &dyn MemoryBacking) -> u64 {
+    b.desc().addr
+}
