@@ -24,15 +24,20 @@ fi
 command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=index,name,pci.bus_id,driver_version --format=csv,noheader
 cargo build --tests --features cuda -q || exit 1
 log=$(mktemp)
-cargo test --features cuda --test cuda_gpu --test cuda_nogpu -- --show-output --test-threads=1 >"$log" 2>&1
+err=$(mktemp)
+# libtest's lines go to stdout, the tests' skip/info lines to stderr: keep
+# them apart so neither splits the other.
+cargo test --features cuda --test cuda_gpu --test cuda_nogpu --test cuda_verbs -- --show-output --test-threads=1 >"$log" 2>"$err"
 rc=$?
-grep -E "^(cuda::probe|dma-buf export|GPU [0-9]+ \()" "$log" | sed 's/^/  info: /'
-printf '%-56s %s\n' TEST RESULT
+grep -hE "^(cuda::probe|dma-buf export|GPU [0-9]+ \(|registration_path_is_reported: GPU)" "$log" "$err" | sed 's/^/  info: /'
+skipped=$(sed -n -E 's/^([a-z0-9_]+): skipped: .*/\1/p' "$err" | sort -u | tr '\n' ' ')
+printf '%-66s %s\n' TEST RESULT
 grep -E "^test .* \.\.\. " "$log" | sed -E 's/^test ([^ ]+) \.\.\. .*(ok|FAILED)$/\1 \2/' |
-    awk '{ printf "%-56s %s\n", $1, ($NF == "ok" ? "pass" : "FAIL") }'
+    awk -v skipped=" $skipped" '{ r = ($NF == "ok" ? "pass" : "FAIL"); if (r == "pass" && index(skipped, " " $1 " ")) r = "skip"; printf "%-66s %s\n", $1, r }'
 if [[ $rc -ne 0 ]]; then
     echo "--- failures ---"
     sed -n '/^failures:/,$p' "$log" | head -60
+    grep -E "^error" -A5 "$err" | head -20
 fi
 echo "overall: $([[ $rc -eq 0 ]] && echo PASS || echo FAIL)"
 exit $rc
