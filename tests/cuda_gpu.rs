@@ -191,3 +191,21 @@ fn nic_for_each_gpu() {
         }
     }
 }
+
+#[test]
+fn external_memory_exports_its_page_aligned_cover() {
+    let Some(gpu) = gpu_or_skip("external_memory_exports_its_page_aligned_cover") else { return };
+    let owner = DeviceBuffer::new(gpu.ordinal, 4 << 20).unwrap();
+    let page = cuda::dmabuf::host_page_bytes();
+    let addr = owner.addr() + page + 100;
+    // SAFETY: a sub-range of `owner`, which outlives `ext`.
+    let ext = unsafe { cuda::ExternalDeviceMemory::new(owner.context(), addr, 3 * page) };
+    assert_eq!(ext.desc().kind, MemoryKind::Vram);
+    match ext.dmabuf() {
+        Ok((_fd, offset)) => assert_eq!(offset, 100, "offset of addr in its page-aligned cover"),
+        Err(e) => assert!(!gpu.dma_buf_supported && matches!(e, CudaError::Unsupported(_)), "{e}"),
+    }
+    // SAFETY: as above; past the end of `owner`'s allocation.
+    let past = unsafe { cuda::ExternalDeviceMemory::new(owner.context(), owner.addr() + (4 << 20) - 10, 20) };
+    assert!(past.dmabuf().is_err());
+}

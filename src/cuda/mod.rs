@@ -8,7 +8,8 @@
 //!
 //! - [`probe`]: devices, driver version, PCIe bus ids, dma-buf support.
 //! - `DeviceBuffer`: VRAM as a [`MemoryBacking`](crate::transport::MemoryBacking)
-//!   with `kind: Vram`, usable as a `KvBuffer` shard (SEMANTICS §1.2).
+//!   with `kind: Vram`, usable as a `KvBuffer` shard (SEMANTICS §1.2);
+//!   `ExternalDeviceMemory`: the same for VRAM an inference engine allocated.
 //! - [`register`]: the RDMA registration chain of SEMANTICS §6 (dma-buf, then
 //!   nvidia-peermem, then an error naming both causes), generic over the verbs
 //!   calls; [`dmabuf`]: the export and its page alignment.
@@ -35,6 +36,8 @@ mod buffer;
 #[cfg(feature = "cuda")]
 mod driver;
 #[cfg(feature = "cuda")]
+mod external;
+#[cfg(feature = "cuda")]
 mod pinned;
 #[cfg(feature = "cuda")]
 mod stream;
@@ -47,6 +50,8 @@ pub use register::{GpuMemoryRegion, RegistrationPath, register_with_fallback};
 pub use buffer::{ALLOC_ALIGN_BYTES, DeviceBuffer};
 #[cfg(feature = "cuda")]
 pub use driver::GpuContext;
+#[cfg(feature = "cuda")]
+pub use external::ExternalDeviceMemory;
 #[cfg(feature = "cuda")]
 pub use pinned::{CopyDirection, CopyStreams, PendingCopy, PinnedHostBuffer};
 #[cfg(feature = "cuda")]
