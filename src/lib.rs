@@ -46,6 +46,7 @@
 #![warn(clippy::undocumented_unsafe_blocks)]
 
 pub mod connector;
+pub mod cuda;
 pub mod discovery;
 pub mod engine;
 pub mod kv;

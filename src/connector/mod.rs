@@ -36,6 +36,8 @@ mod pages;
 pub mod replay;
 mod transfer;
 mod types;
+#[cfg(feature = "cuda")]
+mod vram;
 
 #[cfg(test)]
 mod tests;
@@ -47,6 +49,8 @@ pub use null::NullConnector;
 pub use pages::{DevicePages, HostPages};
 pub use transfer::{CompletedTransfer, KVConnectorTransfer, KVTransfer};
 pub use types::{BlockCount, BlockHash, BlockId, ByteCount, KVCacheGroupId, KVCacheGroupKind, LeafId, PerLeaf};
+#[cfg(feature = "cuda")]
+pub use vram::VramPages;
 
 /// The interface between a KV cache manager and an external KV tier (MAX
 /// `KVConnector` protocol).

@@ -309,16 +309,28 @@ impl Transport for VerbsTransport {
         let d = backing.desc();
         let len = usize::try_from(d.len_bytes).map_err(|_| TransportError::Registration("range too large".into()))?;
         let reg = |e: VerbsError| TransportError::Registration(e.to_string());
-        let mr = match (d.kind, backing.dmabuf_fd()) {
-            // SAFETY: the engine keeps `backing` alive until `deregister`,
-            // which drops (deregisters) the MR first.
-            (MemoryKind::Vram, Some((fd, off))) => unsafe {
-                MemoryRegion::register_dmabuf(&self.inner.pd, fd, off, len, d.addr)
-                    .or_else(|_| MemoryRegion::register(&self.inner.pd, d.addr, len))
-                    .map_err(reg)?
-            },
-            // SAFETY: as above (host memory, or GPU memory via nvidia-peermem).
-            _ => unsafe { MemoryRegion::register(&self.inner.pd, d.addr, len).map_err(reg)? },
+        let pd = &self.inner.pd;
+        let mr = match d.kind {
+            // GPU memory: dma-buf, then the plain pointer (nvidia-peermem),
+            // else an error naming both causes (SEMANTICS §6).
+            MemoryKind::Vram => {
+                let dmabuf = backing.dmabuf_fd().ok_or_else(|| "the memory exports no dma-buf".to_string());
+                crate::cuda::register_with_fallback(
+                    d.addr,
+                    d.len_bytes,
+                    dmabuf,
+                    // SAFETY: the engine keeps `backing` (which owns the
+                    // memory and the dma-buf fd) alive until `deregister`,
+                    // which drops (deregisters) the MR first.
+                    |fd, off, _, iova| unsafe { MemoryRegion::register_dmabuf(pd, fd, off, len, iova) },
+                    // SAFETY: as above.
+                    |addr, _| unsafe { MemoryRegion::register(pd, addr, len) },
+                )
+                .map(|(mr, _path)| mr)
+                .map_err(|e| TransportError::Registration(e.to_string()))?
+            }
+            // SAFETY: as above (host memory).
+            MemoryKind::Dram => unsafe { MemoryRegion::register(pd, d.addr, len).map_err(reg)? },
         };
         let r = Registration { lkey: LocalKey(mr.lkey()), rkey: RemoteKey(mr.rkey()) };
         self.regions.insert(mr.lkey(), mr);
