@@ -19,8 +19,10 @@ pub const DEFAULT_ACCESS: i32 =
 pub struct MemoryRegion {
     raw: NonNull<ibv_mr>,
     pd: Arc<ProtectionDomain>,
-    /// A buffer the MR owns (dropped after deregistration).
-    owned: Option<Box<[u64]>>,
+    /// A buffer the MR owns (`Box<[u64]>` turned raw, so that the NIC and
+    /// [`MemoryRegion::write_owned`] may write it while `&self` exists;
+    /// freed after deregistration).
+    owned: Option<NonNull<[u64]>>,
 }
 
 // SAFETY: an MR is an immutable handle after registration.
@@ -92,12 +94,20 @@ impl MemoryRegion {
     /// # Errors
     /// As [`MemoryRegion::register`].
     pub fn alloc(pd: &Arc<ProtectionDomain>, len_bytes: usize) -> Result<Self, VerbsError> {
-        let buf = vec![0u64; len_bytes.div_ceil(8).max(1)].into_boxed_slice();
-        // SAFETY: the buffer is moved into the MR below and freed only after
-        // deregistration (field order and Drop).
-        let mut mr = unsafe { Self::register(pd, buf.as_ptr() as u64, len_bytes.max(1))? };
-        mr.owned = Some(buf);
-        Ok(mr)
+        let buf = NonNull::from(Box::leak(vec![0u64; len_bytes.div_ceil(8).max(1)].into_boxed_slice()));
+        // SAFETY: the buffer is handed to the MR below and freed only after
+        // deregistration (Drop); on failure it is freed here, unregistered.
+        match unsafe { Self::register(pd, buf.as_ptr() as *mut u64 as u64, len_bytes.max(1)) } {
+            Ok(mut mr) => {
+                mr.owned = Some(buf);
+                Ok(mr)
+            }
+            Err(e) => {
+                // SAFETY: from Box::leak above, not registered, not aliased.
+                drop(unsafe { Box::from_raw(buf.as_ptr()) });
+                Err(e)
+            }
+        }
     }
 
     /// Start address of the registered range.
@@ -127,7 +137,44 @@ impl MemoryRegion {
     /// The owned buffer, if [`MemoryRegion::alloc`] made it, as a raw pointer
     /// (the NIC may write it concurrently: read it only for completed work).
     pub fn owned_ptr(&self) -> Option<*mut u8> {
-        self.owned.as_ref().map(|b| b.as_ptr() as *mut u8)
+        self.owned.map(|b| b.as_ptr() as *mut u8)
+    }
+
+    /// `[offset, offset + len)` of the owned buffer, when there is one and
+    /// the range fits.
+    fn owned_range(&self, offset: usize, len: usize) -> Option<*mut u8> {
+        let end = offset.checked_add(len)?;
+        (end <= self.len_bytes()).then_some(())?;
+        // `wrapping_add` cannot leave the allocation: `end` is in bounds.
+        self.owned_ptr().map(|p| p.wrapping_add(offset))
+    }
+
+    /// Copy `data` into the owned buffer at `offset`; false (nothing
+    /// written) when the MR owns no buffer or the range does not fit.
+    /// The buffer is shared with the NIC (like shared memory with another
+    /// process): write only ranges that no posted work request uses, or the
+    /// NIC sends a mix of old and new bytes.
+    pub fn write_owned(&mut self, offset: usize, data: &[u8]) -> bool {
+        let Some(dst) = self.owned_range(offset, data.len()) else {
+            return false;
+        };
+        // SAFETY: in bounds of the owned allocation (checked), which no Rust
+        // reference covers (it is held raw) and `&mut self` excludes other
+        // writers on this side; `data` cannot overlap it (no `&[u8]` to it
+        // is ever handed out).
+        unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), dst, data.len()) };
+        true
+    }
+
+    /// A copy of `len` bytes of the owned buffer at `offset` (None when the
+    /// MR owns no buffer or the range does not fit). Read ranges the NIC has
+    /// finished writing (a completed receive), or the bytes may be mixed.
+    pub fn read_owned(&self, offset: usize, len: usize) -> Option<Vec<u8>> {
+        let src = self.owned_range(offset, len)?;
+        let mut out = vec![0u8; len];
+        // SAFETY: in bounds of the owned allocation (checked); `out` is new.
+        unsafe { std::ptr::copy_nonoverlapping(src, out.as_mut_ptr(), len) };
+        Some(out)
     }
 }
 
@@ -138,9 +185,12 @@ impl Drop for MemoryRegion {
         if rc != 0 {
             record_drop_failure("ibv_dereg_mr", rc);
             // The NIC may still reach the buffer: leak it rather than free it.
-            if let Some(b) = self.owned.take() {
-                std::mem::forget(b);
-            }
+            return;
+        }
+        if let Some(b) = self.owned.take() {
+            // SAFETY: from Box::leak in `alloc`, deregistered just now, and
+            // no reference to it outlives `self`.
+            drop(unsafe { Box::from_raw(b.as_ptr()) });
         }
     }
 }

@@ -7,7 +7,7 @@ use serde::{Deserialize, Serialize};
 
 use super::ffi::*;
 use super::wr::WrBatch;
-use super::{CompletionQueue, ProtectionDomain, VerbsError, record_drop_failure};
+use super::{CompletionQueue, MemoryRegion, ProtectionDomain, VerbsError, record_drop_failure};
 
 /// What a peer needs to connect to one of our QPs (exchanged at connect).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -55,6 +55,9 @@ pub struct QueuePair {
     post_recv: PostRecvFn,
     cap: ibv_qp_cap,
     psn: u32,
+    /// MRs that [`QueuePair::post_recv_owned`] posted receives into: dropped
+    /// (deregistered, buffer freed) only after the QP is destroyed.
+    recv_mrs: Vec<Arc<MemoryRegion>>,
 }
 
 // SAFETY: posting takes `&mut self`; other calls are thread-safe verbs.
@@ -103,6 +106,7 @@ impl QueuePair {
             post_recv,
             cap: init.cap,
             psn,
+            recv_mrs: Vec::new(),
         })
     }
 
@@ -243,6 +247,35 @@ impl QueuePair {
         // guarantees the memory.
         unsafe { batch.post_raw(self.post_send, self.raw.as_ptr()) }
             .map_err(|(i, rc)| (i, VerbsError::call("ibv_post_send", rc)))
+    }
+
+    /// Post one receive of `len_bytes` into `[offset, offset + len_bytes)` of
+    /// the buffer `mr` owns ([`MemoryRegion::alloc`]). The QP keeps `mr`
+    /// alive until it is destroyed, so the NIC never writes freed memory.
+    /// Read the bytes with [`MemoryRegion::read_owned`] once the receive
+    /// completed.
+    ///
+    /// # Errors
+    /// [`VerbsError::Call`] for `ibv_post_recv`; `EINVAL` when `mr` owns no
+    /// buffer or the range does not fit in it.
+    pub fn post_recv_owned(
+        &mut self,
+        wr_id: u64,
+        mr: &Arc<MemoryRegion>,
+        offset: usize,
+        len_bytes: u32,
+    ) -> Result<(), VerbsError> {
+        let fits = offset.checked_add(len_bytes as usize).is_some_and(|end| end <= mr.len_bytes());
+        if mr.owned_ptr().is_none() || !fits {
+            return Err(VerbsError::call("ibv_post_recv (range outside the MR's own buffer)", libc::EINVAL));
+        }
+        if !self.recv_mrs.iter().any(|m| Arc::ptr_eq(m, mr)) {
+            self.recv_mrs.push(mr.clone());
+        }
+        // SAFETY: the range lies in the buffer `mr` owns, registered under
+        // its lkey, and `recv_mrs` keeps `mr` (and so the buffer) alive until
+        // after the QP is destroyed (Drop destroys first, then fields drop).
+        unsafe { self.post_recv(wr_id, mr.addr() + offset as u64, len_bytes, mr.lkey()) }
     }
 
     /// Post one receive of `len_bytes` into `addr`.

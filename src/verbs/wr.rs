@@ -7,16 +7,23 @@ use super::ffi::*;
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct WrId(pub u64);
 
-/// A reusable batch of send WRs. Pushing only writes plain data; the `next`
-/// and `sg_list` pointers are linked when the batch is posted, so the
-/// vectors may grow freely while it is built.
+/// A reusable batch of send WRs, preallocated and pre-linked: WR `i`'s
+/// `sg_list` points at SGE `i` and its `next` at WR `i + 1` from the moment
+/// the storage is allocated (heap slices, so moving the batch keeps the
+/// links valid), and the fields no WR here changes (`num_sge`, `imm_data`,
+/// ...) are written once. Pushing writes only the per-WR fields; posting
+/// cuts the chain after the last WR for the call and restores that one link
+/// afterwards, so there is no per-post linking pass. The storage doubles
+/// (and is re-linked) when a push finds it full.
 pub struct WrBatch {
-    wrs: Vec<ibv_send_wr>,
-    sges: Vec<ibv_sge>,
+    wrs: Box<[ibv_send_wr]>,
+    sges: Box<[ibv_sge]>,
+    len: usize,
 }
 
-// SAFETY: the raw pointers inside the WRs are only set (to the batch's own
-// vectors) during `post_raw` and never dereferenced outside it.
+// SAFETY: the raw pointers inside the WRs point only into the batch's own
+// heap slices (which move with it) and are dereferenced only by the
+// provider during `post_raw`.
 unsafe impl Send for WrBatch {}
 
 impl Default for WrBatch {
@@ -26,41 +33,89 @@ impl Default for WrBatch {
 }
 
 impl WrBatch {
-    /// An empty batch with room for `n` WRs.
+    /// An empty batch with room for `n` WRs (at least 1) before it grows.
     pub fn with_capacity(n: usize) -> Self {
-        Self { wrs: Vec::with_capacity(n), sges: Vec::with_capacity(n) }
+        let n = n.max(1);
+        let blank = ibv_send_wr {
+            wr_id: 0,
+            next: std::ptr::null_mut(),
+            sg_list: std::ptr::null_mut(),
+            num_sge: 1,
+            opcode: IBV_WR_RDMA_WRITE,
+            send_flags: 0,
+            imm_data: 0,
+            wr: ibv_send_wr_wr { rdma: ibv_send_wr_rdma::default() },
+            qp_type: 0,
+            _bind_mw_tso: [0; 6],
+        };
+        let mut b = Self {
+            wrs: vec![blank; n].into_boxed_slice(),
+            sges: vec![ibv_sge { addr: 0, length: 0, lkey: 0 }; n].into_boxed_slice(),
+            len: 0,
+        };
+        b.link();
+        b
     }
 
-    /// Forget the WRs (keeps the allocation).
+    /// Point every WR at its SGE and at the next WR (the last at null).
+    fn link(&mut self) {
+        let n = self.wrs.len();
+        let base = self.wrs.as_mut_ptr();
+        let sges = self.sges.as_mut_ptr();
+        for (i, wr) in self.wrs.iter_mut().enumerate() {
+            // `wrapping_add` stays inside (or one past) the allocations.
+            wr.sg_list = sges.wrapping_add(i);
+            wr.next = if i + 1 < n { base.wrapping_add(i + 1) } else { std::ptr::null_mut() };
+        }
+    }
+
+    #[cold]
+    fn grow(&mut self) {
+        let mut bigger = Self::with_capacity(self.wrs.len() * 2);
+        for i in 0..self.len {
+            let (next, sg) = (bigger.wrs[i].next, bigger.wrs[i].sg_list);
+            bigger.wrs[i] = self.wrs[i];
+            bigger.wrs[i].next = next;
+            bigger.wrs[i].sg_list = sg;
+            bigger.sges[i] = self.sges[i];
+        }
+        bigger.len = self.len;
+        *self = bigger;
+    }
+
+    /// Forget the WRs (keeps the storage and its links).
     pub fn clear(&mut self) {
-        self.wrs.clear();
-        self.sges.clear();
+        self.len = 0;
     }
 
     /// Number of WRs.
     pub fn len(&self) -> usize {
-        self.wrs.len()
+        self.len
     }
 
     /// True when empty.
     pub fn is_empty(&self) -> bool {
-        self.wrs.is_empty()
+        self.len == 0
     }
 
+    /// WRs the batch holds before it grows.
+    pub fn capacity(&self) -> usize {
+        self.wrs.len()
+    }
+
+    #[inline(always)]
     fn push(&mut self, id: WrId, opcode: u32, signaled: bool, sge: ibv_sge, remote: ibv_send_wr_rdma) {
-        self.sges.push(sge);
-        self.wrs.push(ibv_send_wr {
-            wr_id: id.0,
-            next: std::ptr::null_mut(),
-            sg_list: std::ptr::null_mut(),
-            num_sge: 1,
-            opcode,
-            send_flags: if signaled { IBV_SEND_SIGNALED } else { 0 },
-            imm_data: 0,
-            wr: ibv_send_wr_wr { rdma: remote },
-            qp_type: 0,
-            _bind_mw_tso: [0; 6],
-        });
+        if self.len == self.wrs.len() {
+            self.grow();
+        }
+        let i = self.len;
+        self.sges[i] = sge;
+        let wr = &mut self.wrs[i];
+        wr.wr_id = id.0;
+        wr.opcode = opcode;
+        wr.send_flags = if signaled { IBV_SEND_SIGNALED } else { 0 };
+        wr.wr = ibv_send_wr_wr { rdma: remote };
+        self.len = i + 1;
     }
 
     /// An RDMA WRITE (`read == false`) or READ of `len_bytes` between local
@@ -99,7 +154,8 @@ impl WrBatch {
         );
     }
 
-    /// Link the chain and post it with one call to `post_send`.
+    /// Post the chain with one call to `post_send` (no linking pass: the
+    /// chain is cut after the last WR and that link restored afterwards).
     /// On failure returns `(index of the first WR not posted, rc)`.
     ///
     /// # Safety
@@ -107,32 +163,27 @@ impl WrBatch {
     /// and every SGE must lie in memory registered with its `lkey` that
     /// stays valid until the WRs complete.
     pub(crate) unsafe fn post_raw(&mut self, post_send: PostSendFn, qp: *mut ibv_qp) -> Result<(), (usize, i32)> {
-        let n = self.wrs.len();
+        let n = self.len;
         if n == 0 {
             return Ok(());
         }
         let base = self.wrs.as_mut_ptr();
-        let sges = self.sges.as_mut_ptr();
-        for i in 0..n {
-            // SAFETY: i < n = len of both vectors; the pointers stay valid
-            // because neither vector is touched until post_send returns.
-            unsafe {
-                let wr = &mut *base.add(i);
-                wr.sg_list = sges.add(i);
-                wr.next = if i + 1 < n { base.add(i + 1) } else { std::ptr::null_mut() };
-            }
-        }
+        let saved = std::mem::replace(&mut self.wrs[n - 1].next, std::ptr::null_mut());
         let mut bad: *mut ibv_send_wr = std::ptr::null_mut();
-        // SAFETY: the caller guarantees `qp`/`post_send`; the chain is linked.
+        // SAFETY: the caller guarantees `qp`/`post_send`; WRs 0..n are linked
+        // to their SGEs and to each other (`link`), WR n-1 ends the chain,
+        // and the storage is not touched until post_send returns.
         let rc = unsafe { post_send(qp, base, &mut bad) };
+        self.wrs[n - 1].next = saved;
         if rc == 0 {
             return Ok(());
         }
         let idx = if bad.is_null() {
             0
         } else {
-            // SAFETY: `bad` points into the chain we passed.
-            (unsafe { bad.offset_from(base) }).clamp(0, n as isize) as usize
+            // Pointer arithmetic only (no dereference): `bad` points into the
+            // chain we passed.
+            ((bad as usize).wrapping_sub(base as usize) / std::mem::size_of::<ibv_send_wr>()).min(n)
         };
         Err((idx, rc))
     }

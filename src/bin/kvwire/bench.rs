@@ -70,6 +70,13 @@ pub struct BenchArgs {
     /// Print one JSON object instead of the table.
     #[arg(long)]
     json: bool,
+    /// While waiting for a transfer, sleep this many microseconds between
+    /// status polls once spinning and yielding found it unfinished (0: never
+    /// sleep). For CPU-starved hosts (the Soft-RoCE guest), where a polling
+    /// application thread competes with the transport's progress thread and
+    /// the (software) NIC for the same cores.
+    #[arg(long, default_value_t = 0)]
+    wait_sleep_us: u64,
     /// Be the target and wait for an initiator on ADDR (two terminals).
     #[arg(long, conflicts_with = "connect")]
     listen: Option<String>,
@@ -187,7 +194,7 @@ fn serve_target(mut chan: SideChannel) -> Result<()> {
     }
 }
 
-fn wait_done(e: &mut TransferEngine, h: TransferHandle) -> Result<()> {
+fn wait_done(e: &mut TransferEngine, h: TransferHandle, sleep_us: u64) -> Result<()> {
     let deadline = Instant::now() + Duration::from_secs(120);
     // Spin briefly, then yield the core to the copy threads (this machine
     // may have no more cores than the transport has threads).
@@ -201,7 +208,11 @@ fn wait_done(e: &mut TransferEngine, h: TransferHandle) -> Result<()> {
                 spins += 1;
                 std::hint::spin_loop()
             }
-            TransferStatus::InProgress => std::thread::yield_now(),
+            TransferStatus::InProgress if sleep_us == 0 || spins < 128 => {
+                spins += 1;
+                std::thread::yield_now()
+            }
+            TransferStatus::InProgress => std::thread::sleep(Duration::from_micros(sleep_us)),
         }
     }
 }
@@ -318,7 +329,7 @@ fn initiate(a: &BenchArgs, total: u64, chan: &mut SideChannel) -> Result<Report>
             &mut segments,
         )?;
         let t_post = t0.elapsed();
-        wait_done(&mut engine, h)?;
+        wait_done(&mut engine, h, a.wait_sleep_us)?;
         let t = t0.elapsed();
         if it >= a.warmup {
             lat_us.push(t.as_secs_f64() * 1e6);
@@ -333,7 +344,7 @@ fn initiate(a: &BenchArgs, total: u64, chan: &mut SideChannel) -> Result<Report>
         let k = i % a.blocks as usize;
         let t0 = Instant::now();
         let h = engine.post_with(op, &local[k..k + 1], &meta.name, &remote[k..k + 1], None, &mut segments)?;
-        wait_done(&mut engine, h)?;
+        wait_done(&mut engine, h, a.wait_sleep_us)?;
         page_lat.push(t0.elapsed().as_secs_f64() * 1e6);
     }
     let notifications = a.warmup + a.iters;

@@ -92,12 +92,8 @@ fn serve(inner: &Inner, mut ch: SideChannel) {
         let mut st = inner.lock();
         for (mut qp, slab) in built {
             for slot in 0..RECVS_PER_QP {
-                let addr = slab.addr() + u64::from(slot) * NOTIF_SLOT_BYTES as u64;
                 let (wr_id, len) = (RECV_BIT | u64::from(slot), NOTIF_SLOT_BYTES as u32);
-                // SAFETY: the slot lies in `slab`, registered with its lkey
-                // and owned by the RecvQp together with the QP (destroyed first).
-                let posted = unsafe { qp.post_recv(wr_id, addr, len, slab.lkey()) };
-                if let Err(e) = posted {
+                if let Err(e) = qp.post_recv_owned(wr_id, &slab, slot as usize * NOTIF_SLOT_BYTES, len) {
                     tracing::warn!("verbs: post_recv for {agent}: {e}");
                 }
             }
@@ -145,11 +141,11 @@ pub(super) fn handshake(
 }
 
 impl Inner {
-    fn new_recv_qp(&self) -> Result<(QueuePair, QpEndpoint, MemoryRegion), TransportError> {
+    fn new_recv_qp(&self) -> Result<(QueuePair, QpEndpoint, Arc<MemoryRegion>), TransportError> {
         let qp = QueuePair::new(&self.pd, &self.cq, &self.cq, 4, RECVS_PER_QP).map_err(verbs_err)?;
         let ep = qp.endpoint(self.qp_options.port, self.qp_options.gid_index).map_err(verbs_err)?;
         let slab = MemoryRegion::alloc(&self.pd, RECVS_PER_QP as usize * NOTIF_SLOT_BYTES)
             .map_err(|e| TransportError::Registration(e.to_string()))?;
-        Ok((qp, ep, slab))
+        Ok((qp, ep, Arc::new(slab)))
     }
 }

@@ -23,6 +23,7 @@
 //! `gid_index=N` (default: RoCE v2 IPv4-mapped, LID routing on IB),
 //! `qps_per_peer=N` (1), `timeout=EXP` (14: 4.096 µs × 2^14 ≈ 67 ms),
 //! `retry_cnt=N` (7), `max_send_wr=N` (1024), `signal_every=N` (32),
+//! `poll_sleep_us=N` (50: the progress thread's sleep on an idle CQ),
 //! `listen=IP` (default: the GID's IPv4 address).
 
 mod conn;
@@ -123,7 +124,7 @@ impl VerbsTransport {
             None if pattr.link_layer == IBV_LINK_LAYER_INFINIBAND => None,
             None => Some(ctx.auto_gid_index(port).map_err(unsupported)? as u8),
         };
-        let rd_atom = ctx.attr().max_qp_rd_atom.clamp(1, 16) as u8;
+        let rd_atom = ctx.attr().max_qp_rd_atom.clamp(1, 255) as u8;
         let qp_options = QpOptions {
             port,
             gid_index,
@@ -138,6 +139,7 @@ impl VerbsTransport {
             max_send_wr,
             signal_every: opt::<u32>(config, "signal_every", 32)?.clamp(1, max_send_wr),
             max_batch: 64,
+            poll_sleep_us: opt::<u32>(config, "poll_sleep_us", 50)?.clamp(1, 100_000),
         };
         let qps_per_peer = opt::<u32>(config, "qps_per_peer", 1)?.clamp(1, 64);
         let listen_ip = match config.option("listen") {
@@ -282,7 +284,7 @@ fn progress_loop(inner: &Inner) {
                 } else if idle < 256 {
                     std::thread::yield_now();
                 } else {
-                    std::thread::sleep(Duration::from_micros(50));
+                    std::thread::sleep(Duration::from_micros(u64::from(inner.limits.poll_sleep_us)));
                 }
             }
             Ok(n) => {
@@ -388,11 +390,9 @@ impl Transport for VerbsTransport {
             let s = slab.free.pop().ok_or_else(|| {
                 TransportError::Post(format!("more than {NOTIF_SLOTS} notifications in flight to {}", p.name))
             })?;
-            let base = slab.mr.owned_ptr().expect("slab owns its buffer");
-            // SAFETY: slot `s` is free: no WR reads it until we post one.
-            unsafe {
-                std::ptr::copy_nonoverlapping(payload.as_ptr(), base.add(s as usize * NOTIF_SLOT_BYTES), payload.len())
-            };
+            // Slot `s` is free: no WR reads it until we post one.
+            let written = slab.mr.write_owned(s as usize * NOTIF_SLOT_BYTES, payload);
+            debug_assert!(written, "the slab owns its buffer and payloads fit a slot");
             slot = Some((s, payload.len() as u32));
         }
         let qp0 = p.qpns[0];

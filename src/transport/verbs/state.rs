@@ -3,6 +3,7 @@
 //! transfers, target-side receive QPs and the notifications they produced.
 
 use std::collections::{HashMap, VecDeque};
+use std::sync::Arc;
 
 use crate::transport::{Completion, Notification, Op, Segment, XferId};
 use crate::verbs::ffi::{IBV_WC_RECV, IBV_WC_SUCCESS, IBV_WC_WR_FLUSH_ERR, wc_status_name};
@@ -63,7 +64,8 @@ pub struct Xfer {
 pub struct RecvQp {
     pub qp: QueuePair,
     pub agent: String,
-    pub slab: MemoryRegion,
+    /// Receive slots; the QP also keeps it alive (`post_recv_owned`).
+    pub slab: Arc<MemoryRegion>,
 }
 
 /// Notification slots of one peer (a registered slab on the initiator).
@@ -94,6 +96,9 @@ pub struct PostLimits {
     pub signal_every: u32,
     /// WRs per `post_send` call.
     pub max_batch: u32,
+    /// Microseconds the progress thread sleeps between polls of an idle
+    /// completion queue (after spinning and yielding).
+    pub poll_sleep_us: u32,
 }
 
 /// Receive chunk ids have the top bit set; the rest is the slot.
@@ -316,20 +321,14 @@ impl State {
             return;
         }
         let slot = (wc.wr_id & !RECV_BIT) as usize;
-        let base = r.slab.owned_ptr().unwrap_or(std::ptr::null_mut());
         let len = (wc.byte_len as usize).min(NOTIF_SLOT_BYTES);
-        if base.is_null() {
+        // The receive completed: the NIC no longer writes the slot until it
+        // is reposted below.
+        let Some(payload) = r.slab.read_owned(slot * NOTIF_SLOT_BYTES, len) else {
             return;
-        }
-        // SAFETY: the slot lies inside the slab the MR owns; its receive
-        // completed, so the NIC no longer writes it until we repost it.
-        let payload = unsafe { std::slice::from_raw_parts(base.add(slot * NOTIF_SLOT_BYTES), len) }.to_vec();
+        };
         self.notifs.push(Notification { from_agent: r.agent.clone(), payload });
-        let addr = r.slab.addr() + (slot * NOTIF_SLOT_BYTES) as u64;
-        let lkey = r.slab.lkey();
-        // SAFETY: the slot is inside the slab, registered with `lkey`, owned
-        // by the RecvQp, which is dropped (QP destroyed first) together.
-        if let Err(e) = unsafe { r.qp.post_recv(wc.wr_id, addr, NOTIF_SLOT_BYTES as u32, lkey) } {
+        if let Err(e) = r.qp.post_recv_owned(wc.wr_id, &r.slab, slot * NOTIF_SLOT_BYTES, NOTIF_SLOT_BYTES as u32) {
             tracing::warn!("verbs: cannot repost a receive for {}: {e}", r.agent);
         }
     }
