@@ -6,8 +6,9 @@
 # scripts/softroce-tests.sh.
 set -euo pipefail
 repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
-softroce=${SOFTROCE_DIR:-$repo/../shared/softroce}
-[ -x "$softroce/run-in-softroce-vm.sh" ] || softroce=/work/shared/softroce
+. "$repo/scripts/softroce-lib.sh"
+softroce_preflight cuda-softroce-check "$repo"
+command -v gcc >/dev/null || softroce_unavailable cuda-softroce-check "no gcc for the fake libcuda"
 cd "$repo"
 export CARGO_TARGET_DIR=${CARGO_TARGET_DIR:-$repo/target}
 export SOFTROCE_TIMEOUT=${SOFTROCE_TIMEOUT:-600}

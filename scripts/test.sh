@@ -13,6 +13,6 @@ cargo test --release --all-targets
 # The cuda layer against a fake libcuda (host memory as "VRAM"): our side of
 # every driver call, without a GPU. The real GPU check is scripts/gpu-check.sh.
 if command -v gcc >/dev/null; then FAKE=1 bash scripts/gpu-check.sh; else echo "gpu-check (fake driver): skipped: no gcc"; fi
-for suite in scripts/softroce-tests.sh scripts/netns-tests.sh scripts/python-tests.sh scripts/capi-tests.sh; do
+for suite in scripts/softroce-tests.sh scripts/cuda-softroce-check.sh scripts/netns-tests.sh scripts/python-tests.sh scripts/capi-tests.sh; do
   if [ -f "$suite" ]; then bash "$suite"; fi
 done
