@@ -41,6 +41,43 @@ pub struct PeerRegion {
     pub mem: PeerMem,
     /// Set when the target deregistered the region.
     pub revoked: AtomicBool,
+    /// Copies into or out of this region in progress. A revocation sets
+    /// `revoked`, then waits for this to reach 0 before acknowledging, so
+    /// once the target's `deregister` returns nothing touches the region.
+    pub active: AtomicUsize,
+}
+
+impl PeerRegion {
+    /// Start an access: false (and nothing held) when the region is revoked.
+    /// `SeqCst` pairs with [`PeerRegion::revoke`]: either the revoker sees
+    /// our count, or we see its flag.
+    pub fn enter(&self) -> bool {
+        self.active.fetch_add(1, Ordering::SeqCst);
+        if self.revoked.load(Ordering::SeqCst) {
+            self.active.fetch_sub(1, Ordering::SeqCst);
+            return false;
+        }
+        true
+    }
+
+    /// End an access started by a successful [`PeerRegion::enter`].
+    pub fn exit(&self) {
+        self.active.fetch_sub(1, Ordering::SeqCst);
+    }
+
+    /// Revoke: refuse new accesses, then wait for those in progress.
+    pub fn revoke(&self) {
+        self.revoked.store(true, Ordering::SeqCst);
+        let mut spins = 0u32;
+        while self.active.load(Ordering::SeqCst) != 0 {
+            spins += 1;
+            if spins < 256 {
+                std::thread::yield_now();
+            } else {
+                std::thread::sleep(std::time::Duration::from_micros(50));
+            }
+        }
+    }
 }
 
 /// One connected peer, shared by the engine thread and the workers.
@@ -182,13 +219,41 @@ fn finish(x: &XferShared, done: &Sender<Completion>) {
 }
 
 fn copy_segments(x: &XferShared, segs: &[Segment]) -> Result<(), String> {
+    let mut held: Option<(u32, &PeerRegion)> = None;
+    let result = copy_held(x, segs, &mut held);
+    if let Some((_, r)) = held {
+        r.exit();
+    }
+    result
+}
+
+/// Copy `segs`, holding an access on the region in use (`held`) so that a
+/// revocation waits for the copy; the caller releases the last one.
+fn copy_held<'a>(x: &'a XferShared, segs: &[Segment], held: &mut Option<(u32, &'a PeerRegion)>) -> Result<(), String> {
     let mut cma: Vec<(libc::iovec, libc::iovec)> = Vec::new();
     let mut cma_pid = 0;
     for s in segs {
-        let Some(region) = x.peer.regions.get(&s.rkey.0) else {
-            return Err(format!("remote access error: unknown rkey {}", s.rkey.0));
+        let region = match *held {
+            Some((k, r)) if k == s.rkey.0 => r,
+            _ => {
+                // Switching regions: finish what the old one batched, release it.
+                cma_flush(x.op, cma_pid, &mut cma)?;
+                if let Some((_, old)) = held.take() {
+                    old.exit();
+                }
+                let Some(region) = x.peer.regions.get(&s.rkey.0) else {
+                    return Err(format!("remote access error: unknown rkey {}", s.rkey.0));
+                };
+                if !region.enter() {
+                    return Err(format!("remote access error: rkey {} was deregistered by the target", s.rkey.0));
+                }
+                *held = Some((s.rkey.0, region));
+                region
+            }
         };
-        if region.revoked.load(Ordering::Acquire) {
+        if region.revoked.load(Ordering::Relaxed) {
+            // A revocation is waiting for us: stop here.
+            cma_flush(x.op, cma_pid, &mut cma)?;
             return Err(format!("remote access error: rkey {} was deregistered by the target", s.rkey.0));
         }
         let off = (s.remote_addr - region.addr) as usize;
@@ -203,9 +268,10 @@ fn copy_segments(x: &XferShared, segs: &[Segment]) -> Result<(), String> {
                 // SAFETY: the engine checked the local range against a live
                 // registration (whose backing it keeps alive), and `post`
                 // checked the remote range against this region, which is
-                // mapped for `len_bytes` and kept alive by `_map`. The ranges
-                // are in different registrations' memory or different
-                // mappings, so they do not overlap.
+                // mapped for `len_bytes` and kept alive by `_map`; the held
+                // access keeps the target's deregister waiting until we are
+                // done. The ranges are in different registrations' memory or
+                // different mappings, so they do not overlap.
                 unsafe { std::ptr::copy_nonoverlapping(src, dst, s.len_bytes as usize) };
             }
             PeerMem::Cma { pid } => {
@@ -219,7 +285,7 @@ fn copy_segments(x: &XferShared, segs: &[Segment]) -> Result<(), String> {
             }
         }
         if x.cancelled.load(Ordering::Relaxed) {
-            return Ok(());
+            return cma_flush(x.op, cma_pid, &mut cma);
         }
     }
     cma_flush(x.op, cma_pid, &mut cma)

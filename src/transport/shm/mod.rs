@@ -55,8 +55,23 @@ struct LocalRegion {
 
 type RegionTable = Arc<Mutex<HashMap<u32, LocalRegion>>>;
 type NotifQueue = Arc<Mutex<Vec<Notification>>>;
-/// Side channels of the peers that connected to us (closed on drop).
-type Accepted = Arc<Mutex<Vec<Arc<Channel>>>>;
+/// An initiator connected to us.
+struct AcceptedPeer {
+    id: u64,
+    channel: Channel,
+    /// False once its connection ended (it can no longer access anything).
+    live: AtomicBool,
+}
+
+/// The initiators connected to us (closed on drop).
+type Accepted = Arc<Mutex<Vec<Arc<AcceptedPeer>>>>;
+
+/// Revocation acknowledgements `(peer id, rkey)`, and a condvar to wait on.
+#[derive(Default)]
+struct Acks {
+    got: Mutex<std::collections::HashSet<(u64, u32)>>,
+    changed: std::sync::Condvar,
+}
 
 fn boot_id() -> String {
     std::fs::read_to_string("/proc/sys/kernel/random/boot_id").map(|s| s.trim().to_string()).unwrap_or_default()
@@ -74,6 +89,7 @@ pub struct ShmTransport {
     stopping: Arc<AtomicBool>,
     notifs: NotifQueue,
     accepted: Accepted,
+    acks: Arc<Acks>,
     peers: HashMap<u32, Arc<PeerShared>>,
     monitors: Vec<JoinHandle<()>>,
     next_peer: u32,
@@ -102,13 +118,19 @@ impl ShmTransport {
         let notifs: NotifQueue = Arc::default();
         let stopping = Arc::new(AtomicBool::new(false));
         let accepted: Accepted = Arc::default();
+        let acks: Arc<Acks> = Arc::default();
         let service = {
-            let (listener, regions, notifs, stopping, accepted) =
-                (listener.clone(), regions.clone(), notifs.clone(), stopping.clone(), accepted.clone());
-            let timeout = config.peer_timeout;
+            let shared = Shared {
+                regions: regions.clone(),
+                notifs: notifs.clone(),
+                accepted: accepted.clone(),
+                acks: acks.clone(),
+                timeout: config.peer_timeout,
+            };
+            let (listener, stopping) = (listener.clone(), stopping.clone());
             std::thread::Builder::new()
                 .name("kvwire-shm-listen".into())
-                .spawn(move || accept_loop(&listener, &regions, &notifs, &stopping, &accepted, timeout))
+                .spawn(move || accept_loop(&listener, &stopping, &shared))
                 .map_err(|e| TransportError::io("spawn", e))?
         };
         let (done_tx, done) = crossbeam_channel::unbounded();
@@ -123,6 +145,7 @@ impl ShmTransport {
             stopping,
             notifs,
             accepted,
+            acks,
             peers: HashMap::new(),
             monitors: Vec::new(),
             next_peer: 1,
@@ -133,40 +156,49 @@ impl ShmTransport {
     }
 }
 
-fn accept_loop(
-    listener: &Listener,
-    regions: &RegionTable,
-    notifs: &NotifQueue,
-    stopping: &AtomicBool,
-    accepted: &Accepted,
+/// What the listener and its per-peer threads share with the transport.
+#[derive(Clone)]
+struct Shared {
+    regions: RegionTable,
+    notifs: NotifQueue,
+    accepted: Accepted,
+    acks: Arc<Acks>,
     timeout: Duration,
-) {
-    while let Ok(ch) = listener.accept() {
+}
+
+fn accept_loop(listener: &Listener, stopping: &AtomicBool, shared: &Shared) {
+    let mut next_id = 0u64;
+    while let Ok(channel) = listener.accept() {
         if stopping.load(Ordering::Acquire) {
             break;
         }
-        let ch = Arc::new(ch);
-        let mut list = accepted.lock().unwrap_or_else(|p| p.into_inner());
-        list.retain(|c| Arc::strong_count(c) > 1); // drop channels whose peer left
-        list.push(ch.clone());
+        next_id += 1;
+        let peer = Arc::new(AcceptedPeer { id: next_id, channel, live: AtomicBool::new(true) });
+        let mut list = shared.accepted.lock().unwrap_or_else(|p| p.into_inner());
+        list.retain(|p| p.live.load(Ordering::Acquire)); // forget peers that left
+        list.push(peer.clone());
         drop(list);
-        let (regions, notifs) = (regions.clone(), notifs.clone());
-        let spawned = std::thread::Builder::new()
-            .name("kvwire-shm-peer".into())
-            .spawn(move || serve_peer(ch, &regions, &notifs, timeout));
+        let shared = shared.clone();
+        let spawned = std::thread::Builder::new().name("kvwire-shm-peer".into()).spawn(move || {
+            serve_peer(&peer, &shared);
+            peer.live.store(false, Ordering::Release);
+            // A deregister waiting for this peer's acknowledgement stops waiting.
+            shared.acks.changed.notify_all();
+        });
         if let Err(e) = spawned {
             tracing::warn!("shm: cannot serve a peer: {e}");
         }
     }
 }
 
-fn serve_peer(ch: Arc<Channel>, regions: &RegionTable, notifs: &NotifQueue, timeout: Duration) {
-    if ch.set_timeouts(timeout).is_err() {
+fn serve_peer(peer: &AcceptedPeer, shared: &Shared) {
+    let ch = &peer.channel;
+    if ch.set_timeouts(shared.timeout).is_err() {
         return;
     }
     let agent = match ch.recv() {
         Ok(Some((Msg::Hello { agent, rkeys }, _))) => {
-            if let Err(e) = answer_hello(&ch, regions, &rkeys) {
+            if let Err(e) = answer_hello(ch, &shared.regions, &rkeys) {
                 tracing::warn!("shm: hello from {agent} failed: {e}");
                 return;
             }
@@ -186,10 +218,15 @@ fn serve_peer(ch: Arc<Channel>, regions: &RegionTable, notifs: &NotifQueue, time
     loop {
         match ch.recv() {
             Ok(Some((Msg::Notify { payload }, _))) => {
-                notifs
+                shared
+                    .notifs
                     .lock()
                     .unwrap_or_else(|p| p.into_inner())
                     .push(Notification { from_agent: agent.clone(), payload });
+            }
+            Ok(Some((Msg::RevokeAck { rkey }, _))) => {
+                shared.acks.got.lock().unwrap_or_else(|p| p.into_inner()).insert((peer.id, rkey));
+                shared.acks.changed.notify_all();
             }
             Ok(Some((other, _))) => tracing::warn!("shm: unexpected message from {agent}: {other:?}"),
             Ok(None) => return,
@@ -273,18 +310,61 @@ impl Transport for ShmTransport {
         Ok(Registration { lkey: LocalKey(key), rkey: RemoteKey(key) })
     }
 
+    /// Forget a registration. Every connected initiator is told to revoke
+    /// the key and must acknowledge that no access is in progress and none
+    /// will start; only then does this return, as `ibv_dereg_mr` does (the
+    /// caller may free the memory afterwards).
+    ///
+    /// # Errors
+    /// [`TransportError::UnknownLocalKey`]; [`TransportError::Connect`] when
+    /// a live initiator does not acknowledge within `peer_timeout` — the
+    /// registration then stays in place (deregister may be retried).
     fn deregister(&mut self, lkey: LocalKey) -> Result<(), TransportError> {
-        self.regions
+        let removed = self
+            .regions
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .remove(&lkey.0)
             .ok_or(TransportError::UnknownLocalKey(lkey))?;
-        // Tell every connected initiator, so later accesses fail like a
-        // destroyed MR's rkey (their mapping stays valid memory meanwhile).
-        for ch in self.accepted.lock().unwrap_or_else(|p| p.into_inner()).iter() {
-            let _ = ch.send(&Msg::Revoke { rkey: lkey.0 }, None);
+        let peers: Vec<Arc<AcceptedPeer>> = self
+            .accepted
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .iter()
+            .filter(|p| p.live.load(Ordering::Acquire))
+            .cloned()
+            .collect();
+        for p in &peers {
+            // A peer that cannot be told is gone (its socket is closed).
+            let _ = p.channel.send(&Msg::Revoke { rkey: lkey.0 }, None);
         }
-        Ok(())
+        let deadline = std::time::Instant::now() + self.config.peer_timeout;
+        let mut got = self.acks.got.lock().unwrap_or_else(|p| p.into_inner());
+        loop {
+            let waiting: Vec<u64> = peers
+                .iter()
+                .filter(|p| p.live.load(Ordering::Acquire) && !got.contains(&(p.id, lkey.0)))
+                .map(|p| p.id)
+                .collect();
+            if waiting.is_empty() {
+                got.retain(|(_, k)| *k != lkey.0);
+                return Ok(());
+            }
+            let now = std::time::Instant::now();
+            if now >= deadline {
+                got.retain(|(_, k)| *k != lkey.0);
+                drop(got);
+                self.regions.lock().unwrap_or_else(|p| p.into_inner()).insert(lkey.0, removed);
+                return Err(TransportError::Connect {
+                    peer: format!("{} initiator(s)", waiting.len()),
+                    reason: format!(
+                        "did not confirm revoking rkey {} within {:?}; the region stays registered",
+                        lkey.0, self.config.peer_timeout
+                    ),
+                });
+            }
+            got = self.acks.changed.wait_timeout(got, deadline - now).unwrap_or_else(|p| p.into_inner()).0;
+        }
     }
 
     fn connection_info(&self) -> Vec<u8> {
@@ -305,6 +385,7 @@ impl Transport for ShmTransport {
         ch.send(&Msg::Hello { agent: self.agent.clone(), rkeys }, None).map_err(|e| cerr(e.to_string()))?;
         let mut table = HashMap::new();
         let mut fds = HashMap::new();
+        let mut revoked_early = Vec::new();
         let pid = loop {
             match ch.recv().map_err(|e| cerr(e.to_string()))? {
                 None => return Err(cerr("peer closed the connection during the handshake".into())),
@@ -318,6 +399,11 @@ impl Transport for ShmTransport {
                     table.insert(rkey, (addr, len_bytes));
                 }
                 Some((Msg::Ready { pid }, _)) => break pid as i32,
+                Some((Msg::Revoke { rkey }, _)) => {
+                    // Deregistered while we were connecting: never use it.
+                    revoked_early.push(rkey);
+                    ch.send(&Msg::RevokeAck { rkey }, None).map_err(|e| cerr(e.to_string()))?;
+                }
                 Some((other, _)) => return Err(cerr(format!("unexpected handshake message {other:?}"))),
             }
         };
@@ -327,7 +413,8 @@ impl Transport for ShmTransport {
                 Some((fd, offset)) => map_region(fd, offset, len_bytes)?,
                 None => PeerMem::Cma { pid },
             };
-            peer_regions.insert(rkey, PeerRegion { addr, len_bytes, mem, revoked: AtomicBool::new(false) });
+            let revoked = AtomicBool::new(revoked_early.contains(&rkey));
+            peer_regions.insert(rkey, PeerRegion { addr, len_bytes, mem, revoked, active: AtomicUsize::new(0) });
         }
         let peer = Arc::new(PeerShared {
             name: peer_name.to_string(),
@@ -346,8 +433,9 @@ impl Transport for ShmTransport {
                     match watched.channel.recv() {
                         Ok(Some((Msg::Revoke { rkey }, _))) => {
                             if let Some(r) = watched.regions.get(&rkey) {
-                                r.revoked.store(true, Ordering::Release);
+                                r.revoke();
                             }
+                            let _ = watched.channel.send(&Msg::RevokeAck { rkey }, None);
                         }
                         Ok(Some((other, _))) => tracing::warn!("shm: unexpected message {other:?}"),
                         Ok(None) | Err(_) => break,
@@ -543,8 +631,8 @@ impl Drop for ShmTransport {
             p.channel.shutdown();
         }
         // Close the channels of peers connected to us: they see us gone.
-        for ch in self.accepted.lock().unwrap_or_else(|p| p.into_inner()).drain(..) {
-            ch.shutdown();
+        for p in self.accepted.lock().unwrap_or_else(|p| p.into_inner()).drain(..) {
+            p.channel.shutdown();
         }
         for m in self.monitors.drain(..) {
             let _ = m.join();

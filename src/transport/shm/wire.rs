@@ -66,6 +66,12 @@ pub enum Msg {
         /// Remote key.
         rkey: u32,
     },
+    /// Initiator → target: no access to `rkey` is in progress and none will
+    /// start; the target's `deregister` waits for this from every initiator.
+    RevokeAck {
+        /// Remote key.
+        rkey: u32,
+    },
     /// Initiator → target: a transfer's notification, sent after its data.
     Notify {
         /// Payload.
