@@ -309,6 +309,19 @@ pub enum KvError {
     /// This engine initiated no such transfer (already cleaned up, or a stale handle).
     #[error("unknown transfer {0}")]
     UnknownTransfer(String),
+    /// The request names neither this engine as its source nor as its
+    /// destination (kvwire; MAX would poll it forever).
+    #[error("transfer {transfer_name} is between {src_name:?} and {dst_name:?}, not engine {engine:?}")]
+    NotOurTransfer {
+        /// The request's transfer name.
+        transfer_name: String,
+        /// Its source engine.
+        src_name: String,
+        /// Its destination engine.
+        dst_name: String,
+        /// This engine.
+        engine: String,
+    },
     /// `sync_and_release` deadline; the transfer was cancelled before returning.
     #[error("transfer {transfer_name} did not complete within {timeout:?} (cancelled)")]
     Timeout {

@@ -283,6 +283,30 @@ fn empty_page_lists_complete_at_once() {
     assert!(b.e.is_complete(&req).unwrap());
 }
 
+#[test]
+fn requests_naming_other_engines_are_refused_and_names_must_match() {
+    let g = [(8, 64, false)];
+    let mut a = make("na", 1, 1, &g);
+    let mut b = make("nb", 1, 1, &g);
+    let mut c = make("nc", 1, 1, &g);
+    a.e.connect(&b.e.metadata()).unwrap();
+    let idx = PageIdxs::per_leaf([("leaf0", vec![1, 2])]);
+    let req = a.e.initiate_send_transfer(b.e.name(), &idx, &idx, 0, 0).unwrap();
+    // a third engine is neither source nor destination: an error, not a poll forever
+    assert!(matches!(c.e.is_complete(&req), Err(KvError::NotOurTransfer { .. })));
+    assert!(matches!(c.e.cancel_transfer(&req), Err(KvError::NotOurTransfer { .. })));
+    assert!(matches!(c.e.sync_and_release(&req, Duration::from_millis(10)), Err(KvError::NotOurTransfer { .. })));
+    // a request that reuses our transfer name between other engines must not
+    // touch our in-flight transfer
+    let mut forged = req.clone();
+    forged.src_name = c.e.name().to_string();
+    forged.dst_name = a.e.name().to_string();
+    let before = a.e.num_inflight();
+    a.e.cancel_transfer(&forged).unwrap();
+    assert_eq!(a.e.num_inflight(), before, "a forged request released our transfer");
+    wait_both(&mut a.e, &mut b.e, &req);
+}
+
 // ---------------------------------------------------------------- data movement
 
 /// Send pages and verify every destination byte against the source shard

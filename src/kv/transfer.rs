@@ -229,6 +229,7 @@ impl KVTransferEngine {
     /// (passive side, a replica this engine lacks); [`KvError::UnknownTransfer`]
     /// (a transfer this engine initiated and already cleaned up or cancelled).
     pub fn is_complete(&mut self, req: &TransferReqData) -> Result<bool, KvError> {
+        self.check_ours(req)?;
         if req.is_empty() {
             return Ok(true);
         }
@@ -272,9 +273,24 @@ impl KVTransferEngine {
     /// For a transfer this engine initiated and still holds: the owning
     /// replica and its `(handle, shard)` pairs, from the stored record (not
     /// the caller's copy, which may have crossed a process boundary).
+    /// [`KvError::NotOurTransfer`] unless `req` names this engine on one side.
+    fn check_ours(&self, req: &TransferReqData) -> Result<(), KvError> {
+        if req.src_name == self.name || req.dst_name == self.name {
+            return Ok(());
+        }
+        Err(KvError::NotOurTransfer {
+            transfer_name: req.transfer_name.clone(),
+            src_name: req.src_name.clone(),
+            dst_name: req.dst_name.clone(),
+            engine: self.name.clone(),
+        })
+    }
+
+    /// The in-flight request this engine initiated that `req` denotes: same
+    /// transfer name *and* the same engines (a name alone could collide).
     fn owned(&self, req: &TransferReqData) -> Option<(usize, Vec<(u64, usize)>)> {
         let map = if req.is_read { &self.inflight_read } else { &self.inflight_send };
-        let own = map.get(&req.transfer_name)?;
+        let own = map.get(&req.transfer_name).filter(|o| o.src_name == req.src_name && o.dst_name == req.dst_name)?;
         let replica = if own.is_read { own.dst_replica_idx } else { own.src_replica_idx };
         let handles = own
             .transfer_ids
@@ -340,8 +356,12 @@ impl KVTransferEngine {
     }
 
     fn forget(&mut self, req: &TransferReqData) -> Result<(), KvError> {
+        self.check_ours(req)?;
         let map = if req.is_read { &mut self.inflight_read } else { &mut self.inflight_send };
-        if let Some(own) = map.remove(&req.transfer_name) {
+        let same = |o: &TransferReqData| o.src_name == req.src_name && o.dst_name == req.dst_name;
+        if map.get(&req.transfer_name).is_some_and(same)
+            && let Some(own) = map.remove(&req.transfer_name)
+        {
             let replica = if own.is_read { own.dst_replica_idx } else { own.src_replica_idx };
             return self.release_handles(&own, replica).map_or(Ok(()), Err);
         }

@@ -7,7 +7,7 @@ use std::time::Instant;
 
 use anyhow::{Result, bail};
 use kvwire::kv::{KVTransferEngineMetadata, TransferReqData};
-use kvwire::sidechannel::SideChannel;
+use kvwire::sidechannel::{SideChannel, SideChannelError};
 use kvwire::transport::TransportConfig;
 
 use super::pool::PagePool;
@@ -37,8 +37,13 @@ struct Holding {
 type Release = Reverse<(u64, u64)>;
 
 pub fn run(mut chan: SideChannel) -> Result<()> {
-    let Msg::Setup { geometry: g, num_pages, transport, copy_threads, options, decode_step_ms, speed } = chan.recv()?
-    else {
+    let setup = match chan.recv() {
+        Ok(m) => m,
+        // Prefill stopped before setting up (it reports its own error).
+        Err(SideChannelError::Closed) => return Ok(()),
+        Err(e) => return Err(e.into()),
+    };
+    let Msg::Setup { geometry: g, num_pages, transport, copy_threads, options, decode_step_ms, speed } = setup else {
         bail!("expected Setup from prefill");
     };
     let cfg = TransportConfig { copy_threads, options, ..TransportConfig::default() };
@@ -117,7 +122,8 @@ pub fn run(mut chan: SideChannel) -> Result<()> {
             p.waited = true;
             match releases.peek() {
                 Some(Reverse((t, _))) => clock_us = clock_us.max(*t),
-                None if holding.values().all(|h| h.req.is_none() && h.pages.is_empty()) => {
+                // Nothing holds pages that will ever be released: the request cannot fit.
+                None if holding.is_empty() => {
                     bail!(
                         "request {} needs {} pages; the decode pool has {}",
                         p.id,
@@ -132,7 +138,6 @@ pub fn run(mut chan: SideChannel) -> Result<()> {
         let mut landed = Vec::new();
         for (id, h) in &holding {
             if let Some(req) = &h.req
-                && !h.pages.is_empty()
                 && engine.is_complete(req)?
             {
                 landed.push(*id);

@@ -66,7 +66,7 @@ impl ModelPreset {
             return Ok(self.bytes_per_token_layers(layers));
         }
         if tp == 0 || !self.kv_heads.is_multiple_of(tp) {
-            bail!("--tp {tp} must divide the {} KV heads of {}", self.kv_heads, self.name);
+            bail!("TP {tp} must divide the {} KV heads of {}", self.kv_heads, self.name);
         }
         Ok(self.bytes_per_token_layers(layers) / tp)
     }

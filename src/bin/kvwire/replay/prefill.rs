@@ -117,12 +117,26 @@ pub fn run(a: &ReplayArgs, mut chan: SideChannel) -> Result<Report> {
     if a.layers == 0 || a.layers > model.layers {
         bail!("--layers must be 1..={} for {}", model.layers, model.name);
     }
-    if a.page_tokens == 0 || a.tp == 0 || a.dp == 0 || a.inflight == 0 {
-        bail!("--page-tokens, --tp, --dp and --inflight must be at least 1");
+    if a.page_tokens == 0 || a.tp == 0 || a.dp == 0 || a.inflight == 0 || a.decode_tp == Some(0) {
+        bail!("--page-tokens, --tp, --decode-tp, --dp and --inflight must be at least 1");
+    }
+    if a.speed.is_some_and(|s| !(s.is_finite() && s > 0.0)) {
+        bail!("--speed must be a positive number (times real time)");
+    }
+    if !(a.host_tier_gib.is_finite() && a.host_tier_gib >= 0.0)
+        || !(a.decode_step_ms.is_finite() && a.decode_step_ms >= 0.0)
+    {
+        bail!("--host-tier-gib and --decode-step-ms must be non-negative numbers");
     }
     let decode_tp = a.decode_tp.unwrap_or(a.tp);
-    let prefill_bpp = model.shard_bytes_per_token(a.layers, a.tp as u64)? * a.page_tokens;
-    let decode_bpp = model.shard_bytes_per_token(a.layers, decode_tp as u64)? * a.page_tokens;
+    let page_bytes = |tp: usize, flag: &str| -> Result<u64> {
+        let per_token = model.shard_bytes_per_token(a.layers, tp as u64).with_context(|| format!("{flag} {tp}"))?;
+        per_token.checked_mul(a.page_tokens).filter(|&b| b <= 1 << 30).with_context(|| {
+            format!("--page-tokens {} makes a page larger than 1 GiB ({per_token} bytes per token)", a.page_tokens)
+        })
+    };
+    let prefill_bpp = page_bytes(a.tp, "--tp")?;
+    let decode_bpp = page_bytes(decode_tp, "--decode-tp")?;
     let path = a.trace.clone().unwrap_or_else(default_trace);
     let reqs = trace::load(&path, a.requests)?;
     let pages_of = |r: &TraceRequest| r.input_length.div_ceil(a.page_tokens);
