@@ -123,9 +123,8 @@ pub fn run(a: &ReplayArgs, mut chan: SideChannel) -> Result<Report> {
     if a.speed.is_some_and(|s| !(s.is_finite() && s > 0.0)) {
         bail!("--speed must be a positive number (times real time)");
     }
-    if !(a.host_tier_gib.is_finite() && a.host_tier_gib >= 0.0)
-        || !(a.decode_step_ms.is_finite() && a.decode_step_ms >= 0.0)
-    {
+    let non_negative = |x: f64| x.is_finite() && x >= 0.0;
+    if !non_negative(a.host_tier_gib) || !non_negative(a.decode_step_ms) {
         bail!("--host-tier-gib and --decode-step-ms must be non-negative numbers");
     }
     let decode_tp = a.decode_tp.unwrap_or(a.tp);
