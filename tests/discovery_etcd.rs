@@ -208,3 +208,26 @@ fn direct_store_exchanges_metadata_over_the_side_channel() {
     t.join().unwrap();
     assert!(c.lookup("ghost", Duration::from_millis(200)).is_err());
 }
+
+#[test]
+fn a_name_published_by_another_live_engine_is_refused() {
+    let Some(etcd) = etcd() else { return };
+    let prefix = unique_prefix("dupe");
+    let (a, _ba) = engine("dupe");
+    let (b, _bb) = engine("dupe");
+    let mut first = EtcdStore::connect(&etcd.url, &prefix, Duration::from_secs(5)).unwrap();
+    first.publish(&a.metadata()).unwrap();
+    // the owner may republish (e.g. after registering more memory)
+    first.publish(&a.metadata()).unwrap();
+    let mut second = EtcdStore::connect(&etcd.url, &prefix, Duration::from_secs(5)).unwrap();
+    let err = second.publish(&b.metadata()).unwrap_err();
+    assert!(matches!(err, kvwire::discovery::DiscoveryError::NameTaken(ref n) if n == "dupe"), "{err}");
+    drop(second);
+    // the first engine's entry survived the attempt
+    let mut reader = EtcdStore::connect(&etcd.url, &prefix, Duration::from_secs(5)).unwrap();
+    assert_eq!(reader.lookup("dupe", Duration::from_secs(1)).unwrap(), a.metadata());
+    // once the owner is gone, the name is free again
+    drop(first);
+    second = EtcdStore::connect(&etcd.url, &prefix, Duration::from_secs(5)).unwrap();
+    second.publish(&b.metadata()).unwrap();
+}

@@ -265,11 +265,31 @@ fn keep_alive_loop(eps: &[String], entries: &Entries, ttl: Duration, stop: &Atom
 }
 
 impl MetadataStore for EtcdStore {
+    /// Publish under `prefix + name` with this store's lease. A name another
+    /// live engine published is refused ([`DiscoveryError::NameTaken`]):
+    /// the first put is a create-only transaction; republishing a name this
+    /// store owns (new registrations) overwrites it.
     fn publish(&mut self, meta: &AgentMetadata) -> Result<(), DiscoveryError> {
         let lease = self.ensure_keeper()?;
         let key = format!("{}{}", self.prefix, meta.name);
         let value = b64encode(&meta.to_bytes());
-        put(&self.endpoints, &key, &value, lease)?;
+        let ours = self.entries.lock().unwrap_or_else(|p| p.into_inner()).contains_key(&key);
+        if ours {
+            put(&self.endpoints, &key, &value, lease)?;
+        } else {
+            let k = b64encode(key.as_bytes());
+            let r = call(
+                &self.endpoints,
+                "/v3/kv/txn",
+                &json!({
+                    "compare": [{ "target": "CREATE", "key": k, "createRevision": "0" }],
+                    "success": [{ "requestPut": { "key": k, "value": value, "lease": lease } }],
+                }),
+            )?;
+            if !r.get("succeeded").and_then(Value::as_bool).unwrap_or(false) {
+                return Err(DiscoveryError::NameTaken(meta.name.clone()));
+            }
+        }
         self.entries.lock().unwrap_or_else(|p| p.into_inner()).insert(key, value);
         Ok(())
     }

@@ -63,6 +63,9 @@ pub enum DiscoveryError {
     /// A malformed answer from the store.
     #[error("protocol error: {0}")]
     Protocol(String),
+    /// Another live engine already published this name.
+    #[error("agent name {0:?} is already published by another engine")]
+    NameTaken(String),
     /// No agent of that name was published within the wait.
     #[error("agent {name:?} not published after waiting {waited:?}")]
     NotFound {
