@@ -231,3 +231,24 @@ fn a_name_published_by_another_live_engine_is_refused() {
     second = EtcdStore::connect(&etcd.url, &prefix, Duration::from_secs(5)).unwrap();
     second.publish(&b.metadata()).unwrap();
 }
+
+#[test]
+fn replay_discovers_the_decode_engine_through_etcd() {
+    let Some(etcd) = etcd() else { return };
+    let prefix = unique_prefix("replay");
+    let out = Command::new(env!("CARGO_BIN_EXE_kvwire"))
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .args(["replay", "--requests", "12", "--decode-pages", "1024", "--json"])
+        .args(["--etcd", &etcd.url, "--etcd-prefix", &prefix])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let j: serde_json::Value =
+        serde_json::from_str(String::from_utf8_lossy(&out.stdout).lines().last().unwrap()).unwrap();
+    assert_eq!(j["verified"], true);
+    assert_eq!(j["requests"], 12);
+    // both engines withdrew their entries (leases revoked) when they exited
+    let reader = EtcdStore::connect(&etcd.url, &prefix, Duration::from_secs(5)).unwrap();
+    assert!(reader.get_bytes("decode").unwrap().is_none());
+    assert!(reader.get_bytes("prefill").unwrap().is_none());
+}

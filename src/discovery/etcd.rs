@@ -182,6 +182,75 @@ impl EtcdStore {
         }
     }
 
+    /// Publish under `prefix + name` with this store's lease. A name another
+    /// live engine published is refused ([`DiscoveryError::NameTaken`]):
+    /// the first put is a create-only transaction; republishing a name this
+    /// store owns (new registrations) overwrites it.
+    ///
+    /// Any bytes may be published this way (e.g. a KV engine's metadata);
+    /// [`MetadataStore::publish`] publishes an agent's.
+    ///
+    /// # Errors
+    /// [`DiscoveryError::NameTaken`]; gateway errors.
+    pub fn publish_bytes(&mut self, name: &str, bytes: &[u8]) -> Result<(), DiscoveryError> {
+        let lease = self.ensure_keeper()?;
+        let key = format!("{}{name}", self.prefix);
+        let value = b64encode(bytes);
+        let ours = self.entries.lock().unwrap_or_else(|p| p.into_inner()).contains_key(&key);
+        if ours {
+            put(&self.endpoints, &key, &value, lease)?;
+        } else {
+            let k = b64encode(key.as_bytes());
+            let r = call(
+                &self.endpoints,
+                "/v3/kv/txn",
+                &json!({
+                    "compare": [{ "target": "CREATE", "key": k, "createRevision": "0" }],
+                    "success": [{ "requestPut": { "key": k, "value": value, "lease": lease } }],
+                }),
+            )?;
+            if !r.get("succeeded").and_then(Value::as_bool).unwrap_or(false) {
+                return Err(DiscoveryError::NameTaken(name.to_string()));
+            }
+        }
+        self.entries.lock().unwrap_or_else(|p| p.into_inner()).insert(key, value);
+        Ok(())
+    }
+
+    /// The bytes published under `name`, once, without waiting.
+    ///
+    /// # Errors
+    /// Gateway errors; a value that is not base64.
+    pub fn get_bytes(&self, name: &str) -> Result<Option<Vec<u8>>, DiscoveryError> {
+        let r = self.range(format!("{}{name}", self.prefix).as_bytes(), None)?;
+        let Some(kv) = r.get("kvs").and_then(Value::as_array).and_then(|a| a.first()) else { return Ok(None) };
+        let Some(value) = kv.get("value").and_then(Value::as_str) else { return Ok(None) };
+        b64decode(value).map(Some).ok_or_else(|| DiscoveryError::Protocol(format!("value of {name} is not base64")))
+    }
+
+    /// The bytes published under `name`, waiting up to `timeout` for them
+    /// (polling with backoff; etcd briefly unreachable counts as absent).
+    ///
+    /// # Errors
+    /// [`DiscoveryError::NotFound`] after the wait; other gateway errors.
+    pub fn lookup_bytes(&mut self, name: &str, timeout: Duration) -> Result<Vec<u8>, DiscoveryError> {
+        let deadline = Instant::now() + timeout;
+        let mut pause = POLL_MIN;
+        loop {
+            match self.get_bytes(name) {
+                Ok(Some(b)) => return Ok(b),
+                Ok(None) | Err(DiscoveryError::Io { .. }) => {}
+                Err(e) => return Err(e),
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                return Err(DiscoveryError::NotFound { name: name.to_string(), waited: timeout });
+            }
+            std::thread::sleep(pause.min(deadline - now));
+            pause = (pause * 2).min(POLL_MAX);
+        }
+    }
+
     /// Follow puts and deletes under the prefix from now on.
     ///
     /// # Errors
@@ -265,52 +334,13 @@ fn keep_alive_loop(eps: &[String], entries: &Entries, ttl: Duration, stop: &Atom
 }
 
 impl MetadataStore for EtcdStore {
-    /// Publish under `prefix + name` with this store's lease. A name another
-    /// live engine published is refused ([`DiscoveryError::NameTaken`]):
-    /// the first put is a create-only transaction; republishing a name this
-    /// store owns (new registrations) overwrites it.
     fn publish(&mut self, meta: &AgentMetadata) -> Result<(), DiscoveryError> {
-        let lease = self.ensure_keeper()?;
-        let key = format!("{}{}", self.prefix, meta.name);
-        let value = b64encode(&meta.to_bytes());
-        let ours = self.entries.lock().unwrap_or_else(|p| p.into_inner()).contains_key(&key);
-        if ours {
-            put(&self.endpoints, &key, &value, lease)?;
-        } else {
-            let k = b64encode(key.as_bytes());
-            let r = call(
-                &self.endpoints,
-                "/v3/kv/txn",
-                &json!({
-                    "compare": [{ "target": "CREATE", "key": k, "createRevision": "0" }],
-                    "success": [{ "requestPut": { "key": k, "value": value, "lease": lease } }],
-                }),
-            )?;
-            if !r.get("succeeded").and_then(Value::as_bool).unwrap_or(false) {
-                return Err(DiscoveryError::NameTaken(meta.name.clone()));
-            }
-        }
-        self.entries.lock().unwrap_or_else(|p| p.into_inner()).insert(key, value);
-        Ok(())
+        self.publish_bytes(&meta.name, &meta.to_bytes())
     }
 
     fn lookup(&mut self, name: &str, timeout: Duration) -> Result<AgentMetadata, DiscoveryError> {
-        let deadline = Instant::now() + timeout;
-        let mut pause = POLL_MIN;
-        loop {
-            match self.get(name) {
-                Ok(Some(m)) => return Ok(m),
-                // etcd briefly unreachable: keep waiting until the deadline.
-                Ok(None) | Err(DiscoveryError::Io { .. }) => {}
-                Err(e) => return Err(e),
-            }
-            let now = Instant::now();
-            if now >= deadline {
-                return Err(DiscoveryError::NotFound { name: name.to_string(), waited: timeout });
-            }
-            std::thread::sleep(pause.min(deadline - now));
-            pause = (pause * 2).min(POLL_MAX);
-        }
+        let bytes = self.lookup_bytes(name, timeout)?;
+        AgentMetadata::from_bytes(&bytes).map_err(|source| DiscoveryError::Metadata { name: name.to_string(), source })
     }
 
     fn unpublish(&mut self, name: &str) -> Result<(), DiscoveryError> {

@@ -6,13 +6,13 @@ use std::collections::{BinaryHeap, HashMap, VecDeque};
 use std::time::Instant;
 
 use anyhow::{Result, bail};
-use kvwire::kv::{KVTransferEngineMetadata, TransferReqData};
+use kvwire::kv::TransferReqData;
 use kvwire::sidechannel::{SideChannel, SideChannelError};
 use kvwire::transport::TransportConfig;
 
 use super::pool::PagePool;
 use super::prefill::{CacheShape, Idle, build_engine, spawn_reader};
-use super::{Msg, shard_key};
+use super::{Msg, exchange_metadata, shard_key};
 use crate::pattern::check_page;
 
 struct Pending {
@@ -43,15 +43,15 @@ pub fn run(mut chan: SideChannel) -> Result<()> {
         Err(SideChannelError::Closed) => return Ok(()),
         Err(e) => return Err(e.into()),
     };
-    let Msg::Setup { geometry: g, num_pages, transport, copy_threads, options, decode_step_ms, speed } = setup else {
+    let Msg::Setup { geometry: g, num_pages, transport, copy_threads, options, decode_step_ms, speed, etcd } = setup
+    else {
         bail!("expected Setup from prefill");
     };
     let cfg = TransportConfig { copy_threads, options, ..TransportConfig::default() };
     let shape = CacheShape { dp: g.dp, tp: g.decode_tp, num_pages, bytes_per_page: g.bytes_per_page, mla: g.mla };
     let (mut engine, hosts) = build_engine("decode", &shape, transport, &cfg)?;
-    chan.send(&Msg::Meta(engine.metadata().to_bytes()))?;
-    let Msg::Meta(bytes) = chan.recv()? else { bail!("expected the prefill engine's metadata") };
-    engine.connect(&KVTransferEngineMetadata::from_bytes(&bytes)?)?;
+    let (prefill_md, _published) = exchange_metadata(&mut chan, etcd.as_ref(), &engine.metadata(), "prefill", true)?;
+    engine.connect(&prefill_md)?;
     let inbox = spawn_reader(&chan)?;
 
     let mut pools: Vec<PagePool> = (0..g.dp).map(|_| PagePool::new(num_pages)).collect();

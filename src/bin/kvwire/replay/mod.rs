@@ -88,6 +88,15 @@ pub struct ReplayArgs {
     /// Print one JSON object instead of the table.
     #[arg(long)]
     pub json: bool,
+    /// Discover the engines' metadata through etcd at this URL (e.g.
+    /// http://127.0.0.1:2379) instead of the side channel; each side
+    /// publishes its KV engine metadata under --etcd-prefix with a lease and
+    /// waits (up to 30 s) for the other's.
+    #[arg(long)]
+    pub etcd: Option<String>,
+    /// Key prefix for --etcd.
+    #[arg(long, default_value = "/kvwire/replay/")]
+    pub etcd_prefix: String,
     /// External KV tier for prefix reuse: `none`, or `host` (a host-memory
     /// tier with LRU eviction, sized by --host-tier-gib).
     #[arg(long, default_value = "none", value_parser = ["none", "host"])]
@@ -156,8 +165,10 @@ pub enum Msg {
         decode_step_ms: f64,
         /// Real-time speed-up, if replaying timestamps.
         speed: Option<f64>,
+        /// etcd URL and key prefix, when metadata goes through etcd.
+        etcd: Option<(String, String)>,
     },
-    /// Either way: KV engine metadata bytes.
+    /// Either way: KV engine metadata bytes (empty: published in etcd).
     Meta(Vec<u8>),
     /// P→D: request `id` needs `pages` pages on `replica`.
     Alloc {
@@ -215,6 +226,52 @@ pub enum Msg {
         /// Requests that waited for pages.
         backpressured: u64,
     },
+}
+
+/// Exchange KV engine metadata with the other side: over the side channel,
+/// or (with `etcd`) by publishing ours in etcd under `my_name` and looking
+/// theirs up under `their_name` (waiting up to 30 s for it to appear); the
+/// side channel then only says "published". Returns the peer's metadata and
+/// the store, which keeps our entry alive until dropped.
+pub fn exchange_metadata(
+    chan: &mut SideChannel,
+    etcd: Option<&(String, String)>,
+    mine: &kvwire::kv::KVTransferEngineMetadata,
+    their_name: &str,
+    first: bool,
+) -> Result<(kvwire::kv::KVTransferEngineMetadata, Option<kvwire::discovery::EtcdStore>)> {
+    use kvwire::kv::KVTransferEngineMetadata as Md;
+    let mut store = match etcd {
+        Some((url, prefix)) => Some(kvwire::discovery::EtcdStore::connect(url, prefix, Duration::from_secs(10))?),
+        None => None,
+    };
+    let send = |chan: &mut SideChannel, store: &mut Option<kvwire::discovery::EtcdStore>| -> Result<()> {
+        match store {
+            Some(s) => {
+                s.publish_bytes(&mine.name, &mine.to_bytes())?;
+                chan.send(&Msg::Meta(Vec::new()))?;
+            }
+            None => chan.send(&Msg::Meta(mine.to_bytes()))?,
+        }
+        Ok(())
+    };
+    let recv = |chan: &mut SideChannel, store: &mut Option<kvwire::discovery::EtcdStore>| -> Result<Md> {
+        let Msg::Meta(bytes) = chan.recv()? else { anyhow::bail!("expected the {their_name} engine's metadata") };
+        let bytes = match store {
+            Some(s) if bytes.is_empty() => s.lookup_bytes(their_name, Duration::from_secs(30))?,
+            _ => bytes,
+        };
+        Ok(Md::from_bytes(&bytes)?)
+    };
+    let theirs = if first {
+        send(chan, &mut store)?;
+        recv(chan, &mut store)?
+    } else {
+        let t = recv(chan, &mut store)?;
+        send(chan, &mut store)?;
+        t
+    };
+    Ok((theirs, store))
 }
 
 /// Default trace path: ./data/… when run from the repository, else the

@@ -8,7 +8,7 @@ use anyhow::{Context, Result, bail};
 use crossbeam_channel::Receiver;
 use indicatif::{ProgressBar, ProgressStyle};
 use kvwire::HostBuffer;
-use kvwire::kv::{KVCacheMemory, KVTransferEngine, KVTransferEngineMetadata, PageIdxs, TransferReqData};
+use kvwire::kv::{KVCacheMemory, KVTransferEngine, PageIdxs, TransferReqData};
 use kvwire::sidechannel::SideChannel;
 use kvwire::transport::TransportConfig;
 
@@ -17,7 +17,7 @@ use super::pool::PagePool;
 use super::prefix::{PrefixTier, offload_landed, page_content_key, page_hashes};
 use super::report::Report;
 use super::trace::{self, TraceRequest};
-use super::{Geometry, Msg, ReplayArgs, default_trace, shard_key};
+use super::{Geometry, Msg, ReplayArgs, default_trace, exchange_metadata, shard_key};
 use crate::pattern::fill_page;
 use crate::units::percentile;
 
@@ -153,16 +153,16 @@ pub fn run(a: &ReplayArgs, mut chan: SideChannel) -> Result<Report> {
         options: a.decode_options.clone(),
         decode_step_ms: a.decode_step_ms,
         speed: a.speed,
+        etcd: a.etcd.clone().map(|url| (url, a.etcd_prefix.clone())),
     })?;
     let cfg =
         TransportConfig { copy_threads: a.copy_threads, options: a.options.clone(), ..TransportConfig::default() };
     let shape =
         CacheShape { dp: a.dp, tp: a.tp, num_pages: prefill_pages, bytes_per_page: prefill_bpp, mla: model.mla };
     let (mut engine, hosts) = build_engine("prefill", &shape, a.transport, &cfg)?;
-    let Msg::Meta(bytes) = chan.recv()? else { bail!("expected the decode engine's metadata") };
-    let decode_md = KVTransferEngineMetadata::from_bytes(&bytes)?;
+    let etcd = a.etcd.clone().map(|url| (url, a.etcd_prefix.clone()));
+    let (decode_md, _published) = exchange_metadata(&mut chan, etcd.as_ref(), &engine.metadata(), "decode", false)?;
     engine.connect(&decode_md).context("connecting to the decode engine")?;
-    chan.send(&Msg::Meta(engine.metadata().to_bytes()))?;
     let inbox = spawn_reader(&chan)?;
 
     let mut pools: Vec<PagePool> = (0..a.dp).map(|_| PagePool::new(prefill_pages)).collect();
