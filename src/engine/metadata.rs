@@ -83,7 +83,7 @@ impl AgentMetadata {
         Ok(meta)
     }
 
-    /// JSON form, for debugging and for the etcd store.
+    /// JSON form, for debugging (the etcd store keeps the binary form, base64).
     pub fn to_json(&self) -> String {
         serde_json::to_string(self).expect("plain data always serializes")
     }
