@@ -36,8 +36,8 @@ pub enum SideChannelError {
     #[error("bad message: {0}")]
     Decode(#[from] serde_json::Error),
     /// Nobody answered in time.
-    #[error("timed out after {0:?} connecting to {1}")]
-    Timeout(Duration, String),
+    #[error("timed out after {0:?} connecting to {1} (last error: {2})")]
+    Timeout(Duration, String, String),
 }
 
 fn io_err(call: &'static str) -> impl Fn(io::Error) -> SideChannelError {
@@ -77,17 +77,19 @@ impl SideChannel {
     /// [`SideChannelError::Timeout`].
     pub fn connect(addr: &str, timeout: Duration) -> Result<Self, SideChannelError> {
         let deadline = Instant::now() + timeout;
+        let mut last = String::from("no address");
         loop {
-            let attempt = addr
-                .to_socket_addrs()
-                .map_err(io_err("resolve"))?
-                .find_map(|a| TcpStream::connect_timeout(&a, Duration::from_secs(1)).ok());
-            if let Some(stream) = attempt {
-                stream.set_nodelay(true).map_err(io_err("setsockopt(TCP_NODELAY)"))?;
-                return Ok(Self { stream });
+            for a in addr.to_socket_addrs().map_err(io_err("resolve"))? {
+                match TcpStream::connect_timeout(&a, Duration::from_secs(1)) {
+                    Ok(stream) => {
+                        stream.set_nodelay(true).map_err(io_err("setsockopt(TCP_NODELAY)"))?;
+                        return Ok(Self { stream });
+                    }
+                    Err(e) => last = e.to_string(),
+                }
             }
             if Instant::now() >= deadline {
-                return Err(SideChannelError::Timeout(timeout, addr.to_string()));
+                return Err(SideChannelError::Timeout(timeout, addr.to_string(), last));
             }
             std::thread::sleep(Duration::from_millis(20));
         }

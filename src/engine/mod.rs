@@ -283,8 +283,10 @@ impl TransferEngine {
         self.post_with(op, local, remote_agent, remote, notification, &mut segments)
     }
 
-    /// [`TransferEngine::post`] reusing the caller's segment buffer (no allocation
-    /// on the hot path once it has grown).
+    /// [`TransferEngine::post`] building the coalesced segments in the caller's
+    /// buffer, whose allocation then moves to the transport with the request
+    /// (`segments` is left empty); callers that keep a buffer of the right
+    /// capacity around save the reallocations while it grows.
     ///
     /// # Errors
     /// As [`TransferEngine::post`].
