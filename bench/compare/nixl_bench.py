@@ -112,6 +112,12 @@ def run_target(a) -> int:
     conn.send({"meta": agent.get_agent_metadata(), "base": buf.ctypes.data})
     notifs = 0
     while True:
+        if not a.prog_thread:
+            # Without NIXL's progress thread nobody else drives the target's
+            # UCX worker: poll it while waiting, as such a user must.
+            while not conn.poll(0):
+                for v in agent.get_new_notifs().values():
+                    notifs += len(v)
         msg = conn.recv()
         if msg["cmd"] == "verify":
             # Drain the per-transfer notifications the initiator attached.
