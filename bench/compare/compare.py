@@ -181,6 +181,8 @@ def main() -> int:
             "copy_threads": a.copy_threads, "nixl_transports": {t: NIXL_TRANSPORTS[t] for t in nixl_labels},
             "nixl_prog_thread": not a.nixl_no_prog_thread,
         },  # fmt: skip
+        "kvwire_binary": kvwire,
+        "kvwire_git": git_rev(),
         "cells": [{"block_size": bs, "op": op, "system": s, "runs": rs} for (bs, op, s), rs in cells.items()],
     }
     with open(out_path, "w") as f:
@@ -263,6 +265,13 @@ def report(raw: dict, sizes: list[int], ops: list[str], nixl_labels: list[str]) 
     if unverified:
         lines += ["", "Runs whose verification failed (see docs/PERFORMANCE.md):"] + [f"- {u}" for u in unverified]
     return "\n".join(lines)
+
+
+def git_rev() -> str:
+    try:
+        return subprocess.run(["git", "-C", ROOT, "describe", "--always", "--dirty"], capture_output=True, text=True).stdout.strip()
+    except OSError:
+        return "unknown"
 
 
 def machine() -> dict:
