@@ -235,14 +235,14 @@ def report(raw: dict, sizes: list[int], ops: list[str], nixl_labels: list[str]) 
     hdr = ["page", "op", "kvwire prep+post ns/page"]
     hdr += [f"NIXL {t} make+post ns/page" for t in nixl_labels]
     if nixl_labels:
-        hdr += ["NIXL prep_xfer_dlist ns/desc (once)"]
+        hdr += ["NIXL prep_xfer_dlist ns/desc (once)", "NIXL initialize_xfer ns/page"]
     hdr += ["kvwire page p50/p99 µs"] + [f"NIXL {t} page p50/p99 µs" for t in nixl_labels]
     lines += ["| " + " | ".join(hdr) + " |", "|" + "---|" * len(hdr)]
     for bs in sizes:
         for op in ops:
             k = cells.get((bs, op, "kvwire"), [])
             row = [human(bs), op.upper(), fmt(med(k, "post_ns_per_block"), ".1f")]
-            preps = []
+            preps, inits = [], []
             for t in nixl_labels:
                 rs = cells.get((bs, op, f"nixl-{t}"), [])
                 mk, tc = med(rs, "make_ns_per_block"), med(rs, "transfer_call_ns_per_block")
@@ -250,8 +250,12 @@ def report(raw: dict, sizes: list[int], ops: list[str], nixl_labels: list[str]) 
                 p = med(rs, "prep_dlist_ns_per_desc")
                 if p is not None:
                     preps.append(p)
+                i = med(rs, "initialize_xfer_ns_per_block")
+                if i is not None:
+                    inits.append(i)
             if nixl_labels:
                 row.append(fmt(statistics.median(preps) if preps else None, ".0f"))
+                row.append(fmt(statistics.median(inits) if inits else None, ".0f"))
             row.append(f"{fmt(med(k, 'page_p50_us'), '.1f')} / {fmt(med(k, 'page_p99_us'), '.1f')}")
             for t in nixl_labels:
                 rs = cells.get((bs, op, f"nixl-{t}"), [])
