@@ -94,6 +94,38 @@ def run_one(cmd: list[str], env: dict, timeout: float) -> dict:
     return r
 
 
+BUSY = {"rustc", "cargo", "cc1", "cc1plus", "ld", "ld.lld", "rust-lld", "clippy-driver", "pytest"}
+
+
+def busy_procs() -> list[str]:
+    """Compilers and test runners from anyone on this machine (benchmark noise)."""
+    found = []
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            with open(f"/proc/{pid}/comm") as f:
+                comm = f.read().strip()
+        except OSError:
+            continue
+        if comm in BUSY:
+            found.append(comm)
+    return found
+
+
+def wait_quiet(max_s: float) -> tuple[bool, float]:
+    """Wait up to max_s for no compiler to be running; (quiet, waited seconds)."""
+    t0 = time.monotonic()
+    while True:
+        if not busy_procs():
+            time.sleep(0.5)
+            if not busy_procs():
+                return True, time.monotonic() - t0
+        if time.monotonic() - t0 >= max_s:
+            return False, time.monotonic() - t0
+        time.sleep(2)
+
+
 def med(runs: list[dict], key: str) -> float | None:
     xs = [r[key] for r in runs if "error" not in r and isinstance(r.get(key), (int, float))]
     return statistics.median(xs) if xs else None
@@ -120,6 +152,12 @@ def main() -> int:
     ap.add_argument("--kvwire", help="path of the kvwire binary (default: $CARGO_TARGET_DIR or target/release)")
     ap.add_argument("--python", default=sys.executable, help="interpreter that has nixl-cu12 (default: this one)")
     ap.add_argument("--timeout", type=float, default=300, help="seconds per single run")
+    ap.add_argument(
+        "--wait-quiet",
+        type=float,
+        default=0,
+        help="before each run wait up to this many seconds until no compiler/test runner is running",
+    )
     ap.add_argument("--out", default=None, help="raw results JSON (default bench/compare/results[-quick].json)")
     a = ap.parse_args()
 
@@ -161,13 +199,18 @@ def main() -> int:
                             cmd += ["--ucx-err-mode", err_mode]
                         if a.nixl_no_prog_thread:
                             cmd.append("--no-prog-thread")
+                    quiet, waited = wait_quiet(a.wait_quiet) if a.wait_quiet else (not busy_procs(), 0.0)
                     r = run_one(cmd, env, a.timeout)
+                    r["quiet_at_start"] = quiet
+                    r["waited_quiet_s"] = round(waited, 1)
+                    r["busy_after"] = sorted(set(busy_procs()))
                     r["load1"] = os.getloadavg()[0]
                     r["cmd"] = ("UCX_TLS=" + env["UCX_TLS"] + " " if "UCX_TLS" in env and sysname != "kvwire" else "") + " ".join(
                         cmd
                     )
                     cells.setdefault((bs, op, sysname), []).append(r)
                     status = r.get("error") or f"{r.get('gb_per_s', 0):.2f} GB/s verified={r.get('verified')}"
+                    status += f" load={r['load1']:.2f} quiet={quiet}"
                     print(f"[run {run + 1}/{runs}] {human(bs):>7} {op:5} {sysname:9} {status}", file=sys.stderr, flush=True)
 
     raw = {
@@ -201,6 +244,8 @@ def report(raw: dict, sizes: list[int], ops: list[str], nixl_labels: list[str]) 
         f"{human(cfg['total'])} per transfer, destination pages a random permutation, two processes, "
         f"median of {cfg['runs']} interleaved run(s) x {cfg['iters']} transfers; "
         f"load average {raw['loadavg_before'][0]:.2f} before, {raw['loadavg_after'][0]:.2f} after; "
+        f"{sum(1 for c in raw['cells'] for r in c['runs'] if r.get('quiet_at_start'))}/"
+        f"{sum(len(c['runs']) for c in raw['cells'])} runs started with no compiler running; "
         f"{m['cpu']} x{m['nproc']}, kernel {m['kernel']}",
         "",
     ]
