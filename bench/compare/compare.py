@@ -159,7 +159,21 @@ def main() -> int:
         help="before each run wait up to this many seconds until no compiler/test runner is running",
     )
     ap.add_argument("--out", default=None, help="raw results JSON (default bench/compare/results[-quick].json)")
+    ap.add_argument(
+        "--report",
+        nargs="+",
+        metavar="RESULTS_JSON",
+        help="run nothing: print the tables of earlier raw results (several files: their runs are pooled)",
+    )
     a = ap.parse_args()
+    if a.report:
+        raw = pool_results(a.report)
+        c = raw["cells"]
+        sizes = sorted({x["block_size"] for x in c})
+        ops = [o for o in ("write", "read") if any(x["op"] == o for x in c)]
+        labels = [t for t in NIXL_TRANSPORTS if any(x["system"] == f"nixl-{t}" for x in c)]
+        print(report(raw, sizes, ops, labels))
+        return 0
 
     runs = a.runs or (1 if a.quick else 3)
     total = parse_size(a.total) if a.total else (16 << 20 if a.quick else 256 << 20)
@@ -314,6 +328,23 @@ def report(raw: dict, sizes: list[int], ops: list[str], nixl_labels: list[str]) 
     if unverified:
         lines += ["", "Runs whose verification failed (see docs/PERFORMANCE.md):"] + [f"- {u}" for u in unverified]
     return "\n".join(lines)
+
+
+def pool_results(paths: list[str]) -> dict:
+    """Merge raw result files: the runs of equal cells are pooled."""
+    raws = []
+    for p in paths:
+        with open(p) as f:
+            raws.append(json.load(f))
+    out = dict(raws[0])
+    cells: dict[tuple, list] = {}
+    for r in raws:
+        for c in r["cells"]:
+            cells.setdefault((c["block_size"], c["op"], c["system"]), []).extend(c["runs"])
+    out["cells"] = [{"block_size": k[0], "op": k[1], "system": k[2], "runs": v} for k, v in cells.items()]
+    out["config"] = dict(out["config"], runs=sum(r["config"]["runs"] for r in raws))
+    out["loadavg_after"] = raws[-1]["loadavg_after"]
+    return out
 
 
 def git_rev() -> str:
