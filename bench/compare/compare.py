@@ -263,7 +263,7 @@ def report(raw: dict, sizes: list[int], ops: list[str], nixl_labels: list[str]) 
         f"{m['cpu']} x{m['nproc']}, kernel {m['kernel']}",
         "",
     ]
-    hdr = ["page", "op", "memcpy GB/s", "kvwire GB/s", "kvwire/memcpy"]
+    hdr = ["page", "op", "memcpy GB/s", "kvwire GB/s", "kvwire min–max", "kvwire/memcpy"]
     hdr += [f"NIXL {t} GB/s" for t in nixl_labels]
     if nixl_labels:
         hdr += ["best NIXL", "kvwire/best NIXL"]
@@ -274,7 +274,9 @@ def report(raw: dict, sizes: list[int], ops: list[str], nixl_labels: list[str]) 
             k = cells.get((bs, op, "kvwire"), [])
             kv = med(k, "gb_per_s")
             mc = med(k, "memcpy_gb_per_s")
-            row = [human(bs), op.upper(), fmt(mc), fmt(kv), fmt(kv / mc if kv and mc else None, ".0%")]
+            ks = [r["gb_per_s"] for r in k if "error" not in r]
+            spread = f"{min(ks):.1f}–{max(ks):.1f}" if ks else "—"
+            row = [human(bs), op.upper(), fmt(mc), fmt(kv), spread, fmt(kv / mc if kv and mc else None, ".0%")]
             best, best_t = None, None
             ver = all(r.get("verified") for r in k) and bool(k)
             for t in nixl_labels:
