@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# kvwire vs NIXL side by side (issue 8). Two commands for anyone:
+#   scripts/compare.sh --quick     # smoke test: small sizes, one run
+#   scripts/compare.sh             # the published table (docs/PERFORMANCE.md)
+# Extra arguments go to bench/compare/compare.py (see --help there).
+# Env: COMPARE_VENV (default bench/compare/.venv), CARGO_TARGET_DIR.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+venv="${COMPARE_VENV:-bench/compare/.venv}"
+if [ ! -x "$venv/bin/python" ]; then
+  python3 -m venv "$venv"
+  # --no-deps: nixl-cu12 declares torch (~5 GB with CUDA wheels) but the
+  # harness never hands it tensors; requirements.txt lists what is imported.
+  "$venv/bin/pip" install -q --no-deps -r bench/compare/requirements.txt
+fi
+cargo build --release --bin kvwire
+exec "$venv/bin/python" bench/compare/compare.py "$@"
