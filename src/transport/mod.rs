@@ -172,6 +172,8 @@ pub struct TransportConfig {
     pub peer_timeout: Duration,
     /// Copy/progress threads for backends that copy with the CPU
     /// (`shm`, `tcp`). Default 2: this project's reference machines have 2 cores.
+    /// `shm` shares one process-wide pool among its agents, grown to the
+    /// largest value any of them asked for.
     pub copy_threads: usize,
     /// Backend-specific options as `key=value` strings (e.g. `device=rxe0`,
     /// `gid_index=1`, `qps_per_peer=2`).

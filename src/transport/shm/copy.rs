@@ -5,7 +5,6 @@
 use std::sync::Arc;
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::thread::JoinHandle;
 
 use crossbeam_channel::{Receiver, Sender};
 use memmap2::MmapRaw;
@@ -120,54 +119,59 @@ pub struct XferShared {
 
 /// A transfer for a worker to help with: it claims chunks until none are left.
 /// At most one job per worker is queued per transfer, so posting wakes at
-/// most `threads` threads whatever the transfer's size.
+/// most `copy_threads` threads whatever the transfer's size.
 pub struct Job {
     /// The transfer.
     pub xfer: Arc<XferShared>,
+    /// Where the transfer's completion goes (its transport's queue).
+    pub done: Sender<Completion>,
 }
 
-/// Copy worker pool.
+/// The process-wide copy pool shared by every `shm` transport: with one
+/// pool per agent, a TP=8 engine in one process would run 16 copy threads
+/// on a machine with fewer cores, and every post would wake threads that
+/// preempt the poster. It grows to the largest `copy_threads` any transport
+/// asked for; its threads sleep on the job queue when idle.
+struct SharedPool {
+    jobs: Sender<Job>,
+    queue: Receiver<Job>,
+    threads: Mutex<usize>,
+}
+
+static POOL: std::sync::OnceLock<SharedPool> = std::sync::OnceLock::new();
+
+/// A handle on the shared pool, making sure it has at least `threads` workers.
 pub struct CopyPool {
-    jobs: Option<Sender<Job>>,
-    workers: Vec<JoinHandle<()>>,
+    jobs: Sender<Job>,
 }
 
 impl CopyPool {
-    /// Start `threads` workers that report to `done`.
-    pub fn new(threads: usize, done: Sender<Completion>) -> Self {
-        let (tx, rx) = crossbeam_channel::unbounded::<Job>();
-        let workers = (0..threads.max(1))
-            .map(|i| {
-                let rx: Receiver<Job> = rx.clone();
-                let done = done.clone();
-                std::thread::Builder::new()
-                    .name(format!("kvwire-shm-copy-{i}"))
-                    .spawn(move || {
-                        for job in rx.iter() {
-                            run_job(job, &done);
-                        }
-                    })
-                    .expect("spawning a copy thread")
-            })
-            .collect();
-        Self { jobs: Some(tx), workers }
+    /// The shared pool, grown to `threads` workers if it has fewer.
+    ///
+    /// # Errors
+    /// Spawning a worker failed.
+    pub fn new(threads: usize) -> std::io::Result<Self> {
+        let pool = POOL.get_or_init(|| {
+            let (jobs, queue) = crossbeam_channel::unbounded::<Job>();
+            SharedPool { jobs, queue, threads: Mutex::new(0) }
+        });
+        let mut have = pool.threads.lock().unwrap_or_else(|p| p.into_inner());
+        while *have < threads.max(1) {
+            let queue = pool.queue.clone();
+            std::thread::Builder::new().name(format!("kvwire-shm-copy-{have}")).spawn(move || {
+                for job in queue.iter() {
+                    run_job(job);
+                }
+            })?;
+            *have += 1;
+        }
+        Ok(Self { jobs: pool.jobs.clone() })
     }
 
     /// Queue a job.
     pub fn submit(&self, job: Job) {
-        if let Some(tx) = &self.jobs {
-            // Workers only stop when the pool is dropped, so this cannot fail.
-            let _ = tx.send(job);
-        }
-    }
-}
-
-impl Drop for CopyPool {
-    fn drop(&mut self) {
-        self.jobs = None;
-        for w in self.workers.drain(..) {
-            let _ = w.join();
-        }
+        // The shared pool's workers never stop, so the queue stays open.
+        let _ = self.jobs.send(job);
     }
 }
 
@@ -178,8 +182,8 @@ fn fail(x: &XferShared, why: String) {
     }
 }
 
-fn run_job(job: Job, done: &Sender<Completion>) {
-    let x = &job.xfer;
+fn run_job(job: Job) {
+    let (x, done) = (&job.xfer, &job.done);
     loop {
         let idx = x.next_chunk.fetch_add(1, Ordering::AcqRel);
         let Some(range) = x.chunks.get(idx) else { return };

@@ -95,6 +95,7 @@ pub struct ShmTransport {
     next_peer: u32,
     inflight: HashMap<u64, Arc<XferShared>>,
     pool: CopyPool,
+    done_tx: crossbeam_channel::Sender<Completion>,
     done: Receiver<Completion>,
 }
 
@@ -150,7 +151,8 @@ impl ShmTransport {
             monitors: Vec::new(),
             next_peer: 1,
             inflight: HashMap::new(),
-            pool: CopyPool::new(config.copy_threads, done_tx),
+            pool: CopyPool::new(config.copy_threads).map_err(|e| TransportError::io("spawn", e))?,
+            done_tx,
             done,
         })
     }
@@ -513,7 +515,7 @@ impl Transport for ShmTransport {
                 error: Mutex::new(Some(why)),
             });
             self.inflight.insert(req.xfer.0, x.clone());
-            self.pool.submit(Job { xfer: x });
+            self.pool.submit(Job { xfer: x, done: self.done_tx.clone() });
             return Ok(());
         }
         let segments = split_large(req.segments);
@@ -533,7 +535,7 @@ impl Transport for ShmTransport {
         });
         self.inflight.insert(req.xfer.0, x.clone());
         for _ in 0..helpers {
-            self.pool.submit(Job { xfer: x.clone() });
+            self.pool.submit(Job { xfer: x.clone(), done: self.done_tx.clone() });
         }
         Ok(())
     }
