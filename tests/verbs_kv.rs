@@ -9,6 +9,8 @@
 //! lists); elsewhere prints `skipped: no RDMA device (...)` and returns.
 //! `scripts/softroce-tests.sh` runs it in the Soft-RoCE guest.
 
+mod verbs_util;
+
 use std::time::{Duration, Instant};
 
 use std::sync::Arc;
@@ -21,33 +23,6 @@ const WAIT: Duration = Duration::from_secs(60);
 const TP: usize = 2;
 /// (pages, bytes per page) of each leaf: a 4 KiB leaf and a small one.
 const LEAVES: [(u64, u64); 2] = [(24, 4096), (40, 256)];
-
-/// `(decode device, prefill device)` or the reason to skip.
-fn devices() -> Result<(String, String), String> {
-    if let Ok(devs) = std::env::var("SOFTROCE_DEVS") {
-        let d: Vec<&str> = devs.split_whitespace().collect();
-        if d.len() >= 2 {
-            return Ok((d[0].to_string(), d[1].to_string()));
-        }
-    }
-    match kvwire::verbs::device_names() {
-        Err(e) => Err(e.to_string()),
-        Ok(names) if names.is_empty() => Err("libibverbs lists no device and SOFTROCE_DEVS is unset".into()),
-        Ok(names) => Ok((names[0].clone(), names[0].clone())),
-    }
-}
-
-macro_rules! need_devices {
-    () => {
-        match devices() {
-            Ok(d) => d,
-            Err(why) => {
-                eprintln!("skipped: no RDMA device ({why})");
-                return;
-            }
-        }
-    };
-}
 
 fn config(device: &str) -> TransportConfig {
     let mut c = TransportConfig::default();

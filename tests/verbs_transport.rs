@@ -6,6 +6,8 @@
 //! Soft-RoCE guest. The guest is slow (20-60 MB/s, ms round trips): data is
 //! small and completions get seconds.
 
+mod verbs_util;
+
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -17,33 +19,6 @@ use kvwire::transport::{
 };
 
 const WAIT: Duration = Duration::from_secs(60);
-
-/// `(target device, initiator device)` or the reason to skip.
-fn devices() -> Result<(String, String), String> {
-    if let Ok(devs) = std::env::var("SOFTROCE_DEVS") {
-        let d: Vec<&str> = devs.split_whitespace().collect();
-        if d.len() >= 2 {
-            return Ok((d[0].to_string(), d[1].to_string()));
-        }
-    }
-    match kvwire::verbs::device_names() {
-        Err(e) => Err(e.to_string()),
-        Ok(names) if names.is_empty() => Err("libibverbs lists no device and SOFTROCE_DEVS is unset".into()),
-        Ok(names) => Ok((names[0].clone(), names[0].clone())),
-    }
-}
-
-macro_rules! need_devices {
-    () => {
-        match devices() {
-            Ok(d) => d,
-            Err(why) => {
-                eprintln!("skipped: no RDMA device ({why})");
-                return;
-            }
-        }
-    };
-}
 
 fn config(device: &str, extra: &[(&str, &str)]) -> TransportConfig {
     let mut c = TransportConfig::default();
@@ -370,7 +345,7 @@ fn verbs_peer_killed_mid_transfer_fails_within_retry_budget() {
 
 #[test]
 fn verbs_missing_device_is_a_clear_error() {
-    if devices().is_err() && !kvwire::verbs::available() {
+    if verbs_util::devices().is_err() && !kvwire::verbs::available() {
         let e = TransferEngine::new("x", TransportKind::Verbs, &TransportConfig::default()).unwrap_err();
         assert!(e.to_string().contains("libibverbs.so.1"), "{e}");
         return;
