@@ -52,9 +52,12 @@ impl Model {
         move |i| base + (n - 1 - i) as u64
     }
 
+    /// Refresh recency. Ticks only grow across calls; within one call a hash
+    /// named twice keeps the recency of its first (most recent) position, as
+    /// the tier does ("the first block of the sequence ends up most recent").
     fn touch(&mut self, key: (usize, u64), tick: u64) {
         if let Some(e) = self.entries.get_mut(&key) {
-            e.1 = tick;
+            e.1 = e.1.max(tick);
         }
     }
 

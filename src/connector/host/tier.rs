@@ -97,9 +97,13 @@ impl Tier {
         self.entries.get(key).is_some_and(|e| matches!(e.slot, Slot::Ready(_)) && !e.doomed)
     }
 
-    /// Refresh `key`'s recency to `tick` when held.
+    /// Refresh `key`'s recency to `tick` when held. Recency only grows:
+    /// ticks rise across calls, and within one call a hash named twice keeps
+    /// its first (most recent) position, in `touch`, `load` and `offload` alike.
     pub(crate) fn touch(&mut self, key: &Key, tick: u64) {
-        if let Some(e) = self.entries.get_mut(key) {
+        if let Some(e) = self.entries.get_mut(key)
+            && tick > e.tick
+        {
             self.lru.remove(&e.tick);
             e.tick = tick;
             self.lru.insert(tick, *key);
