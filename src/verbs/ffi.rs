@@ -120,6 +120,8 @@ pub struct ibv_device {
 pub type PostSendFn = unsafe extern "C" fn(*mut ibv_qp, *mut ibv_send_wr, *mut *mut ibv_send_wr) -> c_int;
 pub type PostRecvFn = unsafe extern "C" fn(*mut ibv_qp, *mut ibv_recv_wr, *mut *mut ibv_recv_wr) -> c_int;
 pub type PollCqFn = unsafe extern "C" fn(*mut ibv_cq, c_int, *mut ibv_wc) -> c_int;
+/// `ibv_req_notify_cq` (`static inline` in the header): `(cq, solicited_only)`.
+pub type ReqNotifyCqFn = unsafe extern "C" fn(*mut ibv_cq, c_int) -> c_int;
 
 /// `struct ibv_context_ops`: the provider's function table. The data-path
 /// calls that are `static inline` in the header (`ibv_post_send`,
@@ -140,7 +142,7 @@ pub struct ibv_context_ops {
     pub dealloc_mw: *mut c_void,
     pub _compat_create_cq: *mut c_void,
     pub poll_cq: Option<PollCqFn>,
-    pub req_notify_cq: *mut c_void,
+    pub req_notify_cq: Option<ReqNotifyCqFn>,
     pub _compat_cq_event: *mut c_void,
     pub _compat_resize_cq: *mut c_void,
     pub _compat_destroy_cq: *mut c_void,
@@ -190,10 +192,19 @@ pub struct ibv_mr {
     pub rkey: u32,
 }
 
+/// `struct ibv_comp_channel`: the completion event channel (`fd` becomes
+/// readable when an armed CQ gets a completion).
+#[repr(C)]
+pub struct ibv_comp_channel {
+    pub context: *mut ibv_context,
+    pub fd: c_int,
+    pub refcnt: c_int,
+}
+
 #[repr(C)]
 pub struct ibv_cq {
     pub context: *mut ibv_context,
-    pub channel: *mut c_void,
+    pub channel: *mut ibv_comp_channel,
     pub cq_context: *mut c_void,
     pub handle: u32,
     pub cqe: c_int,

@@ -3,10 +3,11 @@
 //!
 //! Symbols are looked up with `dlvsym` at the version the mirror in
 //! [`super::ffi`] follows (`IBVERBS_1.1`, the ABI since rdma-core v13;
-//! `ibv_reg_mr_iova2` is `IBVERBS_1.8`, `ibv_reg_dmabuf_mr` `IBVERBS_1.12`),
+//! `ibv_reg_mr_iova2` is `IBVERBS_1.8`, `ibv_reg_dmabuf_mr` `IBVERBS_1.12`, the completion channel's
+//! `ibv_{create,destroy}_comp_channel` `IBVERBS_1.0`),
 //! falling back to the default version (`dlsym`).
 
-use std::ffi::{CStr, c_char, c_int, c_void};
+use std::ffi::{CStr, c_char, c_int, c_uint, c_void};
 use std::sync::OnceLock;
 
 use super::VerbsError;
@@ -34,6 +35,10 @@ pub struct Verbs {
     pub dereg_mr: unsafe extern "C" fn(*mut ibv_mr) -> c_int,
     pub create_cq: unsafe extern "C" fn(*mut ibv_context, c_int, *mut c_void, *mut c_void, c_int) -> *mut ibv_cq,
     pub destroy_cq: unsafe extern "C" fn(*mut ibv_cq) -> c_int,
+    pub create_comp_channel: Option<unsafe extern "C" fn(*mut ibv_context) -> *mut ibv_comp_channel>,
+    pub destroy_comp_channel: Option<unsafe extern "C" fn(*mut ibv_comp_channel) -> c_int>,
+    pub get_cq_event: Option<unsafe extern "C" fn(*mut ibv_comp_channel, *mut *mut ibv_cq, *mut *mut c_void) -> c_int>,
+    pub ack_cq_events: Option<unsafe extern "C" fn(*mut ibv_cq, c_uint)>,
     pub create_qp: unsafe extern "C" fn(*mut ibv_pd, *mut ibv_qp_init_attr) -> *mut ibv_qp,
     pub modify_qp: unsafe extern "C" fn(*mut ibv_qp, *mut ibv_qp_attr, c_int) -> c_int,
     pub destroy_qp: unsafe extern "C" fn(*mut ibv_qp) -> c_int,
@@ -117,6 +122,10 @@ fn load() -> Result<Verbs, String> {
         dereg_mr: req!(c"ibv_dereg_mr", c"IBVERBS_1.1"),
         create_cq: req!(c"ibv_create_cq", c"IBVERBS_1.1"),
         destroy_cq: req!(c"ibv_destroy_cq", c"IBVERBS_1.1"),
+        create_comp_channel: opt!(c"ibv_create_comp_channel", c"IBVERBS_1.0"),
+        destroy_comp_channel: opt!(c"ibv_destroy_comp_channel", c"IBVERBS_1.0"),
+        get_cq_event: opt!(c"ibv_get_cq_event", c"IBVERBS_1.1"),
+        ack_cq_events: opt!(c"ibv_ack_cq_events", c"IBVERBS_1.1"),
         create_qp: req!(c"ibv_create_qp", c"IBVERBS_1.1"),
         modify_qp: req!(c"ibv_modify_qp", c"IBVERBS_1.1"),
         destroy_qp: req!(c"ibv_destroy_qp", c"IBVERBS_1.1"),

@@ -23,7 +23,9 @@
 //! `gid_index=N` (default: RoCE v2 IPv4-mapped, LID routing on IB),
 //! `qps_per_peer=N` (1), `timeout=EXP` (14: 4.096 µs × 2^14 ≈ 67 ms),
 //! `retry_cnt=N` (7), `max_send_wr=N` (1024), `signal_every=N` (32),
-//! `poll_sleep_us=N` (50: the progress thread's sleep on an idle CQ),
+//! `cq_events=0|1` (1: when the CQ is idle the progress thread blocks on a
+//! completion channel; 0: it sleep-polls), `poll_sleep_us=N` (50: the
+//! progress thread's sleep on an idle CQ without completion events),
 //! `listen=IP` (default: the GID's IPv4 address).
 
 mod conn;
@@ -158,7 +160,8 @@ impl VerbsTransport {
         let listen_addr = listener.local_addr().map_err(|e| TransportError::io("getsockname", e))?;
         let num_cqe = ctx.attr().max_cqe.clamp(256, 16384);
         let pd = ProtectionDomain::new(&ctx).map_err(unsupported)?;
-        let cq = CompletionQueue::new(&ctx, num_cqe).map_err(unsupported)?;
+        let cq_events = opt::<u8>(config, "cq_events", 1)? != 0;
+        let cq = CompletionQueue::create(&ctx, num_cqe, cq_events).map_err(unsupported)?;
         let inner = Arc::new(Inner {
             pd,
             cq,
@@ -272,9 +275,16 @@ impl VerbsTransport {
     }
 }
 
+/// How long the progress thread blocks on the completion channel before it
+/// looks at `stopping` again.
+const EVENT_WAIT_MS: i32 = 20;
+
 fn progress_loop(inner: &Inner) {
     let mut wcs = vec![WorkCompletion::default(); 64];
     let mut idle = 0u32;
+    // Completion events: armed = an event was requested and not consumed yet.
+    let mut events = inner.cq.has_events();
+    let mut armed = false;
     while !inner.stopping.load(Ordering::Acquire) {
         match inner.cq.poll(&mut wcs) {
             Ok(0) => {
@@ -283,6 +293,25 @@ fn progress_loop(inner: &Inner) {
                     std::hint::spin_loop();
                 } else if idle < 256 {
                     std::thread::yield_now();
+                } else if events && !armed {
+                    // Arm, then poll once more before blocking: a completion
+                    // that arrived before arming raises no event.
+                    match inner.cq.arm() {
+                        Ok(()) => armed = true,
+                        Err(e) => {
+                            tracing::warn!("verbs: {e}; polling without completion events");
+                            events = false;
+                        }
+                    }
+                } else if events {
+                    match inner.cq.wait_event(EVENT_WAIT_MS) {
+                        Ok(true) => armed = false,
+                        Ok(false) => {}
+                        Err(e) => {
+                            tracing::warn!("verbs: {e}; polling without completion events");
+                            events = false;
+                        }
+                    }
                 } else {
                     std::thread::sleep(Duration::from_micros(u64::from(inner.limits.poll_sleep_us)));
                 }
