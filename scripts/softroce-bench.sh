@@ -15,11 +15,13 @@
 # kvwire uses --scatter so each block stays one work request (contiguous
 # blocks would coalesce into one large WR, unlike perftest's -s messages).
 # KV_ARGS (extra `kvwire bench` arguments) defaults to
-#   --option poll_sleep_us=1000 --target-option poll_sleep_us=1000 --wait-sleep-us 1000 --option max_send_wr=128
+#   --option idle_yields=0 --target-option idle_yields=0 --wait-sleep-us 1000 --option max_send_wr=128
 # The guest has 2 emulated vCPUs that also run the software NIC (rxe); perftest
 # uses one polling thread, kvwire a progress thread per process plus the
-# bench's waiting thread, which with the stock 50 us idle sleeps wake ~20k
-# times/s each and take the CPU rxe needs. max_send_wr=128 matches perftest's
+# bench's waiting thread. The progress threads block on completion events
+# when idle (cq_events=1); idle_yields=0 makes them block right after 64
+# spins instead of first yielding 192 times, which takes CPU rxe needs; the
+# bench's thread sleeps 1 ms between checks. max_send_wr=128 matches perftest's
 # TX depth (128): with the stock 1024-deep send queue rxe moves less (see
 # docs/PERFORMANCE.md). Set KV_ARGS= for the stock setting.
 # Skips (exit 0) where the harness cannot run, as scripts/softroce-tests.sh.
@@ -82,5 +84,5 @@ awk '{k = $1 " " $2; p = $4 * 1048576 / 1e6; v = $5 * 1000;
      END {for (k in bp) printf "  %-11s %8.2f %8.2f %6.1f%%\n", k, bp[k], bv[k], (bp[k] > 0 ? 100 * bv[k] / bp[k] : 0)}' results.txt | sort
 GUEST
 chmod +x "$stage/bench.sh"
-KV_ARGS=${KV_ARGS---option poll_sleep_us=1000 --target-option poll_sleep_us=1000 --wait-sleep-us 1000 --option max_send_wr=128}
+KV_ARGS=${KV_ARGS---option idle_yields=0 --target-option idle_yields=0 --wait-sleep-us 1000 --option max_send_wr=128}
 "$softroce/run-in-softroce-vm.sh" "$stage" env ROUNDS="${ROUNDS:-2}" MB="${MB:-8}" QPS="${QPS:-1}" KV_ARGS="$KV_ARGS" ./bench.sh

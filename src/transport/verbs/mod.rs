@@ -26,6 +26,8 @@
 //! `cq_events=0|1` (1: when the CQ is idle the progress thread blocks on a
 //! completion channel; 0: it sleep-polls), `poll_sleep_us=N` (50: the
 //! progress thread's sleep on an idle CQ without completion events),
+//! `idle_yields=N` (192: yields on an idle CQ, after 64 spins, before
+//! blocking or sleeping),
 //! `listen=IP` (default: the GID's IPv4 address).
 
 mod conn;
@@ -142,6 +144,7 @@ impl VerbsTransport {
             signal_every: opt::<u32>(config, "signal_every", 32)?.clamp(1, max_send_wr),
             max_batch: 64,
             poll_sleep_us: opt::<u32>(config, "poll_sleep_us", 50)?.clamp(1, 100_000),
+            idle_yields: opt::<u32>(config, "idle_yields", 192)?.min(1_000_000),
         };
         let qps_per_peer = opt::<u32>(config, "qps_per_peer", 1)?.clamp(1, 64);
         let listen_ip = match config.option("listen") {
@@ -291,7 +294,7 @@ fn progress_loop(inner: &Inner) {
                 idle += 1;
                 if idle < 64 {
                     std::hint::spin_loop();
-                } else if idle < 256 {
+                } else if idle < 64 + inner.limits.idle_yields {
                     std::thread::yield_now();
                 } else if events && !armed {
                     // Arm, then poll once more before blocking: a completion

@@ -99,6 +99,9 @@ pub struct PostLimits {
     /// Microseconds the progress thread sleeps between polls of an idle
     /// completion queue (after spinning and yielding).
     pub poll_sleep_us: u32,
+    /// `sched_yield`s of the progress thread on an idle CQ (after 64 spins)
+    /// before it blocks on completion events or sleeps.
+    pub idle_yields: u32,
 }
 
 /// Receive chunk ids have the top bit set; the rest is the slot.
