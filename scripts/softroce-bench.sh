@@ -8,6 +8,7 @@
 #   scripts/softroce-bench.sh            # 2 rounds, 4 KiB and 64 KiB, WRITE and READ
 #   ROUNDS=3 MB=16 QPS=1 scripts/softroce-bench.sh
 #   KV_ARGS= scripts/softroce-bench.sh   # kvwire's stock polling (see below)
+#   PIPELINE=2 scripts/softroce-bench.sh # 2 kvwire transfers in flight, a stream as perftest's
 #
 # The guest moves only 20-60 MB/s (CPU emulation): totals are a few MB per run
 # (MB, default 8) and only the ratio means anything. Each round runs perftest
@@ -57,7 +58,7 @@ kv() { # op size blocks iters -> GB/s (1e9 B/s)
   ./kvwire bench --transport verbs --op "$1" --device rxe1 --target-device rxe0 \
     --option gid_index="$G" --target-option gid_index="$G" \
     --option qps_per_peer="$QPS" --target-option qps_per_peer="$QPS" \
-    --block-size "$2" --blocks "$3" --iters "$4" --warmup 1 --lat-iters 2 --scatter --json $KV_ARGS > kv.json 2> kv.err
+    --block-size "$2" --blocks "$3" --iters "$4" --warmup 1 --lat-iters 2 --scatter --pipeline "${PIPELINE:-1}" --json $KV_ARGS > kv.json 2> kv.err
   cat kv.json kv.err >&2
   sed -n 's/.*"gb_per_s":\([0-9.e+-]*\).*/\1/p' kv.json
 }
@@ -85,4 +86,4 @@ awk '{k = $1 " " $2; p = $4 * 1048576 / 1e6; v = $5 * 1000;
 GUEST
 chmod +x "$stage/bench.sh"
 KV_ARGS=${KV_ARGS---option idle_yields=0 --target-option idle_yields=0 --wait-sleep-us 1000 --option max_send_wr=128}
-"$softroce/run-in-softroce-vm.sh" "$stage" env ROUNDS="${ROUNDS:-2}" MB="${MB:-8}" QPS="${QPS:-1}" KV_ARGS="$KV_ARGS" ./bench.sh
+"$softroce/run-in-softroce-vm.sh" "$stage" env ROUNDS="${ROUNDS:-2}" PIPELINE="${PIPELINE:-1}" MB="${MB:-8}" QPS="${QPS:-1}" KV_ARGS="$KV_ARGS" ./bench.sh

@@ -75,3 +75,18 @@ fn bad_arguments_are_refused_with_a_message() {
         assert!(!out.stderr.is_empty(), "{args:?}: no message");
     }
 }
+
+#[test]
+fn pipelined_transfers_stream_and_still_verify() {
+    for op in ["write", "read"] {
+        let out = kvwire()
+            .args(["bench", "--op", op, "--block-size", "16KiB", "--blocks", "128", "--iters", "6", "--pipeline", "3"])
+            .args(["--scatter", "--lat-iters", "5", "--json"])
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{op}: {}", String::from_utf8_lossy(&out.stderr));
+        let j = json_of(&out);
+        assert_eq!(j["verified"], true, "{op}");
+        assert_eq!(j["pipeline"], 3);
+    }
+}

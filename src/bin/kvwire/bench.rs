@@ -46,6 +46,10 @@ pub struct BenchArgs {
     /// Destination blocks in a random permutation (a paged cache); default: contiguous.
     #[arg(long)]
     scatter: bool,
+    /// Transfers in flight at once in the measured phase (1: one after the
+    /// other, each timed alone; more: a stream, as perftest's outstanding messages).
+    #[arg(long, default_value_t = 1)]
+    pipeline: usize,
     /// Single-block transfers timed for the latency columns.
     #[arg(long, default_value_t = 200)]
     lat_iters: usize,
@@ -228,6 +232,7 @@ struct Report {
     iters: usize,
     scatter: bool,
     copy_threads: usize,
+    pipeline: usize,
     segments_after_coalescing: usize,
     gb_per_s: f64,
     memcpy_gb_per_s: f64,
@@ -320,25 +325,44 @@ fn initiate(a: &BenchArgs, total: u64, chan: &mut SideChannel) -> Result<Report>
     let mut post_cpu_ns = Vec::with_capacity(a.iters);
     let mut segments = Vec::new();
     let mut moved_ns = 0u128;
-    for it in 0..a.warmup + a.iters {
-        if op == Op::Read && it + 1 == a.warmup + a.iters {
-            buf.fill_with(0, buf.len(), |_| 0);
-        }
-        let notification = Some(format!("iter-{it}").into_bytes());
-        let cpu0 = thread_cpu_ns();
-        let t0 = Instant::now();
-        let h = engine.post_with(op, &local, &meta.name, &remote, notification, &mut segments)?;
-        let t_post = t0.elapsed();
-        let cpu_post = thread_cpu_ns().saturating_sub(cpu0);
+    for it in 0..a.warmup {
+        let h = engine.post_with(
+            op,
+            &local,
+            &meta.name,
+            &remote,
+            Some(format!("iter-{it}").into_bytes()),
+            &mut segments,
+        )?;
         wait_done(&mut engine, h, a.wait_sleep_us)?;
-        let t = t0.elapsed();
-        if it >= a.warmup {
-            lat_us.push(t.as_secs_f64() * 1e6);
-            post_ns.push(t_post.as_nanos() as f64 / a.blocks as f64);
-            post_cpu_ns.push(cpu_post as f64 / a.blocks as f64);
-            moved_ns += t.as_nanos();
-        }
     }
+    if op == Op::Read {
+        // Every measured READ rewrites the whole buffer: start from zeros so
+        // the check below proves they did.
+        buf.fill_with(0, buf.len(), |_| 0);
+    }
+    // Measured transfers, up to `--pipeline` in flight (1: one after the
+    // other); bandwidth = bytes / wall time of the whole phase.
+    let depth = a.pipeline.max(1);
+    let mut inflight: std::collections::VecDeque<(TransferHandle, Instant)> = std::collections::VecDeque::new();
+    let phase = Instant::now();
+    let mut next = 0;
+    while next < a.iters || !inflight.is_empty() {
+        while next < a.iters && inflight.len() < depth {
+            let notification = Some(format!("iter-{}", a.warmup + next).into_bytes());
+            let cpu0 = thread_cpu_ns();
+            let t0 = Instant::now();
+            let h = engine.post_with(op, &local, &meta.name, &remote, notification, &mut segments)?;
+            post_ns.push(t0.elapsed().as_nanos() as f64 / a.blocks as f64);
+            post_cpu_ns.push(thread_cpu_ns().saturating_sub(cpu0) as f64 / a.blocks as f64);
+            inflight.push_back((h, t0));
+            next += 1;
+        }
+        let (h, t0) = inflight.pop_front().expect("the loop keeps one in flight");
+        wait_done(&mut engine, h, a.wait_sleep_us)?;
+        lat_us.push(t0.elapsed().as_secs_f64() * 1e6);
+    }
+    moved_ns += phase.elapsed().as_nanos();
     let segment_count = count_segments(&local, &remote);
     let verified_local = op == Op::Write || count_bad(&buf, a.block_size, &dst, Op::Read) == 0;
     let mut page_lat = Vec::with_capacity(a.lat_iters);
@@ -363,6 +387,7 @@ fn initiate(a: &BenchArgs, total: u64, chan: &mut SideChannel) -> Result<Report>
         iters: a.iters,
         scatter: a.scatter,
         copy_threads: a.copy_threads,
+        pipeline: a.pipeline.max(1),
         segments_after_coalescing: segment_count,
         gb_per_s,
         memcpy_gb_per_s,
