@@ -302,6 +302,23 @@ pub trait Transport: Send {
     fn take_notifications(&mut self, out: &mut Vec<Notification>);
 }
 
+/// Wait until `done()` holds: spin briefly, then yield, then sleep 50 µs a
+/// step. Used where a caller must not return before copy threads let go of
+/// buffers (cancel, revocation); the waits are short but unbounded in steps.
+pub(crate) fn wait_until(mut done: impl FnMut() -> bool) {
+    let mut step = 0u32;
+    while !done() {
+        step = step.saturating_add(1);
+        if step < 64 {
+            std::hint::spin_loop();
+        } else if step < 256 {
+            std::thread::yield_now();
+        } else {
+            std::thread::sleep(Duration::from_micros(50));
+        }
+    }
+}
+
 /// Create the backend `kind` for agent `agent_name`.
 ///
 /// # Errors

@@ -67,15 +67,7 @@ impl PeerRegion {
     /// Revoke: refuse new accesses, then wait for those in progress.
     pub fn revoke(&self) {
         self.revoked.store(true, Ordering::SeqCst);
-        let mut spins = 0u32;
-        while self.active.load(Ordering::SeqCst) != 0 {
-            spins += 1;
-            if spins < 256 {
-                std::thread::yield_now();
-            } else {
-                std::thread::sleep(std::time::Duration::from_micros(50));
-            }
-        }
+        crate::transport::wait_until(|| self.active.load(Ordering::SeqCst) == 0);
     }
 }
 

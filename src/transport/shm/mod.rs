@@ -551,30 +551,12 @@ impl Transport for ShmTransport {
     fn cancel(&mut self, xfer: XferId) {
         let Some(x) = self.inflight.remove(&xfer.0) else { return };
         x.cancelled.store(true, Ordering::Release);
-        let mut backoff = crossbeam_utils_backoff();
-        while x.pending.load(Ordering::Acquire) != 0 {
-            backoff();
-        }
+        super::wait_until(|| x.pending.load(Ordering::Acquire) == 0);
     }
 
     fn take_notifications(&mut self, out: &mut Vec<Notification>) {
         let mut q = self.notifs.lock().unwrap_or_else(|p| p.into_inner());
         out.append(&mut q);
-    }
-}
-
-/// Spin briefly, then yield, then sleep: a wait for copy threads to finish.
-fn crossbeam_utils_backoff() -> impl FnMut() {
-    let mut step = 0u32;
-    move || {
-        step += 1;
-        if step < 64 {
-            std::hint::spin_loop();
-        } else if step < 256 {
-            std::thread::yield_now();
-        } else {
-            std::thread::sleep(Duration::from_micros(50));
-        }
     }
 }
 

@@ -30,7 +30,6 @@ use std::net::{SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
-use std::time::Duration;
 
 use crossbeam_channel::{Receiver, Sender};
 use serde::{Deserialize, Serialize};
@@ -353,17 +352,7 @@ impl Transport for TcpTransport {
         // Queued chunks are skipped; a chunk on the wire finishes its
         // syscall (bounded by peer_timeout) and a READ stops writing into
         // local memory at once.
-        let mut step = 0u32;
-        while x.pending.load(Ordering::Acquire) != 0 {
-            step += 1;
-            if step < 64 {
-                std::hint::spin_loop();
-            } else if step < 256 {
-                std::thread::yield_now();
-            } else {
-                std::thread::sleep(Duration::from_micros(50));
-            }
-        }
+        super::wait_until(|| x.pending.load(Ordering::Acquire) == 0);
     }
 
     fn take_notifications(&mut self, out: &mut Vec<Notification>) {
