@@ -118,6 +118,14 @@ impl Context {
         &self.attr
     }
 
+    /// Whether this is a software RDMA device (Soft-RoCE `rxe`, vendor id
+    /// 0xffffff, or Soft-iWARP `siw`, 0x626d74), whose data path runs in the
+    /// kernel: each `ibv_post_send` is a system call that runs the requester
+    /// in the caller's context.
+    pub fn is_software(&self) -> bool {
+        matches!(self.attr.vendor_id, 0x00ff_ffff | 0x0062_6d74)
+    }
+
     /// Query port `port` (1-based).
     ///
     /// # Errors

@@ -50,6 +50,10 @@ pub struct BenchArgs {
     /// other, each timed alone; more: a stream, as perftest's outstanding messages).
     #[arg(long, default_value_t = 1)]
     pipeline: usize,
+    /// Post the transfers without a notification (perftest sends none); by
+    /// default each carries one, checked on the target.
+    #[arg(long)]
+    no_notify: bool,
     /// Single-block transfers timed for the latency columns.
     #[arg(long, default_value_t = 200)]
     lat_iters: usize,
@@ -326,14 +330,8 @@ fn initiate(a: &BenchArgs, total: u64, chan: &mut SideChannel) -> Result<Report>
     let mut segments = Vec::new();
     let mut moved_ns = 0u128;
     for it in 0..a.warmup {
-        let h = engine.post_with(
-            op,
-            &local,
-            &meta.name,
-            &remote,
-            Some(format!("iter-{it}").into_bytes()),
-            &mut segments,
-        )?;
+        let notification = (!a.no_notify).then(|| format!("iter-{it}").into_bytes());
+        let h = engine.post_with(op, &local, &meta.name, &remote, notification, &mut segments)?;
         wait_done(&mut engine, h, a.wait_sleep_us)?;
     }
     if op == Op::Read {
@@ -349,7 +347,7 @@ fn initiate(a: &BenchArgs, total: u64, chan: &mut SideChannel) -> Result<Report>
     let mut next = 0;
     while next < a.iters || !inflight.is_empty() {
         while next < a.iters && inflight.len() < depth {
-            let notification = Some(format!("iter-{}", a.warmup + next).into_bytes());
+            let notification = (!a.no_notify).then(|| format!("iter-{}", a.warmup + next).into_bytes());
             let cpu0 = thread_cpu_ns();
             let t0 = Instant::now();
             let h = engine.post_with(op, &local, &meta.name, &remote, notification, &mut segments)?;
@@ -373,7 +371,7 @@ fn initiate(a: &BenchArgs, total: u64, chan: &mut SideChannel) -> Result<Report>
         wait_done(&mut engine, h, a.wait_sleep_us)?;
         page_lat.push(t0.elapsed().as_secs_f64() * 1e6);
     }
-    let notifications = a.warmup + a.iters;
+    let notifications = if a.no_notify { 0 } else { a.warmup + a.iters };
     chan.send(&Ctl::Verify { seed: a.seed, scatter: a.scatter, notifications })?;
     let Ctl::Verified { bad_blocks, notifications: got } = chan.recv()? else { bail!("expected Verified") };
     let memcpy_gb_per_s = memcpy_baseline(&buf, a.block_size, &dst, op, a.iters)?;

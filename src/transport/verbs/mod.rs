@@ -23,7 +23,11 @@
 //! `gid_index=N` (default: RoCE v2 IPv4-mapped, LID routing on IB),
 //! `qps_per_peer=N` (1), `timeout=EXP` (14: 4.096 µs × 2^14 ≈ 67 ms),
 //! `retry_cnt=N` (7), `max_send_wr=N` (1024), `signal_every=N` (32),
-//! `cq_events=0|1` (1: when the CQ is idle the progress thread blocks on a
+//! `post_list=N` (WRs chained into one `post_send`, as perftest's
+//! `--post_list`; 64 on hardware, one doorbell per batch; 1 on software
+//! devices (rxe, siw), where a `post_send` is a system call that runs the
+//! requester on the posting thread: one call per WR spreads that work over
+//! the CPUs, see docs/PERFORMANCE.md), `cq_events=0|1` (1: when the CQ is idle the progress thread blocks on a
 //! completion channel; 0: it sleep-polls), `poll_sleep_us=N` (50: the
 //! progress thread's sleep on an idle CQ without completion events),
 //! `idle_yields=N` (192: yields on an idle CQ, after 64 spins, before
@@ -142,7 +146,8 @@ impl VerbsTransport {
         let limits = PostLimits {
             max_send_wr,
             signal_every: opt::<u32>(config, "signal_every", 32)?.clamp(1, max_send_wr),
-            max_batch: 64,
+            max_batch: opt::<u32>(config, "post_list", 64)?.clamp(1, 1024),
+            batch_bytes: opt::<u64>(config, "post_bytes", if ctx.is_software() { 64 << 10 } else { 0 })?,
             poll_sleep_us: opt::<u32>(config, "poll_sleep_us", 50)?.clamp(1, 100_000),
             idle_yields: opt::<u32>(config, "idle_yields", 192)?.min(1_000_000),
         };

@@ -96,12 +96,36 @@ pub struct PostLimits {
     pub signal_every: u32,
     /// WRs per `post_send` call.
     pub max_batch: u32,
+    /// A batch also ends once it carries this many bytes (0: no limit).
+    pub batch_bytes: u64,
     /// Microseconds the progress thread sleeps between polls of an idle
     /// completion queue (after spinning and yielding).
     pub poll_sleep_us: u32,
     /// `sched_yield`s of the progress thread on an idle CQ (after 64 spins)
     /// before it blocks on completion events or sleeps.
     pub idle_yields: u32,
+}
+
+/// How many WRs from the front of `queue` the next `post_send` chains: at
+/// most `room` and `limits.max_batch`, and ending with the WR that brings
+/// the batch to `limits.batch_bytes` bytes (when non-zero). At least one
+/// when the queue and `room` are non-empty.
+pub fn batch_len(queue: &VecDeque<Work>, room: usize, limits: &PostLimits) -> usize {
+    let n = room.min(limits.max_batch as usize).min(queue.len());
+    if limits.batch_bytes == 0 {
+        return n;
+    }
+    let mut bytes = 0u64;
+    for (k, w) in queue.iter().take(n).enumerate() {
+        bytes += match *w {
+            Work::Rdma { seg, .. } => seg.len_bytes,
+            Work::Notify { len, .. } => u64::from(len),
+        };
+        if bytes >= limits.batch_bytes {
+            return k + 1;
+        }
+    }
+    n
 }
 
 /// Receive chunk ids have the top bit set; the rest is the slot.
@@ -158,8 +182,8 @@ impl State {
             return;
         }
         while !sq.queue.is_empty() && sq.outstanding < limits.max_send_wr {
-            let room = (limits.max_send_wr - sq.outstanding).min(limits.max_batch) as usize;
-            let n = room.min(sq.queue.len());
+            let room = (limits.max_send_wr - sq.outstanding) as usize;
+            let n = batch_len(&sq.queue, room, limits);
             batch.clear();
             let mut records: Vec<(u64, u64, u32)> = Vec::new();
             let mut chunk = *next_chunk;
@@ -334,5 +358,42 @@ impl State {
         if let Err(e) = r.qp.post_recv_owned(wc.wr_id, &r.slab, slot * NOTIF_SLOT_BYTES, NOTIF_SLOT_BYTES as u32) {
             tracing::warn!("verbs: cannot repost a receive for {}: {e}", r.agent);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::transport::{LocalKey, RemoteKey};
+
+    fn limits(max_batch: u32, batch_bytes: u64) -> PostLimits {
+        PostLimits { max_send_wr: 1024, signal_every: 32, max_batch, batch_bytes, poll_sleep_us: 50, idle_yields: 0 }
+    }
+
+    fn queue(sizes: &[u64]) -> VecDeque<Work> {
+        sizes
+            .iter()
+            .map(|&len_bytes| Work::Rdma {
+                xfer: 1,
+                read: true,
+                seg: Segment { local_addr: 0, lkey: LocalKey(1), remote_addr: 0, rkey: RemoteKey(2), len_bytes },
+            })
+            .collect()
+    }
+
+    #[test]
+    fn batch_len_counts_wrs_room_and_bytes() {
+        let q = queue(&[4096; 100]);
+        assert_eq!(batch_len(&q, 1000, &limits(64, 0)), 64, "max_batch");
+        assert_eq!(batch_len(&q, 10, &limits(64, 0)), 10, "room in the send queue");
+        assert_eq!(batch_len(&q, 1000, &limits(64, 64 << 10)), 16, "16 x 4 KiB reach 64 KiB");
+        assert_eq!(batch_len(&q, 5, &limits(64, 64 << 10)), 5, "room before bytes");
+        let big = queue(&[65536, 65536, 1 << 20]);
+        assert_eq!(batch_len(&big, 1000, &limits(64, 64 << 10)), 1, "one 64 KiB WR per post");
+        assert_eq!(batch_len(&queue(&[100, 1 << 20]), 1000, &limits(64, 64 << 10)), 2);
+        assert_eq!(batch_len(&queue(&[]), 1000, &limits(64, 64 << 10)), 0);
+        let mut with_notify = queue(&[4096; 3]);
+        with_notify.push_back(Work::Notify { xfer: 1, slot: 0, len: 100 });
+        assert_eq!(batch_len(&with_notify, 1000, &limits(64, 64 << 10)), 4, "short queue: all of it");
     }
 }
