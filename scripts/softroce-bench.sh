@@ -7,7 +7,7 @@
 #
 #   scripts/softroce-bench.sh            # 2 rounds, 4 KiB and 64 KiB, WRITE and READ
 #   ROUNDS=3 MB=16 QPS=1 scripts/softroce-bench.sh
-#   KV_ARGS= scripts/softroce-bench.sh   # kvwire's stock polling (see below)
+#   KV_ARGS="--option post_bytes=0" scripts/softroce-bench.sh  # extra kvwire options
 #   PIPELINE=2 scripts/softroce-bench.sh # 2 kvwire transfers in flight, a stream as perftest's
 #
 # The guest moves only 20-60 MB/s (CPU emulation): totals are a few MB per run
@@ -15,16 +15,12 @@
 # then kvwire for every case; the best of the rounds is compared.
 # kvwire uses --scatter so each block stays one work request (contiguous
 # blocks would coalesce into one large WR, unlike perftest's -s messages).
-# KV_ARGS (extra `kvwire bench` arguments) defaults to
-#   --option idle_yields=0 --target-option idle_yields=0 --wait-sleep-us 1000 --option max_send_wr=128
-# The guest has 2 emulated vCPUs that also run the software NIC (rxe); perftest
-# uses one polling thread, kvwire a progress thread per process plus the
-# bench's waiting thread. The progress threads block on completion events
-# when idle (cq_events=1); idle_yields=0 makes them block right after 64
-# spins instead of first yielding 192 times, which takes CPU rxe needs; the
-# bench's thread sleeps 1 ms between checks. max_send_wr=128 matches perftest's
-# TX depth (128): with the stock 1024-deep send queue rxe moves less (see
-# docs/PERFORMANCE.md). Set KV_ARGS= for the stock setting.
+# KV_ARGS: extra `kvwire bench` arguments (default none: kvwire's stock
+# settings). The guest has 2 emulated vCPUs that also run the software NIC;
+# on rxe (and siw) kvwire ends a post_send batch at 64 KiB (post_bytes), so
+# the kernel requester that each post_send runs works on the posting thread's
+# CPU (docs/PERFORMANCE.md). Earlier tuning, for comparison:
+#   KV_ARGS="--option idle_yields=0 --target-option idle_yields=0 --wait-sleep-us 1000 --option max_send_wr=128"
 # Skips (exit 0) where the harness cannot run, as scripts/softroce-tests.sh.
 set -euo pipefail
 repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -85,5 +81,5 @@ awk '{k = $1 " " $2; p = $4 * 1048576 / 1e6; v = $5 * 1000;
      END {for (k in bp) printf "  %-11s %8.2f %8.2f %6.1f%%\n", k, bp[k], bv[k], (bp[k] > 0 ? 100 * bv[k] / bp[k] : 0)}' results.txt | sort
 GUEST
 chmod +x "$stage/bench.sh"
-KV_ARGS=${KV_ARGS---option idle_yields=0 --target-option idle_yields=0 --wait-sleep-us 1000 --option max_send_wr=128}
+KV_ARGS=${KV_ARGS:-}
 "$softroce/run-in-softroce-vm.sh" "$stage" env ROUNDS="${ROUNDS:-2}" PIPELINE="${PIPELINE:-1}" MB="${MB:-8}" QPS="${QPS:-1}" KV_ARGS="$KV_ARGS" ./bench.sh
