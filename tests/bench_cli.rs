@@ -88,5 +88,19 @@ fn pipelined_transfers_stream_and_still_verify() {
         let j = json_of(&out);
         assert_eq!(j["verified"], true, "{op}");
         assert_eq!(j["pipeline"], 3);
+        assert_eq!(j["notifications_received"], 2 + 6, "{op}: one per warmup (default 2) and measured transfer");
     }
+}
+
+#[test]
+fn no_notify_posts_transfers_without_notifications() {
+    let out = kvwire()
+        .args(["bench", "--op", "write", "--block-size", "4KiB", "--blocks", "64", "--iters", "3", "--warmup", "1"])
+        .args(["--scatter", "--lat-iters", "2", "--no-notify", "--json"])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let j = json_of(&out);
+    assert_eq!(j["verified"], true);
+    assert_eq!(j["notifications_received"], 0);
 }

@@ -185,8 +185,11 @@ fn serve_target(mut chan: SideChannel) -> Result<()> {
         match chan.recv()? {
             Ctl::Verify { seed, scatter, notifications } => {
                 let deadline = Instant::now() + Duration::from_secs(30);
-                while seen < notifications && Instant::now() < deadline {
+                loop {
                     seen += engine.get_notifs().values().map(Vec::len).sum::<usize>();
+                    if seen >= notifications || Instant::now() >= deadline {
+                        break;
+                    }
                     std::thread::yield_now();
                 }
                 let bad_blocks = if op == Op::Write {
@@ -250,6 +253,8 @@ struct Report {
     post_cpu_ns_per_block: f64,
     page_p50_us: f64,
     page_p99_us: f64,
+    /// Notifications the target received (one per transfer, none with `--no-notify`).
+    notifications_received: usize,
     verified: bool,
 }
 
@@ -396,6 +401,7 @@ fn initiate(a: &BenchArgs, total: u64, chan: &mut SideChannel) -> Result<Report>
         post_cpu_ns_per_block: percentile(&mut post_cpu_ns, 0.5),
         page_p50_us: percentile(&mut page_lat.clone(), 0.5),
         page_p99_us: percentile(&mut page_lat, 0.99),
+        notifications_received: got,
         verified: verified_local && bad_blocks == 0 && got >= notifications,
     })
 }
