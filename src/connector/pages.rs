@@ -51,14 +51,75 @@ pub trait DevicePages: Send + Sync + fmt::Debug {
     }
 }
 
+/// The shape [`HostPages`] and the VRAM pages validate and index by:
+/// `num_shards` buffers of `[num_pages, bytes_per_page]` bytes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct PageGeometry {
+    pub replicated: bool,
+    pub num_shards: usize,
+    pub bytes_per_page: usize,
+    pub num_pages: usize,
+}
+
+impl PageGeometry {
+    /// From the shard buffers' lengths (bytes), with `num_pages = len /
+    /// bytes_per_page`.
+    ///
+    /// # Errors
+    /// [`ConnectorError::InvalidPages`] when there is no shard, the stride is
+    /// 0, shards differ in length, or a replicated leaf has fewer than 2 shards.
+    pub(crate) fn new(replicated: bool, shard_lens: &[u64], bytes_per_page: usize) -> Result<Self, ConnectorError> {
+        let invalid = |reason: &str| Err(ConnectorError::InvalidPages { reason: reason.into() });
+        let Some(&len) = shard_lens.first() else {
+            return invalid("no shard buffers");
+        };
+        if bytes_per_page == 0 {
+            return invalid("bytes_per_page is 0");
+        }
+        if shard_lens.iter().any(|&l| l != len) {
+            return invalid("shard buffers differ in length");
+        }
+        if replicated && shard_lens.len() < 2 {
+            return invalid("replicated with fewer than 2 shards");
+        }
+        let num_pages = usize::try_from(len / bytes_per_page as u64).unwrap_or(usize::MAX);
+        Ok(Self { replicated, num_shards: shard_lens.len(), bytes_per_page, num_pages })
+    }
+
+    /// Byte offset of `page` within shard `shard`'s buffer.
+    ///
+    /// # Errors
+    /// `InvalidInput` when the shard or the page is out of range.
+    pub(crate) fn offset(&self, shard: usize, page: BlockId) -> io::Result<usize> {
+        let bad = |m: String| Err(io::Error::new(io::ErrorKind::InvalidInput, m));
+        if shard >= self.num_shards {
+            return bad(format!("shard {shard} past {}", self.num_shards));
+        }
+        if page.index() >= self.num_pages {
+            return bad(format!("page {} past {} pages", page.0, self.num_pages));
+        }
+        Ok(page.index() * self.bytes_per_page)
+    }
+
+    /// # Errors
+    /// `InvalidInput` unless `len` is one page (`bytes_per_page` bytes).
+    pub(crate) fn check_len(&self, len: usize) -> io::Result<()> {
+        if len != self.bytes_per_page {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                format!("{len}-byte copy of a {}-byte page", self.bytes_per_page),
+            ));
+        }
+        Ok(())
+    }
+}
+
 /// [`DevicePages`] in host memory: one [`HostBuffer`] per TP shard, each
 /// holding `num_pages * bytes_per_page` bytes (trailing bytes unused).
 #[derive(Debug, Clone)]
 pub struct HostPages {
-    replicated: bool,
+    geometry: PageGeometry,
     shards: Vec<Arc<HostBuffer>>,
-    bytes_per_page: usize,
-    num_pages: usize,
 }
 
 impl HostPages {
@@ -69,21 +130,8 @@ impl HostPages {
     /// [`ConnectorError::InvalidPages`] when there is no shard, the stride is
     /// 0, shards differ in length, or a replicated leaf has fewer than 2 shards.
     pub fn new(replicated: bool, shards: Vec<Arc<HostBuffer>>, bytes_per_page: usize) -> Result<Self, ConnectorError> {
-        let invalid = |reason: &str| Err(ConnectorError::InvalidPages { reason: reason.into() });
-        let Some(first) = shards.first() else {
-            return invalid("no shard buffers");
-        };
-        if bytes_per_page == 0 {
-            return invalid("bytes_per_page is 0");
-        }
-        if shards.iter().any(|s| s.len() != first.len()) {
-            return invalid("shard buffers differ in length");
-        }
-        if replicated && shards.len() < 2 {
-            return invalid("replicated with fewer than 2 shards");
-        }
-        let num_pages = first.len() / bytes_per_page;
-        Ok(Self { replicated, shards, bytes_per_page, num_pages })
+        let lens: Vec<u64> = shards.iter().map(|s| s.len() as u64).collect();
+        Ok(Self { geometry: PageGeometry::new(replicated, &lens, bytes_per_page)?, shards })
     }
 
     /// Allocate `num_shards` zeroed buffers of `[num_pages, bytes_per_page]`.
@@ -118,65 +166,39 @@ impl HostPages {
     /// # Panics
     /// When either index is out of range.
     pub fn page(&self, shard: usize, page: BlockId) -> &[u8] {
-        let off = self.offset(page).expect("page out of range");
-        &self.shards[shard].as_slice()[off..off + self.bytes_per_page]
-    }
-
-    fn offset(&self, page: BlockId) -> io::Result<usize> {
-        if page.index() >= self.num_pages {
-            return Err(io::Error::new(
-                io::ErrorKind::InvalidInput,
-                format!("page {} past {} pages", page.0, self.num_pages),
-            ));
-        }
-        Ok(page.index() * self.bytes_per_page)
-    }
-
-    fn buffer(&self, shard: usize) -> io::Result<&HostBuffer> {
-        self.shards.get(shard).map(|b| &**b).ok_or_else(|| {
-            io::Error::new(io::ErrorKind::InvalidInput, format!("shard {shard} past {}", self.shards.len()))
-        })
-    }
-
-    fn check_len(&self, len: usize) -> io::Result<()> {
-        if len != self.bytes_per_page {
-            return Err(io::Error::new(
-                io::ErrorKind::InvalidInput,
-                format!("{len}-byte copy of a {}-byte page", self.bytes_per_page),
-            ));
-        }
-        Ok(())
+        let off = self.geometry.offset(shard, page).expect("page out of range");
+        &self.shards[shard].as_slice()[off..off + self.geometry.bytes_per_page]
     }
 }
 
 impl DevicePages for HostPages {
     fn num_shards(&self) -> usize {
-        self.shards.len()
+        self.geometry.num_shards
     }
 
     fn replicated(&self) -> bool {
-        self.replicated
+        self.geometry.replicated
     }
 
     fn bytes_per_page(&self) -> usize {
-        self.bytes_per_page
+        self.geometry.bytes_per_page
     }
 
     fn num_pages(&self) -> usize {
-        self.num_pages
+        self.geometry.num_pages
     }
 
     fn read_page(&self, shard: usize, page: BlockId, out: &mut [u8]) -> io::Result<()> {
-        self.check_len(out.len())?;
-        let off = self.offset(page)?;
-        out.copy_from_slice(&self.buffer(shard)?.as_slice()[off..off + self.bytes_per_page]);
+        self.geometry.check_len(out.len())?;
+        let off = self.geometry.offset(shard, page)?;
+        out.copy_from_slice(&self.shards[shard].as_slice()[off..off + out.len()]);
         Ok(())
     }
 
     fn write_page(&self, shard: usize, page: BlockId, data: &[u8]) -> io::Result<()> {
-        self.check_len(data.len())?;
-        let off = self.offset(page)?;
-        self.buffer(shard)?.write(off, data);
+        self.geometry.check_len(data.len())?;
+        let off = self.geometry.offset(shard, page)?;
+        self.shards[shard].write(off, data);
         Ok(())
     }
 }

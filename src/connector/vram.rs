@@ -5,6 +5,7 @@
 use std::io;
 use std::sync::{Arc, Mutex};
 
+use super::pages::PageGeometry;
 use super::{BlockId, ConnectorError, DevicePages};
 use crate::cuda::{CopyStreams, CudaError, DeviceBuffer, PendingCopy, PinnedHostBuffer};
 use crate::kv::{KVCacheMemory, KvBuffer, KvError};
@@ -20,18 +21,12 @@ use crate::transport::MemoryBacking;
 /// poll with `is_complete`.
 #[derive(Debug)]
 pub struct VramPages {
-    replicated: bool,
+    geometry: PageGeometry,
     shards: Vec<Arc<DeviceBuffer>>,
-    bytes_per_page: usize,
-    num_pages: usize,
     /// Per shard: its GPU's copy streams.
     copies: Vec<CopyStreams>,
     /// Per shard: idle `bytes_per_page` pinned staging buffers.
     staging: Mutex<Vec<Vec<PinnedHostBuffer>>>,
-}
-
-fn invalid<T>(reason: impl Into<String>) -> Result<T, ConnectorError> {
-    Err(ConnectorError::InvalidPages { reason: reason.into() })
 }
 
 fn io_err(e: CudaError) -> io::Error {
@@ -58,26 +53,15 @@ impl VramPages {
         shards: Vec<Arc<DeviceBuffer>>,
         bytes_per_page: usize,
     ) -> Result<Self, ConnectorError> {
-        let Some(first) = shards.first() else {
-            return invalid("no shard buffers");
-        };
-        if bytes_per_page == 0 {
-            return invalid("bytes_per_page is 0");
-        }
-        if shards.iter().any(|s| s.len_bytes() != first.len_bytes()) {
-            return invalid("shard buffers differ in length");
-        }
-        if replicated && shards.len() < 2 {
-            return invalid("replicated with fewer than 2 shards");
-        }
-        let num_pages = (first.len_bytes() / bytes_per_page as u64) as usize;
+        let lens: Vec<u64> = shards.iter().map(|s| s.len_bytes()).collect();
+        let geometry = PageGeometry::new(replicated, &lens, bytes_per_page)?;
         let copies = shards
             .iter()
             .map(|s| CopyStreams::new(s.context()))
             .collect::<Result<Vec<_>, _>>()
             .map_err(|e| ConnectorError::InvalidPages { reason: format!("copy streams: {e}") })?;
         let staging = Mutex::new(shards.iter().map(|_| Vec::new()).collect());
-        Ok(Self { replicated, shards, bytes_per_page, num_pages, copies, staging })
+        Ok(Self { geometry, shards, copies, staging })
     }
 
     /// Allocate one zeroed `[num_pages, bytes_per_page]` buffer per GPU in
@@ -120,34 +104,28 @@ impl VramPages {
             .shards
             .iter()
             .map(|s| {
-                KvBuffer::new(s.clone() as Arc<dyn MemoryBacking>, self.num_pages as u64, self.bytes_per_page as u64)
+                let g = &self.geometry;
+                KvBuffer::new(s.clone() as Arc<dyn MemoryBacking>, g.num_pages as u64, g.bytes_per_page as u64)
             })
             .collect();
-        KVCacheMemory::new(self.replicated, bufs)
+        KVCacheMemory::new(self.geometry.replicated, bufs)
     }
 
     fn locate(&self, shard: usize, page: BlockId) -> io::Result<u64> {
-        let bad = |m: String| io::Error::new(io::ErrorKind::InvalidInput, m);
-        if shard >= self.shards.len() {
-            return Err(bad(format!("shard {shard} past {}", self.shards.len())));
-        }
-        if page.index() >= self.num_pages {
-            return Err(bad(format!("page {} past {} pages", page.0, self.num_pages)));
-        }
-        Ok(page.index() as u64 * self.bytes_per_page as u64)
+        self.geometry.offset(shard, page).map(|o| o as u64)
     }
 
     fn take_staging(&self, shard: usize) -> io::Result<PinnedHostBuffer> {
         let pooled = self.staging.lock().unwrap_or_else(|p| p.into_inner())[shard].pop();
         match pooled {
             Some(b) => Ok(b),
-            None => PinnedHostBuffer::new(self.shards[shard].context(), self.bytes_per_page).map_err(io_err),
+            None => PinnedHostBuffer::new(self.shards[shard].context(), self.geometry.bytes_per_page).map_err(io_err),
         }
     }
 
     /// Return a staging buffer (from a finished copy) to the pool.
     pub fn recycle(&self, shard: usize, staging: PinnedHostBuffer) {
-        if staging.len() == self.bytes_per_page
+        if staging.len() == self.geometry.bytes_per_page
             && let Some(pool) = self.staging.lock().unwrap_or_else(|p| p.into_inner()).get_mut(shard)
         {
             pool.push(staging);
@@ -171,12 +149,7 @@ impl VramPages {
     /// # Errors
     /// Wrong length, out-of-range indices; the failing CUDA call.
     pub fn upload_page(&self, shard: usize, page: BlockId, data: &[u8]) -> io::Result<PendingCopy> {
-        if data.len() != self.bytes_per_page {
-            return Err(io::Error::new(
-                io::ErrorKind::InvalidInput,
-                format!("{}-byte copy of a {}-byte page", data.len(), self.bytes_per_page),
-            ));
-        }
+        self.geometry.check_len(data.len())?;
         let off = self.locate(shard, page)?;
         let mut staging = self.take_staging(shard)?;
         staging.as_mut_slice().copy_from_slice(data);
@@ -186,28 +159,23 @@ impl VramPages {
 
 impl DevicePages for VramPages {
     fn num_shards(&self) -> usize {
-        self.shards.len()
+        self.geometry.num_shards
     }
 
     fn replicated(&self) -> bool {
-        self.replicated
+        self.geometry.replicated
     }
 
     fn bytes_per_page(&self) -> usize {
-        self.bytes_per_page
+        self.geometry.bytes_per_page
     }
 
     fn num_pages(&self) -> usize {
-        self.num_pages
+        self.geometry.num_pages
     }
 
     fn read_page(&self, shard: usize, page: BlockId, out: &mut [u8]) -> io::Result<()> {
-        if out.len() != self.bytes_per_page {
-            return Err(io::Error::new(
-                io::ErrorKind::InvalidInput,
-                format!("{}-byte copy of a {}-byte page", out.len(), self.bytes_per_page),
-            ));
-        }
+        self.geometry.check_len(out.len())?;
         let staging = self.download_page(shard, page)?.wait().map_err(io_err)?;
         out.copy_from_slice(staging.as_slice());
         self.recycle(shard, staging);
