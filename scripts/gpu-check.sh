@@ -7,6 +7,9 @@
 #
 #   scripts/gpu-check.sh            # build (debug) and run, ~1-2 min after the build
 #   FAKE=1 scripts/gpu-check.sh     # same tests against tests/cuda_fake/libcuda.c
+#   GPU_CHECK_BINS=.gpu-stage scripts/gpu-check.sh
+#                                   # run test executables staged by scripts/gpu-stage.sh
+#                                   # (no cargo: for a machine without Rust or network)
 #
 # Exit status: 0 when every row passes.
 set -uo pipefail
@@ -22,13 +25,21 @@ if [[ "${FAKE:-0}" == 1 ]]; then
     echo "using the FAKE driver in $dir (not a GPU check)"
 fi
 command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=index,name,pci.bus_id,driver_version --format=csv,noheader
-cargo build --tests --features cuda -q || exit 1
 log=$(mktemp)
 err=$(mktemp)
 # libtest's lines go to stdout, the tests' skip/info lines to stderr: keep
 # them apart so neither splits the other.
-cargo test --features cuda --test cuda_gpu --test cuda_nogpu --test cuda_verbs -- --show-output --test-threads=1 >"$log" 2>"$err"
-rc=$?
+if [[ -n "${GPU_CHECK_BINS:-}" ]]; then
+    rc=0
+    for t in cuda_gpu cuda_nogpu cuda_verbs; do
+        [[ -x "$GPU_CHECK_BINS/$t" ]] || { echo "no $GPU_CHECK_BINS/$t (run scripts/gpu-stage.sh)"; exit 1; }
+        "$GPU_CHECK_BINS/$t" --show-output --test-threads=1 >>"$log" 2>>"$err" || rc=$?
+    done
+else
+    cargo build --tests --features cuda -q || exit 1
+    cargo test --features cuda --test cuda_gpu --test cuda_nogpu --test cuda_verbs -- --show-output --test-threads=1 >"$log" 2>"$err"
+    rc=$?
+fi
 grep -hE "^(cuda::probe|dma-buf export|GPU [0-9]+ \(|registration_path_is_reported: GPU)" "$log" "$err" | sed 's/^/  info: /'
 skipped=$(sed -n -E 's/^([a-z0-9_]+): skipped: .*/\1/p' "$err" | sort -u | tr '\n' ' ')
 printf '%-66s %s\n' TEST RESULT
