@@ -30,6 +30,19 @@ cargo test --no-run --message-format=json --test verbs_transport --test verbs_la
     b=$(basename "$exe"); cp "$exe" "$stage/$b"
     printf 'echo "### %s"; ./%s --test-threads=1 --nocapture "$@"; r=$?; [ $r = 0 ] || { echo "### %s exited $r"; [ $rc = 0 ] && rc=$r; }\n' "$b" "$b" "$b"
   done < "$stage/.list"
+  # The main job over verbs: `kvwire replay` (prefill on rxe1, its decode
+  # child on rxe0) of a 4-request trace small enough for the guest (tokens
+  # of the first Mooncake requests, scaled down), every byte verified.
+  cp "$CARGO_TARGET_DIR/debug/kvwire" "$stage/kvwire"
+  printf '%s\n' \
+    '{"timestamp": 0, "input_length": 1800, "output_length": 40, "hash_ids": [0, 1, 2, 3]}' \
+    '{"timestamp": 5, "input_length": 900, "output_length": 20, "hash_ids": [4, 5]}' \
+    '{"timestamp": 9, "input_length": 2600, "output_length": 10, "hash_ids": [0, 1, 2, 3, 6, 7]}' \
+    '{"timestamp": 12, "input_length": 300, "output_length": 5, "hash_ids": [8]}' > "$stage/trace.jsonl"
+  echo 'echo "### kvwire replay --transport verbs (4 requests)"'
+  echo './kvwire replay --trace trace.jsonl --transport verbs --option device=rxe1 --decode-option device=rxe0 \'
+  echo '  --option gid_index=$SOFTROCE_GID_IDX --decode-option gid_index=$SOFTROCE_GID_IDX \'
+  echo '  --decode-pages 64 --prefill-pages 64; r=$?; [ $r = 0 ] || { echo "### replay exited $r"; [ $rc = 0 ] && rc=$r; }'
   echo 'exit $rc'
 } > "$stage/run-all.sh"
 chmod +x "$stage/run-all.sh"
