@@ -11,6 +11,7 @@
 //! - `verbs`: RC queue pairs over InfiniBand / RoCE through libibverbs.
 //! - `tcp`: hosts without RDMA.
 
+mod inflight;
 pub mod memory;
 pub mod shm;
 pub mod tcp;

@@ -10,7 +10,8 @@ use crossbeam_channel::{Receiver, Sender};
 use memmap2::MmapRaw;
 
 use super::wire::Msg;
-use crate::transport::{Completion, Op, Segment, XferId};
+use crate::transport::inflight::XferState;
+use crate::transport::{Completion, Op, Segment};
 
 /// How the initiator reaches one region of a peer.
 #[derive(Debug)]
@@ -87,26 +88,23 @@ pub struct PeerShared {
 /// A posted transfer being copied.
 #[derive(Debug)]
 pub struct XferShared {
-    /// Id reported in the completion.
-    pub id: XferId,
-    /// READ or WRITE.
-    pub op: Op,
+    /// Id, op, notification, chunks not yet finished (one per entry of
+    /// `chunks`), cancel flag and first failure.
+    pub core: XferState,
     /// The peer.
     pub peer: Arc<PeerShared>,
     /// Segments, already checked against the peer's regions.
     pub segments: Vec<Segment>,
-    /// Sent after the last byte.
-    pub notification: Option<Vec<u8>>,
     /// Segment ranges of about `CHUNK_BYTES`, claimed by workers in order.
     pub chunks: Vec<std::ops::Range<usize>>,
     /// Next chunk to claim.
     pub next_chunk: AtomicUsize,
-    /// Chunks not yet finished.
-    pub pending: AtomicUsize,
-    /// Set by `cancel`.
-    pub cancelled: AtomicBool,
-    /// First failure.
-    pub error: Mutex<Option<String>>,
+}
+
+impl AsRef<XferState> for XferShared {
+    fn as_ref(&self) -> &XferState {
+        &self.core
+    }
 }
 
 /// A transfer for a worker to help with: it claims chunks until none are left.
@@ -167,51 +165,41 @@ impl CopyPool {
     }
 }
 
-fn fail(x: &XferShared, why: String) {
-    let mut e = x.error.lock().unwrap_or_else(|p| p.into_inner());
-    if e.is_none() {
-        *e = Some(why);
-    }
-}
-
 fn run_job(job: Job) {
     let (x, done) = (&job.xfer, &job.done);
     loop {
         let idx = x.next_chunk.fetch_add(1, Ordering::AcqRel);
         let Some(range) = x.chunks.get(idx) else { return };
-        if !x.cancelled.load(Ordering::Acquire) && x.error.lock().map(|e| e.is_none()).unwrap_or(false) {
+        if x.core.live() {
             if x.peer.dead.load(Ordering::Acquire) {
-                fail(x, format!("peer {} disconnected", x.peer.name));
+                x.core.fail(format!("peer {} disconnected", x.peer.name));
             } else if let Err(why) = copy_segments(x, &x.segments[range.clone()]) {
-                fail(x, why);
+                x.core.fail(why);
             }
         }
-        if x.pending.fetch_sub(1, Ordering::AcqRel) == 1 {
+        if x.core.chunk_done() {
             finish(x, done);
             return;
         }
     }
 }
 
+/// After the last chunk: the peer must still be alive, then the
+/// notification goes out on the side channel.
 fn finish(x: &XferShared, done: &Sender<Completion>) {
-    // Last chunk: nothing touches the buffers any more.
-    if x.cancelled.load(Ordering::Acquire) {
-        return;
-    }
-    let mut result = match x.error.lock().unwrap_or_else(|p| p.into_inner()).take() {
-        Some(e) => Err(e),
-        None => Ok(()),
-    };
-    if result.is_ok() && x.peer.dead.load(Ordering::Acquire) {
-        result = Err(format!("peer {} disconnected", x.peer.name));
-    }
-    if result.is_ok()
-        && let Some(payload) = &x.notification
-        && let Err(e) = x.peer.channel.send(&Msg::Notify { payload: payload.clone() }, None)
-    {
-        result = Err(format!("notification to {} failed: {e}", x.peer.name));
-    }
-    let _ = done.send(Completion { xfer: x.id, result });
+    x.core.complete(done, || {
+        if x.peer.dead.load(Ordering::Acquire) {
+            return Err(format!("peer {} disconnected", x.peer.name));
+        }
+        match &x.core.notification {
+            Some(payload) => x
+                .peer
+                .channel
+                .send(&Msg::Notify { payload: payload.clone() }, None)
+                .map_err(|e| format!("notification to {} failed: {e}", x.peer.name)),
+            None => Ok(()),
+        }
+    });
 }
 
 fn copy_segments(x: &XferShared, segs: &[Segment]) -> Result<(), String> {
@@ -233,7 +221,7 @@ fn copy_held<'a>(x: &'a XferShared, segs: &[Segment], held: &mut Option<(u32, &'
             Some((k, r)) if k == s.rkey.0 => r,
             _ => {
                 // Switching regions: finish what the old one batched, release it.
-                cma_flush(x.op, cma_pid, &mut cma)?;
+                cma_flush(x.core.op, cma_pid, &mut cma)?;
                 if let Some((_, old)) = held.take() {
                     old.exit();
                 }
@@ -249,7 +237,7 @@ fn copy_held<'a>(x: &'a XferShared, segs: &[Segment], held: &mut Option<(u32, &'
         };
         if region.revoked.load(Ordering::Relaxed) {
             // A revocation is waiting for us: stop here.
-            cma_flush(x.op, cma_pid, &mut cma)?;
+            cma_flush(x.core.op, cma_pid, &mut cma)?;
             return Err(format!("remote access error: rkey {} was deregistered by the target", s.rkey.0));
         }
         let off = (s.remote_addr - region.addr) as usize;
@@ -257,7 +245,7 @@ fn copy_held<'a>(x: &'a XferShared, segs: &[Segment], held: &mut Option<(u32, &'
             PeerMem::Mapped { base, .. } => {
                 let remote = (base + off) as *mut u8;
                 let local = s.local_addr as *mut u8;
-                let (src, dst) = match x.op {
+                let (src, dst) = match x.core.op {
                     Op::Write => (local as *const u8, remote),
                     Op::Read => (remote as *const u8, local),
                 };
@@ -276,15 +264,15 @@ fn copy_held<'a>(x: &'a XferShared, segs: &[Segment], held: &mut Option<(u32, &'
                 let r = libc::iovec { iov_base: s.remote_addr as *mut libc::c_void, iov_len: s.len_bytes as usize };
                 cma.push((l, r));
                 if cma.len() == 512 {
-                    cma_flush(x.op, cma_pid, &mut cma)?;
+                    cma_flush(x.core.op, cma_pid, &mut cma)?;
                 }
             }
         }
-        if x.cancelled.load(Ordering::Relaxed) {
-            return cma_flush(x.op, cma_pid, &mut cma);
+        if x.core.cancelled.load(Ordering::Relaxed) {
+            return cma_flush(x.core.op, cma_pid, &mut cma);
         }
     }
-    cma_flush(x.op, cma_pid, &mut cma)
+    cma_flush(x.core.op, cma_pid, &mut cma)
 }
 
 fn cma_flush(op: Op, pid: i32, batch: &mut Vec<(libc::iovec, libc::iovec)>) -> Result<(), String> {

@@ -25,10 +25,10 @@ use std::time::Duration;
 
 pub use buffer::HostBuffer;
 use copy::{CopyPool, Job, PeerMem, PeerRegion, PeerShared, XferShared};
-use crossbeam_channel::Receiver;
 use serde::{Deserialize, Serialize};
 use wire::{Access, Channel, Listener, Msg};
 
+use super::inflight::{InFlight, XferState};
 use super::{
     Completion, LocalKey, MemoryBacking, Notification, PeerId, PostRequest, Registration, RemoteKey, RemoteRegion,
     Transport, TransportConfig, TransportError, TransportKind, XferId,
@@ -93,10 +93,8 @@ pub struct ShmTransport {
     peers: HashMap<u32, Arc<PeerShared>>,
     monitors: Vec<JoinHandle<()>>,
     next_peer: u32,
-    inflight: HashMap<u64, Arc<XferShared>>,
+    inflight: InFlight<XferShared>,
     pool: CopyPool,
-    done_tx: crossbeam_channel::Sender<Completion>,
-    done: Receiver<Completion>,
 }
 
 static SOCKET_SEQ: AtomicUsize = AtomicUsize::new(0);
@@ -134,7 +132,6 @@ impl ShmTransport {
                 .spawn(move || accept_loop(&listener, &stopping, &shared))
                 .map_err(|e| TransportError::io("spawn", e))?
         };
-        let (done_tx, done) = crossbeam_channel::unbounded();
         Ok(Self {
             agent: agent.to_string(),
             socket_name,
@@ -150,10 +147,8 @@ impl ShmTransport {
             peers: HashMap::new(),
             monitors: Vec::new(),
             next_peer: 1,
-            inflight: HashMap::new(),
+            inflight: InFlight::default(),
             pool: CopyPool::new(config.copy_threads).map_err(|e| TransportError::io("spawn", e))?,
-            done_tx,
-            done,
         })
     }
 }
@@ -502,56 +497,42 @@ impl Transport for ShmTransport {
             }
         }
         if let Some(why) = violation {
+            let core = XferState::new(req.xfer, req.op, None, 1);
+            core.fail(why);
             let x = Arc::new(XferShared {
-                id: req.xfer,
-                op: req.op,
+                core,
                 peer: peer.clone(),
                 segments: Vec::new(),
-                notification: None,
                 chunks: std::iter::once(0..0).collect(),
                 next_chunk: AtomicUsize::new(0),
-                pending: AtomicUsize::new(1),
-                cancelled: AtomicBool::new(false),
-                error: Mutex::new(Some(why)),
             });
-            self.inflight.insert(req.xfer.0, x.clone());
-            self.pool.submit(Job { xfer: x, done: self.done_tx.clone() });
+            self.inflight.insert(x.clone());
+            self.pool.submit(Job { xfer: x, done: self.inflight.sender() });
             return Ok(());
         }
         let segments = split_large(req.segments);
         let chunks = chunk_ranges(&segments);
         let helpers = chunks.len().min(self.config.copy_threads.max(1));
         let x = Arc::new(XferShared {
-            id: req.xfer,
-            op: req.op,
+            core: XferState::new(req.xfer, req.op, req.notification, chunks.len()),
             peer: peer.clone(),
             segments,
-            notification: req.notification,
-            pending: AtomicUsize::new(chunks.len()),
             next_chunk: AtomicUsize::new(0),
             chunks,
-            cancelled: AtomicBool::new(false),
-            error: Mutex::new(None),
         });
-        self.inflight.insert(req.xfer.0, x.clone());
+        self.inflight.insert(x.clone());
         for _ in 0..helpers {
-            self.pool.submit(Job { xfer: x.clone(), done: self.done_tx.clone() });
+            self.pool.submit(Job { xfer: x.clone(), done: self.inflight.sender() });
         }
         Ok(())
     }
 
     fn poll(&mut self, out: &mut Vec<Completion>) {
-        for c in self.done.try_iter() {
-            if self.inflight.remove(&c.xfer.0).is_some() {
-                out.push(c);
-            }
-        }
+        self.inflight.poll(out);
     }
 
     fn cancel(&mut self, xfer: XferId) {
-        let Some(x) = self.inflight.remove(&xfer.0) else { return };
-        x.cancelled.store(true, Ordering::Release);
-        super::wait_until(|| x.pending.load(Ordering::Acquire) == 0);
+        self.inflight.cancel(xfer);
     }
 
     fn take_notifications(&mut self, out: &mut Vec<Notification>) {
@@ -602,10 +583,7 @@ fn chunk_ranges(segments: &[super::Segment]) -> Vec<std::ops::Range<usize>> {
 
 impl Drop for ShmTransport {
     fn drop(&mut self) {
-        let ids: Vec<u64> = self.inflight.keys().copied().collect();
-        for id in ids {
-            self.cancel(XferId(id));
-        }
+        self.inflight.cancel_all();
         self.stopping.store(true, Ordering::Release);
         self.listener.shutdown();
         if let Some(h) = self.service.take() {

@@ -27,15 +27,16 @@ mod worker;
 
 use std::collections::HashMap;
 use std::net::{SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 
-use crossbeam_channel::{Receiver, Sender};
+use crossbeam_channel::Sender;
 use serde::{Deserialize, Serialize};
 use service::{LocalRegion, NotifQueue, RegionTable, Service};
 use worker::{Job, PeerShared, XferShared};
 
+use super::inflight::{InFlight, XferState};
 use super::{
     Completion, LocalKey, MemoryBacking, MemoryKind, Notification, PeerId, PostRequest, Registration, RemoteKey,
     RemoteRegion, Segment, Transport, TransportConfig, TransportError, TransportKind, XferId,
@@ -87,9 +88,7 @@ pub struct TcpTransport {
     service: Option<Service>,
     peers: HashMap<u32, PeerConn>,
     next_peer: u32,
-    inflight: HashMap<u64, Arc<XferShared>>,
-    done_tx: Sender<Completion>,
-    done: Receiver<Completion>,
+    inflight: InFlight<XferShared>,
 }
 
 fn bad_option(key: &str, value: &str) -> TransportError {
@@ -129,7 +128,6 @@ impl TcpTransport {
         let regions: RegionTable = Arc::default();
         let notifs: NotifQueue = Arc::default();
         let service = Service::start(listener, regions.clone(), notifs.clone(), config.peer_timeout)?;
-        let (done_tx, done) = crossbeam_channel::unbounded();
         Ok(Self {
             agent: agent.to_string(),
             config: config.clone(),
@@ -141,9 +139,7 @@ impl TcpTransport {
             service: Some(service),
             peers: HashMap::new(),
             next_peer: 1,
-            inflight: HashMap::new(),
-            done_tx,
-            done,
+            inflight: InFlight::default(),
         })
     }
 
@@ -276,7 +272,7 @@ impl Transport for TcpTransport {
         let (tx, rx) = crossbeam_channel::unbounded::<Job>();
         let mut workers = Vec::with_capacity(socks.len());
         for (i, sock) in socks.into_iter().enumerate() {
-            let (rx, done) = (rx.clone(), self.done_tx.clone());
+            let (rx, done) = (rx.clone(), self.inflight.sender());
             let spawned = std::thread::Builder::new()
                 .name(format!("kvwire-tcp-{i}"))
                 .spawn(move || worker::run(sock, rx, done))
@@ -317,16 +313,11 @@ impl Transport for TcpTransport {
         };
         let (segments, ranges) = plan_chunks(req.segments);
         let x = Arc::new(XferShared {
-            id: req.xfer,
-            op: req.op,
+            core: XferState::new(req.xfer, req.op, req.notification, ranges.len().max(1)),
             peer: peer.shared.clone(),
             segments,
-            notification: req.notification,
-            pending: AtomicUsize::new(ranges.len().max(1)),
-            cancelled: AtomicBool::new(false),
-            error: Mutex::new(None),
         });
-        self.inflight.insert(req.xfer.0, x.clone());
+        self.inflight.insert(x.clone());
         if ranges.is_empty() {
             let _ = jobs.send(Job { xfer: x.clone(), range: 0..0 });
         }
@@ -337,22 +328,14 @@ impl Transport for TcpTransport {
     }
 
     fn poll(&mut self, out: &mut Vec<Completion>) {
-        for c in self.done.try_iter() {
-            if self.inflight.remove(&c.xfer.0).is_some() {
-                out.push(c);
-            }
-        }
+        self.inflight.poll(out);
     }
 
     fn cancel(&mut self, xfer: XferId) {
-        let Some(x) = self.inflight.remove(&xfer.0) else {
-            return;
-        };
-        x.cancelled.store(true, Ordering::Release);
         // Queued chunks are skipped; a chunk on the wire finishes its
         // syscall (bounded by peer_timeout) and a READ stops writing into
         // local memory at once.
-        super::wait_until(|| x.pending.load(Ordering::Acquire) == 0);
+        self.inflight.cancel(xfer);
     }
 
     fn take_notifications(&mut self, out: &mut Vec<Notification>) {
@@ -363,10 +346,7 @@ impl Transport for TcpTransport {
 
 impl Drop for TcpTransport {
     fn drop(&mut self) {
-        let ids: Vec<u64> = self.inflight.keys().copied().collect();
-        for id in ids {
-            self.cancel(XferId(id));
-        }
+        self.inflight.cancel_all();
         for (_, mut p) in self.peers.drain() {
             p.close();
         }

@@ -9,14 +9,15 @@
 
 use std::io::{self, Write};
 use std::net::TcpStream;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 
 use crossbeam_channel::{Receiver, Sender};
 
 use super::io::{self as tio, Range};
 use super::wire::{self, Header, Kind, SegmentDesc, Status};
-use crate::transport::{Completion, Op, Segment, XferId};
+use crate::transport::inflight::XferState;
+use crate::transport::{Completion, Op, Segment};
 
 /// One connected peer, shared by the transport and its workers.
 #[derive(Debug)]
@@ -57,34 +58,18 @@ impl PeerShared {
 /// A posted transfer being moved.
 #[derive(Debug)]
 pub struct XferShared {
-    /// Id reported in the completion.
-    pub id: XferId,
-    /// READ or WRITE.
-    pub op: Op,
+    /// Id, op, notification, chunks not yet finished (one per [`Job`], at
+    /// least one), cancel flag and first failure.
+    pub core: XferState,
     /// The peer.
     pub peer: Arc<PeerShared>,
     /// Segments, split so that no chunk exceeds the wire limits.
     pub segments: Vec<Segment>,
-    /// Sent after the last byte.
-    pub notification: Option<Vec<u8>>,
-    /// Chunks not yet finished (a cancel waits for 0).
-    pub pending: AtomicUsize,
-    /// Set by `cancel`.
-    pub cancelled: AtomicBool,
-    /// First failure.
-    pub error: Mutex<Option<String>>,
 }
 
-impl XferShared {
-    fn fail(&self, why: String) {
-        let mut e = self.error.lock().unwrap_or_else(|p| p.into_inner());
-        if e.is_none() {
-            *e = Some(why);
-        }
-    }
-
-    fn failed(&self) -> bool {
-        self.error.lock().map(|e| e.is_some()).unwrap_or(true)
+impl AsRef<XferState> for XferShared {
+    fn as_ref(&self) -> &XferState {
+        &self.core
     }
 }
 
@@ -146,7 +131,7 @@ impl Conn {
         self.next_id += 1;
         let id = self.next_id;
         let len: u64 = segs.iter().map(|s| s.len_bytes).sum();
-        let kind = if x.op == Op::Write { Kind::Write } else { Kind::Read };
+        let kind = if x.core.op == Op::Write { Kind::Write } else { Kind::Read };
         let h = Header { kind, count: segs.len() as u32, id, len };
         self.head.clear();
         self.head.extend_from_slice(&h.encode());
@@ -156,7 +141,7 @@ impl Conn {
         );
         self.ranges.clear();
         self.ranges.extend(segs.iter().map(|s| (s.local_addr, s.len_bytes)));
-        match x.op {
+        match x.core.op {
             Op::Write => {
                 // SAFETY: the engine checked every local range against a live
                 // registration and keeps it registered until this transfer is
@@ -177,7 +162,7 @@ impl Conn {
                 // the application does not touch while the READ is in
                 // progress, and `read_ranges` stops writing into them once
                 // `cancelled` is set (cancel waits for this call to return).
-                unsafe { tio::read_ranges(&self.sock, &self.ranges, &x.cancelled)? };
+                unsafe { tio::read_ranges(&self.sock, &self.ranges, &x.core.cancelled)? };
             }
         }
         Ok(())
@@ -201,37 +186,31 @@ pub fn run(sock: TcpStream, jobs: Receiver<Job>, done: Sender<Completion>) {
     for job in jobs.iter() {
         let x = &job.xfer;
         let peer = &x.peer;
-        if !x.cancelled.load(Ordering::Acquire) && !x.failed() {
+        if x.core.live() {
             if peer.dead.load(Ordering::Acquire) {
-                x.fail(peer.failure());
+                x.core.fail(peer.failure());
             } else {
                 match conn.transfer(x, &x.segments[job.range.clone()]) {
                     Ok(()) => {}
-                    Err(ReqError::Remote(why)) => x.fail(why),
+                    Err(ReqError::Remote(why)) => x.core.fail(why),
                     Err(ReqError::Conn(e)) => {
                         peer.kill(format!("peer {} failed: {e}", peer.name));
-                        x.fail(peer.failure());
+                        x.core.fail(peer.failure());
                     }
                 }
             }
         }
-        if x.pending.fetch_sub(1, Ordering::AcqRel) != 1 {
+        if !x.core.chunk_done() {
             continue;
         }
-        // Last chunk: nothing touches the transfer's buffers any more.
-        if x.cancelled.load(Ordering::Acquire) {
-            continue;
-        }
-        let mut result = match x.error.lock().unwrap_or_else(|p| p.into_inner()).take() {
-            Some(e) => Err(e),
-            None => Ok(()),
-        };
-        if result.is_ok()
-            && let Some(payload) = &x.notification
-        {
+        // Last chunk. If every chunk succeeded, the notification goes out
+        // on this connection (the peer still alive) before the completion.
+        x.core.complete(&done, || {
+            let Some(payload) = &x.core.notification else { return Ok(()) };
             if peer.dead.load(Ordering::Acquire) {
-                result = Err(peer.failure());
-            } else if let Err(e) = conn.notify(payload) {
+                return Err(peer.failure());
+            }
+            conn.notify(payload).map_err(|e| {
                 let why = match e {
                     ReqError::Remote(r) => r,
                     ReqError::Conn(e) => {
@@ -239,9 +218,8 @@ pub fn run(sock: TcpStream, jobs: Receiver<Job>, done: Sender<Completion>) {
                         peer.failure()
                     }
                 };
-                result = Err(format!("notification not delivered: {why}"));
-            }
-        }
-        let _ = done.send(Completion { xfer: x.id, result });
+                format!("notification not delivered: {why}")
+            })
+        });
     }
 }
