@@ -142,7 +142,7 @@ impl VerbsTransport {
             max_rd_atomic: rd_atom,
             min_rnr_timer: 12,
         };
-        let max_send_wr: u32 = opt::<u32>(config, "max_send_wr", 1024)?.min(ctx.attr().max_qp_wr.max(16) as u32);
+        let max_send_wr: u32 = opt::<u32>(config, "max_send_wr", 1024)?.clamp(1, ctx.attr().max_qp_wr.max(16) as u32);
         let limits = PostLimits {
             max_send_wr,
             signal_every: opt::<u32>(config, "signal_every", 32)?.clamp(1, max_send_wr),
@@ -232,7 +232,9 @@ impl VerbsTransport {
         loop {
             let st = self.inner.lock();
             let busy = p.qpns.iter().any(|q| st.send_qps.get(q).is_some_and(|s| s.outstanding > 0));
-            let broken = p.qpns.iter().any(|q| st.send_qps.get(q).is_none_or(|s| s.error.is_some()));
+            // No QPs: an earlier reconnect failed; try again.
+            let broken =
+                p.qpns.is_empty() || p.qpns.iter().any(|q| st.send_qps.get(q).is_none_or(|s| s.error.is_some()));
             drop(st);
             if !broken {
                 return Ok(());
@@ -249,7 +251,7 @@ impl VerbsTransport {
         {
             let mut st = self.inner.lock();
             for q in &old {
-                st.send_qps.remove(q);
+                st.remove_qp(*q, &self.inner.limits);
             }
         }
         if let Some(p) = self.peers.get_mut(&peer.0) {
@@ -405,7 +407,7 @@ impl Transport for VerbsTransport {
         };
         let mut st = self.inner.lock();
         for q in &p.qpns {
-            st.send_qps.remove(q);
+            st.remove_qp(*q, &self.inner.limits);
         }
         st.slabs.remove(&peer.0);
     }

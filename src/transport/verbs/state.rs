@@ -141,6 +141,9 @@ impl State {
         for (i, s) in segments.iter().enumerate() {
             let q = qpns[(i / stripe) % qpns.len()];
             let Some(sq) = self.send_qps.get_mut(&q) else {
+                if let Some(x) = self.xfers.get_mut(&xfer.0) {
+                    x.error.get_or_insert_with(|| format!("no QP {q} to post on"));
+                }
                 continue;
             };
             let mut off = 0;
@@ -169,18 +172,50 @@ impl State {
                 x.queued += 1;
             }
             self.pump(qpn, limits);
+        } else if let Some(x) = self.xfers.get_mut(&xfer) {
+            x.error.get_or_insert_with(|| format!("notification not sent: no QP {qpn}"));
+            self.try_finish(xfer, limits);
         }
+    }
+
+    /// Fail the work queued on `qpn` (in error: nothing more is posted
+    /// there) and report the transfers that then have nothing in flight.
+    pub fn fail_queue(&mut self, qpn: u32, limits: &PostLimits) {
+        let Some(sq) = self.send_qps.get_mut(&qpn) else {
+            return;
+        };
+        let why = sq.error.clone().unwrap_or_else(|| format!("QP {qpn} closed"));
+        let mut failed: Vec<u64> = sq.queue.drain(..).map(|w| w.xfer()).collect();
+        for x in &failed {
+            if let Some(xf) = self.xfers.get_mut(x) {
+                xf.queued = xf.queued.saturating_sub(1);
+                xf.error.get_or_insert_with(|| why.clone());
+            }
+        }
+        failed.dedup();
+        for x in failed {
+            self.try_finish(x, limits);
+        }
+    }
+
+    /// Drop `qpn` (disconnect or reconnect), failing its queued work.
+    pub fn remove_qp(&mut self, qpn: u32, limits: &PostLimits) {
+        self.fail_queue(qpn, limits);
+        self.send_qps.remove(&qpn);
     }
 
     /// Post as much of `qpn`'s queue as the send queue has room for.
     pub fn pump(&mut self, qpn: u32, limits: &PostLimits) {
+        if self.send_qps.get(&qpn).is_some_and(|sq| sq.error.is_some()) {
+            // Work queued on a QP in error (e.g. a deferred notification)
+            // would wait forever: fail it.
+            self.fail_queue(qpn, limits);
+            return;
+        }
         let State { send_qps, xfers, slabs, batch, next_chunk, .. } = self;
         let Some(sq) = send_qps.get_mut(&qpn) else {
             return;
         };
-        if sq.error.is_some() {
-            return;
-        }
         while !sq.queue.is_empty() && sq.outstanding < limits.max_send_wr {
             let room = (limits.max_send_wr - sq.outstanding) as usize;
             let n = batch_len(&sq.queue, room, limits);
@@ -239,26 +274,31 @@ impl State {
                     xf.chunks += 1;
                 }
             }
-            for w in sq.queue.drain(..n) {
+            let why = posted.as_ref().err().map(|(_, e)| e.to_string());
+            let mut unposted = Vec::new();
+            for (k, w) in sq.queue.drain(..n).enumerate() {
                 if let Some(xf) = xfers.get_mut(&w.xfer()) {
                     xf.queued = xf.queued.saturating_sub(1);
+                    // Not posted (or posted without a completion we track).
+                    if let Some(why) = why.as_ref().filter(|_| k >= covered) {
+                        xf.error.get_or_insert_with(|| why.clone());
+                        unposted.push(w.xfer());
+                    }
                 }
             }
             sq.outstanding += covered as u32;
-            if let Err((_, e)) = posted {
+            if let Some(why) = why {
                 // Rare (the queue is sized to fit): stop using the QP; what
                 // was posted completes (or flushes) and the peer reconnects.
-                let why = e.to_string();
                 tracing::error!("verbs: {why} on QP {qpn}");
-                sq.error = Some(why.clone());
+                sq.error = Some(why);
                 let _ = sq.qp.set_error();
-                for w in sq.queue.drain(..) {
-                    if let Some(xf) = xfers.get_mut(&w.xfer()) {
-                        xf.queued = xf.queued.saturating_sub(1);
-                        xf.error.get_or_insert_with(|| why.clone());
-                    }
+                self.fail_queue(qpn, limits);
+                unposted.dedup();
+                for x in unposted {
+                    self.try_finish(x, limits);
                 }
-                break;
+                return;
             }
         }
     }
@@ -276,7 +316,6 @@ impl State {
             return;
         };
         sq.outstanding = sq.outstanding.saturating_sub(cnt);
-        let mut failed_queue = Vec::new();
         if wc.status != IBV_WC_SUCCESS {
             let name = wc_status_name(wc.status);
             let why = match &sq.error {
@@ -290,22 +329,14 @@ impl State {
                 sq.error = Some(why.clone());
                 let _ = sq.qp.set_error();
             }
-            // Nothing more is posted on a QP in error: fail what is queued.
-            failed_queue.extend(sq.queue.drain(..).map(|w| w.xfer()));
             if let Some(xf) = self.xfers.get_mut(&x) {
                 xf.error.get_or_insert(why);
-            }
-        }
-        let qp_error = sq.error.clone();
-        for fx in failed_queue {
-            if let Some(xf) = self.xfers.get_mut(&fx) {
-                xf.queued = xf.queued.saturating_sub(1);
-                xf.error.get_or_insert_with(|| qp_error.clone().unwrap_or_default());
             }
         }
         if let Some(xf) = self.xfers.get_mut(&x) {
             xf.chunks = xf.chunks.saturating_sub(1);
         }
+        // On a QP in error this fails (and reports) what is still queued.
         self.pump(wc.qp_num, limits);
         self.try_finish(x, limits);
     }

@@ -1,0 +1,362 @@
+//! Edge cases of the verbs transport on real RDMA devices (Soft-RoCE in CI):
+//! odd option values, tiny queues, many notifications, release while in
+//! flight, forged bounds, a notification whose QP failed, a peer that is gone.
+//!
+//! Like `verbs_transport.rs`, each test prints `skipped: no RDMA device (...)`
+//! and returns where there is no device; `scripts/softroce-tests.sh` runs them.
+
+mod verbs_util;
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use kvwire::HostBuffer;
+use kvwire::engine::{Desc, TransferEngine, TransferHandle, TransferStatus};
+use kvwire::transport::{
+    self, Completion, MemoryDesc, MemoryKind, Notification, Op, PostRequest, RawMemory, RemoteKey, Segment,
+    TransportConfig, TransportKind, XferId,
+};
+
+const WAIT: Duration = Duration::from_secs(60);
+
+fn config(device: &str, extra: &[(&str, &str)]) -> TransportConfig {
+    let mut c = TransportConfig::default();
+    c.options.push(("device".into(), device.into()));
+    if let Ok(i) = std::env::var("SOFTROCE_GID_IDX") {
+        c.options.push(("gid_index".into(), i));
+    }
+    for (k, v) in extra {
+        c.options.push((k.to_string(), v.to_string()));
+    }
+    c
+}
+
+fn engine(name: &str, device: &str, extra: &[(&str, &str)]) -> TransferEngine {
+    TransferEngine::new(name, TransportKind::Verbs, &config(device, extra)).expect("verbs engine")
+}
+
+fn wait(e: &mut TransferEngine, h: TransferHandle) -> TransferStatus {
+    let t0 = Instant::now();
+    loop {
+        let s = e.status(h).unwrap();
+        if s != TransferStatus::InProgress || t0.elapsed() > WAIT {
+            return s;
+        }
+        std::thread::sleep(Duration::from_micros(200));
+    }
+}
+
+fn wait_completion(
+    t: &mut Box<dyn transport::Transport>,
+    out: &mut Vec<Completion>,
+    x: XferId,
+    within: Duration,
+) -> Option<Completion> {
+    let t0 = Instant::now();
+    while t0.elapsed() < within {
+        t.poll(out);
+        if let Some(c) = out.iter().find(|c| c.xfer == x) {
+            return Some(c.clone());
+        }
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    None
+}
+
+#[test]
+fn verbs_invalid_option_values_are_errors_or_clamped_never_panics() {
+    let (_, idev) = need_devices!();
+    for (k, v, must_fail) in [
+        ("max_send_wr", "0", false),
+        ("max_send_wr", "1", false),
+        ("post_list", "0", false),
+        ("signal_every", "0", false),
+        ("qps_per_peer", "0", false),
+        ("post_bytes", "abc", true),
+        ("max_send_wr", "-1", true),
+    ] {
+        let cfg = config(&idev, &[(k, v)]);
+        let r = std::panic::catch_unwind(|| TransferEngine::new("opts", TransportKind::Verbs, &cfg).map(drop));
+        let r = r.unwrap_or_else(|_| panic!("{k}={v} panicked"));
+        assert_eq!(r.is_err(), must_fail, "{k}={v}: {r:?}");
+    }
+}
+
+/// Descriptors of mixed sizes around the 64 KiB batch limit, 8 bytes apart
+/// (so that nothing coalesces): `(offset, len)`.
+fn mixed_descs(n: usize) -> (Vec<(u64, u64)>, u64) {
+    let sizes = [4096u64, 61_440, 65_536, 65_537, 1, 131_072, 4095, 65_535];
+    let mut off = 0;
+    let v = (0..n)
+        .map(|i| {
+            let d = (off, sizes[i % sizes.len()]);
+            off += d.1 + 8;
+            d
+        })
+        .collect();
+    (v, off)
+}
+
+#[test]
+fn verbs_tiny_queue_odd_batches_three_qps_move_every_byte() {
+    let (tdev, idev) = need_devices!();
+    let opts = [("max_send_wr", "5"), ("post_list", "3"), ("signal_every", "2"), ("qps_per_peer", "3")];
+    let mut target = engine("t-odd", &tdev, &opts);
+    let mut init = engine("i-odd", &idev, &opts);
+    let (descs, total) = mixed_descs(200);
+    let dst = Arc::new(HostBuffer::new(total as usize).unwrap());
+    let src = Arc::new(HostBuffer::new(total as usize).unwrap());
+    src.fill_with(0, total as usize, |i| (i * 31 + i / 4096) as u8);
+    target.register(dst.clone()).unwrap();
+    init.register(src.clone()).unwrap();
+    init.connect(&target.metadata()).unwrap();
+    let l: Vec<Desc> = descs.iter().map(|&(o, n)| Desc::new(src.addr() + o, n)).collect();
+    let r: Vec<Desc> = descs.iter().map(|&(o, n)| Desc::new(dst.addr() + o, n)).collect();
+    let h = init.post(Op::Write, &l, "t-odd", &r, Some(b"odd".to_vec())).unwrap();
+    assert_eq!(wait(&mut init, h), TransferStatus::Done);
+    init.release(h).unwrap();
+    for &(o, n) in &descs {
+        let (o, n) = (o as usize, n as usize);
+        assert_eq!(&dst.as_slice()[o..o + n], &src.as_slice()[o..o + n], "WRITE at {o}+{n}");
+    }
+    // READ back over the same shapes into a cleared source.
+    src.fill_with(0, total as usize, |_| 0);
+    let h = init.post(Op::Read, &l, "t-odd", &r, None).unwrap();
+    assert_eq!(wait(&mut init, h), TransferStatus::Done);
+    for &(o, n) in &descs {
+        let (o, n) = (o as usize, n as usize);
+        assert_eq!(&src.as_slice()[o..o + n], &dst.as_slice()[o..o + n], "READ at {o}+{n}");
+    }
+}
+
+#[test]
+fn verbs_many_transfers_with_notifications_to_one_peer() {
+    let (tdev, idev) = need_devices!();
+    let mut target = engine("t-many", &tdev, &[]);
+    let mut init = engine("i-many", &idev, &[("qps_per_peer", "2")]);
+    let (n, page) = (300usize, 4096usize);
+    let dst = Arc::new(HostBuffer::new(n * page).unwrap());
+    let src = Arc::new(HostBuffer::new(n * page).unwrap());
+    src.fill_with(0, n * page, |i| (i / page) as u8 ^ 0x5a);
+    target.register(dst.clone()).unwrap();
+    init.register(src.clone()).unwrap();
+    init.connect(&target.metadata()).unwrap();
+    let mut handles = Vec::new();
+    let mut refused = 0;
+    for i in 0..n {
+        let off = (i * page) as u64;
+        let l = [Desc::new(src.addr() + off, page as u64)];
+        let r = [Desc::new(dst.addr() + off, page as u64)];
+        match init.post(Op::Write, &l, "t-many", &r, Some(format!("m{i}").into_bytes())) {
+            Ok(h) => handles.push((i, h)),
+            Err(e) => {
+                assert!(e.to_string().contains("notifications in flight"), "{e}");
+                refused += 1;
+            }
+        }
+    }
+    eprintln!("{} posted, {refused} refused (notification slots)", handles.len());
+    for &(i, h) in &handles {
+        assert_eq!(wait(&mut init, h), TransferStatus::Done, "transfer {i}");
+        init.release(h).unwrap();
+    }
+    let mut got = Vec::new();
+    let t0 = Instant::now();
+    while got.len() < handles.len() && t0.elapsed() < WAIT {
+        got.extend(target.get_notifs().remove("i-many").unwrap_or_default());
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    got.sort();
+    let mut want: Vec<Vec<u8>> = handles.iter().map(|(i, _)| format!("m{i}").into_bytes()).collect();
+    want.sort();
+    assert_eq!(got, want);
+    for &(i, _) in &handles {
+        let o = i * page;
+        assert_eq!(&dst.as_slice()[o..o + page], &src.as_slice()[o..o + page], "page {i}");
+    }
+}
+
+#[test]
+fn verbs_release_in_flight_read_then_nothing_lands_and_deregister_works() {
+    let (tdev, idev) = need_devices!();
+    let mut target = engine("t-rel", &tdev, &[]);
+    let mut init = engine("i-rel", &idev, &[("qps_per_peer", "2")]);
+    let (pages, page) = (4096u64, 8u64 << 10);
+    let dst = Arc::new(HostBuffer::new((pages * page) as usize).unwrap());
+    let src = Arc::new(HostBuffer::new((pages * page) as usize).unwrap());
+    dst.fill_with(0, (pages * page) as usize, |_| 0xee);
+    target.register(dst.clone()).unwrap();
+    let reg = init.register(src.clone()).unwrap();
+    init.connect(&target.metadata()).unwrap();
+    let l: Vec<Desc> = (0..pages).map(|i| Desc::new(src.addr() + i * page, page)).collect();
+    let r: Vec<Desc> = (0..pages).map(|i| Desc::new(dst.addr() + (pages - 1 - i) * page, page)).collect();
+    let h = init.post(Op::Read, &l, "t-rel", &r, Some(b"no".to_vec())).unwrap();
+    assert_eq!(init.status(h).unwrap(), TransferStatus::InProgress, "finished before the release");
+    let t0 = Instant::now();
+    init.release(h).unwrap();
+    eprintln!("release of a 32 MiB READ in flight took {:?}", t0.elapsed());
+    // Nothing may land after release returned.
+    src.fill_with(0, (pages * page) as usize, |_| 0);
+    std::thread::sleep(Duration::from_millis(500));
+    assert!(src.as_slice().iter().all(|&b| b == 0), "the NIC wrote after release returned");
+    init.deregister(reg).unwrap();
+    assert!(target.get_notifs().is_empty(), "notification of a released transfer");
+}
+
+/// A region of the first `len` bytes of `buf` (the rest is a canary).
+fn prefix(buf: &Arc<HostBuffer>, len: u64) -> Arc<RawMemory> {
+    let d = MemoryDesc { addr: buf.addr(), len_bytes: len, kind: MemoryKind::Dram, device_id: 0 };
+    // SAFETY: the range lies in `buf`, which the test keeps alive (and
+    // unfreed) past both engines.
+    Arc::new(unsafe { RawMemory::new(d) })
+}
+
+#[test]
+fn verbs_forged_bounds_and_rkeys_fail_without_writing() {
+    let (tdev, idev) = need_devices!();
+    let mut target = engine("t-forge", &tdev, &[]);
+    let mut init = engine("i-forge", &idev, &[]);
+    let buf = Arc::new(HostBuffer::new(1 << 17).unwrap());
+    target.register(prefix(&buf, 1 << 16)).unwrap();
+    let src = Arc::new(HostBuffer::new(1 << 17).unwrap());
+    src.fill_with(0, 1 << 17, |_| 0xab);
+    init.register(src.clone()).unwrap();
+    let mut meta = target.metadata();
+    meta.regions[0].len_bytes = 1 << 17; // claims the canary half too
+    init.connect(&meta).unwrap();
+    let h = init
+        .post(Op::Write, &[Desc::new(src.addr(), 8192)], "t-forge", &[Desc::new(buf.addr() + 65536 - 4096, 8192)], None)
+        .unwrap();
+    let s = wait(&mut init, h);
+    assert!(matches!(&s, TransferStatus::Failed(w) if w.contains("IBV_WC_REM_ACCESS_ERR")), "{s:?}");
+    init.release(h).unwrap();
+    assert!(buf.as_slice()[65536..].iter().all(|&b| b == 0), "wrote past the registered region");
+    init.disconnect("t-forge").unwrap();
+    let mut meta = target.metadata();
+    meta.regions[0].rkey = RemoteKey(meta.regions[0].rkey.0.wrapping_add(0x100));
+    init.connect(&meta).unwrap();
+    let h =
+        init.post(Op::Write, &[Desc::new(src.addr(), 4096)], "t-forge", &[Desc::new(buf.addr(), 4096)], None).unwrap();
+    let s = wait(&mut init, h);
+    assert!(matches!(&s, TransferStatus::Failed(w) if w.contains("IBV_WC_REM_ACCESS_ERR")), "{s:?}");
+    assert!(buf.as_slice().iter().all(|&b| b == 0), "wrote through a forged rkey");
+}
+
+/// Two QPs: transfer A's first 64 segments go to QP 0, the next 64 (larger)
+/// to QP 1, and its notification waits for both. B (one segment, QP 0, a
+/// stale rkey) puts QP 0 in error after A's part there completed; A's
+/// notification must then not be left queued forever on the failed QP.
+#[test]
+fn verbs_deferred_notification_on_a_failed_qp_completes() {
+    let (tdev, idev) = need_devices!();
+    let mut target = transport::create(TransportKind::Verbs, "t-defer", &config(&tdev, &[])).unwrap();
+    let cfg = config(&idev, &[("qps_per_peer", "2")]);
+    let mut init = transport::create(TransportKind::Verbs, "i-defer", &cfg).unwrap();
+    let (small, big) = (64u64, 1u64 << 20);
+    let len = 64 * (small + big);
+    let dst = HostBuffer::new(len as usize).unwrap();
+    let gone = HostBuffer::new(4096).unwrap();
+    let src = HostBuffer::new(len as usize).unwrap();
+    src.fill_with(0, len as usize, |i| i as u8);
+    let treg = target.register(&dst).unwrap();
+    let stale = target.register(&gone).unwrap();
+    target.deregister(stale.lkey).unwrap();
+    let ireg = init.register(&src).unwrap();
+    let peer = init.connect("t-defer", &target.connection_info(), &[]).unwrap();
+    let seg = |off: u64, n: u64| Segment {
+        local_addr: src.addr() + off,
+        remote_addr: dst.addr() + off,
+        len_bytes: n,
+        lkey: ireg.lkey,
+        rkey: treg.rkey,
+    };
+    let mut segs: Vec<Segment> = (0..64).map(|i| seg(i * small, small)).collect();
+    segs.extend((0..64).map(|i| seg(64 * small + i * big, big)));
+    let a = PostRequest { xfer: XferId(1), op: Op::Read, peer, segments: segs, notification: Some(b"A".to_vec()) };
+    let mut done = Vec::new();
+    init.post(a).unwrap();
+    let bad = Segment { remote_addr: gone.addr(), rkey: stale.rkey, ..seg(0, 64) };
+    init.post(PostRequest { xfer: XferId(2), op: Op::Read, peer, segments: vec![bad], notification: None }).unwrap();
+    let t0 = Instant::now();
+    let b = wait_completion(&mut init, &mut done, XferId(2), WAIT).expect("B completes");
+    eprintln!("B: {:?} after {:?}; A done: {}", b.result, t0.elapsed(), done.iter().any(|c| c.xfer == XferId(1)));
+    assert!(b.result.is_err(), "{b:?}");
+    let a = wait_completion(&mut init, &mut done, XferId(1), Duration::from_secs(20)).expect("A never completed");
+    eprintln!("A: {:?}", a.result);
+    if a.result.is_ok() {
+        let mut n: Vec<Notification> = Vec::new();
+        let t0 = Instant::now();
+        while n.is_empty() && t0.elapsed() < WAIT {
+            target.take_notifications(&mut n);
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        assert_eq!(n.len(), 1, "A succeeded, so its notification must arrive");
+    }
+    // The peer recovers.
+    init.post(PostRequest { xfer: XferId(3), op: Op::Write, peer, segments: vec![seg(0, 4096)], notification: None })
+        .unwrap();
+    assert_eq!(wait_completion(&mut init, &mut done, XferId(3), WAIT).expect("C completes").result, Ok(()));
+}
+
+#[test]
+fn verbs_posts_to_a_peer_that_cannot_be_reconnected_fail_never_panic() {
+    let (tdev, idev) = need_devices!();
+    let mut target = engine("t-gone", &tdev, &[]);
+    let mut init = engine("i-gone", &idev, &[("timeout", "8"), ("retry_cnt", "1")]);
+    let dst = Arc::new(HostBuffer::new(1 << 16).unwrap());
+    let src = Arc::new(HostBuffer::new(1 << 16).unwrap());
+    target.register(dst.clone()).unwrap();
+    init.register(src.clone()).unwrap();
+    init.connect(&target.metadata()).unwrap();
+    drop(target);
+    let l = [Desc::new(src.addr(), 4096)];
+    let r = [Desc::new(dst.addr(), 4096)];
+    for i in 0..4 {
+        match init.post(Op::Write, &l, "t-gone", &r, Some(b"x".to_vec())) {
+            Err(e) => eprintln!("post {i}: {e}"),
+            Ok(h) => {
+                let s = wait(&mut init, h);
+                eprintln!("post {i}: {s:?}");
+                assert!(matches!(s, TransferStatus::Failed(_)), "{s:?}");
+                init.release(h).unwrap();
+            }
+        }
+    }
+}
+
+/// With a send queue of 4, B is a failing READ and three large ones, and
+/// transfer Y waits in the software queue behind them: when B's first WR
+/// fails, Y must fail too, not wait forever.
+#[test]
+fn verbs_transfer_queued_behind_a_failed_wr_is_reported() {
+    let (tdev, idev) = need_devices!();
+    let mut target = transport::create(TransportKind::Verbs, "t-behind", &config(&tdev, &[])).unwrap();
+    let cfg = config(&idev, &[("max_send_wr", "4"), ("signal_every", "1")]);
+    let mut init = transport::create(TransportKind::Verbs, "i-behind", &cfg).unwrap();
+    let big = 4u64 << 20;
+    let dst = HostBuffer::new(4 * big as usize).unwrap();
+    let src = HostBuffer::new(4 * big as usize).unwrap();
+    let treg = target.register(&dst).unwrap();
+    let ireg = init.register(&src).unwrap();
+    let peer = init.connect("t-behind", &target.connection_info(), &[]).unwrap();
+    let seg = |i: u64, len_bytes: u64, rkey: RemoteKey| Segment {
+        local_addr: src.addr() + i * big,
+        remote_addr: dst.addr() + i * big,
+        len_bytes,
+        lkey: ireg.lkey,
+        rkey,
+    };
+    let bad = RemoteKey(treg.rkey.0 ^ 0x5a5a00);
+    let mut b = vec![seg(3, 4096, bad)];
+    b.extend((0..3).map(|i| seg(i, big, treg.rkey)));
+    init.post(PostRequest { xfer: XferId(1), op: Op::Read, peer, segments: b, notification: None }).unwrap();
+    let y = vec![seg(3, 4096, treg.rkey)];
+    init.post(PostRequest { xfer: XferId(2), op: Op::Read, peer, segments: y, notification: Some(b"y".to_vec()) })
+        .unwrap();
+    let mut done = Vec::new();
+    let b = wait_completion(&mut init, &mut done, XferId(1), WAIT).expect("B completes");
+    eprintln!("B: {:?}", b.result);
+    assert!(b.result.is_err(), "{b:?}");
+    let y = wait_completion(&mut init, &mut done, XferId(2), Duration::from_secs(10)).expect("Y never completed");
+    eprintln!("Y: {:?}", y.result);
+}
