@@ -360,3 +360,51 @@ fn verbs_transfer_queued_behind_a_failed_wr_is_reported() {
     let y = wait_completion(&mut init, &mut done, XferId(2), Duration::from_secs(10)).expect("Y never completed");
     eprintln!("Y: {:?}", y.result);
 }
+
+/// Far more signalled WRs in flight (4 QPs × 256, every WR signalled) than a
+/// 64-entry completion queue holds: the transport must hold work back
+/// instead of overrunning the CQ, and move every byte both ways.
+#[test]
+fn verbs_small_completion_queue_holds_work_back_instead_of_overrunning() {
+    let (tdev, idev) = need_devices!();
+    let mut target = engine("t-cq", &tdev, &[("qps_per_peer", "4")]);
+    let opts = [("cq_size", "64"), ("max_send_wr", "256"), ("signal_every", "1"), ("qps_per_peer", "4")];
+    let mut init = engine("i-cq", &idev, &opts);
+    const PAGES: u64 = 2000;
+    const PAGE: u64 = 1024;
+    let dst = Arc::new(HostBuffer::new((PAGES * PAGE * 2) as usize).unwrap());
+    let src = Arc::new(HostBuffer::new((PAGES * PAGE) as usize).unwrap());
+    src.fill_with(0, (PAGES * PAGE) as usize, |i| (i * 7 + i / 1024) as u8);
+    target.register(dst.clone()).unwrap();
+    init.register(src.clone()).unwrap();
+    init.connect(&target.metadata()).unwrap();
+    // Every other remote page, so that nothing coalesces.
+    let l: Vec<Desc> = (0..PAGES).map(|i| Desc::new(src.addr() + i * PAGE, PAGE)).collect();
+    let r: Vec<Desc> = (0..PAGES).map(|i| Desc::new(dst.addr() + 2 * i * PAGE, PAGE)).collect();
+    let h = init.post(Op::Write, &l, "t-cq", &r, Some(b"cq".to_vec())).unwrap();
+    assert_eq!(wait(&mut init, h), TransferStatus::Done);
+    init.release(h).unwrap();
+    for i in 0..PAGES as usize {
+        let (s, d) = (i * PAGE as usize, 2 * i * PAGE as usize);
+        assert_eq!(&dst.as_slice()[d..d + PAGE as usize], &src.as_slice()[s..s + PAGE as usize], "page {i}");
+    }
+    src.fill_with(0, (PAGES * PAGE) as usize, |_| 0);
+    let h = init.post(Op::Read, &l, "t-cq", &r, None).unwrap();
+    assert_eq!(wait(&mut init, h), TransferStatus::Done);
+    init.release(h).unwrap();
+    for i in 0..PAGES as usize {
+        let (s, d) = (i * PAGE as usize, 2 * i * PAGE as usize);
+        assert_eq!(&src.as_slice()[s..s + PAGE as usize], &dst.as_slice()[d..d + PAGE as usize], "READ page {i}");
+    }
+}
+
+/// A target whose completion queue cannot take the receives of another
+/// initiator's QPs refuses the connection with a clear reason.
+#[test]
+fn verbs_target_refuses_connections_its_completion_queue_cannot_take() {
+    let (tdev, idev) = need_devices!();
+    let target = engine("t-full", &tdev, &[("cq_size", "64")]);
+    let mut init = engine("i-full", &idev, &[("qps_per_peer", "2")]);
+    let err = init.connect(&target.metadata()).expect_err("2 QPs x 64 receives do not fit 64 CQEs");
+    assert!(err.to_string().contains("completion queue full"), "{err}");
+}

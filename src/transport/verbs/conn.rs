@@ -75,6 +75,14 @@ fn serve(inner: &Inner, mut ch: SideChannel) {
     let mut qpns = Vec::new();
     let mut mine = Vec::new();
     let mut built = Vec::new();
+    // Every posted receive can complete with a CQE on the shared CQ.
+    let cqes = RECVS_PER_QP * remote.len() as u32;
+    if !inner.lock().reserve_cqes(cqes) {
+        let reason = format!("completion queue full: no room for {cqes} more receive completions");
+        tracing::warn!("verbs: refusing {agent}: {reason}");
+        let _ = ch.send(&Handshake::Refuse { reason });
+        return;
+    }
     let result = (|| -> Result<(), TransportError> {
         for r in &remote {
             let (qp, ep, slab) = inner.new_recv_qp()?;
@@ -85,6 +93,7 @@ fn serve(inner: &Inner, mut ch: SideChannel) {
         Ok(())
     })();
     if let Err(e) = result {
+        inner.lock().release_cqes(cqes);
         let _ = ch.send(&Handshake::Refuse { reason: e.to_string() });
         return;
     }
@@ -115,6 +124,7 @@ fn serve(inner: &Inner, mut ch: SideChannel) {
     for q in qpns {
         st.recv_qps.remove(&q);
     }
+    st.release_cqes(cqes);
 }
 
 fn verbs_err(e: crate::verbs::VerbsError) -> TransportError {

@@ -23,16 +23,19 @@
 //! `gid_index=N` (default: RoCE v2 IPv4-mapped, LID routing on IB),
 //! `qps_per_peer=N` (1), `timeout=EXP` (14: 4.096 µs × 2^14 ≈ 67 ms),
 //! `retry_cnt=N` (7), `max_send_wr=N` (1024), `signal_every=N` (32),
-//! `post_list=N` (WRs chained into one `post_send`, as perftest's
-//! `--post_list`; 64 on hardware, one doorbell per batch; 1 on software
-//! devices (rxe, siw), where a `post_send` is a system call that runs the
-//! requester on the posting thread: one call per WR spreads that work over
-//! the CPUs, see docs/PERFORMANCE.md), `cq_events=0|1` (1: when the CQ is idle the progress thread blocks on a
-//! completion channel; 0: it sleep-polls), `poll_sleep_us=N` (50: the
+//! `post_list=N` (64: most WRs chained into one `post_send`, as perftest's
+//! `--post_list`), `post_bytes=N` (a batch also ends with the WR that brings
+//! it to N bytes; 65536 on software devices (rxe, siw), where a `post_send`
+//! is a system call that runs the requester on the posting thread, so
+//! shorter batches spread that work over the CPUs; 0 = no limit on
+//! hardware, see docs/PERFORMANCE.md), `cq_events=0|1` (1: when the CQ is
+//! idle the progress thread blocks on a completion channel; 0: it sleep-polls), `poll_sleep_us=N` (50: the
 //! progress thread's sleep on an idle CQ without completion events),
 //! `idle_yields=N` (192: yields on an idle CQ, after 64 spins, before
 //! blocking or sleeping),
-//! `listen=IP` (default: the GID's IPv4 address).
+//! `cq_size=N` (entries of the completion queue shared by every QP;
+//! default the device's `max_cqe` within 256..65536; WRs wait in software
+//! rather than overrun it), `listen=IP` (default: the GID's IPv4 address).
 
 mod conn;
 mod state;
@@ -166,7 +169,8 @@ impl VerbsTransport {
         let listener =
             TcpListener::bind((listen_ip.as_str(), 0)).map_err(|e| TransportError::io("bind(verbs listener)", e))?;
         let listen_addr = listener.local_addr().map_err(|e| TransportError::io("getsockname", e))?;
-        let num_cqe = ctx.attr().max_cqe.clamp(256, 16384);
+        let max_cqe = ctx.attr().max_cqe.max(64);
+        let num_cqe = opt::<i32>(config, "cq_size", max_cqe.clamp(256, 65536))?.clamp(64, max_cqe);
         let pd = ProtectionDomain::new(&ctx).map_err(unsupported)?;
         let cq_events = opt::<u8>(config, "cq_events", 1)? != 0;
         let cq = CompletionQueue::create(&ctx, num_cqe, cq_events).map_err(unsupported)?;
@@ -176,7 +180,7 @@ impl VerbsTransport {
             config: config.clone(),
             qp_options,
             limits,
-            state: Mutex::new(State::default()),
+            state: Mutex::new(State::new(num_cqe as u32)),
             stopping: AtomicBool::new(false),
         });
         let mut threads = Vec::new();
@@ -277,7 +281,15 @@ impl VerbsTransport {
                 let qpn = qp.qp_num();
                 st.send_qps.insert(
                     qpn,
-                    SendQp { qp, peer, outstanding: 0, chunks: HashMap::new(), queue: Default::default(), error: None },
+                    SendQp {
+                        qp,
+                        peer,
+                        outstanding: 0,
+                        chunks: HashMap::new(),
+                        queue: Default::default(),
+                        error: None,
+                        flush_reserved: 0,
+                    },
                 );
                 qpn
             })

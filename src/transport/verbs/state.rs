@@ -6,7 +6,7 @@ use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
 
 use crate::transport::{Completion, Notification, Op, Segment, XferId};
-use crate::verbs::ffi::{IBV_WC_RECV, IBV_WC_SUCCESS, IBV_WC_WR_FLUSH_ERR, wc_status_name};
+use crate::verbs::ffi::{IBV_WC_SUCCESS, IBV_WC_WR_FLUSH_ERR, wc_status_name};
 use crate::verbs::{MemoryRegion, QueuePair, WorkCompletion, WrBatch, WrId};
 
 /// Largest notification payload (bytes): one receive slot.
@@ -43,6 +43,9 @@ pub struct SendQp {
     pub queue: VecDeque<Work>,
     /// Set by the first error completion: the QP needs a reset + reconnect.
     pub error: Option<String>,
+    /// CQEs still held for this QP after error completions: each WR of a
+    /// failed chunk may still be flushed with a CQE of its own.
+    pub flush_reserved: u32,
 }
 
 /// A transfer in flight.
@@ -85,6 +88,15 @@ pub struct State {
     pub notifs: Vec<Notification>,
     pub next_chunk: u64,
     pub batch: WrBatch,
+    /// CQEs the shared completion queue can still take: its size less one
+    /// per posted send WR (signalled ones complete with a CQE, and after an
+    /// error every WR is flushed with one) and one per posted receive. No WR
+    /// is posted beyond it, so the CQ never overruns (an overrun would put
+    /// every QP on it in error).
+    pub cq_free: u32,
+    /// A QP stopped posting for want of `cq_free`: completions then pump
+    /// every QP with queued work.
+    pub cq_starved: bool,
 }
 
 /// Posting parameters.
@@ -132,6 +144,25 @@ pub fn batch_len(queue: &VecDeque<Work>, room: usize, limits: &PostLimits) -> us
 pub const RECV_BIT: u64 = 1 << 63;
 
 impl State {
+    /// Empty state for a completion queue of `cqes` entries.
+    pub fn new(cqes: u32) -> Self {
+        Self { cq_free: cqes, ..Self::default() }
+    }
+
+    /// Hold `n` CQEs (receives about to be posted); false when they do not fit.
+    pub fn reserve_cqes(&mut self, n: u32) -> bool {
+        let ok = self.cq_free >= n;
+        if ok {
+            self.cq_free -= n;
+        }
+        ok
+    }
+
+    /// Give back `n` CQEs held by [`reserve_cqes`](Self::reserve_cqes) or by posted WRs.
+    pub fn release_cqes(&mut self, n: u32) {
+        self.cq_free = self.cq_free.saturating_add(n);
+    }
+
     /// Queue `segments` of `xfer` round-robin over `qpns` (by runs of
     /// `stripe` segments) and post what fits.
     pub fn enqueue(&mut self, xfer: XferId, op: Op, segments: &[Segment], qpns: &[u32], limits: &PostLimits) {
@@ -198,10 +229,13 @@ impl State {
         }
     }
 
-    /// Drop `qpn` (disconnect or reconnect), failing its queued work.
+    /// Drop `qpn` (disconnect or reconnect), failing its queued work and
+    /// giving back the CQEs its WRs held.
     pub fn remove_qp(&mut self, qpn: u32, limits: &PostLimits) {
         self.fail_queue(qpn, limits);
-        self.send_qps.remove(&qpn);
+        if let Some(sq) = self.send_qps.remove(&qpn) {
+            self.release_cqes(sq.outstanding + sq.flush_reserved);
+        }
     }
 
     /// Post as much of `qpn`'s queue as the send queue has room for.
@@ -212,12 +246,16 @@ impl State {
             self.fail_queue(qpn, limits);
             return;
         }
-        let State { send_qps, xfers, slabs, batch, next_chunk, .. } = self;
+        let State { send_qps, xfers, slabs, batch, next_chunk, cq_free, cq_starved, .. } = self;
         let Some(sq) = send_qps.get_mut(&qpn) else {
             return;
         };
         while !sq.queue.is_empty() && sq.outstanding < limits.max_send_wr {
-            let room = (limits.max_send_wr - sq.outstanding) as usize;
+            if *cq_free == 0 {
+                *cq_starved = true;
+                break;
+            }
+            let room = ((limits.max_send_wr - sq.outstanding) as usize).min(*cq_free as usize);
             let n = batch_len(&sq.queue, room, limits);
             batch.clear();
             let mut records: Vec<(u64, u64, u32)> = Vec::new();
@@ -263,23 +301,28 @@ impl State {
                 Ok(()) => n,
                 Err((i, _)) => *i,
             };
+            // Track every posted WR: whole chunks, and after a failed
+            // post_send the posted head of the chunk it cut (those WRs are
+            // flushed with its wr_id once the QP is put in error below).
             let mut covered = 0usize;
             for (id, x, cnt) in records {
-                if covered + cnt as usize > ok_upto {
+                if covered >= ok_upto {
                     break;
                 }
+                let cnt = cnt.min((ok_upto - covered) as u32);
                 covered += cnt as usize;
                 sq.chunks.insert(id, (x, cnt));
                 if let Some(xf) = xfers.get_mut(&x) {
                     xf.chunks += 1;
                 }
             }
+            *cq_free -= covered as u32;
             let why = posted.as_ref().err().map(|(_, e)| e.to_string());
             let mut unposted = Vec::new();
             for (k, w) in sq.queue.drain(..n).enumerate() {
                 if let Some(xf) = xfers.get_mut(&w.xfer()) {
                     xf.queued = xf.queued.saturating_sub(1);
-                    // Not posted (or posted without a completion we track).
+                    // Not posted.
                     if let Some(why) = why.as_ref().filter(|_| k >= covered) {
                         xf.error.get_or_insert_with(|| why.clone());
                         unposted.push(w.xfer());
@@ -305,7 +348,9 @@ impl State {
 
     /// Handle one work completion.
     pub fn on_completion(&mut self, wc: &WorkCompletion, limits: &PostLimits) {
-        if wc.wr_id & RECV_BIT != 0 || wc.opcode & IBV_WC_RECV != 0 {
+        // Receive wr_ids carry RECV_BIT; the opcode is not defined on error
+        // completions (a flushed SEND may show a stale receive opcode).
+        if wc.wr_id & RECV_BIT != 0 {
             self.on_recv(wc);
             return;
         }
@@ -313,9 +358,26 @@ impl State {
             return;
         };
         let Some((x, cnt)) = sq.chunks.remove(&wc.wr_id) else {
+            // Another flushed WR of a chunk already reported.
+            if wc.status != IBV_WC_SUCCESS && sq.flush_reserved > 0 {
+                sq.flush_reserved -= 1;
+                self.release_cqes(1);
+            }
             return;
         };
         sq.outstanding = sq.outstanding.saturating_sub(cnt);
+        // A good chunk completes with one CQE and no more; after an error
+        // each of its other WRs may still be flushed with a CQE.
+        let freed = if wc.status == IBV_WC_SUCCESS {
+            cnt
+        } else {
+            sq.flush_reserved += cnt - 1;
+            1
+        };
+        self.release_cqes(freed);
+        let Some(sq) = self.send_qps.get_mut(&wc.qp_num) else {
+            return;
+        };
         if wc.status != IBV_WC_SUCCESS {
             let name = wc_status_name(wc.status);
             let why = match &sq.error {
@@ -338,6 +400,14 @@ impl State {
         }
         // On a QP in error this fails (and reports) what is still queued.
         self.pump(wc.qp_num, limits);
+        if self.cq_starved {
+            self.cq_starved = false;
+            let waiting: Vec<u32> =
+                self.send_qps.iter().filter(|(_, sq)| !sq.queue.is_empty()).map(|(&q, _)| q).collect();
+            for q in waiting {
+                self.pump(q, limits);
+            }
+        }
         self.try_finish(x, limits);
     }
 
