@@ -180,7 +180,10 @@ fn verbs_many_transfers_with_notifications_to_one_peer() {
 fn verbs_release_in_flight_read_then_nothing_lands_and_deregister_works() {
     let (tdev, idev) = need_devices!();
     let mut target = engine("t-rel", &tdev, &[]);
-    let mut init = engine("i-rel", &idev, &[("qps_per_peer", "2")]);
+    // A short send queue keeps post() quick (the rest waits in software),
+    // so the transfer is surely still in flight when released, with WRs both
+    // posted and queued.
+    let mut init = engine("i-rel", &idev, &[("qps_per_peer", "2"), ("max_send_wr", "64")]);
     let (pages, page) = (4096u64, 8u64 << 10);
     let dst = Arc::new(HostBuffer::new((pages * page) as usize).unwrap());
     let src = Arc::new(HostBuffer::new((pages * page) as usize).unwrap());

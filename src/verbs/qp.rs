@@ -22,6 +22,9 @@ pub struct QpEndpoint {
     pub lid: u16,
     /// Port active MTU (`enum ibv_mtu`).
     pub mtu: u32,
+    /// RDMA READs this QP accepts in flight as responder
+    /// (`max_dest_rd_atomic`): the peer issues no more than that.
+    pub rd_atom: u8,
 }
 
 /// Connection parameters of a QP.
@@ -38,8 +41,12 @@ pub struct QpOptions {
     pub retry_cnt: u8,
     /// RNR retries (7 = infinite).
     pub rnr_retry: u8,
-    /// Outstanding RDMA READs we issue / accept (≤ `max_qp_rd_atom`).
+    /// Outstanding RDMA READs we issue (≤ the device's
+    /// `max_qp_init_rd_atom`); lowered at connect to what the peer accepts.
     pub max_rd_atomic: u8,
+    /// Outstanding RDMA READs we accept as responder (≤ the device's
+    /// `max_qp_rd_atom`), told to the peer in [`QpEndpoint::rd_atom`].
+    pub max_dest_rd_atomic: u8,
     /// Minimal RNR NAK timer code.
     pub min_rnr_timer: u8,
 }
@@ -121,18 +128,26 @@ impl QueuePair {
         self.cap
     }
 
-    /// Our side of the connection, for port `port` and GID `gid_index`.
+    /// Our side of the connection with options `o` (port, GID index,
+    /// responder READ depth).
     ///
     /// # Errors
     /// Port or GID query failures.
-    pub fn endpoint(&self, port: u8, gid_index: Option<u8>) -> Result<QpEndpoint, VerbsError> {
+    pub fn endpoint(&self, o: &QpOptions) -> Result<QpEndpoint, VerbsError> {
         let ctx = &self.pd.ctx;
-        let pattr = ctx.query_port(port)?;
-        let gid = match gid_index {
-            Some(i) => ctx.query_gid(port, i32::from(i))?.raw,
+        let pattr = ctx.query_port(o.port)?;
+        let gid = match o.gid_index {
+            Some(i) => ctx.query_gid(o.port, i32::from(i))?.raw,
             None => [0; 16],
         };
-        Ok(QpEndpoint { qpn: self.qp_num(), psn: self.psn, gid, lid: pattr.lid, mtu: pattr.active_mtu })
+        Ok(QpEndpoint {
+            qpn: self.qp_num(),
+            psn: self.psn,
+            gid,
+            lid: pattr.lid,
+            mtu: pattr.active_mtu,
+            rd_atom: o.max_dest_rd_atomic,
+        })
     }
 
     fn modify(&self, attr: &mut ibv_qp_attr, mask: i32, what: &'static str) -> Result<(), VerbsError> {
@@ -178,7 +193,7 @@ impl QueuePair {
             path_mtu: local.mtu.min(remote.mtu).clamp(IBV_MTU_256, IBV_MTU_4096),
             dest_qp_num: remote.qpn,
             rq_psn: remote.psn,
-            max_dest_rd_atomic: o.max_rd_atomic,
+            max_dest_rd_atomic: o.max_dest_rd_atomic,
             min_rnr_timer: o.min_rnr_timer,
             ah_attr: ah,
             ..Default::default()
@@ -200,7 +215,9 @@ impl QueuePair {
             retry_cnt: o.retry_cnt,
             rnr_retry: o.rnr_retry,
             sq_psn: local.psn,
-            max_rd_atomic: o.max_rd_atomic,
+            // Never more READs in flight than the peer's responder takes
+            // (more would be NAKed as an invalid request).
+            max_rd_atomic: o.max_rd_atomic.min(remote.rd_atom).max(1),
             ..Default::default()
         };
         self.modify(

@@ -153,7 +153,7 @@ pub(super) fn handshake(
 impl Inner {
     fn new_recv_qp(&self) -> Result<(QueuePair, QpEndpoint, Arc<MemoryRegion>), TransportError> {
         let qp = QueuePair::new(&self.pd, &self.cq, &self.cq, 4, RECVS_PER_QP).map_err(verbs_err)?;
-        let ep = qp.endpoint(self.qp_options.port, self.qp_options.gid_index).map_err(verbs_err)?;
+        let ep = qp.endpoint(&self.qp_options).map_err(verbs_err)?;
         let slab = MemoryRegion::alloc(&self.pd, RECVS_PER_QP as usize * NOTIF_SLOT_BYTES)
             .map_err(|e| TransportError::Registration(e.to_string()))?;
         Ok((qp, ep, Arc::new(slab)))

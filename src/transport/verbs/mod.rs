@@ -42,7 +42,7 @@ mod state;
 
 use std::collections::HashMap;
 use std::net::{SocketAddr, TcpListener};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -78,10 +78,35 @@ pub(crate) struct Inner {
     limits: PostLimits,
     state: Mutex<State>,
     pub(crate) stopping: AtomicBool,
+    /// Threads other than the progress thread waiting for `state`.
+    waiting: AtomicU32,
 }
 
+/// Yields the progress thread gives a waiting thread before taking the
+/// state again anyway.
+const MAX_PROGRESS_DEFERS: u32 = 10_000;
+
 impl Inner {
+    /// The shared state, for any thread but the progress thread.
     pub(crate) fn lock(&self) -> MutexGuard<'_, State> {
+        self.waiting.fetch_add(1, Ordering::AcqRel);
+        let guard = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        self.waiting.fetch_sub(1, Ordering::AcqRel);
+        guard
+    }
+
+    /// The shared state, for the progress thread: a thread already waiting
+    /// for it goes first. The mutex is not fair, and the progress thread,
+    /// which takes it again after every batch of completions (posting the
+    /// next WRs under it), could otherwise keep a user thread's `status`
+    /// or `post` waiting for as long as completions keep coming (seen on
+    /// Soft-RoCE, where each `post_send` is a system call: 0.6 s).
+    fn lock_progress(&self) -> MutexGuard<'_, State> {
+        let mut defers = 0;
+        while self.waiting.load(Ordering::Acquire) > 0 && defers < MAX_PROGRESS_DEFERS {
+            std::thread::yield_now();
+            defers += 1;
+        }
         self.state.lock().unwrap_or_else(|p| p.into_inner())
     }
 }
@@ -135,14 +160,16 @@ impl VerbsTransport {
             None if pattr.link_layer == IBV_LINK_LAYER_INFINIBAND => None,
             None => Some(ctx.auto_gid_index(port).map_err(unsupported)? as u8),
         };
-        let rd_atom = ctx.attr().max_qp_rd_atom.clamp(1, 255) as u8;
+        let init_rd_atom = ctx.attr().max_qp_init_rd_atom.clamp(1, 255) as u8;
+        let dest_rd_atom = ctx.attr().max_qp_rd_atom.clamp(1, 255) as u8;
         let qp_options = QpOptions {
             port,
             gid_index,
             timeout: opt(config, "timeout", 14)?,
             retry_cnt: opt(config, "retry_cnt", 7)?,
             rnr_retry: 7,
-            max_rd_atomic: rd_atom,
+            max_rd_atomic: init_rd_atom,
+            max_dest_rd_atomic: dest_rd_atom,
             min_rnr_timer: 12,
         };
         let max_send_wr: u32 = opt::<u32>(config, "max_send_wr", 1024)?.clamp(1, ctx.attr().max_qp_wr.max(16) as u32);
@@ -182,6 +209,7 @@ impl VerbsTransport {
             limits,
             state: Mutex::new(State::new(num_cqe as u32)),
             stopping: AtomicBool::new(false),
+            waiting: AtomicU32::new(0),
         });
         let mut threads = Vec::new();
         let i2 = inner.clone();
@@ -218,7 +246,7 @@ impl VerbsTransport {
         for _ in 0..n {
             let qp = QueuePair::new(&self.inner.pd, &self.inner.cq, &self.inner.cq, self.inner.limits.max_send_wr, 1)
                 .map_err(|e| e.to_string())?;
-            eps.push(qp.endpoint(o.port, o.gid_index).map_err(|e| e.to_string())?);
+            eps.push(qp.endpoint(o).map_err(|e| e.to_string())?);
             qps.push(qp);
         }
         let (remote, ch) = conn::handshake(addr, &self.agent, &eps, self.inner.config.peer_timeout)?;
@@ -340,7 +368,7 @@ fn progress_loop(inner: &Inner) {
             }
             Ok(n) => {
                 idle = 0;
-                let mut st = inner.lock();
+                let mut st = inner.lock_progress();
                 for wc in &wcs[..n] {
                     st.on_completion(wc, &inner.limits);
                 }
