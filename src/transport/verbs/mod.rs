@@ -82,6 +82,9 @@ pub(crate) struct Inner {
     waiting: AtomicU32,
 }
 
+/// Times in a row the progress thread takes the state ahead of a waiting
+/// thread before it lets that thread go first.
+const PROGRESS_BARGES: u32 = 4;
 /// Yields the progress thread gives a waiting thread before taking the
 /// state again anyway.
 const MAX_PROGRESS_DEFERS: u32 = 10_000;
@@ -95,17 +98,26 @@ impl Inner {
         guard
     }
 
-    /// The shared state, for the progress thread: a thread already waiting
-    /// for it goes first. The mutex is not fair, and the progress thread,
-    /// which takes it again after every batch of completions (posting the
-    /// next WRs under it), could otherwise keep a user thread's `status`
-    /// or `post` waiting for as long as completions keep coming (seen on
-    /// Soft-RoCE, where each `post_send` is a system call: 0.6 s).
-    fn lock_progress(&self) -> MutexGuard<'_, State> {
-        let mut defers = 0;
-        while self.waiting.load(Ordering::Acquire) > 0 && defers < MAX_PROGRESS_DEFERS {
-            std::thread::yield_now();
-            defers += 1;
+    /// The shared state, for the progress thread. The mutex is not fair,
+    /// and the progress thread, which takes it again after every batch of
+    /// completions (posting the next WRs under it), could otherwise keep a
+    /// user thread's `status` or `post` waiting for as long as completions
+    /// keep coming (seen on Soft-RoCE, where each `post_send` is a system
+    /// call: 0.6 s). So once it has taken the state `PROGRESS_BARGES` times
+    /// in a row while another thread was waiting (`barged` counts them), it
+    /// lets that thread go first.
+    fn lock_progress(&self, barged: &mut u32) -> MutexGuard<'_, State> {
+        if self.waiting.load(Ordering::Acquire) == 0 {
+            *barged = 0;
+        } else if *barged < PROGRESS_BARGES {
+            *barged += 1;
+        } else {
+            *barged = 0;
+            let mut defers = 0;
+            while self.waiting.load(Ordering::Acquire) > 0 && defers < MAX_PROGRESS_DEFERS {
+                std::thread::yield_now();
+                defers += 1;
+            }
         }
         self.state.lock().unwrap_or_else(|p| p.into_inner())
     }
@@ -335,6 +347,7 @@ fn progress_loop(inner: &Inner) {
     // Completion events: armed = an event was requested and not consumed yet.
     let mut events = inner.cq.has_events();
     let mut armed = false;
+    let mut barged = 0u32;
     while !inner.stopping.load(Ordering::Acquire) {
         match inner.cq.poll(&mut wcs) {
             Ok(0) => {
@@ -368,7 +381,7 @@ fn progress_loop(inner: &Inner) {
             }
             Ok(n) => {
                 idle = 0;
-                let mut st = inner.lock_progress();
+                let mut st = inner.lock_progress(&mut barged);
                 for wc in &wcs[..n] {
                     st.on_completion(wc, &inner.limits);
                 }
