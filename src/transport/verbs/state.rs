@@ -231,10 +231,23 @@ impl State {
 
     /// Drop `qpn` (disconnect or reconnect), failing its queued work and
     /// giving back the CQEs its WRs held.
+    ///
+    /// Chunks still in flight fail too, once the QP is destroyed (dropped
+    /// here), since from then on the NIC can no longer touch their buffers.
     pub fn remove_qp(&mut self, qpn: u32, limits: &PostLimits) {
         self.fail_queue(qpn, limits);
-        if let Some(sq) = self.send_qps.remove(&qpn) {
-            self.release_cqes(sq.outstanding + sq.flush_reserved);
+        let Some(sq) = self.send_qps.remove(&qpn) else {
+            return;
+        };
+        self.release_cqes(sq.outstanding + sq.flush_reserved);
+        let in_flight: Vec<u64> = sq.chunks.values().map(|&(x, _)| x).collect();
+        drop(sq);
+        for x in in_flight {
+            if let Some(xf) = self.xfers.get_mut(&x) {
+                xf.chunks = xf.chunks.saturating_sub(1);
+                xf.error.get_or_insert_with(|| format!("QP {qpn} closed with the transfer in flight"));
+            }
+            self.try_finish(x, limits);
         }
     }
 
