@@ -11,27 +11,19 @@
 
 mod verbs_util;
 
+use verbs_util::WAIT;
+
 use std::time::{Duration, Instant};
 
 use std::sync::Arc;
 
 use kvwire::HostBuffer;
 use kvwire::kv::{KVCacheMemory, KVTransferEngine, PageIdxs, TransferReqData};
-use kvwire::transport::{TransportConfig, TransportKind};
+use kvwire::transport::TransportKind;
 
-const WAIT: Duration = Duration::from_secs(60);
 const TP: usize = 2;
 /// (pages, bytes per page) of each leaf: a 4 KiB leaf and a small one.
 const LEAVES: [(u64, u64); 2] = [(24, 4096), (40, 256)];
-
-fn config(device: &str) -> TransportConfig {
-    let mut c = TransportConfig::default();
-    c.options.push(("device".into(), device.into()));
-    if let Ok(i) = std::env::var("SOFTROCE_GID_IDX") {
-        c.options.push(("gid_index".into(), i));
-    }
-    c
-}
 
 /// A TP=2 engine with the two leaves; `[leaf][shard]` buffers.
 fn engine(name: &str, device: &str) -> (KVTransferEngine, Vec<Vec<Arc<HostBuffer>>>) {
@@ -43,8 +35,14 @@ fn engine(name: &str, device: &str) -> (KVTransferEngine, Vec<Vec<Arc<HostBuffer
         bufs.push(b);
     }
     let leaf_ids = (0..LEAVES.len()).map(|g| format!("layer{g}")).collect();
-    let e = KVTransferEngine::new(name, vec![groups], Some(leaf_ids), TransportKind::Verbs, &config(device))
-        .expect("verbs KV engine");
+    let e = KVTransferEngine::new(
+        name,
+        vec![groups],
+        Some(leaf_ids),
+        TransportKind::Verbs,
+        &verbs_util::config(device, &[]),
+    )
+    .expect("verbs KV engine");
     (e, bufs)
 }
 

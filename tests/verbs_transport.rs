@@ -8,43 +8,20 @@
 
 mod verbs_util;
 
+use verbs_util::{WAIT, config, wait};
+
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use kvwire::HostBuffer;
-use kvwire::engine::{AgentMetadata, Desc, TransferEngine, TransferHandle, TransferStatus};
+use kvwire::engine::{AgentMetadata, Desc, TransferEngine, TransferStatus};
 use kvwire::transport::{
     self, Completion, LocalKey, MemoryBacking, Notification, Op, PostRequest, RemoteKey, Segment, TransportConfig,
     TransportKind, XferId,
 };
 
-const WAIT: Duration = Duration::from_secs(60);
-
-fn config(device: &str, extra: &[(&str, &str)]) -> TransportConfig {
-    let mut c = TransportConfig::default();
-    c.options.push(("device".into(), device.into()));
-    if let Ok(i) = std::env::var("SOFTROCE_GID_IDX") {
-        c.options.push(("gid_index".into(), i));
-    }
-    for (k, v) in extra {
-        c.options.push((k.to_string(), v.to_string()));
-    }
-    c
-}
-
 fn engine(name: &str, device: &str) -> TransferEngine {
     TransferEngine::new(name, TransportKind::Verbs, &config(device, &[])).expect("verbs engine")
-}
-
-fn wait(e: &mut TransferEngine, h: TransferHandle) -> TransferStatus {
-    let t0 = Instant::now();
-    loop {
-        let s = e.status(h).unwrap();
-        if s != TransferStatus::InProgress || t0.elapsed() > WAIT {
-            return s;
-        }
-        std::thread::sleep(Duration::from_micros(200));
-    }
 }
 
 fn wait_notifs(e: &mut TransferEngine, from: &str, n: usize) -> Vec<Vec<u8>> {

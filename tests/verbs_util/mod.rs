@@ -1,5 +1,39 @@
-//! Shared by the verbs test binaries: which RDMA devices to use, or why to skip.
+//! Shared by the verbs test binaries: which RDMA devices to use, or why to
+//! skip; the transport configuration for a device; waiting for a transfer.
 #![allow(dead_code)]
+
+use std::time::{Duration, Instant};
+
+use kvwire::engine::{TransferEngine, TransferHandle, TransferStatus};
+use kvwire::transport::TransportConfig;
+
+/// How long a test waits for a transfer (the guest is slow).
+pub const WAIT: Duration = Duration::from_secs(60);
+
+/// Verbs options for `device` (and `$SOFTROCE_GID_IDX` as `gid_index`), plus `extra`.
+pub fn config(device: &str, extra: &[(&str, &str)]) -> TransportConfig {
+    let mut c = TransportConfig::default();
+    c.options.push(("device".into(), device.into()));
+    if let Ok(i) = std::env::var("SOFTROCE_GID_IDX") {
+        c.options.push(("gid_index".into(), i));
+    }
+    for (k, v) in extra {
+        c.options.push((k.to_string(), v.to_string()));
+    }
+    c
+}
+
+/// Poll `h` until it leaves `InProgress` or [`WAIT`] passed; its last status.
+pub fn wait(e: &mut TransferEngine, h: TransferHandle) -> TransferStatus {
+    let t0 = Instant::now();
+    loop {
+        let s = e.status(h).unwrap();
+        if s != TransferStatus::InProgress || t0.elapsed() > WAIT {
+            return s;
+        }
+        std::thread::sleep(Duration::from_micros(200));
+    }
+}
 
 /// `(target device, initiator device)` (Soft-RoCE: rxe0, rxe1) or the reason to skip.
 pub fn devices() -> Result<(String, String), String> {
