@@ -388,3 +388,41 @@ fn verbs_target_refuses_connections_its_completion_queue_cannot_take() {
     let err = init.connect(&target.metadata()).expect_err("2 QPs x 64 receives do not fit 64 CQEs");
     assert!(err.to_string().contains("completion queue full"), "{err}");
 }
+
+/// Work that waits for completion-queue room must be posted as soon as room
+/// comes back, also when it comes back from something else than a
+/// completion: here the receives a target reserved for an initiator that
+/// then goes away.
+#[test]
+fn verbs_work_waiting_for_cq_room_is_posted_when_a_peer_gives_its_receives_back() {
+    let (tdev, idev) = need_devices!();
+    // `x` (64 CQEs) is the target of `w`, whose one QP reserves all 64 for
+    // its receives: `x` can post nothing while `w` is connected.
+    let mut x = engine("x-room", &tdev, &[("cq_size", "64")]);
+    let mut w = engine("w-room", &idev, &[]);
+    w.connect(&x.metadata()).unwrap();
+    let mut y = engine("y-room", &idev, &[]);
+    let (n, page) = (16u64, 4096u64);
+    let dst = Arc::new(HostBuffer::new((n * page) as usize).unwrap());
+    let src = Arc::new(HostBuffer::new((n * page) as usize).unwrap());
+    src.fill_with(0, (n * page) as usize, |i| (i * 13 + 1) as u8);
+    y.register(dst.clone()).unwrap();
+    x.register(src.clone()).unwrap();
+    x.connect(&y.metadata()).unwrap();
+    let l: Vec<Desc> = (0..n).map(|i| Desc::new(src.addr() + i * page, page)).collect();
+    let r: Vec<Desc> = (0..n).map(|i| Desc::new(dst.addr() + i * page, page)).collect();
+    let h = x.post(Op::Write, &l, "y-room", &r, None).unwrap();
+    std::thread::sleep(Duration::from_millis(300));
+    assert_eq!(x.status(h).unwrap(), TransferStatus::InProgress, "no CQE was free to post with");
+    // `w` goes: `x` gets its 64 CQEs back and must post the waiting WRITE.
+    drop(w);
+    let t0 = Instant::now();
+    let mut s = x.status(h).unwrap();
+    while s == TransferStatus::InProgress && t0.elapsed() < Duration::from_secs(15) {
+        std::thread::sleep(Duration::from_millis(1));
+        s = x.status(h).unwrap();
+    }
+    assert_eq!(s, TransferStatus::Done, "the WRITE still waits with the CQ empty");
+    x.release(h).unwrap();
+    assert_eq!(dst.as_slice(), src.as_slice());
+}

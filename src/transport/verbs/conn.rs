@@ -93,7 +93,10 @@ fn serve(inner: &Inner, mut ch: SideChannel) {
         Ok(())
     })();
     if let Err(e) = result {
-        inner.lock().release_cqes(cqes);
+        let mut st = inner.lock();
+        st.release_cqes(cqes);
+        st.pump_starved(&inner.limits);
+        drop(st);
         let _ = ch.send(&Handshake::Refuse { reason: e.to_string() });
         return;
     }
@@ -125,6 +128,7 @@ fn serve(inner: &Inner, mut ch: SideChannel) {
         st.recv_qps.remove(&q);
     }
     st.release_cqes(cqes);
+    st.pump_starved(&inner.limits);
 }
 
 fn verbs_err(e: crate::verbs::VerbsError) -> TransportError {

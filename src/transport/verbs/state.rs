@@ -158,9 +158,25 @@ impl State {
         ok
     }
 
-    /// Give back `n` CQEs held by [`reserve_cqes`](Self::reserve_cqes) or by posted WRs.
+    /// Give back `n` CQEs held by [`reserve_cqes`](Self::reserve_cqes) or by
+    /// posted WRs. Callers then [`pump_starved`](Self::pump_starved): work
+    /// that waits for CQEs is posted only from there.
     pub fn release_cqes(&mut self, n: u32) {
         self.cq_free = self.cq_free.saturating_add(n);
+    }
+
+    /// After CQEs were given back: post the work of every QP that stopped
+    /// for want of them (nothing else would, when none of its WRs is in
+    /// flight).
+    pub fn pump_starved(&mut self, limits: &PostLimits) {
+        if !self.cq_starved || self.cq_free == 0 {
+            return;
+        }
+        self.cq_starved = false;
+        let waiting: Vec<u32> = self.send_qps.iter().filter(|(_, sq)| !sq.queue.is_empty()).map(|(&q, _)| q).collect();
+        for q in waiting {
+            self.pump(q, limits);
+        }
     }
 
     /// Queue `segments` of `xfer` round-robin over `qpns` (by runs of
@@ -242,6 +258,7 @@ impl State {
         self.release_cqes(sq.outstanding + sq.flush_reserved);
         let in_flight: Vec<u64> = sq.chunks.values().map(|&(x, _)| x).collect();
         drop(sq);
+        self.pump_starved(limits);
         for x in in_flight {
             if let Some(xf) = self.xfers.get_mut(&x) {
                 xf.chunks = xf.chunks.saturating_sub(1);
@@ -375,6 +392,7 @@ impl State {
             if wc.status != IBV_WC_SUCCESS && sq.flush_reserved > 0 {
                 sq.flush_reserved -= 1;
                 self.release_cqes(1);
+                self.pump_starved(limits);
             }
             return;
         };
@@ -413,14 +431,7 @@ impl State {
         }
         // On a QP in error this fails (and reports) what is still queued.
         self.pump(wc.qp_num, limits);
-        if self.cq_starved {
-            self.cq_starved = false;
-            let waiting: Vec<u32> =
-                self.send_qps.iter().filter(|(_, sq)| !sq.queue.is_empty()).map(|(&q, _)| q).collect();
-            for q in waiting {
-                self.pump(q, limits);
-            }
-        }
+        self.pump_starved(limits);
         self.try_finish(x, limits);
     }
 
