@@ -426,3 +426,40 @@ fn verbs_work_waiting_for_cq_room_is_posted_when_a_peer_gives_its_receives_back(
     x.release(h).unwrap();
     assert_eq!(dst.as_slice(), src.as_slice());
 }
+
+/// With the completion queue, not the send queues, as the limit, the QP
+/// whose chunk completed must not take every freed CQE while another QP's
+/// work waits: a small transfer to a second peer finishes long before a
+/// large one to the first.
+#[test]
+fn verbs_cq_budget_is_shared_between_qps_waiting_for_it() {
+    let (tdev, idev) = need_devices!();
+    let mut t1 = engine("t1-fair", &tdev, &[]);
+    let mut t2 = engine("t2-fair", &tdev, &[]);
+    let opts = [("cq_size", "64"), ("max_send_wr", "256"), ("signal_every", "32")];
+    let mut init = engine("i-fair", &idev, &opts);
+    const PAGES: u64 = 4000;
+    const PAGE: u64 = 1024;
+    let dst1 = Arc::new(HostBuffer::new((PAGES * PAGE * 2) as usize).unwrap());
+    let dst2 = Arc::new(HostBuffer::new((16 * PAGE) as usize).unwrap());
+    let src = Arc::new(HostBuffer::new((PAGES * PAGE) as usize).unwrap());
+    src.fill_with(0, (PAGES * PAGE) as usize, |i| (i * 5 + 3) as u8);
+    t1.register(dst1.clone()).unwrap();
+    t2.register(dst2.clone()).unwrap();
+    init.register(src.clone()).unwrap();
+    init.connect(&t1.metadata()).unwrap();
+    init.connect(&t2.metadata()).unwrap();
+    // Every other remote page, so that nothing coalesces.
+    let l: Vec<Desc> = (0..PAGES).map(|i| Desc::new(src.addr() + i * PAGE, PAGE)).collect();
+    let r: Vec<Desc> = (0..PAGES).map(|i| Desc::new(dst1.addr() + 2 * i * PAGE, PAGE)).collect();
+    let big = init.post(Op::Write, &l, "t1-fair", &r, None).unwrap();
+    let l: Vec<Desc> = (0..16).map(|i| Desc::new(src.addr() + i * PAGE, PAGE)).collect();
+    let r: Vec<Desc> = (0..16).map(|i| Desc::new(dst2.addr() + i * PAGE, PAGE)).collect();
+    let small = init.post(Op::Write, &l, "t2-fair", &r, None).unwrap();
+    assert_eq!(wait(&mut init, small), TransferStatus::Done);
+    let big_then = init.status(big).unwrap();
+    assert_eq!(wait(&mut init, big), TransferStatus::Done);
+    assert_eq!(big_then, TransferStatus::InProgress, "the small transfer waited for all of the large one");
+    init.release(big).unwrap();
+    init.release(small).unwrap();
+}

@@ -169,11 +169,17 @@ impl State {
     /// for want of them (nothing else would, when none of its WRs is in
     /// flight).
     pub fn pump_starved(&mut self, limits: &PostLimits) {
+        self.pump_starved_except(None, limits);
+    }
+
+    /// [`pump_starved`](Self::pump_starved) but for `skip`, which the caller pumps next.
+    fn pump_starved_except(&mut self, skip: Option<u32>, limits: &PostLimits) {
         if !self.cq_starved || self.cq_free == 0 {
             return;
         }
         self.cq_starved = false;
-        let waiting: Vec<u32> = self.send_qps.iter().filter(|(_, sq)| !sq.queue.is_empty()).map(|(&q, _)| q).collect();
+        let waiting: Vec<u32> =
+            self.send_qps.iter().filter(|&(&q, sq)| !sq.queue.is_empty() && Some(q) != skip).map(|(&q, _)| q).collect();
         for q in waiting {
             self.pump(q, limits);
         }
@@ -429,9 +435,11 @@ impl State {
         if let Some(xf) = self.xfers.get_mut(&x) {
             xf.chunks = xf.chunks.saturating_sub(1);
         }
+        // QPs that waited for CQEs go first: the QP that completed would
+        // otherwise take every freed CQE for as long as it has work queued.
+        self.pump_starved_except(Some(wc.qp_num), limits);
         // On a QP in error this fails (and reports) what is still queued.
         self.pump(wc.qp_num, limits);
-        self.pump_starved(limits);
         self.try_finish(x, limits);
     }
 
