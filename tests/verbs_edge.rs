@@ -389,42 +389,39 @@ fn verbs_target_refuses_connections_its_completion_queue_cannot_take() {
     assert!(err.to_string().contains("completion queue full"), "{err}");
 }
 
-/// Work that waits for completion-queue room must be posted as soon as room
-/// comes back, also when it comes back from something else than a
-/// completion: here the receives a target reserved for an initiator that
-/// then goes away.
+/// Receives a target keeps posted for its initiators hold at most half of
+/// its completion queue: a connection beyond that is refused, and the
+/// target's own sends are never left waiting for CQEs that only come back
+/// when an initiator goes away.
 #[test]
-fn verbs_work_waiting_for_cq_room_is_posted_when_a_peer_gives_its_receives_back() {
+fn verbs_receives_hold_at_most_half_the_cq_so_sends_keep_room() {
     let (tdev, idev) = need_devices!();
-    // `x` (64 CQEs) is the target of `w`, whose one QP reserves all 64 for
-    // its receives: `x` can post nothing while `w` is connected.
-    let mut x = engine("x-room", &tdev, &[("cq_size", "64")]);
+    // `x` (128 CQEs) is the target of `w`, whose one QP holds 64 of them
+    // for receives, as many as receives may hold: a second initiator is
+    // refused, and `x` still posts its own WRITE while `w` stays connected.
+    let mut x = engine("x-room", &tdev, &[("cq_size", "128")]);
     let mut w = engine("w-room", &idev, &[]);
     w.connect(&x.metadata()).unwrap();
+    let mut w2 = engine("w2-room", &idev, &[]);
+    let err = w2.connect(&x.metadata()).expect_err("another 64 receives exceed half of 128 CQEs");
+    assert!(err.to_string().contains("completion queue full"), "{err}");
     let mut y = engine("y-room", &idev, &[]);
-    let (n, page) = (16u64, 4096u64);
+    let (n, page) = (256u64, 4096u64);
     let dst = Arc::new(HostBuffer::new((n * page) as usize).unwrap());
     let src = Arc::new(HostBuffer::new((n * page) as usize).unwrap());
     src.fill_with(0, (n * page) as usize, |i| (i * 13 + 1) as u8);
     y.register(dst.clone()).unwrap();
     x.register(src.clone()).unwrap();
     x.connect(&y.metadata()).unwrap();
-    let l: Vec<Desc> = (0..n).map(|i| Desc::new(src.addr() + i * page, page)).collect();
-    let r: Vec<Desc> = (0..n).map(|i| Desc::new(dst.addr() + i * page, page)).collect();
+    // In descending order, so that nothing coalesces: 256 WRs, more than
+    // the 64 CQEs left for sends.
+    let l: Vec<Desc> = (0..n).rev().map(|i| Desc::new(src.addr() + i * page, page)).collect();
+    let r: Vec<Desc> = (0..n).rev().map(|i| Desc::new(dst.addr() + i * page, page)).collect();
     let h = x.post(Op::Write, &l, "y-room", &r, None).unwrap();
-    std::thread::sleep(Duration::from_millis(300));
-    assert_eq!(x.status(h).unwrap(), TransferStatus::InProgress, "no CQE was free to post with");
-    // `w` goes: `x` gets its 64 CQEs back and must post the waiting WRITE.
-    drop(w);
-    let t0 = Instant::now();
-    let mut s = x.status(h).unwrap();
-    while s == TransferStatus::InProgress && t0.elapsed() < Duration::from_secs(15) {
-        std::thread::sleep(Duration::from_millis(1));
-        s = x.status(h).unwrap();
-    }
-    assert_eq!(s, TransferStatus::Done, "the WRITE still waits with the CQ empty");
+    assert_eq!(wait(&mut x, h), TransferStatus::Done, "the WRITE waited for receives' CQEs");
     x.release(h).unwrap();
     assert_eq!(dst.as_slice(), src.as_slice());
+    drop(w);
 }
 
 /// With the completion queue, not the send queues, as the limit, the QP

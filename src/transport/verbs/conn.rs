@@ -22,11 +22,17 @@ use crate::verbs::{MemoryRegion, QpEndpoint, QueuePair};
 /// make the initiator's NIC retry on RNR, never lose one).
 pub const RECVS_PER_QP: u32 = 64;
 
+/// Version of the handshake below; a target refuses any other. 2: QP
+/// endpoints carry the responder READ depth (`QpEndpoint::rd_atom`).
+pub const HANDSHAKE_VERSION: u32 = 2;
+
 /// Handshake messages.
 #[derive(Debug, Serialize, Deserialize)]
 pub enum Handshake {
     /// Initiator → target.
     Hello {
+        /// [`HANDSHAKE_VERSION`] of the initiator.
+        version: u32,
         /// Initiator agent name.
         agent: String,
         /// One per QP.
@@ -62,7 +68,13 @@ pub(super) fn accept_loop(inner: Arc<Inner>, listener: TcpListener) {
 fn serve(inner: &Inner, mut ch: SideChannel) {
     let _ = ch.set_read_timeout(Some(inner.config.peer_timeout));
     let (agent, remote) = match ch.recv::<Handshake>() {
-        Ok(Handshake::Hello { agent, qps }) => (agent, qps),
+        Ok(Handshake::Hello { version, agent, .. }) if version != HANDSHAKE_VERSION => {
+            let reason = format!("handshake version {version}, this side speaks {HANDSHAKE_VERSION}");
+            tracing::warn!("verbs: refusing {agent}: {reason}");
+            let _ = ch.send(&Handshake::Refuse { reason });
+            return;
+        }
+        Ok(Handshake::Hello { agent, qps, .. }) => (agent, qps),
         Ok(other) => {
             tracing::warn!("verbs: expected hello, got {other:?}");
             return;
@@ -77,8 +89,10 @@ fn serve(inner: &Inner, mut ch: SideChannel) {
     let mut built = Vec::new();
     // Every posted receive can complete with a CQE on the shared CQ.
     let cqes = RECVS_PER_QP * remote.len() as u32;
-    if !inner.lock().reserve_cqes(cqes) {
-        let reason = format!("completion queue full: no room for {cqes} more receive completions");
+    if !inner.lock().reserve_recv_cqes(cqes) {
+        let reason = format!(
+            "completion queue full: no room for {cqes} more receive completions (receives may hold half of it)"
+        );
         tracing::warn!("verbs: refusing {agent}: {reason}");
         let _ = ch.send(&Handshake::Refuse { reason });
         return;
@@ -93,10 +107,7 @@ fn serve(inner: &Inner, mut ch: SideChannel) {
         Ok(())
     })();
     if let Err(e) = result {
-        let mut st = inner.lock();
-        st.release_cqes(cqes);
-        st.pump_starved(&inner.limits);
-        drop(st);
+        inner.lock().release_recv_cqes(cqes, &inner.limits);
         let _ = ch.send(&Handshake::Refuse { reason: e.to_string() });
         return;
     }
@@ -127,8 +138,7 @@ fn serve(inner: &Inner, mut ch: SideChannel) {
     for q in qpns {
         st.recv_qps.remove(&q);
     }
-    st.release_cqes(cqes);
-    st.pump_starved(&inner.limits);
+    st.release_recv_cqes(cqes, &inner.limits);
 }
 
 fn verbs_err(e: crate::verbs::VerbsError) -> TransportError {
@@ -145,7 +155,8 @@ pub(super) fn handshake(
 ) -> Result<(Vec<QpEndpoint>, SideChannel), String> {
     let mut ch = SideChannel::connect(addr, timeout).map_err(|e| e.to_string())?;
     ch.set_read_timeout(Some(timeout)).map_err(|e| e.to_string())?;
-    ch.send(&Handshake::Hello { agent: agent.to_string(), qps: local.to_vec() }).map_err(|e| e.to_string())?;
+    let hello = Handshake::Hello { version: HANDSHAKE_VERSION, agent: agent.to_string(), qps: local.to_vec() };
+    ch.send(&hello).map_err(|e| e.to_string())?;
     match ch.recv::<Handshake>().map_err(|e| e.to_string())? {
         Handshake::Accept { qps } if qps.len() == local.len() => Ok((qps, ch)),
         Handshake::Accept { qps } => Err(format!("target answered {} QPs for {}", qps.len(), local.len())),

@@ -2,8 +2,9 @@
 //! RoCE) through libibverbs, loaded at run time.
 //!
 //! - Connection setup: a TCP listener thread per transport (its address is
-//!   the connection info). The initiator says hello with its agent name and
-//!   one QP endpoint (QPN, PSN, GID, LID, MTU) per QP; the target creates
+//!   the connection info). The initiator says hello with the handshake
+//!   version, its agent name and one QP endpoint (QPN, PSN, GID, LID, MTU,
+//!   responder READ depth) per QP; the target creates
 //!   matching QPs with receives posted for notifications; both go RESET →
 //!   INIT → RTR → RTS with the path MTU from the ports' active MTUs.
 //! - Posting: one WR per segment (one SGE), chained, one `post_send` per
@@ -536,8 +537,11 @@ impl Transport for VerbsTransport {
         // Posted WRs finish (or fail after the QP's retry budget, or flush):
         // only then can the NIC no longer touch the buffers. Past
         // `peer_timeout`, move the QPs carrying them to the error state,
-        // which flushes them at once (the next post reconnects).
-        let deadline = Instant::now() + self.inner.config.peer_timeout;
+        // which flushes them at once (the next post reconnects); if one
+        // still holds the transfer another `peer_timeout` later, destroy
+        // it (after `ibv_destroy_qp` the NIC no longer touches its buffers).
+        let flush_at = Instant::now() + self.inner.config.peer_timeout;
+        let destroy_at = flush_at + self.inner.config.peer_timeout;
         let mut flushed = false;
         loop {
             {
@@ -545,14 +549,32 @@ impl Transport for VerbsTransport {
                 if !st.xfers.contains_key(&xfer.0) {
                     break;
                 }
-                if !flushed && Instant::now() > deadline {
+                let carrying: Vec<u32> = st
+                    .send_qps
+                    .iter()
+                    .filter(|(_, sq)| sq.chunks.values().any(|(x, _)| *x == xfer.0))
+                    .map(|(&q, _)| q)
+                    .collect();
+                let now = Instant::now();
+                if !flushed && now > flush_at {
                     flushed = true;
-                    for sq in st.send_qps.values_mut() {
-                        if sq.chunks.values().any(|(x, _)| *x == xfer.0) && sq.error.is_none() {
-                            tracing::warn!("verbs: cancel of {xfer:?} flushes QP {}", sq.qp.qp_num());
+                    for q in &carrying {
+                        if let Some(sq) = st.send_qps.get_mut(q)
+                            && sq.error.is_none()
+                        {
+                            tracing::warn!("verbs: cancel of {xfer:?} flushes QP {q}");
                             sq.error = Some(format!("QP flushed to cancel {xfer:?}"));
                             let _ = sq.qp.set_error();
                         }
+                    }
+                } else if now > destroy_at {
+                    for q in &carrying {
+                        tracing::warn!("verbs: cancel of {xfer:?} destroys QP {q}, which did not drain");
+                        st.remove_qp(*q, &limits);
+                    }
+                    if carrying.is_empty() {
+                        // Nothing in flight on any QP: nothing can touch its buffers.
+                        st.xfers.remove(&xfer.0);
                     }
                 }
             }

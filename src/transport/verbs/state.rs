@@ -97,6 +97,9 @@ pub struct State {
     /// A QP stopped posting for want of `cq_free`: completions then pump
     /// every QP with queued work.
     pub cq_starved: bool,
+    /// CQEs held for posted receives, at most `recv_cap` (half the CQ).
+    pub recv_reserved: u32,
+    pub recv_cap: u32,
 }
 
 /// Posting parameters.
@@ -146,16 +149,28 @@ pub const RECV_BIT: u64 = 1 << 63;
 impl State {
     /// Empty state for a completion queue of `cqes` entries.
     pub fn new(cqes: u32) -> Self {
-        Self { cq_free: cqes, ..Self::default() }
+        Self { cq_free: cqes, recv_cap: cqes / 2, ..Self::default() }
     }
 
-    /// Hold `n` CQEs (receives about to be posted); false when they do not fit.
-    pub fn reserve_cqes(&mut self, n: u32) -> bool {
-        let ok = self.cq_free >= n;
+    /// Hold `n` CQEs for receives about to be posted; false when they do not
+    /// fit. Receives take at most half of the CQ, so that sends always have
+    /// room (receives stay posted for as long as their initiator is
+    /// connected, and sends waiting for them would wait as long).
+    pub fn reserve_recv_cqes(&mut self, n: u32) -> bool {
+        let ok = self.recv_reserved + n <= self.recv_cap && self.cq_free >= n;
         if ok {
             self.cq_free -= n;
+            self.recv_reserved += n;
         }
         ok
+    }
+
+    /// Give back `n` CQEs held by [`reserve_recv_cqes`](Self::reserve_recv_cqes)
+    /// and post the work that waited for them.
+    pub fn release_recv_cqes(&mut self, n: u32, limits: &PostLimits) {
+        self.recv_reserved = self.recv_reserved.saturating_sub(n);
+        self.release_cqes(n);
+        self.pump_starved(limits);
     }
 
     /// Give back `n` CQEs held by [`reserve_cqes`](Self::reserve_cqes) or by
@@ -367,12 +382,15 @@ impl State {
             }
             sq.outstanding += covered as u32;
             if let Some(why) = why {
-                // Rare (the queue is sized to fit): stop using the QP; what
-                // was posted completes (or flushes) and the peer reconnects.
+                // Rare (the queue is sized to fit). The posted head of a cut
+                // chunk may run without a completion (its last WR is not
+                // signalled), so waiting for the QP to drain could wait
+                // forever: destroy it now (the NIC then no longer touches
+                // any of its buffers), fail what it carried or queued; the
+                // next post to the peer reconnects.
                 tracing::error!("verbs: {why} on QP {qpn}");
                 sq.error = Some(why);
-                let _ = sq.qp.set_error();
-                self.fail_queue(qpn, limits);
+                self.remove_qp(qpn, limits);
                 unposted.dedup();
                 for x in unposted {
                     self.try_finish(x, limits);
