@@ -117,6 +117,22 @@ pub fn nic_for_gpu(bus_id: &str, override_name: Option<&str>) -> io::Result<Opti
     nic_for_gpu_in(Path::new("/sys"), bus_id)
 }
 
+/// The RDMA device for the GPU with CUDA ordinal `ordinal`: [`nic_for_gpu`]
+/// (overrides included) on its PCIe bus id from [`probe`](super::probe).
+/// `None` when there is no such GPU (no driver, no feature), no RDMA device
+/// with an active port, or sysfs cannot resolve the GPU.
+pub fn nic_for_gpu_ordinal(ordinal: u32) -> Option<String> {
+    let report = super::probe();
+    let gpu = report.devices.iter().find(|g| g.ordinal == ordinal)?;
+    match nic_for_gpu(&gpu.pci_bus_id, None) {
+        Ok(nic) => nic,
+        Err(e) => {
+            tracing::debug!("no NIC for GPU {ordinal} ({}): {e}", gpu.pci_bus_id);
+            None
+        }
+    }
+}
+
 /// [`nic_for_gpu`] without overrides, against the sysfs tree at `sysfs_root`.
 ///
 /// # Errors

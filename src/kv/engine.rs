@@ -237,7 +237,10 @@ impl KVTransferEngine {
         for (replica, groups) in memory.iter().enumerate() {
             let mut row = Vec::with_capacity(tp);
             for shard in 0..tp {
-                let mut engine = TransferEngine::new(&agent_name(name, replica, shard), transport, cfg)?;
+                let device_id = groups[0].buffers()[shard].device_id();
+                let agent_cfg =
+                    agent_config(cfg, transport, memory_type, device_id, crate::cuda::nic::nic_for_gpu_ordinal);
+                let mut engine = TransferEngine::new(&agent_name(name, replica, shard), transport, &agent_cfg)?;
                 let mut base_addrs = Vec::with_capacity(num_groups);
                 let mut registrations = Vec::with_capacity(num_groups);
                 for m in groups {
@@ -245,12 +248,7 @@ impl KVTransferEngine {
                     registrations.push(engine.register(b.registration())?);
                     base_addrs.push(b.addr());
                 }
-                row.push(TensorAgent {
-                    engine,
-                    base_addrs,
-                    device_id: groups[0].buffers()[shard].device_id(),
-                    registrations,
-                });
+                row.push(TensorAgent { engine, base_addrs, device_id, registrations });
             }
             agents.push(row);
         }
@@ -476,4 +474,29 @@ impl KVTransferEngine {
         self.completed_recv.remove(name);
         Ok(())
     }
+}
+
+/// The transport configuration of the agent of one TP shard: `cfg`, plus,
+/// for the verbs transport over GPU memory when `cfg` names no `device`,
+/// the RDMA device `nic_for_gpu` picks for the shard's GPU `device_id` (the
+/// PCIe-closest NIC, [`crate::cuda::nic`]; MAX sets `UCX_NET_DEVICES` the
+/// same way). An explicit `device` option, host memory, another transport or
+/// no answer leave `cfg` as it is.
+pub(crate) fn agent_config(
+    cfg: &TransportConfig,
+    transport: TransportKind,
+    memory_type: MemoryType,
+    device_id: u32,
+    nic_for_gpu: impl Fn(u32) -> Option<String>,
+) -> TransportConfig {
+    let mut agent = cfg.clone();
+    if transport == TransportKind::Verbs
+        && memory_type == MemoryType::Vram
+        && cfg.option("device").is_none()
+        && let Some(nic) = nic_for_gpu(device_id)
+    {
+        tracing::info!("verbs: GPU {device_id} uses RDMA device {nic} (PCIe-closest)");
+        agent.options.push(("device".into(), nic));
+    }
+    agent
 }

@@ -521,3 +521,24 @@ fn disconnect_releases_inflight_and_cleanup_releases_everything() {
     assert_eq!(a.e.num_inflight(), 0);
     assert!(!a.e.is_connected(b.e.name()));
 }
+
+#[test]
+fn each_gpu_shard_gets_its_pcie_closest_nic_unless_a_device_is_named() {
+    use super::engine::agent_config;
+    use super::metadata::MemoryType;
+    let nic = |gpu: u32| (gpu < 2).then(|| format!("mlx5_{gpu}"));
+    let plain = TransportConfig::default();
+    let verbs = TransportKind::Verbs;
+    let dev = |c: &TransportConfig| c.option("device").map(str::to_string);
+    assert_eq!(dev(&agent_config(&plain, verbs, MemoryType::Vram, 1, nic)), Some("mlx5_1".into()));
+    assert_eq!(dev(&agent_config(&plain, verbs, MemoryType::Vram, 0, nic)), Some("mlx5_0".into()));
+    // No NIC found for that GPU: the transport's own default.
+    assert_eq!(dev(&agent_config(&plain, verbs, MemoryType::Vram, 7, nic)), None);
+    // Host memory, another transport, or a device named by the caller: unchanged.
+    assert_eq!(dev(&agent_config(&plain, verbs, MemoryType::Dram, 1, nic)), None);
+    assert_eq!(dev(&agent_config(&plain, TransportKind::Tcp, MemoryType::Vram, 1, nic)), None);
+    let mut named = TransportConfig::default();
+    named.options.push(("device".into(), "rxe0".into()));
+    let c = agent_config(&named, verbs, MemoryType::Vram, 1, nic);
+    assert_eq!(c.options, named.options, "an explicit device wins and is not doubled");
+}
