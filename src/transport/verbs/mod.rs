@@ -276,10 +276,14 @@ impl VerbsTransport {
         let deadline = Instant::now() + budget;
         loop {
             let st = self.inner.lock();
-            let busy = p.qpns.iter().any(|q| st.send_qps.get(q).is_some_and(|s| s.outstanding > 0));
+            // A QP of this peer may have been destroyed (a failed
+            // `post_send`, `cancel`) while `qpns` still names it, and its
+            // number may since belong to another peer's QP: only a QP of
+            // this peer counts as one.
+            let own = |q: &u32| st.send_qps.get(q).filter(|s| s.peer == peer.0);
+            let busy = p.qpns.iter().any(|q| own(q).is_some_and(|s| s.outstanding > 0));
             // No QPs: an earlier reconnect failed; try again.
-            let broken =
-                p.qpns.is_empty() || p.qpns.iter().any(|q| st.send_qps.get(q).is_none_or(|s| s.error.is_some()));
+            let broken = p.qpns.is_empty() || p.qpns.iter().any(|q| own(q).is_none_or(|s| s.error.is_some()));
             drop(st);
             if !broken {
                 return Ok(());
@@ -296,7 +300,7 @@ impl VerbsTransport {
         {
             let mut st = self.inner.lock();
             for q in &old {
-                st.remove_qp(*q, &self.inner.limits);
+                st.remove_peer_qp(*q, peer.0, &self.inner.limits);
             }
         }
         if let Some(p) = self.peers.get_mut(&peer.0) {
@@ -461,7 +465,7 @@ impl Transport for VerbsTransport {
         };
         let mut st = self.inner.lock();
         for q in &p.qpns {
-            st.remove_qp(*q, &self.inner.limits);
+            st.remove_peer_qp(*q, peer.0, &self.inner.limits);
         }
         st.slabs.remove(&peer.0);
     }
@@ -573,8 +577,10 @@ impl Transport for VerbsTransport {
                         st.remove_qp(*q, &limits);
                     }
                     if carrying.is_empty() {
-                        // Nothing in flight on any QP: nothing can touch its buffers.
-                        st.xfers.remove(&xfer.0);
+                        // Nothing in flight on any QP: nothing can touch its
+                        // buffers. Drop the record, giving its notification
+                        // slot back.
+                        st.drop_xfer(xfer.0);
                     }
                 }
             }

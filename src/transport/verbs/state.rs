@@ -289,6 +289,24 @@ impl State {
         }
     }
 
+    /// [`remove_qp`](Self::remove_qp) when `qpn` is a QP of `peer`: a number
+    /// a peer kept for a QP destroyed since may name another peer's QP now.
+    pub fn remove_peer_qp(&mut self, qpn: u32, peer: u32, limits: &PostLimits) {
+        if self.send_qps.get(&qpn).is_some_and(|sq| sq.peer == peer) {
+            self.remove_qp(qpn, limits);
+        }
+    }
+
+    /// Forget transfer `x` without reporting it, freeing its notification slot.
+    pub fn drop_xfer(&mut self, x: u64) {
+        if let Some(xf) = self.xfers.remove(&x)
+            && let Some((peer, slot)) = xf.slot
+            && let Some(s) = self.slabs.get_mut(&peer)
+        {
+            s.free.push(slot);
+        }
+    }
+
     /// Post as much of `qpn`'s queue as the send queue has room for.
     pub fn pump(&mut self, qpn: u32, limits: &PostLimits) {
         if self.send_qps.get(&qpn).is_some_and(|sq| sq.error.is_some()) {
