@@ -342,13 +342,13 @@ fn verbs_transfer_queued_behind_a_failed_wr_is_reported() {
 }
 
 /// Far more signalled WRs in flight (4 QPs × 256, every WR signalled) than a
-/// 64-entry completion queue holds: the transport must hold work back
+/// 128-entry completion queue holds: the transport must hold work back
 /// instead of overrunning the CQ, and move every byte both ways.
 #[test]
 fn verbs_small_completion_queue_holds_work_back_instead_of_overrunning() {
     let (tdev, idev) = need_devices!();
     let mut target = engine("t-cq", &tdev, &[("qps_per_peer", "4")]);
-    let opts = [("cq_size", "64"), ("max_send_wr", "256"), ("signal_every", "1"), ("qps_per_peer", "4")];
+    let opts = [("cq_size", "128"), ("max_send_wr", "256"), ("signal_every", "1"), ("qps_per_peer", "4")];
     let mut init = engine("i-cq", &idev, &opts);
     const PAGES: u64 = 2000;
     const PAGE: u64 = 1024;
@@ -383,9 +383,9 @@ fn verbs_small_completion_queue_holds_work_back_instead_of_overrunning() {
 #[test]
 fn verbs_target_refuses_connections_its_completion_queue_cannot_take() {
     let (tdev, idev) = need_devices!();
-    let target = engine("t-full", &tdev, &[("cq_size", "64")]);
+    let target = engine("t-full", &tdev, &[("cq_size", "128")]);
     let mut init = engine("i-full", &idev, &[("qps_per_peer", "2")]);
-    let err = init.connect(&target.metadata()).expect_err("2 QPs x 64 receives do not fit 64 CQEs");
+    let err = init.connect(&target.metadata()).expect_err("2 QPs x 64 receives exceed half of 128 CQEs");
     assert!(err.to_string().contains("completion queue full"), "{err}");
 }
 
@@ -433,7 +433,7 @@ fn verbs_cq_budget_is_shared_between_qps_waiting_for_it() {
     let (tdev, idev) = need_devices!();
     let mut t1 = engine("t1-fair", &tdev, &[]);
     let mut t2 = engine("t2-fair", &tdev, &[]);
-    let opts = [("cq_size", "64"), ("max_send_wr", "256"), ("signal_every", "32")];
+    let opts = [("cq_size", "128"), ("max_send_wr", "256"), ("signal_every", "32")];
     let mut init = engine("i-fair", &idev, &opts);
     const PAGES: u64 = 4000;
     const PAGE: u64 = 1024;

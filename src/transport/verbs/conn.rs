@@ -8,7 +8,7 @@
 use std::net::TcpListener;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
 
@@ -87,9 +87,18 @@ fn serve(inner: &Inner, mut ch: SideChannel) {
     let mut qpns = Vec::new();
     let mut mine = Vec::new();
     let mut built = Vec::new();
-    // Every posted receive can complete with a CQE on the shared CQ.
+    // Every posted receive can complete with a CQE on the shared CQ. An
+    // initiator that reconnects closes its old connection just before, and
+    // its old receives come back only once that connection's thread saw it
+    // close: give them a moment before refusing.
     let cqes = RECVS_PER_QP * remote.len() as u32;
-    if !inner.lock().reserve_recv_cqes(cqes) {
+    let patience = Instant::now() + inner.config.peer_timeout.min(Duration::from_secs(2));
+    let mut reserved = inner.lock().reserve_recv_cqes(cqes);
+    while !reserved && Instant::now() < patience {
+        std::thread::sleep(Duration::from_millis(10));
+        reserved = inner.lock().reserve_recv_cqes(cqes);
+    }
+    if !reserved {
         let reason = format!(
             "completion queue full: no room for {cqes} more receive completions (receives may hold half of it)"
         );

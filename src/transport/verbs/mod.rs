@@ -34,8 +34,8 @@
 //! progress thread's sleep on an idle CQ without completion events),
 //! `idle_yields=N` (192: yields on an idle CQ, after 64 spins, before
 //! blocking or sleeping),
-//! `cq_size=N` (entries of the completion queue shared by every QP;
-//! default the device's `max_cqe` within 256..65536; WRs wait in software
+//! `cq_size=N` (entries of the completion queue shared by every QP, at
+//! least 128; default the device's `max_cqe` within 256..65536; WRs wait in software
 //! rather than overrun it), `listen=IP` (default: the GID's IPv4 address).
 
 mod conn;
@@ -210,7 +210,8 @@ impl VerbsTransport {
             TcpListener::bind((listen_ip.as_str(), 0)).map_err(|e| TransportError::io("bind(verbs listener)", e))?;
         let listen_addr = listener.local_addr().map_err(|e| TransportError::io("getsockname", e))?;
         let max_cqe = ctx.attr().max_cqe.max(64);
-        let num_cqe = opt::<i32>(config, "cq_size", max_cqe.clamp(256, 65536))?.clamp(64, max_cqe);
+        // At least 128: receives may hold half, and one QP posts 64.
+        let num_cqe = opt::<i32>(config, "cq_size", max_cqe.clamp(256, 65536))?.clamp(128, max_cqe.max(128));
         let pd = ProtectionDomain::new(&ctx).map_err(unsupported)?;
         let cq_events = opt::<u8>(config, "cq_events", 1)? != 0;
         let cq = CompletionQueue::create(&ctx, num_cqe, cq_events).map_err(unsupported)?;
