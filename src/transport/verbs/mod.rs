@@ -48,6 +48,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
+use crossbeam_channel::Receiver;
 use serde::{Deserialize, Serialize};
 
 use super::{
@@ -142,6 +143,11 @@ pub struct VerbsTransport {
     next_peer: u32,
     qps_per_peer: u32,
     threads: Vec<JoinHandle<()>>,
+    /// Finished transfers from the progress thread (see `State::done`).
+    done_rx: Receiver<Completion>,
+    /// Drained from `done_rx` by `cancel` and not yet polled.
+    done_held: Vec<Completion>,
+    notif_rx: Receiver<Notification>,
 }
 
 fn opt<T: std::str::FromStr>(config: &TransportConfig, key: &str, default: T) -> Result<T, TransportError> {
@@ -215,13 +221,15 @@ impl VerbsTransport {
         let pd = ProtectionDomain::new(&ctx).map_err(unsupported)?;
         let cq_events = opt::<u8>(config, "cq_events", 1)? != 0;
         let cq = CompletionQueue::create(&ctx, num_cqe, cq_events).map_err(unsupported)?;
+        let (done_tx, done_rx) = crossbeam_channel::unbounded();
+        let (notif_tx, notif_rx) = crossbeam_channel::unbounded();
         let inner = Arc::new(Inner {
             pd,
             cq,
             config: config.clone(),
             qp_options,
             limits,
-            state: Mutex::new(State::new(num_cqe as u32)),
+            state: Mutex::new(State::new(num_cqe as u32, done_tx, notif_tx)),
             stopping: AtomicBool::new(false),
             waiting: AtomicU32::new(0),
         });
@@ -249,6 +257,9 @@ impl VerbsTransport {
             next_peer: 1,
             qps_per_peer,
             threads,
+            done_rx,
+            done_held: Vec::new(),
+            notif_rx,
         })
     }
 
@@ -515,7 +526,8 @@ impl Transport for VerbsTransport {
     }
 
     fn poll(&mut self, out: &mut Vec<Completion>) {
-        out.append(&mut self.inner.lock().done);
+        out.append(&mut self.done_held);
+        out.extend(self.done_rx.try_iter());
     }
 
     fn cancel(&mut self, xfer: XferId) {
@@ -523,7 +535,10 @@ impl Transport for VerbsTransport {
         {
             let mut st = self.inner.lock();
             let Some(x) = st.xfers.get_mut(&xfer.0) else {
-                st.done.retain(|c| c.xfer != xfer);
+                // Finished already: its completion is not to be reported.
+                drop(st);
+                self.done_held.extend(self.done_rx.try_iter());
+                self.done_held.retain(|c| c.xfer != xfer);
                 return;
             };
             x.cancelled = true;
@@ -590,7 +605,7 @@ impl Transport for VerbsTransport {
     }
 
     fn take_notifications(&mut self, out: &mut Vec<Notification>) {
-        out.append(&mut self.inner.lock().notifs);
+        out.extend(self.notif_rx.try_iter());
     }
 }
 

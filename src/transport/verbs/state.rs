@@ -5,6 +5,8 @@
 use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
 
+use crossbeam_channel::Sender;
+
 use crate::transport::{Completion, Notification, Op, Segment, XferId};
 use crate::verbs::ffi::{IBV_WC_SUCCESS, IBV_WC_WR_FLUSH_ERR, wc_status_name};
 use crate::verbs::{MemoryRegion, QueuePair, WorkCompletion, WrBatch, WrId};
@@ -83,9 +85,13 @@ pub struct State {
     pub send_qps: HashMap<u32, SendQp>,
     pub xfers: HashMap<u64, Xfer>,
     pub slabs: HashMap<u32, NotifSlab>,
-    pub done: Vec<Completion>,
+    /// Finished transfers, to the transport's `poll` without this state's
+    /// lock, so a scheduler polling `status` never waits for the progress
+    /// thread.
+    pub done: Option<Sender<Completion>>,
     pub recv_qps: HashMap<u32, RecvQp>,
-    pub notifs: Vec<Notification>,
+    /// Received notifications, to `take_notifications` likewise.
+    pub notifs: Option<Sender<Notification>>,
     pub next_chunk: u64,
     pub batch: WrBatch,
     /// CQEs the shared completion queue can still take: its size less one
@@ -148,8 +154,8 @@ pub const RECV_BIT: u64 = 1 << 63;
 
 impl State {
     /// Empty state for a completion queue of `cqes` entries.
-    pub fn new(cqes: u32) -> Self {
-        Self { cq_free: cqes, recv_cap: cqes / 2, ..Self::default() }
+    pub fn new(cqes: u32, done: Sender<Completion>, notifs: Sender<Notification>) -> Self {
+        Self { cq_free: cqes, recv_cap: cqes / 2, done: Some(done), notifs: Some(notifs), ..Self::default() }
     }
 
     /// Hold `n` CQEs for receives about to be posted; false when they do not
@@ -501,8 +507,11 @@ impl State {
         {
             s.free.push(slot);
         }
-        if !xf.cancelled {
-            self.done.push(Completion { xfer: XferId(x), result: xf.error.map_or(Ok(()), Err) });
+        // The transport owns the receiver for as long as this state.
+        if !xf.cancelled
+            && let Some(done) = &self.done
+        {
+            let _ = done.send(Completion { xfer: XferId(x), result: xf.error.map_or(Ok(()), Err) });
         }
     }
 
@@ -523,7 +532,9 @@ impl State {
         let Some(payload) = r.slab.read_owned(slot * NOTIF_SLOT_BYTES, len) else {
             return;
         };
-        self.notifs.push(Notification { from_agent: r.agent.clone(), payload });
+        if let Some(notifs) = &self.notifs {
+            let _ = notifs.send(Notification { from_agent: r.agent.clone(), payload });
+        }
         if let Err(e) = r.qp.post_recv_owned(wc.wr_id, &r.slab, slot * NOTIF_SLOT_BYTES, NOTIF_SLOT_BYTES as u32) {
             tracing::warn!("verbs: cannot repost a receive for {}: {e}", r.agent);
         }
