@@ -179,7 +179,7 @@ impl State {
         self.pump_starved(limits);
     }
 
-    /// Give back `n` CQEs held by [`reserve_cqes`](Self::reserve_cqes) or by
+    /// Give back `n` CQEs held by receives or by
     /// posted WRs. Callers then [`pump_starved`](Self::pump_starved): work
     /// that waits for CQEs is posted only from there.
     pub fn release_cqes(&mut self, n: u32) {
