@@ -4,13 +4,13 @@
 //! `listen=IP:PORT`, else the `KVWIRE_TCP_LISTEN` environment variable, else
 //! `127.0.0.1:0`; option `advertise=IP:PORT` when peers must use another
 //! address). A service thread per accepted connection answers requests
-//! against registered regions only ([`service`]): a bad key or range is
+//! against registered regions only (`service.rs`): a bad key or range is
 //! refused and logged, nothing is accessed, and the initiator's transfer
 //! turns `Failed("remote access error: …")`.
 //!
 //! An initiator opens `conns_per_peer` connections to each peer (option,
 //! default [`DEFAULT_CONNS_PER_PEER`]) with one worker thread each
-//! ([`worker`]). A posted transfer is cut into chunks of at most
+//! (`worker.rs`). A posted transfer is cut into chunks of at most
 //! [`CHUNK_BYTES`] and [`wire::MAX_SEGMENTS`] segments, streamed with
 //! `writev`/`readv` straight from/to registered memory. The notification
 //! follows once every chunk is acknowledged. Sockets carry send and receive
