@@ -80,7 +80,6 @@ pub struct NotifSlab {
 }
 
 /// Everything the user thread and the progress thread share.
-#[derive(Default)]
 pub struct State {
     pub send_qps: HashMap<u32, SendQp>,
     pub xfers: HashMap<u64, Xfer>,
@@ -88,10 +87,10 @@ pub struct State {
     /// Finished transfers, to the transport's `poll` without this state's
     /// lock, so a scheduler polling `status` never waits for the progress
     /// thread.
-    pub done: Option<Sender<Completion>>,
+    pub done: Sender<Completion>,
     pub recv_qps: HashMap<u32, RecvQp>,
     /// Received notifications, to `take_notifications` likewise.
-    pub notifs: Option<Sender<Notification>>,
+    pub notifs: Sender<Notification>,
     pub next_chunk: u64,
     pub batch: WrBatch,
     /// CQEs the shared completion queue can still take: its size less one
@@ -155,7 +154,20 @@ pub const RECV_BIT: u64 = 1 << 63;
 impl State {
     /// Empty state for a completion queue of `cqes` entries.
     pub fn new(cqes: u32, done: Sender<Completion>, notifs: Sender<Notification>) -> Self {
-        Self { cq_free: cqes, recv_cap: cqes / 2, done: Some(done), notifs: Some(notifs), ..Self::default() }
+        Self {
+            send_qps: HashMap::new(),
+            xfers: HashMap::new(),
+            slabs: HashMap::new(),
+            done,
+            recv_qps: HashMap::new(),
+            notifs,
+            next_chunk: 0,
+            batch: WrBatch::default(),
+            cq_free: cqes,
+            cq_starved: false,
+            recv_reserved: 0,
+            recv_cap: cqes / 2,
+        }
     }
 
     /// Hold `n` CQEs for receives about to be posted; false when they do not
@@ -305,12 +317,18 @@ impl State {
 
     /// Forget transfer `x` without reporting it, freeing its notification slot.
     pub fn drop_xfer(&mut self, x: u64) {
-        if let Some(xf) = self.xfers.remove(&x)
-            && let Some((peer, slot)) = xf.slot
+        self.take_xfer(x);
+    }
+
+    /// Remove transfer `x`'s record, giving its notification slot back.
+    fn take_xfer(&mut self, x: u64) -> Option<Xfer> {
+        let xf = self.xfers.remove(&x)?;
+        if let Some((peer, slot)) = xf.slot
             && let Some(s) = self.slabs.get_mut(&peer)
         {
             s.free.push(slot);
         }
+        Some(xf)
     }
 
     /// Post as much of `qpn`'s queue as the send queue has room for.
@@ -499,19 +517,12 @@ impl State {
             self.enqueue_notify(x, qpn, slot, len, limits);
             return;
         }
-        let Some(xf) = self.xfers.remove(&x) else {
+        let Some(xf) = self.take_xfer(x) else {
             return;
         };
-        if let Some((peer, slot)) = xf.slot
-            && let Some(s) = self.slabs.get_mut(&peer)
-        {
-            s.free.push(slot);
-        }
-        // The transport owns the receiver for as long as this state.
-        if !xf.cancelled
-            && let Some(done) = &self.done
-        {
-            let _ = done.send(Completion { xfer: XferId(x), result: xf.error.map_or(Ok(()), Err) });
+        if !xf.cancelled {
+            // The transport owns the receiver for as long as this state.
+            let _ = self.done.send(Completion { xfer: XferId(x), result: xf.error.map_or(Ok(()), Err) });
         }
     }
 
@@ -532,9 +543,7 @@ impl State {
         let Some(payload) = r.slab.read_owned(slot * NOTIF_SLOT_BYTES, len) else {
             return;
         };
-        if let Some(notifs) = &self.notifs {
-            let _ = notifs.send(Notification { from_agent: r.agent.clone(), payload });
-        }
+        let _ = self.notifs.send(Notification { from_agent: r.agent.clone(), payload });
         if let Err(e) = r.qp.post_recv_owned(wc.wr_id, &r.slab, slot * NOTIF_SLOT_BYTES, NOTIF_SLOT_BYTES as u32) {
             tracing::warn!("verbs: cannot repost a receive for {}: {e}", r.agent);
         }
