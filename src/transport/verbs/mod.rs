@@ -457,7 +457,7 @@ impl Transport for VerbsTransport {
             let mut dropped = 0;
             for sq in st.send_qps.values_mut() {
                 let before = sq.queue.len();
-                sq.queue.retain(|w| !matches!(w, state::Work::Rdma { xfer: x, .. } | state::Work::Notify { xfer: x, .. } if *x == xfer.0));
+                sq.queue.retain(|w| w.xfer() != xfer.0);
                 dropped += before - sq.queue.len();
             }
             if let Some(x) = st.xfers.get_mut(&xfer.0) {
@@ -480,34 +480,36 @@ impl Transport for VerbsTransport {
                 if !st.xfers.contains_key(&xfer.0) {
                     break;
                 }
-                let carrying: Vec<u32> = st
-                    .send_qps
-                    .iter()
-                    .filter(|(_, sq)| sq.chunks.values().any(|(x, _)| *x == xfer.0))
-                    .map(|(&q, _)| q)
-                    .collect();
                 let now = Instant::now();
-                if !flushed && now > flush_at {
-                    flushed = true;
-                    for q in &carrying {
-                        if let Some(sq) = st.send_qps.get_mut(q)
-                            && sq.error.is_none()
-                        {
-                            tracing::warn!("verbs: cancel of {xfer:?} flushes QP {q}");
-                            sq.error = Some(format!("QP flushed to cancel {xfer:?}"));
-                            let _ = sq.qp.set_error();
+                if now > flush_at {
+                    let carrying: Vec<u32> = st
+                        .send_qps
+                        .iter()
+                        .filter(|(_, sq)| sq.chunks.values().any(|(x, _)| *x == xfer.0))
+                        .map(|(&q, _)| q)
+                        .collect();
+                    if !flushed {
+                        flushed = true;
+                        for q in &carrying {
+                            if let Some(sq) = st.send_qps.get_mut(q)
+                                && sq.error.is_none()
+                            {
+                                tracing::warn!("verbs: cancel of {xfer:?} flushes QP {q}");
+                                sq.error = Some(format!("QP flushed to cancel {xfer:?}"));
+                                let _ = sq.qp.set_error();
+                            }
                         }
-                    }
-                } else if now > destroy_at {
-                    for q in &carrying {
-                        tracing::warn!("verbs: cancel of {xfer:?} destroys QP {q}, which did not drain");
-                        st.remove_qp(*q, &limits);
-                    }
-                    if carrying.is_empty() {
-                        // Nothing in flight on any QP: nothing can touch its
-                        // buffers. Drop the record, giving its notification
-                        // slot back.
-                        st.drop_xfer(xfer.0);
+                    } else if now > destroy_at {
+                        for q in &carrying {
+                            tracing::warn!("verbs: cancel of {xfer:?} destroys QP {q}, which did not drain");
+                            st.remove_qp(*q, &limits);
+                        }
+                        if carrying.is_empty() {
+                            // Nothing in flight on any QP: nothing can touch
+                            // its buffers. Drop the record, giving its
+                            // notification slot back.
+                            st.drop_xfer(xfer.0);
+                        }
                     }
                 }
             }

@@ -26,7 +26,8 @@ pub enum Work {
 }
 
 impl Work {
-    fn xfer(&self) -> u64 {
+    /// The transfer this work belongs to.
+    pub fn xfer(&self) -> u64 {
         match *self {
             Work::Rdma { xfer, .. } | Work::Notify { xfer, .. } => xfer,
         }
