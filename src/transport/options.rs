@@ -33,9 +33,19 @@ pub const SHM_OPTIONS: &[OptionSpec] = &[];
 
 /// Options of the `tcp` backend.
 pub const TCP_OPTIONS: &[OptionSpec] = &[
-    spec("listen", "IP:PORT", "127.0.0.1:0 (or $KVWIRE_TCP_LISTEN)", "address the target listens on"),
-    spec("advertise", "IP:PORT", "the listen address", "address published to peers in the agent metadata"),
-    spec("conns_per_peer", "count 1..=16", "2", "TCP connections (and worker threads) per connected peer"),
+    spec(
+        "listen",
+        "IP:PORT",
+        "$KVWIRE_TCP_LISTEN, else 0.0.0.0:0 (127.0.0.1:0 on a loopback-only host)",
+        "address the target listens on",
+    ),
+    spec(
+        "advertise",
+        "IP or IP:PORT",
+        "the listen address; on 0.0.0.0 the default-route interface's address",
+        "address published to peers in the agent metadata",
+    ),
+    spec("conns_per_peer", "count 1..=64", "2", "TCP connections (and worker threads) per connected peer"),
 ];
 
 /// Options of the `verbs` backend.
