@@ -238,6 +238,9 @@ mod tests {
             }
         }
         assert!(matches!(read_body(&mut Few(10), MAX_MESSAGE_BYTES), Err(SideChannelError::Closed)));
-        assert_eq!(read_body(&mut Few(RECV_STEP_BYTES * 3 + 5), RECV_STEP_BYTES * 3 + 5).unwrap().len(), RECV_STEP_BYTES * 3 + 5);
+        assert_eq!(
+            read_body(&mut Few(RECV_STEP_BYTES * 3 + 5), RECV_STEP_BYTES * 3 + 5).unwrap().len(),
+            RECV_STEP_BYTES * 3 + 5
+        );
     }
 }

@@ -20,7 +20,7 @@ use kvwire::kv::TransferReqData;
 use kvwire::sidechannel::{MAX_MESSAGE_BYTES, SideChannel, SideChannelError};
 use kvwire::transport::auth::{self, Nonce};
 use kvwire::transport::tcp::{TcpConnectionInfo, TcpTransport, wire};
-use kvwire::transport::{MemoryBacking, RemoteKey, RemoteRegion, Transport, TransportConfig, TransportKind};
+use kvwire::transport::{RemoteKey, RemoteRegion, Transport, TransportConfig, TransportKind};
 
 /// xorshift64*: small, seeded, reproducible.
 struct Rng(u64);
@@ -111,13 +111,19 @@ fn corpus(dir: &str) -> Vec<Vec<u8>> {
 }
 
 fn region(addr: u64, rkey: u32) -> RemoteRegion {
-    RemoteRegion { addr, len_bytes: 4096, rkey: RemoteKey(rkey), kind: kvwire::transport::MemoryKind::Dram, device_id: 0 }
+    RemoteRegion {
+        addr,
+        len_bytes: 4096,
+        rkey: RemoteKey(rkey),
+        kind: kvwire::transport::MemoryKind::Dram,
+        device_id: 0,
+    }
 }
 
 #[test]
 fn agent_metadata_decoding_survives_mutations() {
-    let mut seeds = corpus("metadata");
-    let tcp = TcpTransport::new("prefill-0", &TransportConfig::default()).unwrap();
+    let loopback = TransportConfig { options: vec![("listen".into(), "127.0.0.1:0".into())], ..Default::default() };
+    let tcp = TcpTransport::new("prefill-0", &loopback).unwrap();
     let m = AgentMetadata {
         name: "prefill-0".into(),
         hostname: "host-a".into(),
@@ -126,19 +132,25 @@ fn agent_metadata_decoding_survives_mutations() {
         connection_info: tcp.connection_info(),
         regions: vec![region(0x10000, 1), region(0x20000, 2), region(0x40000, 7)],
     };
-    seeds.push(m.to_bytes());
-    seeds.push(m.to_json().into_bytes());
     if std::env::var_os("KVWIRE_WRITE_CORPUS").is_some() {
         let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/corpus/metadata");
+        std::fs::create_dir_all(&dir).unwrap();
         std::fs::write(dir.join("tcp_agent.bin"), m.to_bytes()).unwrap();
         std::fs::write(dir.join("tcp_agent.json"), m.to_json()).unwrap();
     }
+    let mut seeds = corpus("metadata");
+    seeds.push(m.to_bytes());
+    seeds.push(m.to_json().into_bytes());
     let mut rng = Rng(0x6b76_7769_7265_0001);
     let mut accepted = 0usize;
     for i in 0..iters(30_000) {
         let input = mutate(&mut rng, &seeds[i % seeds.len()], &seeds);
-        let decoded = AgentMetadata::from_bytes(&input)
-            .or_else(|_| std::str::from_utf8(&input).map_err(|_| ()).and_then(|t| AgentMetadata::from_json(t).map_err(|_| ())).map_err(|_| ()));
+        let decoded = AgentMetadata::from_bytes(&input).or_else(|_| {
+            std::str::from_utf8(&input)
+                .map_err(|_| ())
+                .and_then(|t| AgentMetadata::from_json(t).map_err(|_| ()))
+                .map_err(|_| ())
+        });
         if let Ok(d) = decoded {
             accepted += 1;
             d.validate().expect("what decodes obeys the rules");
@@ -207,7 +219,12 @@ fn a_live_tcp_target_survives_mutated_frames() {
     let buf = HostBuffer::new(3 << 16).unwrap();
     buf.fill_with(0, buf.len(), |_| 0xee);
     let mid = buf.addr() + (1 << 16);
-    let desc = kvwire::transport::MemoryDesc { addr: mid, len_bytes: 1 << 16, kind: kvwire::transport::MemoryKind::Dram, device_id: 0 };
+    let desc = kvwire::transport::MemoryDesc {
+        addr: mid,
+        len_bytes: 1 << 16,
+        kind: kvwire::transport::MemoryKind::Dram,
+        device_id: 0,
+    };
     // SAFETY: the range lies inside `buf`, which outlives the registration
     // (deregistered below before `buf` drops).
     let view = unsafe { kvwire::transport::RawMemory::new(desc) };
@@ -225,7 +242,7 @@ fn a_live_tcp_target_survives_mutated_frames() {
     }
     let connect = || {
         let mut s = TcpStream::connect(&info.addr).unwrap();
-        s.set_read_timeout(Some(Duration::from_millis(50))).unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
         let mut b = [0u8; wire::HEADER_BYTES];
         s.read_exact(&mut b).unwrap();
         let mut n = Nonce([0; auth::NONCE_BYTES]);
@@ -235,6 +252,7 @@ fn a_live_tcp_target_survives_mutated_frames() {
         s.write_all(b"fuzz").unwrap();
         s.write_all(&auth::prove(&info.secret, &n, &wire::proof_context(b"fuzz"))).unwrap();
         s.read_exact(&mut b).unwrap();
+        s.set_read_timeout(Some(Duration::from_millis(50))).unwrap();
         s
     };
     let fds_before = fd_count();
@@ -268,7 +286,13 @@ fn a_live_tcp_target_survives_mutated_frames() {
     src.fill_with(0, 4096, |_| 0x5a);
     let l = init.register(&src).unwrap();
     let peer = init.connect("target", &target.connection_info(), &[]).unwrap();
-    let seg = kvwire::transport::Segment { local_addr: src.addr(), remote_addr: mid, len_bytes: 4096, lkey: l.lkey, rkey: reg.rkey };
+    let seg = kvwire::transport::Segment {
+        local_addr: src.addr(),
+        remote_addr: mid,
+        len_bytes: 4096,
+        lkey: l.lkey,
+        rkey: reg.rkey,
+    };
     init.post(kvwire::transport::PostRequest {
         xfer: kvwire::transport::XferId(1),
         op: kvwire::transport::Op::Write,

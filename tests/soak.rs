@@ -37,7 +37,7 @@ fn usage() -> Usage {
 }
 
 fn cycles() -> usize {
-    std::env::var("KVWIRE_SOAK_CYCLES").ok().and_then(|v| v.parse().ok()).unwrap_or(150)
+    std::env::var("KVWIRE_SOAK_CYCLES").ok().and_then(|v| v.parse().ok()).unwrap_or(600)
 }
 
 fn wait_done(e: &mut TransferEngine, h: kvwire::engine::TransferHandle) {
@@ -55,12 +55,15 @@ fn wait_done(e: &mut TransferEngine, h: kvwire::engine::TransferHandle) {
     }
 }
 
-/// One cycle: a fresh initiator registers a buffer, connects, posts a WRITE
-/// and a READ with a notification, releases them, deregisters and
-/// disconnects; the target registers and deregisters a scratch region.
-fn cycle(kind: TransportKind, target: &mut TransferEngine, dst: &Arc<HostBuffer>, i: usize) {
-    let cfg = TransportConfig { peer_timeout: Duration::from_secs(5), ..Default::default() };
-    let mut init = TransferEngine::new(&format!("soak-init-{i}"), kind, &cfg).unwrap();
+/// One cycle on a long-lived initiator: register a buffer, connect, post a
+/// WRITE with a notification and a READ, release them, disconnect and
+/// deregister; the target registers and deregisters a scratch region.
+/// The initiator is replaced during warm-up only, so anything a
+/// connect/disconnect cycle leaks until the transport drops shows.
+fn cycle(kind: TransportKind, init: &mut TransferEngine, target: &mut TransferEngine, dst: &Arc<HostBuffer>, i: usize) {
+    if i % 10 == 0 && i < 20 {
+        *init = TransferEngine::new(&format!("soak-init-{i}"), kind, &config()).unwrap();
+    }
     let src = Arc::new(HostBuffer::new(1 << 18).unwrap());
     src.fill_with(0, src.len(), |k| (k + i) as u8);
     let reg = init.register(src.clone()).unwrap();
@@ -69,10 +72,10 @@ fn cycle(kind: TransportKind, target: &mut TransferEngine, dst: &Arc<HostBuffer>
     let pages: Vec<Desc> = (0..16).map(|p| Desc::new(src.addr() + p * 16384, 16384)).collect();
     let remote: Vec<Desc> = (0..16).map(|p| Desc::new(dst.addr() + ((p * 5) % 16) * 16384, 16384)).collect();
     let h = init.post(Op::Write, &pages, "soak-target", &remote, Some(format!("w{i}").into_bytes())).unwrap();
-    wait_done(&mut init, h);
+    wait_done(init, h);
     init.release(h).unwrap();
     let h = init.post(Op::Read, &pages, "soak-target", &remote, None).unwrap();
-    wait_done(&mut init, h);
+    wait_done(init, h);
     init.release(h).unwrap();
     let _ = target.get_notifs();
     target.deregister(scratch).unwrap();
@@ -80,21 +83,31 @@ fn cycle(kind: TransportKind, target: &mut TransferEngine, dst: &Arc<HostBuffer>
     init.deregister(reg).unwrap();
 }
 
+fn config() -> TransportConfig {
+    TransportConfig { peer_timeout: Duration::from_secs(5), ..Default::default() }
+}
+
 fn soak(kind: TransportKind) {
     let _serial = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
-    let cfg = TransportConfig { peer_timeout: Duration::from_secs(5), ..Default::default() };
-    let mut target = TransferEngine::new("soak-target", kind, &cfg).unwrap();
+    let mut target = TransferEngine::new("soak-target", kind, &config()).unwrap();
+    let mut init = TransferEngine::new("soak-init", kind, &config()).unwrap();
     let dst = Arc::new(HostBuffer::new(1 << 18).unwrap());
     target.register(dst.clone()).unwrap();
     for i in 0..20 {
-        cycle(kind, &mut target, &dst, i);
+        cycle(kind, &mut init, &mut target, &dst, i);
     }
     // Let threads of the warm-up cycles finish exiting.
     std::thread::sleep(Duration::from_millis(300));
     let before = usage();
     let n = cycles();
     for i in 20..20 + n {
-        cycle(kind, &mut target, &dst, i);
+        cycle(kind, &mut init, &mut target, &dst, i);
+    }
+    // Engines created, connected and dropped (the transport's own threads
+    // and sockets must go with it).
+    for i in 0..n / 4 {
+        let mut e = TransferEngine::new(&format!("soak-short-{i}"), kind, &config()).unwrap();
+        e.connect(&target.metadata()).unwrap();
     }
     std::thread::sleep(Duration::from_millis(300));
     let after = usage();

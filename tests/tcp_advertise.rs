@@ -53,7 +53,8 @@ fn an_engine_listening_on_0_0_0_0_advertises_a_reachable_non_loopback_address() 
     init.register(src.clone()).unwrap();
     target.register(dst.clone()).unwrap();
     init.connect(&target.metadata()).unwrap();
-    let h = init.post(Op::Write, &[Desc::new(src.addr(), 8192)], "decode", &[Desc::new(dst.addr(), 8192)], None).unwrap();
+    let h =
+        init.post(Op::Write, &[Desc::new(src.addr(), 8192)], "decode", &[Desc::new(dst.addr(), 8192)], None).unwrap();
     let t0 = std::time::Instant::now();
     while init.status(h).unwrap() == TransferStatus::InProgress && t0.elapsed() < Duration::from_secs(10) {
         std::thread::sleep(Duration::from_millis(1));

@@ -12,7 +12,7 @@ use std::time::Duration;
 use kvwire::HostBuffer;
 use kvwire::transport::auth::{self, AgentSecret};
 use kvwire::transport::tcp::{TcpConnectionInfo, TcpTransport, wire};
-use kvwire::transport::{MemoryBacking, Transport, TransportError};
+use kvwire::transport::{Transport, TransportError};
 use tcp_util::*;
 
 const PATTERN: u8 = 0xa5;

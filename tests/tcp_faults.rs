@@ -12,8 +12,8 @@ use kvwire::HostBuffer;
 use kvwire::engine::{Desc, TransferEngine};
 use kvwire::transport::tcp::{TcpTransport, wire};
 use kvwire::transport::{
-    FailureKind, LocalKey, MAX_NOTIFICATION_BYTES, MemoryBacking, Op, PeerId, PostRequest, RemoteKey, Segment,
-    Transport, TransportConfig, TransportError, TransportKind, XferId,
+    FailureKind, LocalKey, MAX_NOTIFICATION_BYTES, Op, PeerId, PostRequest, RemoteKey, Segment, Transport,
+    TransportConfig, TransportError, TransportKind, XferId,
 };
 use tcp_util::*;
 
@@ -45,7 +45,13 @@ impl Pair {
     }
 
     fn seg(&self, len: u64) -> Segment {
-        Segment { local_addr: self.src.addr(), remote_addr: self.dst.addr(), len_bytes: len, lkey: self.lkey, rkey: self.rkey }
+        Segment {
+            local_addr: self.src.addr(),
+            remote_addr: self.dst.addr(),
+            len_bytes: len,
+            lkey: self.lkey,
+            rkey: self.rkey,
+        }
     }
 
     fn notifs(&mut self, limit: Duration) -> Vec<kvwire::transport::Notification> {

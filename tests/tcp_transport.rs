@@ -216,7 +216,8 @@ fn silent_peer() -> (Vec<u8>, std::thread::JoinHandle<()>) {
         let mut held = Vec::new();
         for _ in 0..2 {
             let (mut s, _) = l.accept().unwrap();
-            let ch = wire::Header { kind: wire::Kind::Challenge, count: wire::NONCE_BYTES, id: wire::MAGIC_VERSION, len: 0 };
+            let ch =
+                wire::Header { kind: wire::Kind::Challenge, count: wire::NONCE_BYTES, id: wire::MAGIC_VERSION, len: 0 };
             s.write_all(&ch.encode()).unwrap();
             s.write_all(&[0u8; auth::NONCE_BYTES]).unwrap();
             let mut hdr = [0u8; wire::HEADER_BYTES];

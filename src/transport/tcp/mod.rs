@@ -272,7 +272,12 @@ impl TcpTransport {
         io::read_exact(&sock, &mut nonce.0)?;
         let name = self.agent.as_bytes();
         let name = &name[..name.len().min(wire::MAX_NAME_BYTES as usize)];
-        let h = wire::Header { kind: wire::Kind::Hello, count: name.len() as u32, id: wire::MAGIC_VERSION, len: index as u64 };
+        let h = wire::Header {
+            kind: wire::Kind::Hello,
+            count: name.len() as u32,
+            id: wire::MAGIC_VERSION,
+            len: index as u64,
+        };
         let mut frame = h.encode().to_vec();
         frame.extend_from_slice(name);
         frame.extend_from_slice(&auth::prove(secret, &nonce, &wire::proof_context(name)));

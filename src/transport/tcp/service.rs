@@ -163,16 +163,6 @@ fn accept_loop(listener: &TcpListener, shared: &Arc<Shared>) {
     }
 }
 
-fn protocol(e: wire::WireError) -> io::Error {
-    io::Error::new(io::ErrorKind::InvalidData, e)
-}
-
-fn read_header(sock: &TcpStream) -> io::Result<Header> {
-    let mut b = [0u8; wire::HEADER_BYTES];
-    tio::read_exact(sock, &mut b)?;
-    Header::decode(&b).map_err(protocol)
-}
-
 /// Wait for the first byte of the next request; idle time is not a failure.
 /// `Ok(false)` at a clean close or when the service stops.
 fn wait_request(mut sock: &TcpStream, first: &mut [u8; 1], stopping: &AtomicBool) -> io::Result<bool> {

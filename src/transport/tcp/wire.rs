@@ -210,7 +210,11 @@ impl Header {
                     return Err(WireError::Version(id));
                 }
                 if count != NONCE_BYTES {
-                    return Err(WireError::Limit { what: "nonce bytes", value: count as u64, limit: NONCE_BYTES as u64 });
+                    return Err(WireError::Limit {
+                        what: "nonce bytes",
+                        value: count as u64,
+                        limit: NONCE_BYTES as u64,
+                    });
                 }
                 limit("challenge length", len, 0)?;
             }
