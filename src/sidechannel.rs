@@ -220,7 +220,7 @@ mod tests {
         let mut raw = TcpStream::connect(addr).unwrap();
         raw.write_all(&(256u32 << 20).to_le_bytes()).unwrap();
         t.join().unwrap();
-        assert!(MAX_MESSAGE_BYTES <= 16 << 20);
+        const { assert!(MAX_MESSAGE_BYTES <= 16 << 20) };
     }
 
     #[test]

@@ -195,11 +195,12 @@ fn tcp_frame_decoding_survives_mutations() {
         assert!(h.body_bytes() <= wire::MAX_NOTIFICATION_BYTES as usize + wire::PROOF_BYTES);
         assert!(h.len <= wire::MAX_REQUEST_BYTES);
         let body = &input[wire::HEADER_BYTES..];
-        if matches!(h.kind, wire::Kind::Write | wire::Kind::Read) && body.len() >= h.body_bytes() {
-            if wire::decode_segments(&h, &body[..h.body_bytes()], &mut segs).is_ok() {
-                assert_eq!(segs.len(), h.count as usize);
-                assert_eq!(segs.iter().map(|s| s.len_bytes).sum::<u64>(), h.len);
-            }
+        if matches!(h.kind, wire::Kind::Write | wire::Kind::Read)
+            && body.len() >= h.body_bytes()
+            && wire::decode_segments(&h, &body[..h.body_bytes()], &mut segs).is_ok()
+        {
+            assert_eq!(segs.len(), h.count as usize);
+            assert_eq!(segs.iter().map(|s| s.len_bytes).sum::<u64>(), h.len);
         }
     }
 }

@@ -61,7 +61,7 @@ fn wait_done(e: &mut TransferEngine, h: kvwire::engine::TransferHandle) {
 /// The initiator is replaced during warm-up only, so anything a
 /// connect/disconnect cycle leaks until the transport drops shows.
 fn cycle(kind: TransportKind, init: &mut TransferEngine, target: &mut TransferEngine, dst: &Arc<HostBuffer>, i: usize) {
-    if i % 10 == 0 && i < 20 {
+    if i.is_multiple_of(10) && i < 20 {
         *init = TransferEngine::new(&format!("soak-init-{i}"), kind, &config()).unwrap();
     }
     let src = Arc::new(HostBuffer::new(1 << 18).unwrap());

@@ -422,10 +422,10 @@ impl Transport for TcpTransport {
 
     fn post(&mut self, req: PostRequest) -> Result<(), TransportError> {
         let peer = self.peers.get(&req.peer.0).ok_or(TransportError::NotConnected(req.peer))?;
-        if !peer.shared.dead.load(Ordering::Acquire) {
-            if let Some(why) = peer.shared.probe() {
-                peer.shared.kill(why);
-            }
+        if !peer.shared.dead.load(Ordering::Acquire)
+            && let Some(why) = peer.shared.probe()
+        {
+            peer.shared.kill(why);
         }
         if peer.shared.dead.load(Ordering::Acquire) {
             return Err(TransportError::PeerDisconnected(peer.shared.failure().to_string()));

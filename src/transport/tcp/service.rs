@@ -370,10 +370,10 @@ fn serve_data(
         }
     };
     drop(guards);
-    if let Err(e) = &r {
-        if e.kind() == io::ErrorKind::TimedOut {
-            tracing::warn!("tcp: a {:?} from {agent} ran past its deadline; dropping the connection", h.kind);
-        }
+    if let Err(e) = &r
+        && e.kind() == io::ErrorKind::TimedOut
+    {
+        tracing::warn!("tcp: a {:?} from {agent} ran past its deadline; dropping the connection", h.kind);
     }
     r?;
     if h.kind == Kind::Write { respond(sock, h.id, Status::Ok, "") } else { Ok(()) }
