@@ -1,4 +1,4 @@
-//! Topology planning: pure functions, no transport (SEMANTICS §1.6), as
+//! Topology planning: pure functions, no transport, as
 //! MAX's `resolve_transfer_strategy`, `connect_pairing` and
 //! `transfer_shard_pairing`.
 
