@@ -6,14 +6,10 @@
 # prepared) it prints "NAME: skipped: <reason>" with the one command that
 # installs what is missing and exits 0 -- unless KVWIRE_REQUIRE_SOFTROCE=1
 # (CI), where it prints "NAME: error: <reason>" and exits 125.
+. "$(dirname "${BASH_SOURCE[0]}")/suite-lib.sh"
 
 softroce_unavailable() { # name reason
-  if [ "${KVWIRE_REQUIRE_SOFTROCE:-0}" = 1 ]; then
-    echo "$1: error: $2 (KVWIRE_REQUIRE_SOFTROCE=1)" >&2
-    exit 125
-  fi
-  echo "$1: skipped: $2"
-  exit 0
+  suite_unavailable "$1" KVWIRE_REQUIRE_SOFTROCE "$2"
 }
 
 softroce_preflight() { # name repo

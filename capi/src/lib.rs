@@ -189,8 +189,9 @@ pub extern "C" fn kvw_last_error() -> *const c_char {
 }
 
 /// Create an engine (agent) named `name` on `transport` (`"shm"`, `"tcp"`,
-/// `"verbs"`; NULL = `"shm"`), written to `*out`. Destroy it with
-/// [`kvw_engine_destroy`].
+/// `"verbs"`; NULL = `"shm"`) with default options, written to `*out`.
+/// Destroy it with [`kvw_engine_destroy`]. Same as
+/// [`kvw_engine_create_with_options`] with `options` NULL.
 ///
 /// # Safety
 /// `name` is a NUL-terminated string; `transport` is NULL or one; `out` is writable.
@@ -198,6 +199,71 @@ pub extern "C" fn kvw_last_error() -> *const c_char {
 pub unsafe extern "C" fn kvw_engine_create(
     name: *const c_char,
     transport: *const c_char,
+    out: *mut *mut KvwEngine,
+) -> KvwStatus {
+    // SAFETY: forwarded under the same contract; NULL options are allowed.
+    unsafe { kvw_engine_create_with_options(name, transport, std::ptr::null(), out) }
+}
+
+/// Split `key=value` pairs separated by commas, spaces or newlines into
+/// the engine's [`TransportConfig`]: `peer_timeout_ms` (a dead or silent
+/// peer fails its transfers after this many ms; default 5000) and
+/// `copy_threads` (CPU copy threads of shm/tcp; default 2) are the engine's;
+/// every other key is the backend's (e.g. tcp `listen=10.0.0.2:0`, verbs
+/// `device=mlx5_0`, `gid_index=3`; see `kvwire bench --help`).
+fn parse_options(text: &str) -> Result<TransportConfig, Fail> {
+    let mut cfg = TransportConfig::default();
+    for item in text.split([',', ' ', '\n', '\t']).filter(|s| !s.is_empty()) {
+        let (k, v) = item
+            .split_once('=')
+            .ok_or_else(|| invalid(format!("option {item:?} is not key=value")))?;
+        let (k, v) = (k.trim(), v.trim());
+        match k {
+            "peer_timeout_ms" => {
+                let ms: u64 = v
+                    .parse()
+                    .ok()
+                    .filter(|&ms| ms > 0 && ms <= 86_400_000)
+                    .ok_or_else(|| invalid(format!("peer_timeout_ms={v}: expected 1..=86400000 (milliseconds)")))?;
+                cfg.peer_timeout = std::time::Duration::from_millis(ms);
+            }
+            "copy_threads" => {
+                cfg.copy_threads = v
+                    .parse()
+                    .ok()
+                    .filter(|&n| (1..=256).contains(&n))
+                    .ok_or_else(|| invalid(format!("copy_threads={v}: expected 1..=256")))?;
+            }
+            _ => cfg.options.push((k.to_string(), v.to_string())),
+        }
+    }
+    Ok(cfg)
+}
+
+/// Create an engine (agent) named `name` on `transport` (`"shm"`, `"tcp"`,
+/// `"verbs"`; NULL = `"shm"`) configured by `options`, written to `*out`.
+///
+/// `options` is NULL (defaults) or a string of `key=value` pairs separated
+/// by commas or spaces, e.g. `"listen=10.0.0.2:0,peer_timeout_ms=2000"`:
+/// - `peer_timeout_ms`: a dead or silent peer fails its transfers after
+///   this many milliseconds (default 5000);
+/// - `copy_threads`: CPU copy threads of `shm`/`tcp` (default 2);
+/// - any other key goes to the transport backend, which refuses keys it
+///   does not know (tcp: `listen`, `conns_per_peer`, ...; verbs: `device`,
+///   `gid_index`, ...; `kvwire bench --help` lists them).
+///
+/// A pair that is not `key=value` or a bad value returns
+/// `KVW_ERR_INVALID_ARG`; a backend refusing its options returns
+/// `KVW_ERR_TRANSPORT`; `kvw_last_error()` names the key either way.
+///
+/// # Safety
+/// `name` is a NUL-terminated string; `transport` and `options` are NULL or
+/// NUL-terminated strings; `out` is writable.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn kvw_engine_create_with_options(
+    name: *const c_char,
+    transport: *const c_char,
+    options: *const c_char,
     out: *mut *mut KvwEngine,
 ) -> KvwStatus {
     guard(|| {
@@ -210,10 +276,16 @@ pub unsafe extern "C" fn kvw_engine_create(
             let t = unsafe { str_arg(transport, "transport") }?;
             t.parse().map_err(|e| invalid(format!("{e}")))?
         };
+        let cfg = if options.is_null() {
+            TransportConfig::default()
+        } else {
+            // SAFETY: non-null, NUL-terminated per the contract.
+            parse_options(unsafe { str_arg(options, "options") }?)?
+        };
         if out.is_null() {
             return Err(invalid("out is NULL"));
         }
-        let engine = TransferEngine::new(name, kind, &TransportConfig::default())?;
+        let engine = TransferEngine::new(name, kind, &cfg)?;
         let boxed = Box::into_raw(Box::new(KvwEngine { engine, regs: HashMap::new(), next_reg: 1 }));
         // SAFETY: `out` is non-null and writable per the contract.
         unsafe { write_out(out, boxed, "out") }

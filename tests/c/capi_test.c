@@ -106,6 +106,24 @@ int main(void) {
     CHECK(kvw_engine_create(NULL, NULL, &target) == KVW_ERR_INVALID_ARG);
     CHECK(kvw_register(NULL, 0, 1, &rsrc) == KVW_ERR_INVALID_ARG);
 
+    /* engine options: engine keys, backend keys, refusals naming the key */
+    KvwEngine *opt = NULL;
+    CHECK(kvw_engine_create_with_options("c-opt", "shm", "copy_threads=1, peer_timeout_ms=2000", &opt) == KVW_OK);
+    kvw_engine_destroy(opt);
+    opt = NULL;
+    CHECK(kvw_engine_create_with_options("c-tcp", "tcp", "listen=127.0.0.1:0", &opt) == KVW_OK);
+    kvw_engine_destroy(opt);
+    opt = NULL;
+    CHECK(kvw_engine_create_with_options("c-opt", "shm", NULL, &opt) == KVW_OK);
+    kvw_engine_destroy(opt);
+    opt = NULL;
+    CHECK(kvw_engine_create_with_options("c-bad", "shm", "copy_threads", &opt) == KVW_ERR_INVALID_ARG);
+    CHECK(strstr(kvw_last_error(), "copy_threads") != NULL);
+    CHECK(kvw_engine_create_with_options("c-bad", "shm", "peer_timeout_ms=-1", &opt) == KVW_ERR_INVALID_ARG);
+    CHECK(strstr(kvw_last_error(), "peer_timeout_ms") != NULL);
+    CHECK(kvw_engine_create_with_options("c-bad", "shm", "copy_threads=0", &opt) == KVW_ERR_INVALID_ARG);
+    CHECK(opt == NULL);
+
     CHECK(kvw_disconnect(initiator, "c-decode") == KVW_OK);
     CHECK(kvw_disconnect(initiator, "c-decode") == KVW_ERR_NOT_FOUND);
     CHECK(kvw_deregister(target, rdst) == KVW_OK);

@@ -2,18 +2,25 @@
 //! Each subcommand lives in its own module file next to this one.
 
 mod bench;
+mod child;
 mod devices;
+mod failure;
+mod memcheck;
 mod pattern;
 mod replay;
 mod serve;
 mod units;
 
-use anyhow::Result;
+use std::process::ExitCode;
+
 use clap::{Parser, Subcommand};
 
 #[derive(Parser)]
 #[command(name = "kvwire", version, about = "Move paged KV caches between inference engines")]
 struct Cli {
+    /// On failure, print every cause on its own line and a backtrace (with RUST_BACKTRACE=1).
+    #[arg(short, long, global = true)]
+    verbose: bool,
     #[command(subcommand)]
     command: Command,
 }
@@ -37,17 +44,26 @@ enum Command {
     Devices(devices::DevicesArgs),
 }
 
-fn main() -> Result<()> {
+fn main() -> ExitCode {
     tracing_subscriber::fmt()
         .with_env_filter(tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "warn".into()))
         .with_writer(std::io::stderr)
         .init();
-    match Cli::parse().command {
+    let cli = Cli::parse();
+    failure::set_verbose(cli.verbose);
+    let result = match cli.command {
         Command::Bench(a) => bench::run(a),
         Command::BenchTarget(a) => bench::run_target(a),
         Command::Replay(a) => replay::run(a),
         Command::ReplayDecode(a) => replay::run_decode(a),
         Command::Serve(a) => serve::run(a),
         Command::Devices(a) => devices::run(&a),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            failure::report(&e);
+            ExitCode::FAILURE
+        }
     }
 }
