@@ -514,4 +514,9 @@ fn print_report(r: &Report, json: bool) {
         r.page_p99_us,
         r.verified
     );
+    println!(
+        "  GB/s = 1e9 bytes/s over the measured transfers; memcpy = one thread copying the same block pattern in \
+         this run; ratio = GB/s / memcpy;\n  p50/p99 = transfer latency (post to completion); post ns/block = \
+         prep + post per block; page p50/p99 = one block posted and waited for"
+    );
 }
