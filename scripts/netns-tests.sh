@@ -112,9 +112,10 @@ readme_commands() {
 REMOTE=""
 if command -v gcc >/dev/null; then
   CAPI_TARGET="${CARGO_TARGET_DIR:-$PWD/target}/capi"
-  CARGO_TARGET_DIR="$CAPI_TARGET" cargo build -q --release --manifest-path capi/Cargo.toml
-  gcc -std=c11 -D_DEFAULT_SOURCE -Iinclude examples/c/remote.c -L"$CAPI_TARGET/release" -lkvwire_c \
-    -Wl,-rpath,"$CAPI_TARGET/release" -o "$WORK/remote"
+  # the same build as scripts/capi-tests.sh's
+  CARGO_TARGET_DIR="$CAPI_TARGET" cargo build -q --manifest-path capi/Cargo.toml
+  gcc -std=c11 -D_DEFAULT_SOURCE -Iinclude examples/c/remote.c -L"$CAPI_TARGET/debug" -lkvwire_c \
+    -Wl,-rpath,"$CAPI_TARGET/debug" -o "$WORK/remote"
   REMOTE="$WORK/remote"
 fi
 # run_readme_block N: B's commands in the background in $NA, A's in the

@@ -40,7 +40,7 @@ libtest_totals() {
 }
 ignored_reasons() {
   sed -n -E 's/^test .* \.\.\. ignored, (.*)$/\1/p' "$1" | sort | uniq -c | sort -rn |
-    awk '{ n = $1; $1 = ""; printf "      %3d ignored: %s\n", n, substr($0, 2) }'
+    awk '{ n = $1; $1 = ""; printf "  ignored: %d test(s) by cargo test: %s\n", n, substr($0, 2) }'
 }
 
 summary() {
