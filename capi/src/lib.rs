@@ -214,9 +214,7 @@ pub unsafe extern "C" fn kvw_engine_create(
 fn parse_options(text: &str) -> Result<TransportConfig, Fail> {
     let mut cfg = TransportConfig::default();
     for item in text.split([',', ' ', '\n', '\t']).filter(|s| !s.is_empty()) {
-        let (k, v) = item
-            .split_once('=')
-            .ok_or_else(|| invalid(format!("option {item:?} is not key=value")))?;
+        let (k, v) = item.split_once('=').ok_or_else(|| invalid(format!("option {item:?} is not key=value")))?;
         let (k, v) = (k.trim(), v.trim());
         match k {
             "peer_timeout_ms" => {

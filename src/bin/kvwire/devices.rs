@@ -121,7 +121,10 @@ fn rdma(only: Option<&str>) -> Result<()> {
     }
     match only {
         Some(w) if shown == 0 => Err(user_error(
-            format!("no RDMA device named {w} (found: {})", if names.is_empty() { "none".into() } else { names.join(", ") }),
+            format!(
+                "no RDMA device named {w} (found: {})",
+                if names.is_empty() { "none".into() } else { names.join(", ") }
+            ),
             "`kvwire devices` lists them; Soft-RoCE adds one: rdma link add rxe0 type rxe netdev eth0",
         )),
         None if names.is_empty() => {
@@ -140,7 +143,10 @@ fn gpus(only: Option<u32>) -> Result<()> {
     if let Some(o) = only
         && found.is_empty()
     {
-        let why = r.unavailable.clone().unwrap_or_else(|| format!("{} GPU(s), ordinals 0..{}", r.devices.len(), r.devices.len()));
+        let why = r
+            .unavailable
+            .clone()
+            .unwrap_or_else(|| format!("{} GPU(s), ordinals 0..{}", r.devices.len(), r.devices.len()));
         bail!("no GPU {o} ({why})");
     }
     if r.devices.is_empty() {

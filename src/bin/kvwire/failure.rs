@@ -42,7 +42,10 @@ pub fn hint(e: &anyhow::Error) -> Option<String> {
             &["ibv_get_device_list", "no RDMA device", "libibverbs"],
             "`kvwire devices` lists the RDMA devices here; without one use --transport tcp (across hosts) or shm (one host)",
         ),
-        (&["etcd"], "is etcd running at that URL? (e.g. `etcd --listen-client-urls http://0.0.0.0:2379 --advertise-client-urls http://HOST:2379`)"),
+        (
+            &["etcd"],
+            "is etcd running at that URL? (e.g. `etcd --listen-client-urls http://0.0.0.0:2379 --advertise-client-urls http://HOST:2379`)",
+        ),
         (
             &["Connection refused", "timed out after"],
             "is the other side running, and reachable at that address from here? (a firewall or a loopback-only listen address refuses remote peers)",

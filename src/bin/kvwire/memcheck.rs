@@ -30,7 +30,11 @@ fn check_against(cmd: &str, need: u128, what: &str, hint: &str, avail: Option<u6
     let Some(avail) = avail else { return Ok(()) };
     if need > avail as u128 / 10 * 9 {
         return Err(user_error(
-            format!("{cmd} needs {} of memory ({what}) but this machine has {} available", gib(need), gib(avail as u128)),
+            format!(
+                "{cmd} needs {} of memory ({what}) but this machine has {} available",
+                gib(need),
+                gib(avail as u128)
+            ),
             hint,
         ));
     }

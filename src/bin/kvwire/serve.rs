@@ -90,11 +90,7 @@ pub fn run(a: ServeArgs) -> Result<()> {
     }
     let mut options = vec![("listen".to_string(), a.listen.clone())];
     options.extend(a.options.iter().cloned());
-    let config = TransportConfig {
-        peer_timeout: a.peer_timeout,
-        options,
-        ..TransportConfig::default()
-    };
+    let config = TransportConfig { peer_timeout: a.peer_timeout, options, ..TransportConfig::default() };
     let mut engine = TransferEngine::new(&a.name, a.transport, &config)?;
     let buf = Arc::new(HostBuffer::new(a.buffer as usize)?);
     let half_pages = a.buffer / 2 / a.page_size;

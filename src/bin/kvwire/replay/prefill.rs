@@ -148,7 +148,8 @@ pub fn run(a: &ReplayArgs, mut chan: SideChannel) -> Result<Report> {
         bail!("the largest request needs {largest} pages: raise --prefill-pages/--decode-pages or --page-tokens");
     }
     let pool = |pages: u64, bpp: u64, tp: usize| pages as u128 * bpp as u128 * tp as u128 * a.dp as u128;
-    let (prefill_bytes, decode_bytes) = (pool(prefill_pages, prefill_bpp, a.tp), pool(a.decode_pages, decode_bpp, decode_tp));
+    let (prefill_bytes, decode_bytes) =
+        (pool(prefill_pages, prefill_bpp, a.tp), pool(a.decode_pages, decode_bpp, decode_tp));
     let tier_bytes = if a.connector == "host" { (a.host_tier_gib * (1u64 << 30) as f64) as u128 } else { 0 };
     crate::memcheck::check(
         "replay",
