@@ -73,12 +73,37 @@ extern "C" {
 const char *kvw_last_error(void);
 
 // Create an engine (agent) named `name` on `transport` (`"shm"`, `"tcp"`,
-// `"verbs"`; NULL = `"shm"`), written to `*out`. Destroy it with
-// [`kvw_engine_destroy`].
+// `"verbs"`; NULL = `"shm"`) with default options, written to `*out`.
+// Destroy it with [`kvw_engine_destroy`]. Same as
+// [`kvw_engine_create_with_options`] with `options` NULL.
 //
 // # Safety
 // `name` is a NUL-terminated string; `transport` is NULL or one; `out` is writable.
 enum KvwStatus kvw_engine_create(const char *name, const char *transport, struct KvwEngine **out);
+
+// Create an engine (agent) named `name` on `transport` (`"shm"`, `"tcp"`,
+// `"verbs"`; NULL = `"shm"`) configured by `options`, written to `*out`.
+//
+// `options` is NULL (defaults) or a string of `key=value` pairs separated
+// by commas or spaces, e.g. `"listen=10.0.0.2:0,peer_timeout_ms=2000"`:
+// - `peer_timeout_ms`: a dead or silent peer fails its transfers after
+//   this many milliseconds (default 5000);
+// - `copy_threads`: CPU copy threads of `shm`/`tcp` (default 2);
+// - any other key goes to the transport backend, which refuses keys it
+//   does not know (tcp: `listen`, `conns_per_peer`, ...; verbs: `device`,
+//   `gid_index`, ...; `kvwire bench --help` lists them).
+//
+// A pair that is not `key=value` or a bad value returns
+// `KVW_ERR_INVALID_ARG`; a backend refusing its options returns
+// `KVW_ERR_TRANSPORT`; `kvw_last_error()` names the key either way.
+//
+// # Safety
+// `name` is a NUL-terminated string; `transport` and `options` are NULL or
+// NUL-terminated strings; `out` is writable.
+enum KvwStatus kvw_engine_create_with_options(const char *name,
+                                              const char *transport,
+                                              const char *options,
+                                              struct KvwEngine **out);
 
 // Destroy an engine: cancels what is in flight, then frees it. NULL is a no-op.
 //
