@@ -17,7 +17,7 @@ repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 softroce_preflight softroce-tests "$repo"
 cd "$repo"
 export CARGO_TARGET_DIR=${CARGO_TARGET_DIR:-$repo/target}
-export SOFTROCE_TIMEOUT=${SOFTROCE_TIMEOUT:-600}
+export SOFTROCE_TIMEOUT=${SOFTROCE_TIMEOUT:-900}
 stage=$(mktemp -d "${TMPDIR:-/tmp}/kvwire-softroce.XXXXXX")
 trap 'rm -rf "$stage"' EXIT
 # Only the verbs test binaries (cargo also lists the kvwire binary).

@@ -325,6 +325,15 @@ fn initiate(a: &BenchArgs, total: u64, chan: &mut SideChannel) -> Result<Report>
     mine.extend(a.device.iter().map(|d| ("device".to_string(), d.clone())));
     let mut theirs = a.target_options.clone();
     theirs.extend(a.target_device.iter().map(|d| ("device".to_string(), d.clone())));
+    // A target on another host (two terminals, tcp): have it listen on the
+    // address this initiator reached it at, which is routable from here, unless
+    // the user chose its address.
+    if a.transport == TransportKind::Tcp
+        && !theirs.iter().any(|(k, _)| k == "listen" || k == "advertise")
+        && let Some(ip) = a.connect.as_deref().and_then(reached_ip)
+    {
+        theirs.push(("listen".to_string(), std::net::SocketAddr::new(ip, 0).to_string()));
+    }
     chan.send(&Ctl::Setup {
         transport: a.transport,
         op,
@@ -431,6 +440,13 @@ fn initiate(a: &BenchArgs, total: u64, chan: &mut SideChannel) -> Result<Report>
         notifications_received: got,
         verified: verified_local && bad_blocks == 0 && got >= notifications,
     })
+}
+
+/// The IP `--connect HOST:PORT` resolves to, unless it is a loopback address.
+fn reached_ip(addr: &str) -> Option<std::net::IpAddr> {
+    use std::net::ToSocketAddrs;
+    let ip = addr.to_socket_addrs().ok()?.next()?.ip();
+    (!ip.is_loopback()).then_some(ip)
 }
 
 /// CPU time this thread has used (ns), `CLOCK_THREAD_CPUTIME_ID`.
