@@ -111,9 +111,10 @@ class _DList:
             self._meta = [b""] * len(self._a)
         else:
             rows = list(descs)
-            self._a = _np.zeros((0, 3), dtype=_np.uint64)
             for d in rows:
-                self.addDesc(d)
+                self._check(d)
+            self._a = _np.array([d[:3] for d in rows], dtype=_np.uint64).reshape(-1, 3)
+            self._meta = [_b(d[3]) for d in rows] if self._WIDTH == 4 else [b""] * len(rows)
 
     # -- NIXL's list methods --
     def getType(self):
