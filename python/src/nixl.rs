@@ -181,7 +181,8 @@ impl PyNixlCore {
         peer_timeout_ms: u64,
         options: Vec<(String, String)>,
     ) -> PyResult<Self> {
-        let kind: TransportKind = transport.parse().map_err(|e: TransportError| PyValueError::new_err(e.to_string()))?;
+        let kind: TransportKind =
+            transport.parse().map_err(|e: TransportError| PyValueError::new_err(e.to_string()))?;
         let cfg = TransportConfig {
             peer_timeout: Duration::from_millis(peer_timeout_ms.max(1)),
             copy_threads: copy_threads.max(1),
@@ -221,7 +222,8 @@ impl PyNixlCore {
             "VRAM" => MemoryKind::Vram,
             other => return Err(err(status::NOT_SUPPORTED, format!("memory type {other} is not supported by kvwire"))),
         };
-        let desc = MemoryDesc { addr, len_bytes: length, kind, device_id: if kind == MemoryKind::Dram { 0 } else { dev } };
+        let desc =
+            MemoryDesc { addr, len_bytes: length, kind, device_id: if kind == MemoryKind::Dram { 0 } else { dev } };
         self.run(py, |c| {
             let h = c.engine.register(Arc::new(CallerMemory(desc))).map_err(engine_err)?;
             c.regs.insert((addr, length), h);

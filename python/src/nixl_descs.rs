@@ -95,10 +95,10 @@ mod tests {
 
     #[test]
     fn parses_plain_and_strided_rows() {
-        assert_eq!(parse_rows(&le(&[0x1000, 64, 0, 0x2000, 32, 0]), 3).unwrap(), vec![
-            Desc::new(0x1000, 64),
-            Desc::new(0x2000, 32)
-        ]);
+        assert_eq!(
+            parse_rows(&le(&[0x1000, 64, 0, 0x2000, 32, 0]), 3).unwrap(),
+            vec![Desc::new(0x1000, 64), Desc::new(0x2000, 32)]
+        );
         let v = parse_rows(&le(&[0x1000, 16, 0, 64, 3, 0x9000, 8, 0, 0, 1]), 5).unwrap();
         assert_eq!(v, vec![Desc::new(0x1000, 16), Desc::new(0x1040, 16), Desc::new(0x1080, 16), Desc::new(0x9000, 8)]);
         assert!(parse_rows(&le(&[1, 2, 3]), 2).is_err());
