@@ -131,7 +131,7 @@ impl Core {
                     Some(FailureCause::Released) => status::CANCELED,
                     _ => status::BACKEND,
                 };
-                Err(err(code, why))
+                Err(err(code, why.to_string()))
             }
         }
     }

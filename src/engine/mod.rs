@@ -37,7 +37,7 @@ pub use telemetry::{FailureCause, XferTelemetry};
 
 use crate::transport::{
     self, Completion, LocalKey, MemoryBacking, MemoryDesc, Notification, Op, PeerId, PostRequest, Registration,
-    Segment, Transport, TransportConfig, TransportKind, XferId,
+    Segment, TransferFailure, Transport, TransportConfig, TransportKind, XferId,
 };
 
 /// A registration returned by [`TransferEngine::register`].
@@ -55,8 +55,9 @@ pub enum TransferStatus {
     InProgress,
     /// Every byte landed and the notification (if any) was sent.
     Done,
-    /// Terminal failure, with the reason (e.g. "remote access error").
-    Failed(String),
+    /// Terminal failure, with its typed reason ([`TransferFailure::kind`]
+    /// is what a scheduler branches on).
+    Failed(TransferFailure),
 }
 
 struct LocalRegistration {
@@ -290,7 +291,10 @@ impl TransferEngine {
             .collect();
         for id in ids {
             self.transport.cancel(XferId(id));
-            self.finish(id, Err(format!("{}: agent {name} was removed", telemetry::REMOVED)));
+            self.finish(
+                id,
+                Err(TransferFailure::cancelled(format!("{}: agent {name} was removed", telemetry::REMOVED))),
+            );
         }
         self.pending_notifs.retain(|n| n.agent != name);
         self.transport.disconnect(remote.peer);
@@ -406,7 +410,7 @@ impl TransferEngine {
         Ok(TransferHandle(id))
     }
 
-    fn finish(&mut self, id: u64, result: Result<(), String>) {
+    fn finish(&mut self, id: u64, result: Result<(), TransferFailure>) {
         let Some(t) = self.transfers.get_mut(&id) else { return };
         if t.status != TransferStatus::InProgress {
             return;
@@ -494,7 +498,10 @@ impl TransferEngine {
         };
         if in_progress {
             self.transport.cancel(XferId(handle.0));
-            self.finish(handle.0, Err(format!("{}: released while in progress", telemetry::RELEASED)));
+            self.finish(
+                handle.0,
+                Err(TransferFailure::cancelled(format!("{}: released while in progress", telemetry::RELEASED))),
+            );
         }
         self.transfers.remove(&handle.0);
         Ok(())

@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 use super::desc::{check_local_descs, check_remote_descs};
 use super::metadata::MAX_NAME_BYTES;
 use super::{AgentMetadata, Desc, EngineError, RemoteAgent, TransferEngine, TransferStatus, XferId};
-use crate::transport::{Op, PeerId};
+use crate::transport::{Op, PeerId, TransferFailure};
 
 /// Largest standalone notification payload (bytes): the smallest limit of
 /// the transports (tcp's `MAX_NOTIFICATION_BYTES`, 64 KiB).
@@ -253,7 +253,7 @@ impl TransferEngine {
             .collect();
         for id in ids {
             self.transport.cancel(XferId(id));
-            self.finish(id, Err(format!("peer {name} disconnected")));
+            self.finish(id, Err(TransferFailure::peer_died(format!("peer {name} disconnected"))));
         }
         self.pending_notifs.retain(|n| n.agent != name);
         self.transport.disconnect(peer);

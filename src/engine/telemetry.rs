@@ -4,6 +4,7 @@
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use super::{EngineError, TransferEngine, TransferHandle, TransferStatus};
+use crate::transport::{FailureKind, TransferFailure};
 
 /// Prefix of the failure reason of a transfer cancelled by `disconnect`.
 pub(super) const REMOVED: &str = "removed";
@@ -56,20 +57,14 @@ fn ceil_us(d: Duration) -> u64 {
     (d.as_nanos().div_ceil(1000) as u64).max(1)
 }
 
-/// Classify a transport's failure reason. The shm and tcp transports say
-/// "peer NAME disconnected" or "peer NAME failed: ..." when the peer's
-/// connection broke (it died, or went silent past the peer timeout).
-pub(super) fn classify(reason: &str) -> FailureCause {
-    if reason.starts_with(REMOVED) {
-        FailureCause::Removed
-    } else if reason.starts_with(RELEASED) {
-        FailureCause::Released
-    } else if reason.starts_with("peer ")
-        && (reason.ends_with(" disconnected") || reason.contains(" failed: ") || reason.contains("timed out"))
-    {
-        FailureCause::PeerLost
-    } else {
-        FailureCause::Other
+/// Classify a failure: the transport's typed kind, and for cancels the
+/// engine's own prefix (`disconnect` vs `release`).
+pub(super) fn classify(failure: &TransferFailure) -> FailureCause {
+    match failure.kind {
+        FailureKind::PeerDied | FailureKind::PeerTimeout => FailureCause::PeerLost,
+        FailureKind::Cancelled if failure.detail.starts_with(REMOVED) => FailureCause::Removed,
+        FailureKind::Cancelled if failure.detail.starts_with(RELEASED) => FailureCause::Released,
+        _ => FailureCause::Other,
     }
 }
 
