@@ -303,6 +303,7 @@ impl PyNixlCore {
     /// A request from two prepared lists and `int64` index lists into them
     /// (NIXL `makeXferReq`). Returns the request id.
     #[pyo3(signature = (op, local_id, local_idx, remote_id, remote_idx, notif=None))]
+    #[allow(clippy::too_many_arguments)] // NIXL's makeXferReq arguments, plus `py`
     fn make(
         &self,
         py: Python<'_>,
@@ -342,6 +343,7 @@ impl PyNixlCore {
     /// A request from descriptor rows directly (NIXL `createXferReq`),
     /// checked now. Returns the request id.
     #[pyo3(signature = (op, local, agent, remote, ncols, notif=None))]
+    #[allow(clippy::too_many_arguments)] // NIXL's createXferReq arguments, plus `py`
     fn create(
         &self,
         py: Python<'_>,

@@ -29,7 +29,7 @@ pub fn parse_rows(bytes: &[u8], ncols: usize) -> Result<Vec<Desc>, String> {
         return Err(format!("descriptor rows have {ncols} columns; expected 2, 3 or 5"));
     }
     let row = 8 * ncols;
-    if bytes.len() % row != 0 {
+    if !bytes.len().is_multiple_of(row) {
         return Err(format!("{} bytes is not a whole number of {ncols}-column u64 rows", bytes.len()));
     }
     let nrows = bytes.len() / row;
@@ -65,7 +65,7 @@ pub fn parse_rows(bytes: &[u8], ncols: usize) -> Result<Vec<Desc>, String> {
 
 /// Parse `int64` indices.
 pub fn parse_indices(bytes: &[u8]) -> Result<Vec<i64>, String> {
-    if bytes.len() % 8 != 0 {
+    if !bytes.len().is_multiple_of(8) {
         return Err(format!("{} bytes is not a whole number of int64 indices", bytes.len()));
     }
     Ok(words(bytes).map(|w| w as i64).collect())
