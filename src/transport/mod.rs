@@ -192,6 +192,12 @@ impl Default for TransportConfig {
     }
 }
 
+/// Largest notification payload every backend accepts (bytes): 64 KiB.
+/// A longer one is refused by `post` with [`TransportError::Post`] before
+/// anything moves. (NIXL bounds notifications per backend; kvwire keeps one
+/// limit so that an application can switch backends.)
+pub const MAX_NOTIFICATION_BYTES: usize = 64 << 10;
+
 /// Longest accepted [`TransportConfig::peer_timeout`] (one day): longer
 /// values are a typo, and `Instant + Duration` must not overflow.
 pub const MAX_PEER_TIMEOUT: Duration = Duration::from_secs(86_400);

@@ -2,6 +2,8 @@
 //! two-process harness for engine integration tests.
 #![allow(dead_code)]
 
+pub mod shm_client;
+
 use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
