@@ -67,3 +67,28 @@ pub fn hello(info: &ShmInfo, secret: &AgentSecret, agent: &str, rkeys: &[u32]) -
     }
     out
 }
+
+/// Send raw bytes with `fds` attached (SCM_RIGHTS), as a hostile local
+/// process would.
+pub fn send_with_fds(ch: &Channel, body: &[u8], fds: &[std::os::fd::RawFd]) {
+    use std::os::fd::AsRawFd;
+    // SAFETY: CMSG_SPACE only computes a size.
+    let space = unsafe { libc::CMSG_SPACE(std::mem::size_of_val(fds) as u32) } as usize;
+    let mut control = vec![0u64; space.div_ceil(8)];
+    let mut iov = libc::iovec { iov_base: body.as_ptr() as *mut libc::c_void, iov_len: body.len() };
+    // SAFETY: all-zero msghdr is valid; then pointed at live buffers.
+    let mut mh: libc::msghdr = unsafe { std::mem::zeroed() };
+    mh.msg_iov = &mut iov;
+    mh.msg_iovlen = 1;
+    mh.msg_control = control.as_mut_ptr().cast();
+    mh.msg_controllen = space as _;
+    // SAFETY: `control` has room for one cmsghdr with `fds`; the macros stay inside it.
+    unsafe {
+        let c = libc::CMSG_FIRSTHDR(&mh);
+        (*c).cmsg_level = libc::SOL_SOCKET;
+        (*c).cmsg_type = libc::SCM_RIGHTS;
+        (*c).cmsg_len = libc::CMSG_LEN(std::mem::size_of_val(fds) as u32) as _;
+        std::ptr::copy_nonoverlapping(fds.as_ptr(), libc::CMSG_DATA(c).cast(), fds.len());
+        assert!(libc::sendmsg(ch.as_fd().as_raw_fd(), &mh, libc::MSG_NOSIGNAL) >= 0);
+    }
+}

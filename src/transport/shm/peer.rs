@@ -135,7 +135,14 @@ impl PeerShared {
             let payload = p.xfer.core.notification.clone().unwrap_or_default();
             match self.channel.try_send(&Msg::Notify { payload }) {
                 Ok(true) => {
+                    // The peer thread sleeps without a deadline when nothing
+                    // else is waiting: wake it to time this one.
+                    let idle = st.unacked.iter().all(Option::is_none);
                     st.unacked.push_back(Some(p));
+                    drop(st);
+                    if idle {
+                        self.outbox.wake();
+                    }
                     return;
                 }
                 Ok(false) => {}
