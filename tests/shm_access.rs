@@ -6,7 +6,6 @@
 mod common;
 
 use std::os::fd::AsRawFd;
-use std::os::fd::BorrowedFd;
 use std::os::unix::process::CommandExt;
 use std::process::Command;
 use std::sync::Arc;
@@ -16,9 +15,7 @@ use kvwire::HostBuffer;
 use kvwire::transport::auth::AgentSecret;
 use kvwire::transport::shm::ShmTransport;
 use kvwire::transport::shm::wire::{Access, Msg, ShmInfo};
-use kvwire::transport::{
-    MemoryBacking, MemoryDesc, Registration, RemoteRegion, Transport, TransportConfig, TransportError,
-};
+use kvwire::transport::{MemoryBacking, Registration, RemoteRegion, Transport, TransportConfig, TransportError, View};
 
 const NOBODY: u32 = 65534;
 
@@ -129,28 +126,10 @@ fn exported_memfds_hold_only_the_region_and_cannot_be_resized() {
     }
 }
 
-/// A registered view inside a larger buffer.
-struct View {
-    inner: Arc<HostBuffer>,
-    offset: u64,
-    len: u64,
-}
-
-impl MemoryBacking for View {
-    fn desc(&self) -> MemoryDesc {
-        let d = self.inner.desc();
-        MemoryDesc { addr: d.addr + self.offset, len_bytes: self.len, ..d }
-    }
-
-    fn shared_fd(&self) -> Option<(BorrowedFd<'_>, u64)> {
-        self.inner.shared_fd().map(|(fd, off)| (fd, off + self.offset))
-    }
-}
-
 #[test]
 fn a_view_inside_a_larger_buffer_never_hands_out_the_whole_memfd() {
     let big = Arc::new(HostBuffer::new(1 << 20).unwrap());
-    let view = View { inner: big.clone(), offset: 4096, len: 4096 };
+    let view = View::new(big.clone(), 4096, 4096).unwrap();
     // With cross-memory attach allowed (the default) the view is reached
     // through it: no memfd (which would expose the other 1020 KiB) is sent.
     let mut t = ShmTransport::new("target", &TransportConfig::default()).unwrap();
