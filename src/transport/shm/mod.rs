@@ -19,7 +19,7 @@ mod target;
 pub mod wire;
 
 use std::collections::HashMap;
-use std::os::fd::{AsRawFd, BorrowedFd, OwnedFd};
+use std::os::fd::{BorrowedFd, OwnedFd};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::thread::JoinHandle;
@@ -184,13 +184,12 @@ fn export_fd(fd: BorrowedFd<'_>, offset: u64, len_bytes: u64) -> Result<Option<(
     if offset != 0 || len_bytes > size || size > len_bytes.div_ceil(page) * page {
         return Ok(None); // a view inside a larger file
     }
-    // SAFETY: fcntl on a descriptor the backing keeps open; no memory passed.
-    let mut seals = unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_GET_SEALS) };
+    use nix::fcntl::{FcntlArg, SealFlag, fcntl};
+    let mut seals = fcntl(fd, FcntlArg::F_GET_SEALS).unwrap_or(-1);
     if seals >= 0 && seals & EXPORT_SEALS != EXPORT_SEALS {
-        // SAFETY: as above.
-        unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_ADD_SEALS, EXPORT_SEALS) };
-        // SAFETY: as above.
-        seals = unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_GET_SEALS) };
+        let want = SealFlag::F_SEAL_SHRINK | SealFlag::F_SEAL_GROW;
+        let _ = fcntl(fd, FcntlArg::F_ADD_SEALS(want));
+        seals = fcntl(fd, FcntlArg::F_GET_SEALS).unwrap_or(-1);
     }
     if seals < 0 || seals & EXPORT_SEALS != EXPORT_SEALS {
         return Ok(None);
