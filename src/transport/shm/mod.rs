@@ -1,16 +1,25 @@
 //! `shm`: one-sided READ/WRITE between processes on the same host.
 //!
-//! Each agent listens on an abstract `SOCK_SEQPACKET` Unix socket. A peer
-//! that connects says hello and gets, per registered region, either the
-//! region's memfd ([`HostBuffer`] memory) which it maps, so that a transfer is
-//! one `memcpy` by the initiator's copy threads, or the target's pid for
-//! cross-memory attach (`process_vm_readv/writev`) for any other memory.
-//! The target's CPU copies nothing. Every segment is checked against the
-//! region table the *target* reported (key and bounds), as an HCA checks an
-//! rkey: a bad key or range fails the transfer before any byte moves.
-//! Notifications travel on the socket after the data. A peer whose socket
-//! closes (it died) fails its transfers; socket sends time out after
-//! [`TransportConfig::peer_timeout`].
+//! Each agent listens on an abstract `SOCK_SEQPACKET` Unix socket. A process
+//! that connects must run as an allowed uid (`SO_PEERCRED`) and prove it
+//! knows the agent's secret from the metadata (the target module's docs and
+//! `docs/SECURITY.md`); it then gets, per registered region, either the
+//! region's sealed memfd ([`HostBuffer`] memory) which it maps after checking
+//! its size and seals, so that a transfer is one `memcpy` by the initiator's
+//! copy threads, or the target's pid for cross-memory attach
+//! (`process_vm_readv/writev`) for any other memory (option `cma=deny`
+//! refuses such registrations). The target's CPU copies nothing. Every
+//! segment is checked against the region table the *target* reported (key
+//! and bounds), as an HCA checks an rkey: a bad key or range fails the
+//! transfer before any byte moves.
+//!
+//! Notifications travel on the socket after the data, never with a blocking
+//! send from the shared copy threads (the peer module); a notified transfer is
+//! `Done` once the target acknowledged the notification, `Failed(PeerDied)`
+//! when the target goes away first and `Failed(PeerTimeout)` after
+//! [`TransportConfig::peer_timeout`]. The largest notification is
+//! [`super::MAX_NOTIFICATION_BYTES`]. A deregistered region is revoked and
+//! unmapped in every connected initiator before `deregister` returns.
 
 mod buffer;
 mod copy;
