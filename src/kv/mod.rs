@@ -47,7 +47,10 @@ pub mod memory;
 
 pub use error::{KvError, Side};
 pub use memory::{KVCacheMemory, KvBuffer};
+pub mod msgspec;
 pub mod reqdata;
+pub mod reqwire;
+pub use reqwire::{WireIdxs, WireTransferReqData};
 pub use reqdata::{PageIdxs, TransferReqData};
 pub mod metadata;
 pub use metadata::{KVTransferEngineMetadata, MemoryType, TensorAgentMetadata};

@@ -57,8 +57,8 @@ impl KVTransferEngine {
     /// # Errors
     /// As MAX, in its order: [`KvError::ReplicaOutOfRange`] (source, then
     /// destination), [`KvError::NotConnected`], [`KvError::UnknownLeaf`] /
-    /// [`KvError::MissingLeaf`] (source, then destination),
-    /// [`KvError::PageOutOfRange`], [`KvError::PageCountLengthMismatch`],
+    /// [`KvError::MissingLeaf`] then [`KvError::PageOutOfRange`] of the
+    /// source, then the same of the destination, [`KvError::PageCountLengthMismatch`],
     /// [`KvError::DuplicateDestinationPage`]; [`KvError::PostFailed`] when a
     /// shard request cannot be posted (e.g. the peer died) — the requests
     /// already posted are released first, so no handle leaks.
@@ -129,14 +129,16 @@ impl KVTransferEngine {
             });
         }
         // 3. leaf sets, index ranges, pairs
-        let src = leaf_lists(src_idxs, &self.leaf_ids, Side::Source)?;
-        let dst = leaf_lists(dst_idxs, &conn.meta.leaf_ids, Side::Destination)?;
+        // As MAX's `_page_idxs_per_group`: the source side whole (leaf set,
+        // then ranges), then the destination side.
         let (src_pages, dst_pages) = if is_read {
             (&conn.meta.num_pages_per_group, &self.num_pages_per_group)
         } else {
             (&self.num_pages_per_group, &conn.meta.num_pages_per_group)
         };
+        let src = leaf_lists(src_idxs, &self.leaf_ids, Side::Source)?;
         check_range(&src, &self.leaf_ids, src_pages, Side::Source)?;
+        let dst = leaf_lists(dst_idxs, &conn.meta.leaf_ids, Side::Destination)?;
         check_range(&dst, &self.leaf_ids, dst_pages, Side::Destination)?;
         let mut seen = HashSet::new();
         for (g, (s, d)) in src.iter().zip(&dst).enumerate() {
