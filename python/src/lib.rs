@@ -18,15 +18,16 @@ fn _kvwire(m: &Bound<'_, PyModule>) -> PyResult<()> {
     let py = m.py();
     m.add_class::<engine::PyKVCacheMemory>()?;
     m.add_class::<engine::PyMetadata>()?;
+    m.add_class::<engine::PyTensorAgentMetadata>()?;
     m.add_class::<engine::PyKVTransferEngine>()?;
     m.add_class::<reqdata::PyTransferReqData>()?;
-    m.add_class::<connector::PyGroupId>()?;
     m.add_class::<connector::PyConnTransfer>()?;
     m.add_class::<connector::PyConnector>()?;
-    m.add_class::<connector::PyNullConnector>()?;
     m.add_class::<connector::PyHostTierConnector>()?;
     m.add("TransferError", py.get_type::<errors::TransferError>())?;
     m.add("KVLoadRefused", py.get_type::<errors::KVLoadRefused>())?;
     m.add("KVLoadFailed", py.get_type::<errors::KVLoadFailed>())?;
+    m.add("DecodeError", py.get_type::<errors::DecodeError>())?;
+    m.add("ValidationError", py.get_type::<errors::ValidationError>())?;
     Ok(())
 }

@@ -111,7 +111,7 @@ def test_connect_errors(pair):
     with pytest.raises(NotImplementedError, match="GATHER_SCATTER"):
         a.connect(c.metadata)
     d = kvwire.KVTransferEngine("errs-d", [[mem(tp=2, bpp=32)]])
-    with pytest.raises(ValueError, match="bytes-per-page"):
+    with pytest.raises(ValueError, match="Bytes per page mismatch: 64 != 32"):
         a.connect(d.metadata)
     e = kvwire.KVTransferEngine("errs-e", [[mem(tp=2)]], leaf_ids=["other"])
     with pytest.raises(ValueError, match="[Ll]eaf"):
@@ -174,7 +174,7 @@ def test_metadata_round_trip_and_errors(pair):
     assert kvwire.KVTransferEngineMetadata.from_bytes(md.to_bytes()) == md
     assert kvwire.KVTransferEngineMetadata.from_json(md.to_json()) == md
     assert pickle.loads(pickle.dumps(md)) == md
-    assert (md.name, md.dp, md.tp, md.leaf_ids, md.memory_type) == ("errs-a", 1, 2, ["0"], "DRAM")
+    assert (md.name, md.dp, md.tp, md.leaf_ids, md.memory_type) == ("errs-a", 1, 2, ["0"], kvwire.MemoryType.DRAM)
     assert md.bytes_per_group == [64] and md.num_pages_per_group == [8]
     for bad in (b"", b"garbage", b'{"type":"KVTransferEngineMetadata"}'):
         with pytest.raises(ValueError):
