@@ -26,7 +26,6 @@ def mem(tp=1, replicated=False, pages=8, bpp=64):
         ([np.zeros((8, 128), np.uint8)[:, ::2]], False, "contiguous"),
         ([buf(8, 64), buf(8, 32)], False, "shape"),
         ([buf()], True, "2|replicated"),
-        ([np.zeros((0, 64), np.uint8)], False, "0|zero|empty"),
         ([42], False, "buffer"),
         ([b"immutable bytes"], False, "read-only"),
     ],

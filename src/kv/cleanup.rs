@@ -60,6 +60,7 @@ impl KVTransferEngine {
             }
         }
         self.completed_recv.clear();
+        self.telemetry.clear();
         // MAX's cleanup invalidates its peers' metadata but leaves
         // `remote_connections` as it was.
         kept.retain(|m| !self.cleaned_remotes.iter().any(|c| c.name == m.name));

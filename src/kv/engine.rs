@@ -104,6 +104,19 @@ pub struct KVTransferEngine {
     /// Peers torn down by `cleanup`, still listed by
     /// [`KVTransferEngine::remote_connections`] as MAX's `cleanup` leaves them.
     pub(super) cleaned_remotes: Vec<KVTransferEngineMetadata>,
+    /// Transfers initiated here, for [`crate::metrics::global`]: by transfer name.
+    pub(super) telemetry: HashMap<String, Telemetry>,
+}
+
+/// What the metrics registry needs of one initiated transfer.
+pub(super) struct Telemetry {
+    pub(super) started: std::time::Instant,
+    pub(super) op: crate::metrics::MetricOp,
+    pub(super) peer: String,
+    /// Bytes over all shard requests.
+    pub(super) bytes: u64,
+    /// Already counted (completion or failure).
+    pub(super) counted: bool,
 }
 
 impl std::fmt::Debug for KVTransferEngine {
@@ -245,11 +258,18 @@ impl KVTransferEngine {
                     agent_config(cfg, transport, memory_type, device_id, crate::cuda::nic::nic_for_gpu_ordinal);
                 let mut engine = TransferEngine::new(&agent_name(name, replica, shard), transport, &agent_cfg)?;
                 let mut base_addrs = Vec::with_capacity(num_groups);
-                let mut registrations = Vec::with_capacity(num_groups);
+                let mut parts = Vec::with_capacity(num_groups);
                 for m in groups {
                     let b = &m.buffers()[shard];
-                    registrations.push(engine.register(b.registration())?);
+                    parts.push(b.registration());
                     base_addrs.push(b.addr());
+                }
+                // Views into one slab (overlapping groups) register their
+                // union once, as MAX registers a shared region once; each
+                // group is still addressed from its own base address.
+                let mut registrations = Vec::with_capacity(num_groups);
+                for r in super::memory::merge_registrations(parts) {
+                    registrations.push(engine.register(r)?);
                 }
                 row.push(TensorAgent { engine, base_addrs, device_id, registrations });
             }
@@ -273,6 +293,7 @@ impl KVTransferEngine {
             inflight_read: HashMap::new(),
             completed_recv: HashMap::new(),
             cleaned_remotes: Vec::new(),
+            telemetry: HashMap::new(),
             num_unknown_notifs: 0,
         })
     }
@@ -476,7 +497,7 @@ impl KVTransferEngine {
                 // Every group's pages must lie in memory the agent registered.
                 for (g, &base) in a.base_addrs.iter().enumerate() {
                     let len = remote.num_pages_per_group[g] * remote.bytes_per_group[g];
-                    if m.find_region(base, len).is_none() {
+                    if len > 0 && m.find_region(base, len).is_none() {
                         return Err(KvError::BadMetadata(format!(
                             "group {g} of agent {:?} ({base:#x}+{len}) is not in a registered region",
                             a.agent_name
@@ -517,6 +538,7 @@ impl KVTransferEngine {
         let sends: Vec<String> =
             self.inflight_send.iter().filter(|(_, r)| r.dst_name == name).map(|(k, _)| k.clone()).collect();
         for k in sends {
+            self.telemetry.remove(&k);
             if let Some(req) = self.inflight_send.remove(&k) {
                 self.release_handles(&req, req.src_replica_idx);
             }
@@ -524,6 +546,7 @@ impl KVTransferEngine {
         let reads: Vec<String> =
             self.inflight_read.iter().filter(|(_, r)| r.src_name == name).map(|(k, _)| k.clone()).collect();
         for k in reads {
+            self.telemetry.remove(&k);
             if let Some(req) = self.inflight_read.remove(&k) {
                 self.release_handles(&req, req.dst_replica_idx);
             }
