@@ -202,6 +202,47 @@ pub fn prometheus_text() -> String {
     global().prometheus_text()
 }
 
+/// Serve [`prometheus_text`] at `http://<addr>/metrics` (HTTP/1.0, one
+/// request per connection, on a background thread) for a Prometheus
+/// scraper; other paths answer 404. Returns the bound address (`addr` may
+/// use port 0).
+///
+/// # Errors
+/// The bind error.
+pub fn serve_http(addr: &str) -> std::io::Result<std::net::SocketAddr> {
+    use std::io::{Read, Write};
+    let listener = std::net::TcpListener::bind(addr)?;
+    let local = listener.local_addr()?;
+    std::thread::Builder::new().name("kvwire-metrics".into()).spawn(move || {
+        for conn in listener.incoming() {
+            let Ok(mut c) = conn else { continue };
+            let _ = c.set_read_timeout(Some(Duration::from_secs(5)));
+            // The request line and headers: at most 8 KiB are read.
+            let mut req = Vec::new();
+            let mut buf = [0u8; 1024];
+            while req.len() < 8192 && !req.windows(4).any(|w| w == b"\r\n\r\n") {
+                match c.read(&mut buf) {
+                    Ok(0) | Err(_) => break,
+                    Ok(n) => req.extend_from_slice(&buf[..n]),
+                }
+            }
+            let line = String::from_utf8_lossy(&req);
+            let path = line.split_whitespace().nth(1).unwrap_or("");
+            let (status, body) = if line.starts_with("GET ") && (path == "/metrics" || path.starts_with("/metrics?")) {
+                ("200 OK", prometheus_text())
+            } else {
+                ("404 Not Found", "not found: try /metrics\n".to_string())
+            };
+            let _ = write!(
+                c,
+                "HTTP/1.0 {status}\r\nContent-Type: text/plain; version=0.0.4; charset=utf-8\r\nContent-Length: {}\r\n\r\n{body}",
+                body.len()
+            );
+        }
+    })?;
+    Ok(local)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -234,6 +275,24 @@ mod tests {
             .parse()
             .unwrap();
         assert!((sum - 20.3).abs() < 1e-9, "{sum}");
+    }
+
+    #[test]
+    fn serves_metrics_over_http() {
+        use std::io::{Read, Write};
+        global().record_transfer(MetricOp::Write, "http-test-peer", 7, Duration::from_millis(2));
+        let addr = serve_http("127.0.0.1:0").unwrap();
+        let get = |path: &str| {
+            let mut c = std::net::TcpStream::connect(addr).unwrap();
+            write!(c, "GET {path} HTTP/1.1\r\nHost: x\r\n\r\n").unwrap();
+            let mut out = String::new();
+            c.read_to_string(&mut out).unwrap();
+            out
+        };
+        let ok = get("/metrics");
+        assert!(ok.starts_with("HTTP/1.0 200 OK\r\n"), "{ok}");
+        assert!(ok.contains("maxserve_dkv_nixl_write_bytes_total{peer=\"http-test-peer\"} 7\n"), "{ok}");
+        assert!(get("/other").starts_with("HTTP/1.0 404"));
     }
 
     #[test]

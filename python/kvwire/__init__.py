@@ -25,6 +25,7 @@ from ._kvwire import (
     TransferError,
     TransferReqData,
     ValidationError,
+    metrics_text,
 )
 from ._max import (
     BlockCount,
@@ -65,4 +66,5 @@ __all__ = [
     "TransferReqData",
     "ValidationError",
     "dkv_tier_degraded",
+    "metrics_text",
 ]

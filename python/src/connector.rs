@@ -207,8 +207,11 @@ impl PyConnector {
         metrics_py(py, &self.inner.metrics())
     }
     /// Metrics of the current window, clearing its counters.
+    /// The window also goes to the process's metrics registry (`kvwire.metrics_text()`).
     fn take_metrics<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
-        metrics_py(py, &self.inner.take_metrics())
+        let m = self.inner.take_metrics();
+        kvwire::metrics::global().add_connector_metrics(self.inner.name(), &m);
+        metrics_py(py, &m)
     }
     /// Host tier occupancy: `kvwire.ByteCount(free, total)` (bytes).
     #[getter]

@@ -13,6 +13,14 @@ mod reqdata;
 
 use pyo3::prelude::*;
 
+/// The process's metrics (transfer telemetry per op and peer, connector
+/// `KVCacheMetrics` windows taken with `take_metrics()`) as Prometheus text,
+/// with MAX's metric names (`maxserve_dkv_*`, `maxserve_cache_*`).
+#[pyfunction]
+fn metrics_text() -> String {
+    kvwire::metrics::prometheus_text()
+}
+
 #[pymodule]
 fn _kvwire(m: &Bound<'_, PyModule>) -> PyResult<()> {
     let py = m.py();
@@ -24,6 +32,7 @@ fn _kvwire(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<connector::PyConnTransfer>()?;
     m.add_class::<connector::PyConnector>()?;
     m.add_class::<connector::PyHostTierConnector>()?;
+    m.add_function(wrap_pyfunction!(metrics_text, m)?)?;
     m.add("TransferError", py.get_type::<errors::TransferError>())?;
     m.add("KVLoadRefused", py.get_type::<errors::KVLoadRefused>())?;
     m.add("KVLoadFailed", py.get_type::<errors::KVLoadFailed>())?;
