@@ -7,7 +7,9 @@
 //! `msgspec.DecodeError` and `msgspec.ValidationError` (same hierarchy:
 //! `ValidationError` ⊂ `DecodeError` ⊂ `ValueError`).
 
+use kvwire::engine::EngineError;
 use kvwire::kv::KvError;
+use kvwire::transport::TransportError;
 use pyo3::create_exception;
 use pyo3::exceptions::{PyNotImplementedError, PyRuntimeError, PyTimeoutError, PyValueError};
 use pyo3::prelude::*;
@@ -40,13 +42,34 @@ pub fn transfer_error(msg: String, kind: Option<&str>) -> PyErr {
     })
 }
 
+/// The `.kind` of a transport error below the engine: the typed failure
+/// when the transport gave one, else the category of the error.
+fn engine_kind(e: &EngineError) -> &'static str {
+    match e {
+        EngineError::Transport(TransportError::PeerDisconnected(_) | TransportError::Connect { .. }) => "peer_died",
+        _ => "transport",
+    }
+}
+
+/// `TransferError.kind` of a KV error: [`kvwire::transport::FailureKind::name`]
+/// (`"peer_died"`, `"peer_timeout"`, `"remote_access"`, `"cancelled"`,
+/// `"local_protection"`, `"protocol"`, `"transport"`).
+fn failure_kind(e: &KvError) -> Option<&'static str> {
+    match e {
+        KvError::TransferFailed { reason, .. } => Some(reason.kind.name()),
+        KvError::PostFailed { source, .. } | KvError::Engine(source) => Some(engine_kind(source)),
+        _ => None,
+    }
+}
+
 /// The Python exception for a KV-layer error.
 pub fn kv_err(e: KvError) -> PyErr {
     let msg = e.to_string();
+    let kind = failure_kind(&e);
     match e {
         KvError::Unsupported(_) => PyNotImplementedError::new_err(msg),
         KvError::Timeout { .. } => PyTimeoutError::new_err(msg),
-        KvError::PostFailed { .. } | KvError::TransferFailed { .. } | KvError::Engine(_) => transfer_error(msg, None),
+        KvError::PostFailed { .. } | KvError::TransferFailed { .. } | KvError::Engine(_) => transfer_error(msg, kind),
         KvError::Decode(_) => DecodeError::new_err(msg),
         KvError::Validation(_) => ValidationError::new_err(msg),
         // Everything else is a caller mistake: bad shapes, names, indices, wire data.
