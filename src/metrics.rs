@@ -126,11 +126,21 @@ impl Registry {
             fams.add(&h, "histogram", &help, format!("{h}_sum{{peer=\"{peer}\"}} {}", st.latency_sum_ms));
             fams.add(&h, "histogram", &help, format!("{h}_count{{peer=\"{peer}\"}} {cum}"));
             let b = format!("maxserve_dkv_nixl_{o}_bytes_total");
-            fams.add(&b, "counter", "Bytes moved by finished NIXL transfers.", format!("{b}{{peer=\"{peer}\"}} {}", st.bytes));
+            fams.add(
+                &b,
+                "counter",
+                "Bytes moved by finished NIXL transfers.",
+                format!("{b}{{peer=\"{peer}\"}} {}", st.bytes),
+            );
             let t = format!("maxserve_dkv_nixl_{o}_transfers_total");
             fams.add(&t, "counter", "Finished NIXL transfers.", format!("{t}{{peer=\"{peer}\"}} {}", st.transfers));
             let f = "kvwire_transfer_failures_total";
-            fams.add(f, "counter", "Transfers that failed (the transport reported an error).", format!("{f}{{op=\"{o}\",peer=\"{peer}\"}} {}", st.failures));
+            fams.add(
+                f,
+                "counter",
+                "Transfers that failed (the transport reported an error).",
+                format!("{f}{{op=\"{o}\",peer=\"{peer}\"}} {}", st.failures),
+            );
         }
         for (c, m) in &s.connectors {
             let c = escape(c);
@@ -138,7 +148,12 @@ impl Registry {
                 for (field, x) in map {
                     let Some(x) = x.as_f64() else { continue };
                     let (name, kind) = connector_metric(&field);
-                    fams.add(&name, kind, &format!("KVCacheMetrics.{field} of each connector."), format!("{name}{{connector=\"{c}\"}} {x}"));
+                    fams.add(
+                        &name,
+                        kind,
+                        &format!("KVCacheMetrics.{field} of each connector."),
+                        format!("{name}{{connector=\"{c}\"}} {x}"),
+                    );
                 }
             }
         }
@@ -150,9 +165,8 @@ impl Registry {
 /// `maxserve.dkv.*` for the dKV/NIXL/RPC figures, `maxserve.cache.*` for the
 /// rest; the three dKV health figures are gauges, as in MAX.
 fn connector_metric(field: &str) -> (String, &'static str) {
-    if let Some(g) = ["dkv_connected_clients", "dkv_total_clients", "dkv_reconnect_attempts"]
-        .iter()
-        .find(|g| **g == field)
+    if let Some(g) =
+        ["dkv_connected_clients", "dkv_total_clients", "dkv_reconnect_attempts"].iter().find(|g| **g == field)
     {
         return (format!("maxserve_dkv_{}", &g[4..]), "gauge");
     }

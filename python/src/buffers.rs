@@ -148,8 +148,7 @@ fn gpu_context(ordinal: u32) -> PyResult<Arc<kvwire::cuda::GpuContext>> {
     if let Some(c) = map.get(&ordinal) {
         return Ok(c.clone());
     }
-    let c = kvwire::cuda::GpuContext::new(ordinal)
-        .map_err(|e| PyValueError::new_err(format!("GPU {ordinal}: {e}")))?;
+    let c = kvwire::cuda::GpuContext::new(ordinal).map_err(|e| PyValueError::new_err(format!("GPU {ordinal}: {e}")))?;
     map.insert(ordinal, c.clone());
     Ok(c)
 }
@@ -188,7 +187,9 @@ fn device_kv_buffer(obj: &Bound<'_, PyAny>) -> PyResult<Option<KvBuffer>> {
         return Err(PyValueError::new_err("KV buffer is read-only"));
     }
     if shape.len() != 2 {
-        return Err(PyValueError::new_err(format!("KV buffers must be 2-D [num_pages, bytes_per_page], got {shape:?}")));
+        return Err(PyValueError::new_err(format!(
+            "KV buffers must be 2-D [num_pages, bytes_per_page], got {shape:?}"
+        )));
     }
     if let Some(strides) = cai.get_item("strides")?.filter(|s| !s.is_none()) {
         let s: Vec<i64> = strides.extract()?;

@@ -303,10 +303,10 @@ fn unit_memory(py: Python<'_>, unit: &Bound<'_, PyAny>) -> PyResult<KVCacheMemor
 fn is_recurrent_leaf(p: &Bound<'_, PyAny>) -> PyResult<bool> {
     let Ok(g) = p.getattr("group_id") else { return Ok(false) };
     for m in ["is_recurrent", "is_scratch"] {
-        if let Ok(f) = g.getattr(m) {
-            if f.call0()?.is_truthy()? {
-                return Ok(true);
-            }
+        if let Ok(f) = g.getattr(m)
+            && f.call0()?.is_truthy()?
+        {
+            return Ok(true);
         }
     }
     Ok(false)

@@ -14,7 +14,12 @@ use pyo3::create_exception;
 use pyo3::exceptions::{PyNotImplementedError, PyRuntimeError, PyTimeoutError, PyValueError};
 use pyo3::prelude::*;
 
-create_exception!(kvwire, TransferError, PyRuntimeError, "A transfer or the transport under it failed; `.kind` names why.");
+create_exception!(
+    kvwire,
+    TransferError,
+    PyRuntimeError,
+    "A transfer or the transport under it failed; `.kind` names why."
+);
 create_exception!(kvwire, KVLoadRefused, PyRuntimeError, "A connector refused a load before any byte moved.");
 create_exception!(kvwire, KVLoadFailed, PyRuntimeError, "A connector load failed after it was accepted.");
 create_exception!(

@@ -379,7 +379,8 @@ mod tests {
         // Overlapping views of one slab register their union once.
         let view = |off: u64, pages: u64| KvBuffer::with_layout(b.clone(), off, vec![pages, 100], 100).registration();
         let merged = merge_registrations(vec![view(0, 10), view(3000, 1), view(500, 10), view(64, 0)]);
-        let descs: Vec<(u64, u64)> = merged.iter().map(|r| (r.desc().addr - b.desc().addr, r.desc().len_bytes)).collect();
+        let descs: Vec<(u64, u64)> =
+            merged.iter().map(|r| (r.desc().addr - b.desc().addr, r.desc().len_bytes)).collect();
         assert_eq!(descs, vec![(0, 1500), (3000, 100)]);
         assert!(matches!(
             KVCacheMemory::new(false, vec![KvBuffer::new(b.clone(), 5, 1000)]),

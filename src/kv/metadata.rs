@@ -477,7 +477,9 @@ mod tests {
 
     #[test]
     fn decodes_as_leniently_as_msgspec() {
-        let no_tags = ONE_AGENT.replace(r#""type":"KVTransferEngineMetadata","#, "").replace(r#""type":"TensorAgentMetadata","#, "");
+        let no_tags = ONE_AGENT
+            .replace(r#""type":"KVTransferEngineMetadata","#, "")
+            .replace(r#""type":"TensorAgentMetadata","#, "");
         assert_eq!(KVTransferEngineMetadata::from_json(&no_tags).unwrap(), one_agent());
         let dup = ONE_AGENT.replace(r#""hostname":"h""#, r#""hostname":"x","hostname":"h","extra":[{}]"#);
         assert_eq!(KVTransferEngineMetadata::from_json(&dup).unwrap(), one_agent());

@@ -160,11 +160,7 @@ fn hostile_json_is_an_error_not_a_panic() {
             &c[..c.len().min(200)]
         );
     }
-    let decode: Vec<String> = vec![
-        String::new(),
-        good[..good.len() - 1].to_string(),
-        format!("{good} x"),
-    ];
+    let decode: Vec<String> = vec![String::new(), good[..good.len() - 1].to_string(), format!("{good} x")];
     for c in decode {
         assert!(
             matches!(TransferReqData::from_json(&c), Err(KvError::Decode(_))),

@@ -209,8 +209,7 @@ impl KVTransferEngine {
             }
         }
         req.tp_shard_count = req.transfer_ids.len();
-        let page_bytes: u64 =
-            local_lists.iter().zip(&self.bytes_per_group).map(|(l, &bpp)| l.len() as u64 * bpp).sum();
+        let page_bytes: u64 = local_lists.iter().zip(&self.bytes_per_group).map(|(l, &bpp)| l.len() as u64 * bpp).sum();
         self.telemetry.insert(
             req.transfer_name.clone(),
             Telemetry {
