@@ -50,6 +50,7 @@ pub mod cuda;
 pub mod discovery;
 pub mod engine;
 pub mod kv;
+pub mod metrics;
 pub mod sidechannel;
 pub mod transport;
 pub mod verbs;

@@ -1,6 +1,6 @@
 """kvwire: move paged LLM KV caches between inference engines.
 
-The classes follow Modular MAX's KV transfer API (``max.pipelines.kv_cache``
+The classes follow Modular MAX 26.7's KV transfer API (``max.pipelines.kv_cache``
 and ``max.nn.kv_cache``), so that a MAX user can switch by changing an
 import::
 
@@ -8,35 +8,63 @@ import::
 
 Every KV buffer is a writable host array, 2-D ``uint8`` of shape
 ``[num_pages, bytes_per_page]`` per TP shard (null block included).
-See docs/PYTHON.md.
+See docs/PYTHON.md, table "MAX 26.7 -> kvwire".
 """
 
 from ._kvwire import (
+    DecodeError,
     HostTierConnector,
-    KVCacheGroupId,
     KVConnector,
     KVConnectorTransfer,
-    NullConnector,
     KVCacheMemory,
     KVLoadFailed,
     KVLoadRefused,
     KVTransferEngine,
     KVTransferEngineMetadata,
+    TensorAgentMetadata,
     TransferError,
     TransferReqData,
+    ValidationError,
+    metrics_text,
+)
+from ._max import (
+    BlockCount,
+    ByteCount,
+    CompletedTransfer,
+    KVCacheGroupId,
+    KVCacheMetrics,
+    MemoryType,
+    NullConnector,
+    dkv_tier_degraded,
 )
 
+
+def _rebuild_req(fields):
+    """Unpickle a ``TransferReqData`` from its constructor keywords."""
+    return TransferReqData(**fields)
+
+
 __all__ = [
+    "BlockCount",
+    "ByteCount",
+    "CompletedTransfer",
+    "DecodeError",
     "HostTierConnector",
     "KVCacheGroupId",
+    "KVCacheMemory",
+    "KVCacheMetrics",
     "KVConnector",
     "KVConnectorTransfer",
-    "NullConnector",
-    "KVCacheMemory",
     "KVLoadFailed",
     "KVLoadRefused",
     "KVTransferEngine",
     "KVTransferEngineMetadata",
+    "MemoryType",
+    "NullConnector",
+    "TensorAgentMetadata",
     "TransferError",
     "TransferReqData",
+    "ValidationError",
+    "dkv_tier_degraded",
+    "metrics_text",
 ]

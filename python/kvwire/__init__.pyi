@@ -1,6 +1,6 @@
 from ._kvwire import (
+    DecodeError as DecodeError,
     HostTierConnector as HostTierConnector,
-    KVCacheGroupId as KVCacheGroupId,
     KVCacheMemory as KVCacheMemory,
     KVConnector as KVConnector,
     KVConnectorTransfer as KVConnectorTransfer,
@@ -8,7 +8,19 @@ from ._kvwire import (
     KVLoadRefused as KVLoadRefused,
     KVTransferEngine as KVTransferEngine,
     KVTransferEngineMetadata as KVTransferEngineMetadata,
-    NullConnector as NullConnector,
+    TensorAgentMetadata as TensorAgentMetadata,
     TransferError as TransferError,
     TransferReqData as TransferReqData,
+    ValidationError as ValidationError,
+    metrics_text as metrics_text,
+)
+from ._max import (
+    BlockCount as BlockCount,
+    ByteCount as ByteCount,
+    CompletedTransfer as CompletedTransfer,
+    KVCacheGroupId as KVCacheGroupId,
+    KVCacheMetrics as KVCacheMetrics,
+    MemoryType as MemoryType,
+    NullConnector as NullConnector,
+    dkv_tier_degraded as dkv_tier_degraded,
 )

@@ -6,7 +6,25 @@ PageIdxs = Union[Sequence[int], Mapping[str, Sequence[int]]]
 """Page indices: one list for every leaf, or ``{leaf_id: [page, ...]}``."""
 
 class TransferError(RuntimeError):
-    """A transfer or the transport under it failed (peer died, remote access error)."""
+    """A transfer or the transport under it failed; ``kind``: "peer_died", "peer_timeout", "remote_access", ..."""
+
+    kind: Optional[str]
+
+class DecodeError(ValueError):
+    """Not JSON / msgpack, truncated, trailing data (msgspec.DecodeError)."""
+
+class ValidationError(DecodeError):
+    """Wrong type or tag, missing field (msgspec.ValidationError)."""
+
+def metrics_text() -> str:
+    """The process's metrics registry as Prometheus text (MAX's metric names)."""
+
+class TensorAgentMetadata:
+    agent_name: str
+    metadata: bytes
+    base_addrs: List[int]
+    device_id: int
+    region_splits: List[List[int]]
 
 class KVLoadRefused(RuntimeError):
     """A connector refused a load before any byte moved."""
@@ -50,8 +68,15 @@ class KVTransferEngineMetadata:
     @property
     def hostname(self) -> str: ...
     @property
-    def memory_type(self) -> str:
-        """``"DRAM"`` or ``"VRAM"``."""
+    def memory_type(self) -> Any:
+        """``kvwire.MemoryType.DRAM`` or ``.VRAM``."""
+    @property
+    def bytes_per_page(self) -> int: ...
+    @property
+    def agents_meta(self) -> List[List[TensorAgentMetadata]]: ...
+    def to_msgpack(self) -> bytes: ...
+    @staticmethod
+    def from_msgpack(data: bytes) -> "KVTransferEngineMetadata": ...
     @property
     def leaf_ids(self) -> List[str]: ...
     @property
@@ -121,6 +146,11 @@ class TransferReqData:
         """Raises ValueError on malformed data."""
     @staticmethod
     def from_bytes(data: Union[str, bytes]) -> "TransferReqData": ...
+    def to_msgpack(self) -> bytes:
+        """Byte-identical to ``msgspec.msgpack.encode(req)``."""
+    @staticmethod
+    def from_msgpack(data: bytes) -> "TransferReqData":
+        """Raises DecodeError / ValidationError."""
 
 class KVTransferEngine:
     """KV-cache transfer engine with DP and TP, as MAX's ``KVTransferEngine``.
@@ -158,6 +188,23 @@ class KVTransferEngine:
     @property
     def replicated_per_group(self) -> List[bool]: ...
     @property
+    def bytes_per_page(self) -> int: ...
+    @property
+    def memory_type(self) -> Any: ...
+    @property
+    def remote_connections(self) -> Dict[str, KVTransferEngineMetadata]: ...
+    @property
+    def remote_agent_to_engine(self) -> Dict[str, str]: ...
+    @property
+    def inflight_send_transfers(self) -> Dict[str, TransferReqData]: ...
+    @property
+    def inflight_read_transfers(self) -> Dict[str, TransferReqData]: ...
+    @property
+    def completed_recv_transfers(self) -> Dict[str, Dict[str, int]]: ...
+    @classmethod
+    def from_paged_kv_cache(cls, name: str, kv_cache: Any, *, transport: str = "shm", peer_timeout_s: float = 5.0,
+                            copy_threads: int = 2, options: Optional[Sequence[Tuple[str, str]]] = None) -> "KVTransferEngine": ...
+    @property
     def metadata(self) -> KVTransferEngineMetadata: ...
     def connect(self, remote: KVTransferEngineMetadata) -> None:
         """Raises ValueError (already connected, bytes-per-page or leaf mismatch),
@@ -192,15 +239,6 @@ class KVTransferEngine:
         """Wait (seconds), then release. Raises TimeoutError (after cancelling)."""
     def cleanup(self) -> None: ...
 
-class KVCacheGroupId:
-    """Cache group of a leaf: ``kind`` in {"full", "sliding_window", "recurrent"}; window in tokens."""
-
-    def __init__(self, kind: str = "full", window_size: Optional[int] = None) -> None: ...
-    @property
-    def kind(self) -> str: ...
-    @property
-    def window_size(self) -> Optional[int]: ...
-
 class KVConnectorTransfer:
     """A connector copy. ``g0_blocks_per_leaf``: device blocks pinned until it lands (offloads)."""
 
@@ -220,7 +258,8 @@ class KVConnector:
     @property
     def name(self) -> str: ...
     @property
-    def leaves(self) -> Dict[str, KVCacheGroupId]: ...
+    def leaves(self) -> Dict[str, Any]:
+        """``{leaf_id: kvwire.KVCacheGroupId}``."""
     def lookup(self, block_hashes: BlockHashes, replica_idx: int = 0, hint: Optional[bytes] = None) -> Dict[str, List[bool]]:
         """Presence per leaf, one bool per hash. Reserves nothing."""
     def load(
@@ -240,16 +279,14 @@ class KVConnector:
     def shutdown(self) -> None: ...
     def reset_prefix_cache(self) -> None: ...
     @property
-    def metrics(self) -> Dict[str, Any]: ...
-    def take_metrics(self) -> Dict[str, Any]: ...
+    def metrics(self) -> Any:
+        """``kvwire.KVCacheMetrics``."""
+    def take_metrics(self) -> Any: ...
     @property
-    def host_byte_count(self) -> Tuple[int, int]:
-        """``(free_bytes, total_bytes)``."""
-
-class NullConnector(KVConnector):
-    """No external cache: every lookup misses."""
-
-    def __init__(self, leaves: Optional[Mapping[str, KVCacheGroupId]] = None) -> None: ...
+    def host_byte_count(self) -> Any:
+        """``kvwire.ByteCount``."""
+    @property
+    def disk_byte_count(self) -> Any: ...
 
 class HostTierConnector(KVConnector):
     """Host-memory tier of ``capacity_bytes``, LRU by (leaf, hash), copying on a worker thread.
@@ -262,5 +299,5 @@ class HostTierConnector(KVConnector):
         self,
         replicas: Sequence[Mapping[str, KVCacheMemory]],
         capacity_bytes: int,
-        leaves: Optional[Mapping[str, KVCacheGroupId]] = None,
+        leaves: Optional[Mapping[str, Any]] = None,
     ) -> None: ...

@@ -123,12 +123,110 @@ pub fn view_of(obj: &Bound<'_, PyAny>) -> PyResult<BufferView> {
     from_buffer_protocol(obj)
 }
 
+/// A CUDA tensor's memory (`__cuda_array_interface__`, device from
+/// `__dlpack_device__`) registered through [`kvwire::cuda::ExternalDeviceMemory`],
+/// keeping the Python object (and so its allocation) alive.
+struct PyDeviceBacking {
+    mem: kvwire::cuda::ExternalDeviceMemory,
+    _owner: Py<PyAny>,
+}
+
+// SAFETY: `ExternalDeviceMemory` describes the tensor's device allocation,
+// which the CUDA tensor owns; `_owner` keeps that Python object (and so the
+// allocation) alive for as long as this backing, and the range never changes.
+unsafe impl MemoryBacking for PyDeviceBacking {
+    fn desc(&self) -> MemoryDesc {
+        self.mem.desc()
+    }
+    fn dmabuf_fd(&self) -> Option<(std::os::fd::BorrowedFd<'_>, u64)> {
+        self.mem.dmabuf_fd()
+    }
+}
+
+/// DLPack's `kDLCUDA` device type.
+const DL_CUDA: i64 = 2;
+
+fn gpu_context(ordinal: u32) -> PyResult<Arc<kvwire::cuda::GpuContext>> {
+    use std::collections::HashMap;
+    use std::sync::Mutex;
+    static CTXS: Mutex<Option<HashMap<u32, Arc<kvwire::cuda::GpuContext>>>> = Mutex::new(None);
+    let mut g = CTXS.lock().unwrap_or_else(|p| p.into_inner());
+    let map = g.get_or_insert_with(HashMap::new);
+    if let Some(c) = map.get(&ordinal) {
+        return Ok(c.clone());
+    }
+    let c = kvwire::cuda::GpuContext::new(ordinal).map_err(|e| PyValueError::new_err(format!("GPU {ordinal}: {e}")))?;
+    map.insert(ordinal, c.clone());
+    Ok(c)
+}
+
+/// A CUDA tensor (an object with `__cuda_array_interface__` whose
+/// `__dlpack_device__()` is `(kDLCUDA, id)`) as a [`KvBuffer`] of kind VRAM
+/// on GPU `id`; `None` when `obj` is not one.
+///
+/// # Errors
+/// `ValueError`: dtype not `uint8`, not 2-D C-contiguous, read-only, no
+/// driver for the GPU.
+fn device_kv_buffer(obj: &Bound<'_, PyAny>) -> PyResult<Option<KvBuffer>> {
+    let Ok(cai) = obj.getattr("__cuda_array_interface__") else { return Ok(None) };
+    let (dev_type, dev_id): (i64, i64) = match obj.call_method0("__dlpack_device__") {
+        Ok(d) => d.extract()?,
+        Err(_) => {
+            return Err(PyValueError::new_err(
+                "a CUDA buffer needs __dlpack_device__() to name its GPU (torch and cupy tensors have it)",
+            ));
+        }
+    };
+    if dev_type != DL_CUDA {
+        return Err(PyValueError::new_err(format!("DLPack device type {dev_type} is not CUDA ({DL_CUDA})")));
+    }
+    let cai = cai.downcast::<PyDict>().map_err(|_| PyValueError::new_err("__cuda_array_interface__ is not a dict"))?;
+    let get = |k: &str| -> PyResult<Bound<'_, PyAny>> {
+        cai.get_item(k)?.ok_or_else(|| PyValueError::new_err(format!("__cuda_array_interface__ has no {k:?}")))
+    };
+    let typestr: String = get("typestr")?.extract()?;
+    if !typestr.ends_with("u1") {
+        return Err(PyValueError::new_err(format!("KV buffers must be uint8, got dtype {typestr:?}")));
+    }
+    let shape: Vec<u64> = get("shape")?.extract()?;
+    let (ptr, readonly): (u64, bool) = get("data")?.extract()?;
+    if readonly {
+        return Err(PyValueError::new_err("KV buffer is read-only"));
+    }
+    if shape.len() != 2 {
+        return Err(PyValueError::new_err(format!(
+            "KV buffers must be 2-D [num_pages, bytes_per_page], got {shape:?}"
+        )));
+    }
+    if let Some(strides) = cai.get_item("strides")?.filter(|s| !s.is_none()) {
+        let s: Vec<i64> = strides.extract()?;
+        if shape[1] > 1 && s.get(1) != Some(&1) || shape[0] > 1 && s.first() != Some(&(shape[1] as i64)) {
+            return Err(PyValueError::new_err(format!("KV buffers must be contiguous, got strides {s:?}")));
+        }
+    }
+    let ordinal = u32::try_from(dev_id).map_err(|_| PyValueError::new_err(format!("bad GPU id {dev_id}")))?;
+    let ctx = gpu_context(ordinal)?;
+    let len = shape[0] * shape[1];
+    // SAFETY: `ptr..ptr+len` is the tensor's device memory on GPU `ordinal`
+    // (its `__cuda_array_interface__` and `__dlpack_device__` say so), and it
+    // stays allocated while the tensor lives; `_owner` keeps the tensor alive
+    // for as long as this backing (and every registration of it) exists.
+    #[allow(unsafe_code)]
+    let mem = unsafe { kvwire::cuda::ExternalDeviceMemory::new(&ctx, ptr, len) };
+    let backing: Arc<dyn MemoryBacking> = Arc::new(PyDeviceBacking { mem, _owner: obj.clone().unbind() });
+    Ok(Some(KvBuffer::with_layout(backing, 0, shape.clone(), shape[1])))
+}
+
 /// A Python buffer as a [`KvBuffer`] whose shape and row stride are in bytes,
 /// so that [`kvwire::kv::KVCacheMemory::new`] can reject it precisely.
 ///
 /// # Errors
-/// `ValueError`: not a host buffer, read-only, dtype not `uint8`, negative strides.
+/// `ValueError`: not a host buffer or CUDA tensor, read-only, dtype not
+/// `uint8`, negative strides.
 pub fn kv_buffer(obj: &Bound<'_, PyAny>) -> PyResult<KvBuffer> {
+    if let Some(b) = device_kv_buffer(obj)? {
+        return Ok(b);
+    }
     let v = view_of(obj)?;
     if v.itemsize != 1 || !(v.dtype.ends_with("u1") || v.dtype == "B") {
         return Err(PyValueError::new_err(format!("KV buffers must be uint8, got dtype {:?}", v.dtype)));

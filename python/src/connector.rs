@@ -7,7 +7,7 @@ use std::sync::Arc;
 
 use kvwire::connector::{
     BlockHash, BlockId, ConnectorError, DevicePages, HostTierConnector, KVCacheGroupId, KVCacheGroupKind, KVConnector,
-    KVTransfer, LeafId, NullConnector, PerLeaf,
+    KVTransfer, LeafId, PerLeaf,
 };
 use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
@@ -27,41 +27,30 @@ fn conn_err(e: ConnectorError) -> PyErr {
     }
 }
 
-/// The cache group a leaf belongs to: `kind` is `"full"`, `"sliding_window"`
-/// (with `window_size` in tokens) or `"recurrent"`.
-#[pyclass(module = "kvwire", name = "KVCacheGroupId", eq, frozen)]
-#[derive(Clone, PartialEq)]
-pub struct PyGroupId {
-    inner: KVCacheGroupId,
+/// `kvwire.KVCacheGroupId` (MAX's frozen dataclass: `type`, `window_size`) of a group.
+fn group_py<'py>(py: Python<'py>, g: &KVCacheGroupId) -> PyResult<Bound<'py, PyAny>> {
+    let cls = py.import("kvwire._max")?.getattr("KVCacheGroupId")?;
+    match g.kind {
+        KVCacheGroupKind::Full => cls.call1(("full",)),
+        KVCacheGroupKind::SlidingWindow => cls.call1(("sliding_window", g.window_size.map_or(-1, i64::from))),
+        KVCacheGroupKind::Recurrent => cls.call1(("recurrent",)),
+    }
 }
 
-#[pymethods]
-impl PyGroupId {
-    #[new]
-    #[pyo3(signature = (kind="full", window_size=None))]
-    fn new(kind: &str, window_size: Option<u32>) -> PyResult<Self> {
-        let inner = match (kind, window_size) {
-            ("full", None) => KVCacheGroupId::full(),
-            ("sliding_window", Some(w)) => KVCacheGroupId::sliding_window(w),
-            ("recurrent", None) => KVCacheGroupId::recurrent(),
-            _ => return Err(PyValueError::new_err(format!("bad cache group {kind:?} window {window_size:?}"))),
-        };
-        Ok(Self { inner })
-    }
-    #[getter]
-    fn kind(&self) -> &'static str {
-        match self.inner.kind {
-            KVCacheGroupKind::Full => "full",
-            KVCacheGroupKind::SlidingWindow => "sliding_window",
-            KVCacheGroupKind::Recurrent => "recurrent",
-        }
-    }
-    #[getter]
-    fn window_size(&self) -> Option<u32> {
-        self.inner.window_size
-    }
-    fn __repr__(&self) -> String {
-        format!("KVCacheGroupId(kind={:?}, window_size={:?})", self.kind(), self.inner.window_size)
+/// A group from any object with MAX's `type` / `window_size` fields.
+fn group_of(obj: &Bound<'_, PyAny>) -> PyResult<KVCacheGroupId> {
+    let bad = || PyValueError::new_err("leaves values must be KVCacheGroupId (with `type` and `window_size`)");
+    let kind: String = obj.getattr("type").map_err(|_| bad())?.extract().map_err(|_| bad())?;
+    let window: i64 = obj.getattr("window_size").map_err(|_| bad())?.extract().map_err(|_| bad())?;
+    match (kind.as_str(), window) {
+        ("full", -1) => Ok(KVCacheGroupId::full()),
+        ("recurrent", -1) => Ok(KVCacheGroupId::recurrent()),
+        ("sliding_window", w) if w > 1 => Ok(KVCacheGroupId::sliding_window(
+            u32::try_from(w).map_err(|_| PyValueError::new_err(format!("window_size {w} is too large")))?,
+        )),
+        _ => Err(PyValueError::new_err(format!(
+            "kvwire's tier connectors serve full, sliding_window and recurrent groups, not {kind:?} (window {window})"
+        ))),
     }
 }
 
@@ -139,7 +128,7 @@ impl PyConnector {
     fn leaves<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let d = PyDict::new(py);
         for (leaf, g) in self.inner.leaves() {
-            d.set_item(leaf.as_str(), PyGroupId { inner: *g })?;
+            d.set_item(leaf.as_str(), group_py(py, g)?)?;
         }
         Ok(d)
     }
@@ -212,26 +201,38 @@ impl PyConnector {
     fn reset_prefix_cache(&self) {
         self.inner.reset_prefix_cache()
     }
-    /// Metrics of the current window, as a dict.
+    /// Metrics of the current window: a `kvwire.KVCacheMetrics` (MAX's dataclass).
     #[getter]
     fn metrics<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
-        metrics_dict(py, &self.inner.metrics())
+        metrics_py(py, &self.inner.metrics())
     }
     /// Metrics of the current window, clearing its counters.
+    /// The window also goes to the process's metrics registry (`kvwire.metrics_text()`).
     fn take_metrics<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
-        metrics_dict(py, &self.inner.take_metrics())
+        let m = self.inner.take_metrics();
+        kvwire::metrics::global().add_connector_metrics(self.inner.name(), &m);
+        metrics_py(py, &m)
     }
-    /// Host tier occupancy: `(free_bytes, total_bytes)`.
+    /// Host tier occupancy: `kvwire.ByteCount(free, total)` (bytes).
     #[getter]
-    fn host_byte_count(&self) -> (u64, u64) {
+    fn host_byte_count<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
         let c = self.inner.host_byte_count();
-        (c.free, c.total)
+        py.import("kvwire._max")?.getattr("ByteCount")?.call1((c.free, c.total))
+    }
+    /// Disk tier occupancy: kvwire has no disk tier, `ByteCount(0, 0)` (MAX's default).
+    #[getter]
+    fn disk_byte_count<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
+        py.import("kvwire._max")?.getattr("ByteCount")?.call1((0, 0))
     }
 }
 
-fn metrics_dict<'py>(py: Python<'py>, m: &kvwire::connector::KVCacheMetrics) -> PyResult<Bound<'py, PyAny>> {
+/// `kvwire.KVCacheMetrics(**fields)`: the Rust counters by MAX's names; the
+/// fields Rust does not count keep the dataclass defaults.
+fn metrics_py<'py>(py: Python<'py>, m: &kvwire::connector::KVCacheMetrics) -> PyResult<Bound<'py, PyAny>> {
     let text = serde_json::to_string(m).map_err(|e| PyRuntimeError::new_err(e.to_string()))?;
-    py.import("json")?.call_method1("loads", (text,))
+    let fields = py.import("json")?.call_method1("loads", (text,))?;
+    let kwargs = fields.downcast::<PyDict>()?;
+    py.import("kvwire._max")?.getattr("KVCacheMetrics")?.call((), Some(kwargs))
 }
 
 fn leaves_arg(obj: Option<&Bound<'_, PyAny>>, default: &[String]) -> PyResult<BTreeMap<LeafId, KVCacheGroupId>> {
@@ -241,24 +242,9 @@ fn leaves_arg(obj: Option<&Bound<'_, PyAny>>, default: &[String]) -> PyResult<BT
     let d = obj.downcast::<PyDict>().map_err(|_| PyValueError::new_err("leaves must be {leaf_id: KVCacheGroupId}"))?;
     let mut out = BTreeMap::new();
     for (k, v) in d.iter() {
-        let g = v.downcast::<PyGroupId>().map_err(|_| PyValueError::new_err("leaves values must be KVCacheGroupId"))?;
-        out.insert(LeafId(k.extract()?), g.get().inner);
+        out.insert(LeafId(k.extract()?), group_of(&v)?);
     }
     Ok(out)
-}
-
-/// No external cache: every lookup misses, loads and offloads move nothing.
-#[pyclass(module = "kvwire", name = "NullConnector", extends = PyConnector, frozen)]
-pub struct PyNullConnector;
-
-#[pymethods]
-impl PyNullConnector {
-    #[new]
-    #[pyo3(signature = (leaves=None))]
-    fn new(leaves: Option<&Bound<'_, PyAny>>) -> PyResult<(Self, PyConnector)> {
-        let inner: Arc<dyn KVConnector> = Arc::new(NullConnector::new(leaves_arg(leaves, &[])?));
-        Ok((PyNullConnector, PyConnector { inner }))
-    }
 }
 
 /// Host-memory tier of `capacity_bytes`, LRU by `(leaf, hash)`, copying on

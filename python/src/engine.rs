@@ -3,11 +3,14 @@
 use std::sync::Mutex;
 use std::time::Duration;
 
-use kvwire::kv::{KVCacheMemory, KVTransferEngine, KVTransferEngineMetadata, PageIdxs, TransferReqData};
+use kvwire::kv::{
+    KVCacheMemory, KVTransferEngine, KVTransferEngineMetadata, MemoryType, PageIdxs, TensorAgentMetadata,
+    TransferReqData,
+};
 use kvwire::transport::{TransportConfig, TransportKind};
 use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
-use pyo3::types::{PyBytes, PyList};
+use pyo3::types::{PyBytes, PyDict, PyList, PyString};
 
 use crate::buffers::kv_buffer;
 use crate::errors::kv_err;
@@ -33,7 +36,7 @@ pub struct PyKVCacheMemory {
 #[pymethods]
 impl PyKVCacheMemory {
     #[new]
-    fn new(py: Python<'_>, replicated: bool, buffers: &Bound<'_, PyAny>) -> PyResult<Self> {
+    pub fn new(py: Python<'_>, replicated: bool, buffers: &Bound<'_, PyAny>) -> PyResult<Self> {
         let objs: Vec<Bound<'_, PyAny>> = buffers.try_iter()?.collect::<PyResult<_>>()?;
         let kv = objs.iter().map(kv_buffer).collect::<PyResult<Vec<_>>>()?;
         let inner = KVCacheMemory::new(replicated, kv).map_err(kv_err)?;
@@ -97,13 +100,29 @@ impl PyMetadata {
     fn hostname(&self) -> &str {
         &self.inner.hostname
     }
-    /// `"DRAM"` or `"VRAM"`.
+    /// `kvwire.MemoryType.DRAM` or `.VRAM` (`nixl.MemoryType`'s values; the
+    /// encodings carry the integer).
     #[getter]
-    fn memory_type(&self) -> &'static str {
-        match self.inner.memory_type {
-            kvwire::kv::MemoryType::Dram => "DRAM",
-            kvwire::kv::MemoryType::Vram => "VRAM",
+    fn memory_type<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
+        memory_type_py(py, self.inner.memory_type)
+    }
+    /// Per replica, per TP shard, each agent's metadata.
+    #[getter]
+    fn agents_meta<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
+        let rows = PyList::empty(py);
+        for row in &self.inner.agents_meta {
+            let r = PyList::empty(py);
+            for a in row {
+                r.append(Py::new(py, PyTensorAgentMetadata { inner: a.clone() })?)?;
+            }
+            rows.append(r)?;
         }
+        Ok(rows)
+    }
+    /// `sum(bytes_per_group)` as the engine sent it (bytes).
+    #[getter]
+    fn bytes_per_page(&self) -> u64 {
+        self.inner.bytes_per_page
     }
     /// Group ids.
     #[getter]
@@ -139,14 +158,27 @@ impl PyMetadata {
     fn to_json(&self) -> String {
         self.inner.to_json()
     }
-    /// The wire form (bytes).
+    /// The JSON form as bytes: `msgspec.json.encode(metadata)`.
     fn to_bytes<'py>(&self, py: Python<'py>) -> Bound<'py, PyBytes> {
         PyBytes::new(py, &self.inner.to_bytes())
     }
-    /// Decode `to_bytes()` output. Raises `ValueError` on malformed data.
+    /// The msgpack form: `msgspec.msgpack.encode(metadata)`.
+    fn to_msgpack<'py>(&self, py: Python<'py>) -> Bound<'py, PyBytes> {
+        PyBytes::new(py, &self.inner.to_msgpack())
+    }
+    /// Decode the JSON form (as `msgspec.json.decode(data, type=KVTransferEngineMetadata)`,
+    /// then kvwire's consistency checks). Raises `kvwire.DecodeError`,
+    /// `kvwire.ValidationError` or `ValueError` (inconsistent engine).
     #[staticmethod]
-    fn from_bytes(data: Vec<u8>) -> PyResult<Self> {
-        Ok(Self { inner: KVTransferEngineMetadata::from_bytes(&data).map_err(kv_err)? })
+    fn from_bytes(data: &Bound<'_, PyAny>) -> PyResult<Self> {
+        let b = meta_bytes(data)?;
+        Ok(Self { inner: KVTransferEngineMetadata::from_bytes(&b).map_err(kv_err)? })
+    }
+    /// Decode the msgpack form. Raises as `from_bytes`.
+    #[staticmethod]
+    fn from_msgpack(data: &Bound<'_, PyAny>) -> PyResult<Self> {
+        let b = meta_bytes(data)?;
+        Ok(Self { inner: KVTransferEngineMetadata::from_msgpack(&b).map_err(kv_err)? })
     }
     /// Decode `to_json()` output. Raises `ValueError` on malformed data.
     #[staticmethod]
@@ -154,11 +186,63 @@ impl PyMetadata {
         Ok(Self { inner: KVTransferEngineMetadata::from_json(text).map_err(kv_err)? })
     }
     fn __reduce__<'py>(slf: &Bound<'py, Self>) -> PyResult<(Bound<'py, PyAny>, (Bound<'py, PyBytes>,))> {
-        let ctor = slf.get_type().getattr("from_bytes")?;
-        Ok((ctor, (PyBytes::new(slf.py(), &slf.get().inner.to_bytes()),)))
+        let ctor = slf.get_type().getattr("from_msgpack")?;
+        Ok((ctor, (PyBytes::new(slf.py(), &slf.get().inner.to_msgpack()),)))
     }
     fn __repr__(&self) -> String {
         format!("KVTransferEngineMetadata(name={:?}, dp={}, tp={})", self.inner.name, self.inner.dp(), self.inner.tp())
+    }
+}
+
+fn meta_bytes(data: &Bound<'_, PyAny>) -> PyResult<Vec<u8>> {
+    if let Ok(s) = data.downcast::<PyString>() {
+        return Ok(s.extract::<String>()?.into_bytes());
+    }
+    data.extract::<Vec<u8>>().map_err(|_| PyValueError::new_err("expected bytes or str"))
+}
+
+/// `kvwire.MemoryType` member of `t`.
+pub fn memory_type_py(py: Python<'_>, t: MemoryType) -> PyResult<Bound<'_, PyAny>> {
+    py.import("kvwire._max")?.getattr("MemoryType")?.call1((t.nixl_value(),))
+}
+
+/// One agent (one `(replica, tp_shard)`) of an engine's metadata, as MAX's
+/// `TensorAgentMetadata`.
+#[pyclass(module = "kvwire", name = "TensorAgentMetadata", eq, frozen)]
+#[derive(Clone, PartialEq)]
+pub struct PyTensorAgentMetadata {
+    inner: TensorAgentMetadata,
+}
+
+#[pymethods]
+impl PyTensorAgentMetadata {
+    /// `{engine}_{replica}_{shard}`.
+    #[getter]
+    fn agent_name(&self) -> &str {
+        &self.inner.agent_name
+    }
+    /// The agent's connection data (kvwire's agent metadata where MAX has NIXL's blob).
+    #[getter]
+    fn metadata<'py>(&self, py: Python<'py>) -> Bound<'py, PyBytes> {
+        PyBytes::new(py, &self.inner.metadata)
+    }
+    /// Address of page 0 of each group.
+    #[getter]
+    fn base_addrs(&self) -> Vec<u64> {
+        self.inner.base_addrs.clone()
+    }
+    /// Device ordinal (0 for host memory).
+    #[getter]
+    fn device_id(&self) -> u32 {
+        self.inner.device_id
+    }
+    /// Per group, offsets where a new registered region begins (empty lists: one region).
+    #[getter]
+    fn region_splits(&self) -> Vec<Vec<u64>> {
+        self.inner.region_splits.clone()
+    }
+    fn __repr__(&self) -> String {
+        format!("TensorAgentMetadata(agent_name={:?}, device_id={})", self.inner.agent_name, self.inner.device_id)
     }
 }
 
@@ -190,7 +274,69 @@ fn remote_of(obj: &Bound<'_, PyAny>) -> PyResult<Remote> {
         .map_err(|_| PyValueError::new_err("remote must be an engine name (str) or KVTransferEngineMetadata"))
 }
 
+/// `{transfer_name: TransferReqData}`.
+fn reqs_dict(py: Python<'_>, v: Vec<TransferReqData>) -> PyResult<Bound<'_, PyDict>> {
+    let d = PyDict::new(py);
+    for r in v {
+        d.set_item(r.transfer_name.clone(), PyTransferReqData::from_core(&r))?;
+    }
+    Ok(d)
+}
+
+/// A group: kvwire's `KVCacheMemory`, or any object with `replicated` and
+/// `buffers` (MAX's `KVCacheMemory`, whose buffers export DLPack / the
+/// array interface).
+fn unit_memory(py: Python<'_>, unit: &Bound<'_, PyAny>) -> PyResult<KVCacheMemory> {
+    if let Ok(m) = unit.downcast::<PyKVCacheMemory>() {
+        return Ok(m.get().inner.clone());
+    }
+    let (Ok(replicated), Ok(buffers)) = (unit.getattr("replicated"), unit.getattr("buffers")) else {
+        return Err(PyValueError::new_err(
+            "memory must be [replica][group] of KVCacheMemory (or objects with `replicated` and `buffers`)",
+        ));
+    };
+    let m = PyKVCacheMemory::new(py, replicated.extract()?, &buffers)?;
+    Ok(m.inner)
+}
+
+/// MAX's `recurrent_leaf`: a leaf parameter whose `group_id` (or kind) says recurrent / state.
+fn is_recurrent_leaf(p: &Bound<'_, PyAny>) -> PyResult<bool> {
+    let Ok(g) = p.getattr("group_id") else { return Ok(false) };
+    for m in ["is_recurrent", "is_scratch"] {
+        if let Ok(f) = g.getattr(m)
+            && f.call0()?.is_truthy()?
+        {
+            return Ok(true);
+        }
+    }
+    Ok(false)
+}
+
 impl PyKVTransferEngine {
+    #[allow(clippy::too_many_arguments)]
+    fn build(
+        py: Python<'_>,
+        name: String,
+        groups: Vec<Vec<KVCacheMemory>>,
+        leaf_ids: Option<Vec<String>>,
+        transport: &str,
+        peer_timeout_s: f64,
+        copy_threads: usize,
+        options: Option<Vec<(String, String)>>,
+    ) -> PyResult<Self> {
+        let kind: TransportKind = transport.parse().map_err(|e| PyValueError::new_err(format!("{e}")))?;
+        if !(peer_timeout_s.is_finite() && peer_timeout_s > 0.0) {
+            return Err(PyValueError::new_err("peer_timeout_s must be a positive number of seconds"));
+        }
+        let cfg = TransportConfig {
+            peer_timeout: Duration::from_secs_f64(peer_timeout_s),
+            copy_threads,
+            options: options.unwrap_or_default(),
+        };
+        let engine = py.allow_threads(|| KVTransferEngine::new(&name, groups, leaf_ids, kind, &cfg)).map_err(kv_err)?;
+        Ok(Self { inner: Mutex::new(engine), name })
+    }
+
     /// Run `f` on the engine with the GIL released. The lock is taken
     /// without the GIL too, so a second Python thread waiting on it cannot
     /// deadlock with the holder re-acquiring the GIL.
@@ -216,10 +362,30 @@ impl PyKVTransferEngine {
         remote: &Bound<'_, PyAny>,
         src_idxs: &Bound<'_, PyAny>,
         dst_idxs: &Bound<'_, PyAny>,
-        replicas: (usize, usize),
+        replicas: (i64, i64),
         read: bool,
     ) -> PyResult<PyTransferReqData> {
         let remote = remote_of(remote)?;
+        // MAX: `if not (0 <= src_replica_idx < dp): raise ValueError(...)`.
+        let local_dp = self.get(py, |e| e.dp())?;
+        let remote_dp = match &remote {
+            Remote::Meta(m) => Some(m.dp()),
+            Remote::Name(n) => self.get(py, |e| {
+                e.remote_connections().into_iter().find(|(name, _)| *name == n.as_str()).map(|(_, m)| m.dp())
+            })?,
+        };
+        let (local_name, remote_name) =
+            if read { ("dst_replica_idx", "src_replica_idx") } else { ("src_replica_idx", "dst_replica_idx") };
+        let (local_idx, remote_idx) = if read { (replicas.1, replicas.0) } else { (replicas.0, replicas.1) };
+        let between = |n: usize| format!("must be between 0 and {}", n as i64 - 1);
+        if local_idx < 0 {
+            return Err(PyValueError::new_err(format!("{local_name} {local_idx} {}", between(local_dp))));
+        }
+        if remote_idx < 0 {
+            let tail = remote_dp.map_or_else(|| "must be >= 0".to_string(), between);
+            return Err(PyValueError::new_err(format!("{remote_name} {remote_idx} {tail}")));
+        }
+        let replicas = (replicas.0 as usize, replicas.1 as usize);
         let (src, dst): (PageIdxs, PageIdxs) = (page_idxs(src_idxs)?, page_idxs(dst_idxs)?);
         let inner = self.run(py, |e| {
             let (s, d) = replicas;
@@ -230,7 +396,7 @@ impl PyKVTransferEngine {
                 (Remote::Meta(m), true) => e.initiate_read_transfer(m, &src, &dst, s, d),
             }
         })?;
-        Ok(PyTransferReqData { inner })
+        Ok(PyTransferReqData::from_core(&inner))
     }
 
     fn with_req<T: Send>(
@@ -239,8 +405,8 @@ impl PyKVTransferEngine {
         req: &PyTransferReqData,
         f: impl FnOnce(&mut KVTransferEngine, &TransferReqData) -> Result<T, kvwire::kv::KvError> + Send,
     ) -> PyResult<T> {
-        let r = &req.inner;
-        self.run(py, |e| f(e, r))
+        let r = req.core()?;
+        self.run(py, |e| f(e, &r))
     }
 }
 
@@ -259,10 +425,6 @@ impl PyKVTransferEngine {
         copy_threads: usize,
         options: Option<Vec<(String, String)>>,
     ) -> PyResult<Self> {
-        let kind: TransportKind = transport.parse().map_err(|e| PyValueError::new_err(format!("{e}")))?;
-        if !(peer_timeout_s.is_finite() && peer_timeout_s > 0.0) {
-            return Err(PyValueError::new_err("peer_timeout_s must be a positive number of seconds"));
-        }
         let mut groups: Vec<Vec<KVCacheMemory>> = Vec::new();
         for replica in memory.try_iter()? {
             let replica = replica?;
@@ -271,20 +433,11 @@ impl PyKVTransferEngine {
                 PyValueError::new_err("memory must be [replica][group] of KVCacheMemory (a list of lists)")
             })? {
                 let g = g?;
-                let m = g
-                    .downcast::<PyKVCacheMemory>()
-                    .map_err(|_| PyValueError::new_err("memory must be [replica][group] of KVCacheMemory"))?;
-                row.push(m.get().inner.clone());
+                row.push(unit_memory(py, &g)?);
             }
             groups.push(row);
         }
-        let cfg = TransportConfig {
-            peer_timeout: Duration::from_secs_f64(peer_timeout_s),
-            copy_threads,
-            options: options.unwrap_or_default(),
-        };
-        let engine = py.allow_threads(|| KVTransferEngine::new(&name, groups, leaf_ids, kind, &cfg)).map_err(kv_err)?;
-        Ok(Self { inner: Mutex::new(engine), name })
+        Self::build(py, name, groups, leaf_ids, transport, peer_timeout_s, copy_threads, options)
     }
 
     /// Engine base name.
@@ -322,6 +475,122 @@ impl PyKVTransferEngine {
     fn replicated_per_group(&self, py: Python<'_>) -> PyResult<Vec<bool>> {
         self.get(py, |e| e.replicated_per_group().to_vec())
     }
+    /// `sum(bytes_per_group)` (bytes).
+    #[getter]
+    fn bytes_per_page(&self, py: Python<'_>) -> PyResult<u64> {
+        self.get(py, |e| e.bytes_per_page())
+    }
+    /// `kvwire.MemoryType.DRAM` or `.VRAM`.
+    #[getter]
+    fn memory_type<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
+        let t = self.get(py, |e| e.memory_type())?;
+        memory_type_py(py, t)
+    }
+    /// `{remote engine name: KVTransferEngineMetadata}` of the peers
+    /// connected (a snapshot; `cleanup()` leaves it as it was, as MAX's).
+    #[getter]
+    fn remote_connections<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let v: Vec<(String, KVTransferEngineMetadata)> =
+            self.get(py, |e| e.remote_connections().into_iter().map(|(n, m)| (n.to_string(), m.clone())).collect())?;
+        let d = PyDict::new(py);
+        for (n, m) in v {
+            d.set_item(n, PyMetadata { inner: m })?;
+        }
+        Ok(d)
+    }
+    /// `{remote agent name: remote engine name}` (a snapshot).
+    #[getter]
+    fn remote_agent_to_engine<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let v = self.get(py, |e| e.remote_agent_to_engine())?;
+        let d = PyDict::new(py);
+        for (a, n) in v {
+            d.set_item(a, n)?;
+        }
+        Ok(d)
+    }
+    /// `{transfer_name: TransferReqData}` of sends started here and not released (a snapshot).
+    #[getter]
+    fn inflight_send_transfers<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let v: Vec<TransferReqData> = self.get(py, |e| e.inflight_send_transfers().values().cloned().collect())?;
+        reqs_dict(py, v)
+    }
+    /// `{transfer_name: TransferReqData}` of reads started here and not released (a snapshot).
+    #[getter]
+    fn inflight_read_transfers<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let v: Vec<TransferReqData> = self.get(py, |e| e.inflight_read_transfers().values().cloned().collect())?;
+        reqs_dict(py, v)
+    }
+    /// `{remote engine: {transfer_name: notifications received}}` (passive side; a snapshot).
+    #[getter]
+    fn completed_recv_transfers<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let v: Vec<(String, Vec<(String, usize)>)> = self.get(py, |e| {
+            e.completed_recv_transfers()
+                .iter()
+                .map(|(n, m)| (n.clone(), m.iter().map(|(t, c)| (t.clone(), *c)).collect()))
+                .collect()
+        })?;
+        let d = PyDict::new(py);
+        for (n, m) in v {
+            let inner = PyDict::new(py);
+            for (t, c) in m {
+                inner.set_item(t, c)?;
+            }
+            d.set_item(n, inner)?;
+        }
+        Ok(d)
+    }
+
+    /// Build an engine from a MAX `PagedKVCacheManager`-shaped object, as
+    /// MAX's `KVTransferEngine.from_paged_kv_cache`: for each replica `r` of
+    /// `kv_cache.params.data_parallel_degree`,
+    /// `kv_cache.get_device_buffer(r).to_memory()` gives `{leaf_id: unit}`;
+    /// the units are taken in `kv_cache.params.leaves()` order. A unit is any
+    /// object with `replicated` and `buffers` (MAX's `KVCacheMemory` or
+    /// kvwire's). MAX is not imported.
+    ///
+    /// Raises `NotImplementedError` when a declared leaf keeps recurrent
+    /// state (MAX's `recurrent_leaf(params)`), `ValueError` as the constructor.
+    #[classmethod]
+    #[pyo3(signature = (name, kv_cache, *, transport="shm", peer_timeout_s=5.0, copy_threads=2, options=None))]
+    #[allow(clippy::too_many_arguments)]
+    fn from_paged_kv_cache(
+        cls: &Bound<'_, pyo3::types::PyType>,
+        name: String,
+        kv_cache: &Bound<'_, PyAny>,
+        transport: &str,
+        peer_timeout_s: f64,
+        copy_threads: usize,
+        options: Option<Vec<(String, String)>>,
+    ) -> PyResult<Self> {
+        let py = cls.py();
+        let params = kv_cache.getattr("params")?;
+        let leaves = params.call_method0("leaves")?;
+        let leaf_ids: Vec<String> = leaves.try_iter()?.map(|l| l?.extract()).collect::<PyResult<_>>()?;
+        if leaves.hasattr("items")? {
+            for item in leaves.call_method0("items")?.try_iter()? {
+                let (leaf, p): (String, Bound<'_, PyAny>) = item?.extract()?;
+                if is_recurrent_leaf(&p)? {
+                    return Err(pyo3::exceptions::PyNotImplementedError::new_err(format!(
+                        "Disaggregated inference cannot transfer a recurrent state pool (leaf {leaf}): a state \
+                         block is a whole request's state, not a span of tokens"
+                    )));
+                }
+            }
+        }
+        let dp: usize = params.getattr("data_parallel_degree")?.extract()?;
+        let mut memory: Vec<Vec<KVCacheMemory>> = Vec::with_capacity(dp);
+        for r in 0..dp {
+            let units = kv_cache.call_method1("get_device_buffer", (r,))?.call_method0("to_memory")?;
+            let mut row = Vec::with_capacity(leaf_ids.len());
+            for leaf in &leaf_ids {
+                let unit = units.get_item(leaf.as_str())?;
+                row.push(unit_memory(py, &unit)?);
+            }
+            memory.push(row);
+        }
+        Self::build(py, name, memory, Some(leaf_ids), transport, peer_timeout_s, copy_threads, options)
+    }
+
     /// This engine's metadata, for peers to `connect` with.
     #[getter]
     fn metadata(&self, py: Python<'_>) -> PyResult<PyMetadata> {
@@ -367,8 +636,8 @@ impl PyKVTransferEngine {
         remote: &Bound<'_, PyAny>,
         src_idxs: &Bound<'_, PyAny>,
         dst_idxs: &Bound<'_, PyAny>,
-        src_replica_idx: usize,
-        dst_replica_idx: usize,
+        src_replica_idx: i64,
+        dst_replica_idx: i64,
     ) -> PyResult<PyTransferReqData> {
         self.initiate(py, remote, src_idxs, dst_idxs, (src_replica_idx, dst_replica_idx), false)
     }
@@ -382,8 +651,8 @@ impl PyKVTransferEngine {
         remote: &Bound<'_, PyAny>,
         src_idxs: &Bound<'_, PyAny>,
         dst_idxs: &Bound<'_, PyAny>,
-        src_replica_idx: usize,
-        dst_replica_idx: usize,
+        src_replica_idx: i64,
+        dst_replica_idx: i64,
     ) -> PyResult<PyTransferReqData> {
         self.initiate(py, remote, src_idxs, dst_idxs, (src_replica_idx, dst_replica_idx), true)
     }

@@ -18,7 +18,7 @@ use kvwire::engine::{
     AgentMetadata, Desc, EngineError, FailureCause, RegistrationHandle, TransferEngine, TransferHandle, TransferStatus,
 };
 use kvwire::transport::{
-    MemoryBacking, MemoryDesc, MemoryKind, Op, Segment, TransportConfig, TransportError, TransportKind,
+    MemoryDesc, MemoryKind, Op, RawMemory, Segment, TransportConfig, TransportError, TransportKind,
 };
 use pyo3::create_exception;
 use pyo3::exceptions::{PyRuntimeError, PyValueError};
@@ -70,18 +70,6 @@ fn engine_err(e: EngineError) -> PyErr {
         _ => status::INVALID_PARAM,
     };
     err(code, e.to_string())
-}
-
-/// Caller-owned memory described by address and length, as NIXL's
-/// `registerMem` takes it: the caller keeps it valid until it deregisters
-/// (NIXL's contract; `nixl._utils.malloc_passthru` memory, numpy arrays and
-/// torch tensors the caller holds).
-struct CallerMemory(MemoryDesc);
-
-impl MemoryBacking for CallerMemory {
-    fn desc(&self) -> MemoryDesc {
-        self.0
-    }
 }
 
 /// A repostable transfer request (NIXL `nixlXferReqH`).
@@ -225,7 +213,13 @@ impl PyNixlCore {
         let desc =
             MemoryDesc { addr, len_bytes: length, kind, device_id: if kind == MemoryKind::Dram { 0 } else { dev } };
         self.run(py, |c| {
-            let h = c.engine.register(Arc::new(CallerMemory(desc))).map_err(engine_err)?;
+            // SAFETY: NIXL's `registerMem` contract, which this API is: the
+            // caller passes memory it owns (`nixl._utils.malloc_passthru`
+            // memory, numpy arrays, torch tensors it holds) and keeps it valid
+            // until it deregisters it. Python hands raw addresses here, so
+            // nothing stronger can be checked; documented in docs/NIXL.md.
+            let mem = unsafe { RawMemory::new(desc) };
+            let h = c.engine.register(Arc::new(mem)).map_err(engine_err)?;
             c.regs.insert((addr, length), h);
             Ok(())
         })

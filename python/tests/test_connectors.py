@@ -11,13 +11,13 @@ def h(i):
 
 
 def test_null_connector():
-    c = kvwire.NullConnector({"0": kvwire.KVCacheGroupId()})
+    c = kvwire.NullConnector()
     assert c.name == "NullConnector"
-    assert list(c.leaves) == ["0"] and c.leaves["0"].kind == "full"
-    assert c.lookup([h(1), h(2)]) == {"0": [False, False]}
-    t = c.offload({"0": [1]}, {"0": [h(1)]})
+    assert list(c.leaves) == ["full"] and c.leaves["full"].type == "full"
+    assert c.lookup([h(1), h(2)]) == {"full": [False, False]}
+    t = c.offload({"full": [1]}, {"full": [h(1)]})
     assert t.is_complete() and t.g0_blocks_per_leaf == {}
-    assert isinstance(c.metrics, dict)
+    assert isinstance(c.metrics, kvwire.KVCacheMetrics)
 
 
 def make_tier(capacity_bytes=1 << 20, tp=2):
@@ -43,9 +43,11 @@ def test_host_tier_offload_then_load_moves_bytes():
     for s, a in enumerate(arrays):
         assert (a[7] == 10 + s).all() and (a[9] == 20 + s).all()
     m = c.take_metrics()
-    assert m["d2h_bytes_copied"] > 0 and m["h2d_bytes_copied"] > 0
-    free, total = c.host_byte_count
-    assert total == 1 << 20 and free < total
+    assert m.d2h_bytes_copied > 0 and m.h2d_bytes_copied > 0
+    hb = c.host_byte_count
+    assert isinstance(hb, kvwire.ByteCount)
+    assert hb.total == 1 << 20 and hb.free < hb.total
+    assert c.disk_byte_count == kvwire.ByteCount(free=0, total=0)
     c.shutdown()
 
 
@@ -73,4 +75,7 @@ def test_host_tier_errors():
         kvwire.HostTierConnector([], 1024)
     with pytest.raises(ValueError):
         kvwire.KVCacheGroupId("sliding_window")
+    with pytest.raises(ValueError):
+        mem = kvwire.KVCacheMemory(False, [np.zeros((4, 8), np.uint8)])
+        kvwire.HostTierConnector([{"0": mem}], 1024, leaves={"0": kvwire.KVCacheGroupId.scratch()})
     assert issubclass(kvwire.KVLoadRefused, RuntimeError) and issubclass(kvwire.KVLoadFailed, RuntimeError)

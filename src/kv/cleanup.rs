@@ -23,7 +23,8 @@ impl KVTransferEngine {
     }
 
     /// Release everything, as MAX's `cleanup`: in-flight sends and reads,
-    /// then every peer connection, then every registration. Call it
+    /// then every peer connection, then every registration. The peers stay
+    /// listed in [`KVTransferEngine::remote_connections`], as in MAX. Call it
     /// explicitly before dropping the engine.
     ///
     /// # Errors
@@ -43,6 +44,7 @@ impl KVTransferEngine {
             }
         }
         let names: Vec<String> = self.remotes.keys().cloned().collect();
+        let mut kept: Vec<_> = self.remotes.values().map(|r| r.meta.clone()).collect();
         for n in names {
             if let Err(e) = self.disconnect(&n) {
                 first.get_or_insert(e);
@@ -58,6 +60,11 @@ impl KVTransferEngine {
             }
         }
         self.completed_recv.clear();
+        self.telemetry.clear();
+        // MAX's cleanup invalidates its peers' metadata but leaves
+        // `remote_connections` as it was.
+        kept.retain(|m| !self.cleaned_remotes.iter().any(|c| c.name == m.name));
+        self.cleaned_remotes.extend(kept);
         first.map_or(Ok(()), Err)
     }
 }

@@ -101,6 +101,22 @@ pub struct KVTransferEngine {
     pub(super) completed_recv: HashMap<String, HashMap<String, usize>>,
     /// Notifications from agents of engines never connected.
     pub(super) num_unknown_notifs: u64,
+    /// Peers torn down by `cleanup`, still listed by
+    /// [`KVTransferEngine::remote_connections`] as MAX's `cleanup` leaves them.
+    pub(super) cleaned_remotes: Vec<KVTransferEngineMetadata>,
+    /// Transfers initiated here, for [`crate::metrics::global`]: by transfer name.
+    pub(super) telemetry: HashMap<String, Telemetry>,
+}
+
+/// What the metrics registry needs of one initiated transfer.
+pub(super) struct Telemetry {
+    pub(super) started: std::time::Instant,
+    pub(super) op: crate::metrics::MetricOp,
+    pub(super) peer: String,
+    /// Bytes over all shard requests.
+    pub(super) bytes: u64,
+    /// Already counted (completion or failure).
+    pub(super) counted: bool,
 }
 
 impl std::fmt::Debug for KVTransferEngine {
@@ -242,11 +258,18 @@ impl KVTransferEngine {
                     agent_config(cfg, transport, memory_type, device_id, crate::cuda::nic::nic_for_gpu_ordinal);
                 let mut engine = TransferEngine::new(&agent_name(name, replica, shard), transport, &agent_cfg)?;
                 let mut base_addrs = Vec::with_capacity(num_groups);
-                let mut registrations = Vec::with_capacity(num_groups);
+                let mut parts = Vec::with_capacity(num_groups);
                 for m in groups {
                     let b = &m.buffers()[shard];
-                    registrations.push(engine.register(b.registration()?)?);
+                    parts.push(b.registration()?);
                     base_addrs.push(b.addr());
+                }
+                // Views into one slab (overlapping groups) register their
+                // union once, as MAX registers a shared region once; each
+                // group is still addressed from its own base address.
+                let mut registrations = Vec::with_capacity(num_groups);
+                for r in super::memory::merge_registrations(parts) {
+                    registrations.push(engine.register(r)?);
                 }
                 row.push(TensorAgent { engine, base_addrs, device_id, registrations });
             }
@@ -269,6 +292,8 @@ impl KVTransferEngine {
             inflight_send: HashMap::new(),
             inflight_read: HashMap::new(),
             completed_recv: HashMap::new(),
+            cleaned_remotes: Vec::new(),
+            telemetry: HashMap::new(),
             num_unknown_notifs: 0,
         })
     }
@@ -328,6 +353,55 @@ impl KVTransferEngine {
         self.inflight_send.len() + self.inflight_read.len()
     }
 
+    /// `sum(bytes_per_group)` (bytes), as MAX's `bytes_per_page`.
+    pub fn bytes_per_page(&self) -> u64 {
+        self.bytes_per_group.iter().sum()
+    }
+
+    /// Host or device memory.
+    pub fn memory_type(&self) -> MemoryType {
+        self.memory_type
+    }
+
+    /// MAX's `remote_connections`: each connected peer's metadata, by name,
+    /// sorted by name. As MAX's, `cleanup` leaves its peers listed here (the
+    /// connections themselves are gone).
+    pub fn remote_connections(&self) -> Vec<(&str, &KVTransferEngineMetadata)> {
+        let mut v: Vec<(&str, &KVTransferEngineMetadata)> =
+            self.remotes.iter().map(|(n, r)| (n.as_str(), &r.meta)).collect();
+        v.extend(self.cleaned_remotes.iter().map(|m| (m.name.as_str(), m)));
+        v.sort_by(|a, b| a.0.cmp(b.0));
+        v
+    }
+
+    /// MAX's `remote_agent_to_engine`: agent name → peer engine name, for
+    /// every agent of [`KVTransferEngine::remote_connections`].
+    pub fn remote_agent_to_engine(&self) -> Vec<(String, String)> {
+        let mut v: Vec<(String, String)> = self
+            .remote_connections()
+            .into_iter()
+            .flat_map(|(n, m)| m.agents_meta.iter().flatten().map(move |a| (a.agent_name.clone(), n.to_string())))
+            .collect();
+        v.sort();
+        v
+    }
+
+    /// MAX's `inflight_send_transfers`: sends started here and not yet released.
+    pub fn inflight_send_transfers(&self) -> &HashMap<String, TransferReqData> {
+        &self.inflight_send
+    }
+
+    /// MAX's `inflight_read_transfers`: reads started here and not yet released.
+    pub fn inflight_read_transfers(&self) -> &HashMap<String, TransferReqData> {
+        &self.inflight_read
+    }
+
+    /// MAX's `completed_recv_transfers`: per peer engine, notifications
+    /// received per transfer name, until the passive side's `cleanup_transfer`.
+    pub fn completed_recv_transfers(&self) -> &HashMap<String, HashMap<String, usize>> {
+        &self.completed_recv
+    }
+
     /// Notifications received from agents of engines never connected.
     pub fn num_unknown_notifications(&self) -> u64 {
         self.num_unknown_notifs
@@ -352,12 +426,14 @@ impl KVTransferEngine {
                             metadata: a.engine.metadata().to_bytes(),
                             base_addrs: a.base_addrs.clone(),
                             device_id: a.device_id,
+                            region_splits: vec![Vec::new(); a.base_addrs.len()],
                         })
                         .collect()
                 })
                 .collect(),
             leaf_ids: self.leaf_ids.clone(),
             num_pages_per_group: self.num_pages_per_group.clone(),
+            bytes_per_page: self.bytes_per_group.iter().sum(),
             bytes_per_group: self.bytes_per_group.clone(),
             replicated_per_group: self.replicated_per_group.clone(),
         }
@@ -372,19 +448,28 @@ impl KVTransferEngine {
     /// In order: [`KvError::AlreadyConnected`]; [`KvError::BadMetadata`]
     /// (inconsistent metadata, an agent blob naming another agent, a group
     /// outside the agent's registered memory; checked before any wiring);
-    /// [`KvError::Unsupported`] (GATHER_SCATTER); [`KvError::BytesPerGroupMismatch`];
+    /// [`KvError::Unsupported`] (GATHER_SCATTER), [`KvError::ReplicationLengthMismatch`];
+    /// [`KvError::PageBytesMismatch`]; [`KvError::BytesPerGroupMismatch`];
     /// [`KvError::LeafMismatch`]; [`KvError::Engine`] (own name, transport
     /// mismatch, the transport refused a connection).
     pub fn connect(&mut self, remote: &KVTransferEngineMetadata) -> Result<(), KvError> {
-        if self.remotes.contains_key(&remote.name) {
+        if self.remotes.contains_key(&remote.name) || self.cleaned_remotes.iter().any(|m| m.name == remote.name) {
             return Err(KvError::AlreadyConnected(remote.name.clone()));
         }
         remote.validate()?;
         if remote.name == self.name {
             return Err(EngineError::SelfConnect(remote.name.clone()).into());
         }
-        let remote_replicated: Vec<bool> = (0..remote.num_groups()).map(|g| remote.replicated(g)).collect();
+        let remote_replicated: Vec<bool> = if self.tp != remote.tp() {
+            remote.replicated_per_group.clone()
+        } else {
+            (0..remote.num_groups()).map(|g| remote.replicated(g)).collect()
+        };
         let strategies = resolve_strategies(self.tp, &self.replicated_per_group, remote.tp(), &remote_replicated)?;
+        let local_bpp: u64 = self.bytes_per_group.iter().sum();
+        if remote.bytes_per_page != local_bpp {
+            return Err(KvError::PageBytesMismatch { local: local_bpp, remote: remote.bytes_per_page });
+        }
         if remote.bytes_per_group != self.bytes_per_group {
             return Err(KvError::BytesPerGroupMismatch {
                 local: self.bytes_per_group.clone(),
@@ -412,7 +497,7 @@ impl KVTransferEngine {
                 // Every group's pages must lie in memory the agent registered.
                 for (g, &base) in a.base_addrs.iter().enumerate() {
                     let len = remote.num_pages_per_group[g] * remote.bytes_per_group[g];
-                    if m.find_region(base, len).is_none() {
+                    if len > 0 && m.find_region(base, len).is_none() {
                         return Err(KvError::BadMetadata(format!(
                             "group {g} of agent {:?} ({base:#x}+{len}) is not in a registered region",
                             a.agent_name
@@ -453,6 +538,7 @@ impl KVTransferEngine {
         let sends: Vec<String> =
             self.inflight_send.iter().filter(|(_, r)| r.dst_name == name).map(|(k, _)| k.clone()).collect();
         for k in sends {
+            self.telemetry.remove(&k);
             if let Some(req) = self.inflight_send.remove(&k) {
                 self.release_handles(&req, req.src_replica_idx);
             }
@@ -460,6 +546,7 @@ impl KVTransferEngine {
         let reads: Vec<String> =
             self.inflight_read.iter().filter(|(_, r)| r.src_name == name).map(|(k, _)| k.clone()).collect();
         for k in reads {
+            self.telemetry.remove(&k);
             if let Some(req) = self.inflight_read.remove(&k) {
                 self.release_handles(&req, req.dst_replica_idx);
             }

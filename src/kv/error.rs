@@ -201,6 +201,23 @@ pub enum KvError {
     /// (MXSERV-290), a cache with recurrent state.
     #[error("unsupported: {0}")]
     Unsupported(String),
+    /// On a TP change, the two engines' `replicated_per_group` differ in
+    /// length (MAX: `zip(strict=True)` raises `ValueError`).
+    #[error("replicated_per_group lengths differ across a TP change: local {local}, remote {remote}")]
+    ReplicationLengthMismatch {
+        /// Local groups.
+        local: usize,
+        /// Entries the remote sent.
+        remote: usize,
+    },
+    /// `bytes_per_page` (all groups) differs from the peer's (MAX's first geometry check).
+    #[error("Bytes per page mismatch: {local} != {remote}")]
+    PageBytesMismatch {
+        /// Local bytes per page.
+        local: u64,
+        /// Remote bytes per page.
+        remote: u64,
+    },
     /// Per-group bytes per page differ between the engines.
     #[error("per-group bytes-per-page mismatch: local {local:?}, remote {remote:?}")]
     BytesPerGroupMismatch {
@@ -336,6 +353,15 @@ pub enum KvError {
     /// Undecodable or hostile wire data (`TransferReqData`, engine metadata).
     #[error("decode error: {0}")]
     Decode(String),
+    /// Well-formed JSON / msgpack that does not match the struct: a wrong
+    /// type or tag, a missing field, an integer outside `-2^63..2^64`
+    /// (msgspec's `ValidationError`; [`KvError::Decode`] is its `DecodeError`).
+    #[error("validation error: {0}")]
+    Validation(String),
+    /// A request or metadata value msgspec decodes but an engine cannot use
+    /// (a negative replica or page index): MAX raises `ValueError` at use.
+    #[error("{0}")]
+    InvalidRequest(String),
     /// The underlying transfer engine failed (registration, connect, release, ...).
     #[error(transparent)]
     Engine(#[from] EngineError),

@@ -6,7 +6,7 @@ use std::sync::Arc;
 
 use super::error::KvError;
 use crate::HostBuffer;
-use crate::transport::{MemoryBacking, MemoryKind, View};
+use crate::transport::{MemoryBacking, MemoryKind, Union, View};
 
 /// One TP shard's view of a KV tensor: a 2-D byte array of shape
 /// `[num_pages, bytes_per_page]` (null block included in `num_pages`) that
@@ -124,6 +124,42 @@ impl KvBuffer {
     }
 }
 
+/// The registrations of one shard's group buffers: zero-length buffers
+/// dropped, buffers whose ranges overlap merged into one [`Union`]
+/// (a single buffer stays itself), in address order.
+pub(crate) fn merge_registrations(parts: Vec<Arc<dyn MemoryBacking>>) -> Vec<Arc<dyn MemoryBacking>> {
+    let mut parts: Vec<Arc<dyn MemoryBacking>> = parts.into_iter().filter(|p| p.desc().len_bytes > 0).collect();
+    parts.sort_by_key(|p| p.desc().addr);
+    let mut out: Vec<Vec<Arc<dyn MemoryBacking>>> = Vec::new();
+    let mut end = 0u64;
+    for p in parts {
+        let d = p.desc();
+        let p_end = d.addr.saturating_add(d.len_bytes);
+        match out.last_mut() {
+            Some(run) if d.addr < end => {
+                run.push(p);
+                end = end.max(p_end);
+            }
+            _ => {
+                out.push(vec![p]);
+                end = p_end;
+            }
+        }
+    }
+    out.into_iter()
+        .map(|mut run| {
+            if run.len() == 1 {
+                return run.pop().expect("one part");
+            }
+            // The run overlaps by construction, so `Union::new` accepts it.
+            match Union::new(run) {
+                Ok(u) => Arc::new(u) as Arc<dyn MemoryBacking>,
+                Err(mut parts) => parts.remove(0),
+            }
+        })
+        .collect()
+}
+
 /// One logical `(child, kind)` KV tensor — e.g. a cache's `values` or its
 /// `scales` — as one buffer per TP shard, each `[num_pages, bytes_per_page]`
 /// bytes (`num_pages` includes the null block). This is one NIXL group.
@@ -177,10 +213,9 @@ impl KVCacheMemory {
         if replicated && buffers.len() < 2 {
             return Err(KvError::ReplicatedNeedsTwoShards { num_buffers: buffers.len() });
         }
+        // Zero pages or zero bytes per page are accepted, as MAX builds such
+        // groups; they register nothing and move nothing.
         for (shard, b) in buffers.iter().enumerate() {
-            if b.num_pages() == 0 || b.bytes_per_page() == 0 {
-                return Err(KvError::ZeroSizedBuffer { shard, shape: b.shape.clone() });
-            }
             let need = b.num_pages().checked_mul(b.bytes_per_page());
             let have = b.backing.desc().len_bytes;
             let fits = need.and_then(|n| n.checked_add(b.offset_bytes)).is_some_and(|end| end <= have);
@@ -307,10 +342,17 @@ mod tests {
             KVCacheMemory::new(true, vec![KvBuffer::new(b.clone(), 4, 100)]),
             Err(KvError::ReplicatedNeedsTwoShards { num_buffers: 1 })
         ));
-        assert!(matches!(
-            KVCacheMemory::new(false, vec![KvBuffer::new(b.clone(), 0, 100)]),
-            Err(KvError::ZeroSizedBuffer { shard: 0, .. })
-        ));
+        // Zero pages / zero bytes per page: MAX builds such groups.
+        let empty = KVCacheMemory::new(false, vec![KvBuffer::new(b.clone(), 0, 100)]).unwrap();
+        assert_eq!((empty.total_num_pages(), empty.bytes_per_page()), (0, 100));
+        assert!(KVCacheMemory::new(false, vec![KvBuffer::new(b.clone(), 4, 0)]).is_ok());
+        // Overlapping views of one slab register their union once.
+        let view =
+            |off: u64, pages: u64| KvBuffer::with_layout(b.clone(), off, vec![pages, 100], 100).registration().unwrap();
+        let merged = merge_registrations(vec![view(0, 10), view(3000, 1), view(500, 10), view(64, 0)]);
+        let descs: Vec<(u64, u64)> =
+            merged.iter().map(|r| (r.desc().addr - b.desc().addr, r.desc().len_bytes)).collect();
+        assert_eq!(descs, vec![(0, 1500), (3000, 100)]);
         assert!(matches!(
             KVCacheMemory::new(false, vec![KvBuffer::new(b.clone(), 5, 1000)]),
             Err(KvError::BufferTooSmall { shard: 0, need_bytes: 5000, have_bytes: 4096, .. })

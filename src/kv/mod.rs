@@ -47,8 +47,11 @@ pub mod memory;
 
 pub use error::{KvError, Side};
 pub use memory::{KVCacheMemory, KvBuffer};
+pub mod msgspec;
 pub mod reqdata;
+pub mod reqwire;
 pub use reqdata::{PageIdxs, TransferReqData};
+pub use reqwire::{WireIdxs, WireTransferReqData};
 pub mod metadata;
 pub use metadata::{KVTransferEngineMetadata, MemoryType, TensorAgentMetadata};
 pub mod topology;

@@ -1,22 +1,26 @@
 //! `TransferReqData`: the record of one KV transfer, sent between processes
-//! as JSON exactly as MAX's msgspec struct (`tag=True, kw_only=True,
-//! omit_defaults=True`): `"type": "TransferReqData"` first, then the fields
-//! in the seed's order, fields at their default left out.
+//! as JSON or msgpack exactly as MAX 26.7's msgspec struct (`tag=True,
+//! kw_only=True, omit_defaults=True`, in
+//! `max/pipelines/kv_cache/paged_kv_cache/transfer_engine.py`):
+//! `"type": "TransferReqData"` first, then the fields in MAX's order, fields
+//! at their default left out. The wire form itself is
+//! [`super::reqwire::WireTransferReqData`].
 
 use std::collections::HashSet;
 use std::fmt;
 
 use serde::de::{self, MapAccess, SeqAccess, Visitor};
-use serde::ser::{SerializeMap, SerializeStruct};
+use serde::ser::SerializeMap;
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
 use super::error::KvError;
+use super::reqwire::WireTransferReqData;
 
 /// The msgspec tag value of [`TransferReqData`].
 pub const TRANSFER_REQ_DATA_TAG: &str = "TransferReqData";
 
 /// Largest JSON text [`TransferReqData::from_json`] accepts (bytes).
-pub const MAX_REQ_JSON_BYTES: usize = 64 << 20;
+pub const MAX_REQ_JSON_BYTES: usize = super::msgspec::MAX_ENCODED_BYTES;
 
 /// Page indices of one side of a transfer.
 ///
@@ -160,9 +164,9 @@ pub struct TransferReqData {
 }
 
 impl TransferReqData {
-    /// The msgspec JSON form (compact).
+    /// The msgspec JSON form (compact), as `msgspec.json.encode(req)`.
     pub fn to_json(&self) -> String {
-        serde_json::to_string(self).expect("plain data always serializes")
+        WireTransferReqData::from(self).to_json()
     }
 
     /// [`TransferReqData::to_json`] as bytes (what `msgspec.json.encode` returns).
@@ -170,14 +174,22 @@ impl TransferReqData {
         self.to_json().into_bytes()
     }
 
-    /// Decode the msgspec JSON form (either page-index form; unknown fields
-    /// ignored, as msgspec does).
+    /// The msgpack form, byte-identical to `msgspec.msgpack.encode(req)`
+    /// (what MAX sends over ZMQ).
+    pub fn to_msgpack(&self) -> Vec<u8> {
+        WireTransferReqData::from(self).to_msgpack()
+    }
+
+    /// Decode the msgspec JSON form, accepting what msgspec accepts for MAX
+    /// 26.7's struct (a missing `"type"` tag, unknown fields, a key given
+    /// twice: the last wins), then make the checks of use.
     ///
     /// # Errors
-    /// [`KvError::Decode`]: not JSON, a missing or wrong `"type"` tag, a
-    /// missing field, a wrong type, a negative or out-of-range number, a
-    /// duplicate leaf id, `local_shards_used` not parallel to `transfer_ids`,
-    /// text over [`MAX_REQ_JSON_BYTES`]. Never panics.
+    /// [`KvError::Decode`] (not JSON, truncated, trailing data, over
+    /// [`MAX_REQ_JSON_BYTES`]); [`KvError::Validation`] (a wrong tag or type,
+    /// a missing field, `src_idxs` not a `dict`); [`KvError::InvalidRequest`]
+    /// (a negative index or replica, `local_shards_used` not parallel to
+    /// `transfer_ids`). Never panics.
     pub fn from_json(text: &str) -> Result<Self, KvError> {
         Self::from_bytes(text.as_bytes())
     }
@@ -187,10 +199,15 @@ impl TransferReqData {
     /// # Errors
     /// As [`TransferReqData::from_json`] (also: not UTF-8).
     pub fn from_bytes(bytes: &[u8]) -> Result<Self, KvError> {
-        if bytes.len() > MAX_REQ_JSON_BYTES {
-            return Err(KvError::Decode(format!("TransferReqData of {} bytes is too large", bytes.len())));
-        }
-        serde_json::from_slice(bytes).map_err(|e| KvError::Decode(e.to_string()))
+        (&WireTransferReqData::from_json(bytes)?).try_into()
+    }
+
+    /// Decode the msgpack form (`msgspec.msgpack.decode(data, type=TransferReqData)`).
+    ///
+    /// # Errors
+    /// As [`TransferReqData::from_json`].
+    pub fn from_msgpack(bytes: &[u8]) -> Result<Self, KvError> {
+        (&WireTransferReqData::from_msgpack(bytes)?).try_into()
     }
 
     /// True when no page is to move (the transfer is complete at once).
@@ -201,82 +218,14 @@ impl TransferReqData {
 
 impl Serialize for TransferReqData {
     fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
-        let n = 9
-            + usize::from(self.is_read)
-            + usize::from(self.tp_shard_count != 0)
-            + usize::from(!self.local_shards_used.is_empty());
-        let mut st = s.serialize_struct(TRANSFER_REQ_DATA_TAG, n)?;
-        st.serialize_field("type", TRANSFER_REQ_DATA_TAG)?;
-        st.serialize_field("dst_name", &self.dst_name)?;
-        st.serialize_field("src_name", &self.src_name)?;
-        st.serialize_field("transfer_name", &self.transfer_name)?;
-        st.serialize_field("transfer_ids", &self.transfer_ids)?;
-        st.serialize_field("src_idxs", &self.src_idxs)?;
-        st.serialize_field("dst_idxs", &self.dst_idxs)?;
-        st.serialize_field("src_replica_idx", &self.src_replica_idx)?;
-        st.serialize_field("dst_replica_idx", &self.dst_replica_idx)?;
-        if self.is_read {
-            st.serialize_field("is_read", &true)?;
-        }
-        if self.tp_shard_count != 0 {
-            st.serialize_field("tp_shard_count", &self.tp_shard_count)?;
-        }
-        if !self.local_shards_used.is_empty() {
-            st.serialize_field("local_shards_used", &self.local_shards_used)?;
-        }
-        st.end()
+        WireTransferReqData::from(self).serialize(s)
     }
-}
-
-#[derive(Deserialize)]
-struct Wire {
-    #[serde(rename = "type")]
-    tag: String,
-    dst_name: String,
-    src_name: String,
-    transfer_name: String,
-    transfer_ids: Vec<u64>,
-    src_idxs: PageIdxs,
-    dst_idxs: PageIdxs,
-    src_replica_idx: usize,
-    dst_replica_idx: usize,
-    #[serde(default)]
-    is_read: bool,
-    #[serde(default)]
-    tp_shard_count: usize,
-    #[serde(default)]
-    local_shards_used: Vec<usize>,
 }
 
 impl<'de> Deserialize<'de> for TransferReqData {
     fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        let w = Wire::deserialize(d)?;
-        if w.tag != TRANSFER_REQ_DATA_TAG {
-            return Err(de::Error::custom(format_args!(
-                "expected \"type\": {TRANSFER_REQ_DATA_TAG:?}, found {:?}",
-                w.tag
-            )));
-        }
-        if !w.local_shards_used.is_empty() && w.local_shards_used.len() != w.transfer_ids.len() {
-            return Err(de::Error::custom(format_args!(
-                "local_shards_used has {} entries for {} transfer_ids",
-                w.local_shards_used.len(),
-                w.transfer_ids.len()
-            )));
-        }
-        Ok(TransferReqData {
-            dst_name: w.dst_name,
-            src_name: w.src_name,
-            transfer_name: w.transfer_name,
-            transfer_ids: w.transfer_ids,
-            src_idxs: w.src_idxs,
-            dst_idxs: w.dst_idxs,
-            src_replica_idx: w.src_replica_idx,
-            dst_replica_idx: w.dst_replica_idx,
-            is_read: w.is_read,
-            tp_shard_count: w.tp_shard_count,
-            local_shards_used: w.local_shards_used,
-        })
+        let w = WireTransferReqData::deserialize(d)?;
+        (&w).try_into().map_err(de::Error::custom)
     }
 }
 

@@ -173,20 +173,31 @@ fn connect_errors() {
     let c = make("cc", 1, 4, &[(4, 64, false)]);
     assert!(matches!(a.e.connect(&c.e.metadata()), Err(KvError::Unsupported(_))));
     let d = make("cd", 1, 2, &[(4, 32, false)]);
-    assert!(matches!(a.e.connect(&d.e.metadata()), Err(KvError::BytesPerGroupMismatch { .. })));
+    // MAX compares the total bytes per page first, then the per-group list.
+    assert!(matches!(a.e.connect(&d.e.metadata()), Err(KvError::PageBytesMismatch { local: 64, remote: 32 })));
+    let mut same_total = d.e.metadata();
+    same_total.bytes_per_page = 64;
+    assert!(matches!(a.e.connect(&same_total), Err(KvError::BytesPerGroupMismatch { .. })));
+    // A TP change with replicated_per_group of another length: MAX's zip(strict=True) ValueError.
+    let mut short = c.e.metadata();
+    short.replicated_per_group = vec![];
+    assert!(matches!(a.e.connect(&short), Err(KvError::ReplicationLengthMismatch { local: 1, remote: 0 })));
     let (mem, _) = memory(1, 2, &[(4, 64, false)]);
     let f = KVTransferEngine::new(&uniq("cf"), mem, Some(vec!["other".into()]), TransportKind::Shm, &cfg()).unwrap();
     assert!(matches!(a.e.connect(&f.metadata()), Err(KvError::LeafMismatch { .. })));
     let mut bad = d.e.metadata();
     bad.bytes_per_group = vec![64];
+    bad.bytes_per_page = 64;
     bad.agents_meta[0][0].metadata = b"garbage".to_vec();
     assert!(matches!(a.e.connect(&bad), Err(KvError::BadMetadata(_))));
     let mut swapped = d.e.metadata();
     swapped.bytes_per_group = vec![64];
+    swapped.bytes_per_page = 64;
     swapped.agents_meta[0].swap(0, 1);
     assert!(matches!(a.e.connect(&swapped), Err(KvError::BadMetadata(_))));
     let mut outside = d.e.metadata();
     outside.bytes_per_group = vec![64];
+    outside.bytes_per_page = 64;
     outside.agents_meta[0][1].base_addrs[0] += 64;
     assert!(matches!(a.e.connect(&outside), Err(KvError::BadMetadata(_))));
     assert!(!a.e.is_connected(&d.e.metadata().name));

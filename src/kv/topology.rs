@@ -44,6 +44,13 @@ pub fn resolve_strategies(
     remote_tp: usize,
     remote_replicated: &[bool],
 ) -> Result<Vec<TransferStrategy>, KvError> {
+    if local_tp != remote_tp && local_replicated.len() != remote_replicated.len() {
+        // MAX pairs the two vectors with `zip(..., strict=True)`: a ValueError.
+        return Err(KvError::ReplicationLengthMismatch {
+            local: local_replicated.len(),
+            remote: remote_replicated.len(),
+        });
+    }
     let n = local_replicated.len().max(remote_replicated.len());
     let mut out = Vec::with_capacity(n);
     for g in 0..n {

@@ -4,12 +4,13 @@
 use std::collections::HashSet;
 use std::time::{Duration, Instant};
 
-use super::engine::{KVTransferEngine, RemoteEngine};
+use super::engine::{KVTransferEngine, RemoteEngine, Telemetry};
 use super::error::{KvError, Side};
 use super::metadata::engine_of_agent;
 use super::reqdata::{PageIdxs, TransferReqData};
 use super::topology::transfer_shard_pairing;
 use crate::engine::{Desc, TransferHandle, TransferStatus};
+use crate::metrics::MetricOp;
 use crate::transport::Op;
 
 /// Resolve one side's page lists to one list per group, checking the leaf set.
@@ -39,6 +40,9 @@ pub fn page_descs(base_addrs: &[u64], bytes_per_group: &[u64], lists: &[&[u64]],
     out.clear();
     for (g, list) in lists.iter().enumerate() {
         let bpp = bytes_per_group[g];
+        if bpp == 0 {
+            continue; // a group of zero-byte pages moves nothing
+        }
         out.extend(list.iter().map(|&idx| Desc::new(base_addrs[g] + idx * bpp, bpp)));
     }
 }
@@ -58,8 +62,8 @@ impl KVTransferEngine {
     /// # Errors
     /// As MAX, in its order: [`KvError::ReplicaOutOfRange`] (source, then
     /// destination), [`KvError::NotConnected`], [`KvError::UnknownLeaf`] /
-    /// [`KvError::MissingLeaf`] (source, then destination),
-    /// [`KvError::PageOutOfRange`], [`KvError::PageCountLengthMismatch`],
+    /// [`KvError::MissingLeaf`] then [`KvError::PageOutOfRange`] of the
+    /// source, then the same of the destination, [`KvError::PageCountLengthMismatch`],
     /// [`KvError::DuplicateDestinationPage`]; [`KvError::PostFailed`] when a
     /// shard request cannot be posted (e.g. the peer died) — the requests
     /// already posted are released first, so no handle leaks.
@@ -130,14 +134,16 @@ impl KVTransferEngine {
             });
         }
         // 3. leaf sets, index ranges, pairs
-        let src = leaf_lists(src_idxs, &self.leaf_ids, Side::Source)?;
-        let dst = leaf_lists(dst_idxs, &conn.meta.leaf_ids, Side::Destination)?;
+        // As MAX's `_page_idxs_per_group`: the source side whole (leaf set,
+        // then ranges), then the destination side.
         let (src_pages, dst_pages) = if is_read {
             (&conn.meta.num_pages_per_group, &self.num_pages_per_group)
         } else {
             (&self.num_pages_per_group, &conn.meta.num_pages_per_group)
         };
+        let src = leaf_lists(src_idxs, &self.leaf_ids, Side::Source)?;
         check_range(&src, &self.leaf_ids, src_pages, Side::Source)?;
+        let dst = leaf_lists(dst_idxs, &conn.meta.leaf_ids, Side::Destination)?;
         check_range(&dst, &self.leaf_ids, dst_pages, Side::Destination)?;
         let mut seen = HashSet::new();
         for (g, (s, d)) in src.iter().zip(&dst).enumerate() {
@@ -204,6 +210,17 @@ impl KVTransferEngine {
             }
         }
         req.tp_shard_count = req.transfer_ids.len();
+        let page_bytes: u64 = local_lists.iter().zip(&self.bytes_per_group).map(|(l, &bpp)| l.len() as u64 * bpp).sum();
+        self.telemetry.insert(
+            req.transfer_name.clone(),
+            Telemetry {
+                started: Instant::now(),
+                op: if is_read { MetricOp::Read } else { MetricOp::Write },
+                peer: remote_name.to_string(),
+                bytes: page_bytes * req.tp_shard_count as u64,
+                counted: false,
+            },
+        );
         let map = if is_read { &mut self.inflight_read } else { &mut self.inflight_send };
         map.insert(req.transfer_name.clone(), req.clone());
         Ok(req)
@@ -241,6 +258,10 @@ impl KVTransferEngine {
                     TransferStatus::Done => {}
                     TransferStatus::InProgress => return Ok(false),
                     TransferStatus::Failed(reason) => {
+                        if let Some(t) = self.telemetry.get_mut(&req.transfer_name).filter(|t| !t.counted) {
+                            t.counted = true;
+                            crate::metrics::global().record_failure(t.op, &t.peer);
+                        }
                         return Err(KvError::TransferFailed {
                             transfer_name: req.transfer_name.clone(),
                             shard,
@@ -248,6 +269,10 @@ impl KVTransferEngine {
                         });
                     }
                 }
+            }
+            if let Some(t) = self.telemetry.get_mut(&req.transfer_name).filter(|t| !t.counted) {
+                t.counted = true;
+                crate::metrics::global().record_transfer(t.op, &t.peer, t.bytes, t.started.elapsed());
             }
             return Ok(true);
         }
@@ -363,6 +388,7 @@ impl KVTransferEngine {
         if map.get(&req.transfer_name).is_some_and(same)
             && let Some(own) = map.remove(&req.transfer_name)
         {
+            self.telemetry.remove(&req.transfer_name);
             let replica = if own.is_read { own.dst_replica_idx } else { own.src_replica_idx };
             return self.release_handles(&own, replica).map_or(Ok(()), Err);
         }

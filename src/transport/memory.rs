@@ -103,11 +103,12 @@ impl std::fmt::Debug for View {
 
 impl View {
     /// `len_bytes` bytes at `offset_bytes` of `inner`; `None` when that range
-    /// is empty or not inside `inner`.
+    /// is not inside `inner`. An empty view is allowed (MAX builds groups of
+    /// zero pages); backends refuse to register it, and the KV layer never asks.
     pub fn new(inner: Arc<dyn MemoryBacking>, offset_bytes: u64, len_bytes: u64) -> Option<Self> {
         let d = inner.desc();
         let end = offset_bytes.checked_add(len_bytes)?;
-        (len_bytes > 0 && end <= d.len_bytes).then_some(Self { inner, offset_bytes, len_bytes })
+        (end <= d.len_bytes).then_some(Self { inner, offset_bytes, len_bytes })
     }
 }
 
@@ -127,6 +128,54 @@ unsafe impl MemoryBacking for View {
 
     fn dmabuf_fd(&self) -> Option<(BorrowedFd<'_>, u64)> {
         self.inner.dmabuf_fd().map(|(fd, off)| (fd, off + self.offset_bytes))
+    }
+}
+
+/// One registration covering several overlapping backings (leaves that view
+/// one shared slab, as MAX's Jenga layout hands out): the union of their
+/// ranges, keeping every part alive. A union has no shared or dma-buf file
+/// descriptor of its own, so `shm` reaches it by cross-memory attach.
+pub struct Union {
+    _parts: Vec<Arc<dyn MemoryBacking>>,
+    desc: MemoryDesc,
+}
+
+impl std::fmt::Debug for Union {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Union").field("desc", &self.desc).field("parts", &self._parts.len()).finish()
+    }
+}
+
+impl Union {
+    /// The union of `parts`, which must be non-empty, of one kind and device,
+    /// and overlap: sorted by address, each part starts before the end of
+    /// the ones before it. Otherwise the parts come back unchanged.
+    ///
+    /// # Errors
+    /// The parts, when they do not form one contiguous overlapping range.
+    pub fn new(mut parts: Vec<Arc<dyn MemoryBacking>>) -> Result<Self, Vec<Arc<dyn MemoryBacking>>> {
+        parts.sort_by_key(|p| p.desc().addr);
+        let Some(first) = parts.first().map(|p| p.desc()) else { return Err(parts) };
+        let mut end = first.addr.saturating_add(first.len_bytes);
+        for p in &parts[1..] {
+            let d = p.desc();
+            if d.kind != first.kind || d.device_id != first.device_id || d.addr >= end || d.len_bytes == 0 {
+                return Err(parts);
+            }
+            end = end.max(d.addr.saturating_add(d.len_bytes));
+        }
+        let desc = MemoryDesc { len_bytes: end - first.addr, ..first };
+        Ok(Self { _parts: parts, desc })
+    }
+}
+
+// SAFETY: `Union::new` accepts only parts that overlap one another in address
+// order, so every byte of the union's range lies in some part's range, each
+// valid for as long as that part lives (its own `MemoryBacking` promise);
+// `_parts` keeps every part alive as long as the union.
+unsafe impl MemoryBacking for Union {
+    fn desc(&self) -> MemoryDesc {
+        self.desc
     }
 }
 

@@ -25,7 +25,7 @@ use std::time::Duration;
 use serde::{Deserialize, Serialize};
 
 pub use failure::{FailureKind, FailureSource, RemoteAccessKind, TransferFailure};
-pub use memory::{MemoryBacking, MemoryDesc, MemoryKind, RawMemory, View};
+pub use memory::{MemoryBacking, MemoryDesc, MemoryKind, RawMemory, Union, View};
 pub use options::{OptionSet, OptionSpec};
 
 /// Local key of a registration (the `lkey` of a verbs memory region).

@@ -71,6 +71,10 @@ pub struct ServeArgs {
     /// Stop serving after this many seconds (default: until killed).
     #[arg(long, value_parser = crate::units::parse_seconds)]
     duration: Option<Duration>,
+    /// Serve Prometheus metrics (transfers, bytes, failures, latency per
+    /// op and peer; MAX's metric names) at http://ADDR/metrics, e.g. 127.0.0.1:9400.
+    #[arg(long, value_name = "ADDR")]
+    metrics: Option<String>,
 }
 
 /// Pattern key of page `i` of agent `name`.
@@ -91,6 +95,10 @@ pub fn run(a: ServeArgs) -> Result<()> {
     let mut options = vec![("listen".to_string(), a.listen.clone())];
     options.extend(a.options.iter().cloned());
     let config = TransportConfig { peer_timeout: a.peer_timeout, options, ..TransportConfig::default() };
+    if let Some(addr) = &a.metrics {
+        let bound = kvwire::metrics::serve_http(addr).with_context(|| format!("--metrics {addr}"))?;
+        println!("metrics at http://{bound}/metrics");
+    }
     let mut engine = TransferEngine::new(&a.name, a.transport, &config)?;
     let buf = Arc::new(HostBuffer::new(a.buffer as usize)?);
     let half_pages = a.buffer / 2 / a.page_size;
@@ -121,15 +129,22 @@ pub fn run(a: ServeArgs) -> Result<()> {
     }
 }
 
-fn wait(engine: &mut TransferEngine, h: TransferHandle) -> Result<(), String> {
+/// Wait for `h`, counting it in the metrics registry (`--metrics`) as an
+/// `op` of `bytes` with `peer`.
+fn wait(engine: &mut TransferEngine, h: TransferHandle, op: Op, peer: &str, bytes: u64) -> Result<(), String> {
+    use kvwire::metrics::{MetricOp, global};
+    let t0 = Instant::now();
+    let mop = if op == Op::Read { MetricOp::Read } else { MetricOp::Write };
     loop {
         match engine.status(h).map_err(|e| e.to_string())? {
             TransferStatus::InProgress => std::thread::sleep(Duration::from_micros(100)),
             TransferStatus::Done => {
+                global().record_transfer(mop, peer, bytes, t0.elapsed());
                 let _ = engine.release(h);
                 return Ok(());
             }
             TransferStatus::Failed(why) => {
+                global().record_failure(mop, peer);
                 let _ = engine.release(h);
                 return Err(why.to_string());
             }
@@ -155,7 +170,7 @@ fn round(a: &ServeArgs, engine: &mut TransferEngine, buf: &HostBuffer, p: &Peer,
     let local: Vec<Desc> = (0..n).map(|k| Desc::new(local_base + k * ps, ps)).collect();
     let remote: Vec<Desc> = (0..n).map(|k| Desc::new(remote_base + src_page(k) * ps, ps)).collect();
     let h = engine.post(Op::Read, &local, &p.name, &remote, None).map_err(|e| e.to_string())?;
-    wait(engine, h)?;
+    wait(engine, h, Op::Read, &p.name, n * ps)?;
     for k in 0..n {
         let off = (k * ps) as usize;
         if !check_page(&buf.as_slice()[off..off + ps as usize], page_key(&p.name, src_page(k))) {
@@ -167,11 +182,11 @@ fn round(a: &ServeArgs, engine: &mut TransferEngine, buf: &HostBuffer, p: &Peer,
     let remote_w: Vec<Desc> = (0..n).map(|k| Desc::new(scratch_base + (n - 1 - k) * ps, ps)).collect();
     let note = format!("{}-round-{r}", a.name).into_bytes();
     let h = engine.post(Op::Write, &local, &p.name, &remote_w, Some(note)).map_err(|e| e.to_string())?;
-    wait(engine, h)?;
+    wait(engine, h, Op::Write, &p.name, n * ps)?;
     let back_base = local_base + buf.len() as u64 / 2;
     let back: Vec<Desc> = (0..n).map(|k| Desc::new(back_base + k * ps, ps)).collect();
     let h = engine.post(Op::Read, &back, &p.name, &remote_w, None).map_err(|e| e.to_string())?;
-    wait(engine, h)?;
+    wait(engine, h, Op::Read, &p.name, n * ps)?;
     let s = buf.as_slice();
     let half = buf.len() / 2;
     if s[..(n * ps) as usize] != s[half..half + (n * ps) as usize] {
