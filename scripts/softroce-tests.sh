@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Build the verbs test binaries (tests/verbs_*.rs) on the host and run them in
+# Build the verbs test binaries (tests/verbs_*.rs; their device tests are
+# #[ignore]d in a plain `cargo test`, run here with --include-ignored) and run them in
 # the Soft-RoCE guest (rxe0 <-> rxe1), see ../shared/softroce/README.md.
 #
 #   scripts/softroce-tests.sh [test-binary args, e.g. a test name filter]
@@ -28,7 +29,7 @@ cargo test --no-run --message-format=json --test verbs_transport --test verbs_la
   echo 'rc=0'
   while read -r exe; do
     b=$(basename "$exe"); cp "$exe" "$stage/$b"
-    printf 'echo "### %s"; ./%s --test-threads=1 --nocapture "$@"; r=$?; [ $r = 0 ] || { echo "### %s exited $r"; [ $rc = 0 ] && rc=$r; }\n' "$b" "$b" "$b"
+    printf 'echo "### %s"; ./%s --test-threads=1 --nocapture --include-ignored "$@"; r=$?; [ $r = 0 ] || { echo "### %s exited $r"; [ $rc = 0 ] && rc=$r; }\n' "$b" "$b" "$b"
   done < "$stage/.list"
   # The main job over verbs: `kvwire replay` (prefill on rxe1, its decode
   # child on rxe0) of a 4-request trace small enough for the guest (tokens

@@ -51,8 +51,13 @@ pub trait NicQp: Send + 'static {
     ///
     /// # Errors
     /// `ibv_post_recv`'s error, `EINVAL` when the range does not fit.
-    fn post_recv(&mut self, wr_id: u64, slab: &Arc<Self::Slab>, offset: usize, len_bytes: u32)
-    -> Result<(), VerbsError>;
+    fn post_recv(
+        &mut self,
+        wr_id: u64,
+        slab: &Arc<Self::Slab>,
+        offset: usize,
+        len_bytes: u32,
+    ) -> Result<(), VerbsError>;
     /// Move the QP to the error state: every posted WR is flushed with an
     /// `IBV_WC_WR_FLUSH_ERR` completion (signalled or not).
     ///

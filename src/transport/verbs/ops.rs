@@ -94,7 +94,14 @@ impl<Q: NicQp> State<Q> {
     /// which flushes its WRs; past the destroy deadline (`destroy`) those
     /// QPs are destroyed, and with none left carrying it the record is
     /// dropped (its notification slot given back).
-    pub fn cancel_step(&mut self, xfer: u64, flush: bool, destroy: bool, flushed: &mut bool, limits: &PostLimits) -> bool {
+    pub fn cancel_step(
+        &mut self,
+        xfer: u64,
+        flush: bool,
+        destroy: bool,
+        flushed: &mut bool,
+        limits: &PostLimits,
+    ) -> bool {
         if !self.xfers.contains_key(&xfer) {
             return true;
         }

@@ -2,10 +2,10 @@
 
 mod batch {
 
-    use crate::transport::verbs::state::*;
     use crate::transport::Segment;
-    use std::collections::VecDeque;
+    use crate::transport::verbs::state::*;
     use crate::transport::{LocalKey, RemoteKey};
+    use std::collections::VecDeque;
 
     fn limits(max_batch: u32, batch_bytes: u64) -> PostLimits {
         PostLimits { max_send_wr: 1024, signal_every: 32, max_batch, batch_bytes, poll_sleep_us: 50, idle_yields: 0 }
@@ -43,7 +43,7 @@ mod sim_harness;
 
 use std::time::Duration;
 
-use sim_harness::{Opts, Pair, PAGE};
+use sim_harness::{Opts, PAGE, Pair};
 
 use super::sim::{WC_REM_ACCESS_ERR, WC_RETRY_EXC_ERR, WC_RNR_RETRY_EXC_ERR};
 use crate::transport::{FailureKind, FailureSource, Op, RemoteAccessKind, TransportError};

@@ -84,11 +84,12 @@ proptest! {
                 }
                 Cmd::Steps(n) => p.steps(usize::from(n)),
                 Cmd::Cancel(k) => {
-                    if let Some(&x) = posted.get(usize::from(k) % posted.len().max(1)) {
-                        if !cancelled.contains_key(&x) && p.result(x).is_none() {
-                            let at = p.cancel(x);
-                            cancelled.insert(x, at);
-                        }
+                    if let Some(&x) = posted.get(usize::from(k) % posted.len().max(1))
+                        && !cancelled.contains_key(&x)
+                        && p.result(x).is_none()
+                    {
+                        let at = p.cancel(x);
+                        cancelled.insert(x, at);
                     }
                 }
                 Cmd::Fault { qp, status } => {

@@ -64,6 +64,9 @@ struct Remote {
     qpns: Vec<u32>,
 }
 
+/// Segments of a WRITE checked when its notification arrives: (dst key, (offset, bytes)).
+type Expected = (u32, Vec<(u64, u64)>);
+
 /// The initiator `i`, its first target `t` (peer `peer`) and more targets.
 pub struct Pair {
     pub fabric: SimFabric,
@@ -84,7 +87,7 @@ pub struct Pair {
     got: Vec<Vec<u8>>,
     /// WRITE segments whose data must be at the target when the
     /// notification with this payload arrives: (dst key, segments).
-    expect: HashMap<Vec<u8>, (u32, Vec<(u64, u64)>)>,
+    expect: HashMap<Vec<u8>, Expected>,
     late_data: Vec<Vec<u8>>,
 }
 
