@@ -486,3 +486,37 @@ fn verbs_cq_budget_is_shared_between_qps_waiting_for_it() {
     init.release(big).unwrap();
     init.release(small).unwrap();
 }
+
+/// A post with no segments and a notification delivers the notification
+/// and ends `Done` (the nixl helper's standalone notification); the
+/// connection survives it.
+#[test]
+#[ignore = "needs an RDMA device (Soft-RoCE guest: scripts/softroce-tests.sh)"]
+fn verbs_empty_post_with_a_notification_is_done_and_delivered() {
+    let (tdev, idev) = need_devices!();
+    let mut target = transport::create(TransportKind::Verbs, "t-empty", &config(&tdev, &[])).unwrap();
+    let mut init = transport::create(TransportKind::Verbs, "i-empty", &config(&idev, &[])).unwrap();
+    let dst = HostBuffer::new(4096).unwrap();
+    let src = HostBuffer::new(4096).unwrap();
+    let treg = target.register(&dst).unwrap();
+    let ireg = init.register(&src).unwrap();
+    let peer = init.connect("t-empty", &target.connection_info(), &[]).unwrap();
+    let mut done = Vec::new();
+    let req = PostRequest { xfer: XferId(1), op: Op::Write, peer, segments: vec![], notification: Some(b"n".to_vec()) };
+    init.post(req).unwrap();
+    let c = wait_completion(&mut init, &mut done, XferId(1), WAIT).expect("completes");
+    assert_eq!(c.result, Ok(()));
+    let mut n: Vec<Notification> = Vec::new();
+    let t0 = Instant::now();
+    while n.is_empty() && t0.elapsed() < WAIT {
+        target.take_notifications(&mut n);
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    assert_eq!(n.len(), 1);
+    assert_eq!(n[0].payload, b"n");
+    let seg =
+        Segment { local_addr: src.addr(), lkey: ireg.lkey, remote_addr: dst.addr(), rkey: treg.rkey, len_bytes: 64 };
+    init.post(PostRequest { xfer: XferId(2), op: Op::Write, peer, segments: vec![seg], notification: None }).unwrap();
+    let c = wait_completion(&mut init, &mut done, XferId(2), WAIT).expect("completes");
+    assert_eq!(c.result, Ok(()), "the connection survives an empty post");
+}
