@@ -50,6 +50,7 @@
 //! rather than overrun it), `listen=IP` (default: the GID's IPv4 address).
 
 mod conn;
+mod deadline;
 pub mod nic;
 mod ops;
 mod progress;

@@ -89,6 +89,10 @@ pub struct Pair {
     /// notification with this payload arrives: (dst key, segments).
     expect: HashMap<Vec<u8>, Expected>,
     late_data: Vec<Vec<u8>>,
+    /// Every WRITE posted: its target region (address, key) and segments,
+    /// checked when it reports `Done`.
+    writes: HashMap<u64, ((u64, u32), Vec<(u64, u64)>)>,
+    early_done: Vec<u64>,
 }
 
 impl Pair {
@@ -126,6 +130,8 @@ impl Pair {
             got: Vec::new(),
             expect: HashMap::new(),
             late_data: Vec::new(),
+            writes: HashMap::new(),
+            early_done: Vec::new(),
         };
         let slab = p.i.nic.alloc_slab(NOTIF_SLOTS as usize * NOTIF_SLOT_BYTES).unwrap();
         p.i.st.slabs.insert(1, NotifSlab { mr: slab, free: (0..NOTIF_SLOTS).rev().collect() });
@@ -199,6 +205,9 @@ impl Pair {
         };
         self.i.st.now = self.now;
         self.i.st.post(&req, &qpns, "target", &self.limits)?;
+        if op == Op::Write {
+            self.writes.insert(x, (dst, segs.to_vec()));
+        }
         if let (Some(n), Op::Write, true) = (notif, op, peer == self.peer) {
             self.expect.insert(n.to_vec(), (dst.1, segs.to_vec()));
         }
@@ -258,7 +267,18 @@ impl Pair {
     }
 
     fn collect(&mut self) {
-        for c in self.i.done.try_iter() {
+        let reported: Vec<Completion> = self.i.done.try_iter().collect();
+        for c in reported {
+            // `Done` of a WRITE promises its data is at the target.
+            if let (Ok(()), Some((dst, segs))) = (&c.result, self.writes.get(&c.xfer.0)) {
+                let landed = segs.iter().all(|&(off, len)| {
+                    self.fabric.read(dst.1, dst.0 + off, len as usize)
+                        == self.fabric.read(self.src.1, self.src.0 + off, len as usize)
+                });
+                if !landed {
+                    self.early_done.push(c.xfer.0);
+                }
+            }
             if self.results.insert(c.xfer.0, c.result).is_some() {
                 self.duplicates.push(c.xfer.0);
             }
@@ -355,12 +375,14 @@ impl Pair {
     }
 
     /// What must hold at any time: no transfer reported twice, no CQ overrun,
-    /// the CQE budget adds up, no notification ahead of its data.
+    /// the CQE budget adds up, no notification ahead of its data, no WRITE
+    /// `Done` before its data landed.
     pub fn invariants(&mut self) {
         self.collect();
         assert!(self.duplicates.is_empty(), "reported more than once: {:?}", self.duplicates);
         assert!(self.fabric.world().overruns.is_empty(), "CQ overrun");
         assert!(self.late_data.is_empty(), "notification before its data: {:?}", self.late_data);
+        assert!(self.early_done.is_empty(), "Done before the data landed: {:?}", self.early_done);
         for (s, cq) in [(&self.i.st, self.opts.cq), (&self.t.st, self.opts.cq_target)] {
             let held: u32 = s.send_qps.values().map(|q| q.outstanding + q.flush_reserved).sum();
             assert_eq!(s.cq_free + s.recv_reserved + held, cq as u32, "CQE budget");
