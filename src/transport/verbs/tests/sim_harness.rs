@@ -67,6 +67,9 @@ struct Remote {
 /// Segments of a WRITE checked when its notification arrives: (dst key, (offset, bytes)).
 type Expected = (u32, Vec<(u64, u64)>);
 
+/// A WRITE's target region (address, key) and its (offset, bytes) segments.
+type Write = ((u64, u32), Vec<(u64, u64)>);
+
 /// The initiator `i`, its first target `t` (peer `peer`) and more targets.
 pub struct Pair {
     pub fabric: SimFabric,
@@ -91,7 +94,7 @@ pub struct Pair {
     late_data: Vec<Vec<u8>>,
     /// Every WRITE posted: its target region (address, key) and segments,
     /// checked when it reports `Done`.
-    writes: HashMap<u64, ((u64, u32), Vec<(u64, u64)>)>,
+    writes: HashMap<u64, Write>,
     early_done: Vec<u64>,
 }
 
