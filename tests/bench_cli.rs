@@ -118,7 +118,7 @@ fn assert_one_error(stderr: &str, needle: &str) {
     let errors: Vec<&str> = stderr.lines().filter(|l| l.starts_with("error: ")).collect();
     assert_eq!(errors.len(), 1, "expected exactly one error line:\n{stderr}");
     assert!(errors[0].contains(needle), "error line lacks {needle:?}:\n{stderr}");
-    for bad in ["panicked", "stack backtrace", "Caused by", "side channel closed"] {
+    for bad in ["panicked", "stack backtrace", "Caused by", "closed the side channel"] {
         assert!(!stderr.contains(bad), "{bad:?} in:\n{stderr}");
     }
 }

@@ -1,6 +1,6 @@
 //! The helper processes `bench` and `replay` start (`bench-target`,
 //! `replay-decode`): their failure is reported once, by the parent, with the
-//! child's own cause instead of the parent's symptom ("side channel closed").
+//! child's own cause instead of the parent's symptom ("the other process closed the side channel").
 //!
 //! The child prints `error: <cause>` as any kvwire command does; the parent
 //! reads the child's stderr, passes every other line through, keeps the
@@ -107,5 +107,5 @@ impl Child {
 fn is_channel_symptom(e: &anyhow::Error) -> bool {
     e.chain().any(|c| {
         matches!(c.downcast_ref::<SideChannelError>(), Some(SideChannelError::Closed | SideChannelError::Io { .. }))
-    }) || format!("{e:#}").contains("side channel closed")
+    }) || format!("{e:#}").contains("closed the side channel")
 }
