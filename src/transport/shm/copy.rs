@@ -11,7 +11,7 @@ use memmap2::MmapRaw;
 
 use super::wire::Msg;
 use crate::transport::inflight::XferState;
-use crate::transport::{Completion, Op, Segment};
+use crate::transport::{Completion, Op, RemoteAccessKind, Segment, TransferFailure, TransportError};
 
 /// How the initiator reaches one region of a peer.
 #[derive(Debug)]
@@ -172,7 +172,7 @@ fn run_job(job: Job) {
         let Some(range) = x.chunks.get(idx) else { return };
         if x.core.live() {
             if x.peer.dead.load(Ordering::Acquire) {
-                x.core.fail(format!("peer {} disconnected", x.peer.name));
+                x.core.fail(TransferFailure::peer_died(format!("peer {} disconnected", x.peer.name)));
             } else if let Err(why) = copy_segments(x, &x.segments[range.clone()]) {
                 x.core.fail(why);
             }
@@ -189,20 +189,29 @@ fn run_job(job: Job) {
 fn finish(x: &XferShared, done: &Sender<Completion>) {
     x.core.complete(done, || {
         if x.peer.dead.load(Ordering::Acquire) {
-            return Err(format!("peer {} disconnected", x.peer.name));
+            return Err(TransferFailure::peer_died(format!("peer {} disconnected", x.peer.name)));
         }
         match &x.core.notification {
             Some(payload) => x
                 .peer
                 .channel
                 .send(&Msg::Notify { payload: payload.clone() }, None)
-                .map_err(|e| format!("notification to {} failed: {e}", x.peer.name)),
+                .map_err(|e| notify_failure(&e, &x.peer.name)),
             None => Ok(()),
         }
     });
 }
 
-fn copy_segments(x: &XferShared, segs: &[Segment]) -> Result<(), String> {
+/// A notification that could not be sent: the transfer is not `Done`.
+fn notify_failure(e: &TransportError, peer: &str) -> TransferFailure {
+    let detail = format!("notification to {peer} not delivered");
+    match e {
+        TransportError::Io { source, .. } => TransferFailure::from_io(source, detail),
+        other => TransferFailure::peer_died(format!("{detail}: {other}")),
+    }
+}
+
+fn copy_segments(x: &XferShared, segs: &[Segment]) -> Result<(), TransferFailure> {
     let mut held: Option<(u32, &PeerRegion)> = None;
     let result = copy_held(x, segs, &mut held);
     if let Some((_, r)) = held {
@@ -213,7 +222,11 @@ fn copy_segments(x: &XferShared, segs: &[Segment]) -> Result<(), String> {
 
 /// Copy `segs`, holding an access on the region in use (`held`) so that a
 /// revocation waits for the copy; the caller releases the last one.
-fn copy_held<'a>(x: &'a XferShared, segs: &[Segment], held: &mut Option<(u32, &'a PeerRegion)>) -> Result<(), String> {
+fn copy_held<'a>(
+    x: &'a XferShared,
+    segs: &[Segment],
+    held: &mut Option<(u32, &'a PeerRegion)>,
+) -> Result<(), TransferFailure> {
     let mut cma: Vec<(libc::iovec, libc::iovec)> = Vec::new();
     let mut cma_pid = 0;
     for s in segs {
@@ -226,10 +239,13 @@ fn copy_held<'a>(x: &'a XferShared, segs: &[Segment], held: &mut Option<(u32, &'
                     old.exit();
                 }
                 let Some(region) = x.peer.regions.get(&s.rkey.0) else {
-                    return Err(format!("remote access error: unknown rkey {}", s.rkey.0));
+                    return Err(TransferFailure::remote_access(
+                        RemoteAccessKind::UnknownKey,
+                        format!("unknown rkey {}", s.rkey.0),
+                    ));
                 };
                 if !region.enter() {
-                    return Err(format!("remote access error: rkey {} was deregistered by the target", s.rkey.0));
+                    return Err(deregistered(s.rkey.0));
                 }
                 *held = Some((s.rkey.0, region));
                 region
@@ -238,7 +254,7 @@ fn copy_held<'a>(x: &'a XferShared, segs: &[Segment], held: &mut Option<(u32, &'
         if region.revoked.load(Ordering::Relaxed) {
             // A revocation is waiting for us: stop here.
             cma_flush(x.core.op, cma_pid, &mut cma)?;
-            return Err(format!("remote access error: rkey {} was deregistered by the target", s.rkey.0));
+            return Err(deregistered(s.rkey.0));
         }
         let off = (s.remote_addr - region.addr) as usize;
         match &region.mem {
@@ -275,7 +291,12 @@ fn copy_held<'a>(x: &'a XferShared, segs: &[Segment], held: &mut Option<(u32, &'
     cma_flush(x.core.op, cma_pid, &mut cma)
 }
 
-fn cma_flush(op: Op, pid: i32, batch: &mut Vec<(libc::iovec, libc::iovec)>) -> Result<(), String> {
+/// The target revoked `rkey` (deregistered it) before or during the copy.
+fn deregistered(rkey: u32) -> TransferFailure {
+    TransferFailure::remote_access(RemoteAccessKind::UnknownKey, format!("rkey {rkey} was deregistered by the target"))
+}
+
+fn cma_flush(op: Op, pid: i32, batch: &mut Vec<(libc::iovec, libc::iovec)>) -> Result<(), TransferFailure> {
     if batch.is_empty() {
         return Ok(());
     }
@@ -297,12 +318,23 @@ fn cma_flush(op: Op, pid: i32, batch: &mut Vec<(libc::iovec, libc::iovec)>) -> R
     if n < 0 {
         let e = std::io::Error::last_os_error();
         return Err(match e.raw_os_error() {
-            Some(libc::ESRCH) => "peer process is gone (ESRCH)".to_string(),
-            _ => format!("cross-memory attach failed: {e}"),
+            Some(libc::ESRCH) => TransferFailure::from_io(&e, "peer process is gone"),
+            Some(libc::EFAULT) => TransferFailure::remote_access(
+                RemoteAccessKind::OutOfBounds,
+                format!("cross-memory attach: {e} (range not mapped in the target)"),
+            ),
+            Some(libc::EPERM) => TransferFailure::remote_access(
+                RemoteAccessKind::Denied,
+                format!("cross-memory attach not permitted: {e}"),
+            ),
+            _ => TransferFailure::from_io(&e, "cross-memory attach failed"),
         });
     }
     if n as usize != want {
-        return Err(format!("cross-memory attach moved {n} of {want} bytes"));
+        return Err(TransferFailure::remote_access(
+            RemoteAccessKind::OutOfBounds,
+            format!("cross-memory attach moved {n} of {want} bytes"),
+        ));
     }
     Ok(())
 }

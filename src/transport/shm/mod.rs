@@ -30,8 +30,8 @@ use wire::{Access, Channel, Listener, Msg};
 
 use super::inflight::{InFlight, XferState};
 use super::{
-    Completion, LocalKey, MemoryBacking, Notification, PeerId, PostRequest, Registration, RemoteKey, RemoteRegion,
-    Transport, TransportConfig, TransportError, TransportKind, XferId,
+    Completion, LocalKey, MemoryBacking, Notification, PeerId, PostRequest, Registration, RemoteAccessKind, RemoteKey,
+    RemoteRegion, TransferFailure, Transport, TransportConfig, TransportError, TransportKind, XferId,
 };
 
 /// Bytes of work per copy job: large enough that queueing costs nothing,
@@ -472,8 +472,10 @@ impl Transport for ShmTransport {
                 Some((k, a, l)) if k == s.rkey.0 => (a, l),
                 _ => match peer.regions.get(&s.rkey.0) {
                     Some(r) if r.revoked.load(Ordering::Acquire) => {
-                        violation =
-                            Some(format!("remote access error: rkey {} was deregistered by the target", s.rkey.0));
+                        violation = Some(TransferFailure::remote_access(
+                            RemoteAccessKind::UnknownKey,
+                            format!("rkey {} was deregistered by the target", s.rkey.0),
+                        ));
                         break;
                     }
                     Some(r) => {
@@ -481,7 +483,10 @@ impl Transport for ShmTransport {
                         (r.addr, r.len_bytes)
                     }
                     None => {
-                        violation = Some(format!("remote access error: unknown rkey {}", s.rkey.0));
+                        violation = Some(TransferFailure::remote_access(
+                            RemoteAccessKind::UnknownKey,
+                            format!("unknown rkey {}", s.rkey.0),
+                        ));
                         break;
                     }
                 },
@@ -489,9 +494,9 @@ impl Transport for ShmTransport {
             let inside =
                 s.remote_addr >= addr && s.remote_addr.checked_add(s.len_bytes).is_some_and(|e| e <= addr + len);
             if !inside {
-                violation = Some(format!(
-                    "remote access error: {:#x}+{} outside rkey {} ({:#x}+{len})",
-                    s.remote_addr, s.len_bytes, s.rkey.0, addr
+                violation = Some(TransferFailure::remote_access(
+                    RemoteAccessKind::OutOfBounds,
+                    format!("{:#x}+{} outside rkey {} ({:#x}+{len})", s.remote_addr, s.len_bytes, s.rkey.0, addr),
                 ));
                 break;
             }
