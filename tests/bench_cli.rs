@@ -173,3 +173,15 @@ fn serve_refuses_bad_durations_without_panicking() {
         assert!(err.contains("must be more than 0") && !err.contains("panicked"), "{bad}: {err}");
     }
 }
+
+#[test]
+fn help_lists_every_backends_options_with_defaults() {
+    for cmd in ["bench", "replay", "serve"] {
+        let out = kvwire().args([cmd, "--help"]).output().unwrap();
+        assert!(out.status.success());
+        let text = String::from_utf8_lossy(&out.stdout);
+        for want in ["Transport options", "tcp:", "verbs:", "conns_per_peer", "gid_index", "(default: "] {
+            assert!(text.contains(want), "{cmd} --help lacks {want:?}:\n{text}");
+        }
+    }
+}

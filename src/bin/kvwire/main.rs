@@ -13,7 +13,8 @@ mod units;
 
 use std::process::ExitCode;
 
-use clap::{Parser, Subcommand};
+use clap::{CommandFactory, FromArgMatches, Parser, Subcommand};
+use kvwire::transport::{TransportKind, options};
 
 #[derive(Parser)]
 #[command(name = "kvwire", version, about = "Move paged KV caches between inference engines")]
@@ -44,12 +45,40 @@ enum Command {
     Devices(devices::DevicesArgs),
 }
 
+/// Every backend's `key=value` options with units and defaults.
+fn options_help() -> String {
+    let mut out = String::from(
+        "Transport options (--option key=value, repeatable; a backend refuses keys it does not know):\n",
+    );
+    for kind in [TransportKind::Shm, TransportKind::Tcp, TransportKind::Verbs] {
+        let specs = options::specs(kind);
+        if specs.is_empty() {
+            out.push_str(&format!("\n  {kind}: no options\n"));
+            continue;
+        }
+        out.push_str(&format!("\n  {kind}:\n"));
+        for s in specs {
+            out.push_str(&format!("    {:<15} {} (default: {})\n      {}\n", s.key, s.value, s.default, s.help));
+        }
+    }
+    out
+}
+
 fn main() -> ExitCode {
     tracing_subscriber::fmt()
         .with_env_filter(tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "warn".into()))
         .with_writer(std::io::stderr)
         .init();
-    let cli = Cli::parse();
+    // `--help` of the commands that take `--option` lists every backend's
+    // options, from the table the backends parse them with.
+    let mut cmd = Cli::command();
+    for name in ["bench", "replay", "serve"] {
+        cmd = cmd.mut_subcommand(name, |c| c.after_long_help(options_help()));
+    }
+    let cli = match Cli::from_arg_matches(&cmd.get_matches()) {
+        Ok(c) => c,
+        Err(e) => e.exit(),
+    };
     failure::set_verbose(cli.verbose);
     let result = match cli.command {
         Command::Bench(a) => bench::run(a),
