@@ -253,16 +253,15 @@ fn parse_options(text: &str) -> Result<TransportConfig, Fail> {
         let (k, v) = (k.trim(), v.trim());
         match k {
             "peer_timeout_ms" => {
-                let ms: u64 = v
-                    .parse()
-                    .ok()
-                    .filter(|&ms| ms > 0 && ms <= MAX_PEER_TIMEOUT.as_millis() as u64)
-                    .ok_or_else(|| {
-                        invalid(format!(
-                            "peer_timeout_ms={v}: expected 1..={} (milliseconds)",
-                            MAX_PEER_TIMEOUT.as_millis()
-                        ))
-                    })?;
+                let ms: u64 =
+                    v.parse().ok().filter(|&ms| ms > 0 && ms <= MAX_PEER_TIMEOUT.as_millis() as u64).ok_or_else(
+                        || {
+                            invalid(format!(
+                                "peer_timeout_ms={v}: expected 1..={} (milliseconds)",
+                                MAX_PEER_TIMEOUT.as_millis()
+                            ))
+                        },
+                    )?;
                 cfg.peer_timeout = std::time::Duration::from_millis(ms);
             }
             "copy_threads" => {

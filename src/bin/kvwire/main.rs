@@ -47,9 +47,8 @@ enum Command {
 
 /// Every backend's `key=value` options with units and defaults.
 fn options_help() -> String {
-    let mut out = String::from(
-        "Transport options (--option key=value, repeatable; a backend refuses keys it does not know):\n",
-    );
+    let mut out =
+        String::from("Transport options (--option key=value, repeatable; a backend refuses keys it does not know):\n");
     for kind in [TransportKind::Shm, TransportKind::Tcp, TransportKind::Verbs] {
         let specs = options::specs(kind);
         if specs.is_empty() {
