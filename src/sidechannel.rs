@@ -37,13 +37,13 @@ pub enum SideChannelError {
         source: io::Error,
     },
     /// The peer closed the connection.
-    #[error("side channel closed by the peer")]
+    #[error("the other process closed the side channel (it exited or failed; its own error says why)")]
     Closed,
     /// A message over [`MAX_MESSAGE_BYTES`].
-    #[error("message of {0} bytes exceeds the limit")]
+    #[error("side-channel message of {0} bytes exceeds the limit of {MAX_MESSAGE_BYTES} bytes")]
     TooLarge(usize),
     /// Undecodable JSON.
-    #[error("bad message: {0}")]
+    #[error("undecodable side-channel message (is the other side a different kvwire version?): {0}")]
     Decode(#[from] serde_json::Error),
     /// Nobody answered in time.
     #[error("timed out after {0:?} connecting to {1} (last error: {2})")]
