@@ -9,6 +9,7 @@ mod buffers;
 mod connector;
 mod engine;
 mod errors;
+mod nixl;
 mod reqdata;
 
 use pyo3::prelude::*;
@@ -25,6 +26,7 @@ fn _kvwire(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<connector::PyConnector>()?;
     m.add_class::<connector::PyNullConnector>()?;
     m.add_class::<connector::PyHostTierConnector>()?;
+    nixl::register(m)?;
     m.add("TransferError", py.get_type::<errors::TransferError>())?;
     m.add("KVLoadRefused", py.get_type::<errors::KVLoadRefused>())?;
     m.add("KVLoadFailed", py.get_type::<errors::KVLoadFailed>())?;
