@@ -359,7 +359,9 @@ impl RawPair {
 fn backing_must_be_host_memory() {
     let mut t = TcpTransport::new("x", &TransportConfig::default()).unwrap();
     struct Vram;
-    impl MemoryBacking for Vram {
+    // SAFETY: a descriptor the transport must refuse (VRAM) before it
+    // touches the (fake) range; nothing dereferences it.
+    unsafe impl MemoryBacking for Vram {
         fn desc(&self) -> kvwire::transport::MemoryDesc {
             kvwire::transport::MemoryDesc {
                 addr: 0x1000,

@@ -117,7 +117,9 @@ mod tests {
         log: Arc<Mutex<Vec<String>>>,
     }
 
-    impl MemoryBacking for FakeVram {
+    // SAFETY: test double: the fake device range is only handed to the fake
+    // verbs calls of these tests, which never dereference it.
+    unsafe impl MemoryBacking for FakeVram {
         fn desc(&self) -> MemoryDesc {
             MemoryDesc { addr: 0x7000_0000_1000, len_bytes: 8192, kind: MemoryKind::Vram, device_id: 1 }
         }

@@ -245,7 +245,7 @@ impl KVTransferEngine {
                 let mut registrations = Vec::with_capacity(num_groups);
                 for m in groups {
                     let b = &m.buffers()[shard];
-                    registrations.push(engine.register(b.registration())?);
+                    registrations.push(engine.register(b.registration()?)?);
                     base_addrs.push(b.addr());
                 }
                 row.push(TensorAgent { engine, base_addrs, device_id, registrations });

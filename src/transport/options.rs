@@ -29,7 +29,20 @@ const fn spec(key: &'static str, value: &'static str, default: &'static str, hel
 }
 
 /// Options of the `shm` backend.
-pub const SHM_OPTIONS: &[OptionSpec] = &[];
+pub const SHM_OPTIONS: &[OptionSpec] = &[
+    spec(
+        "allow_uids",
+        "comma-separated uids",
+        "none (only the agent's own uid)",
+        "other uids allowed to connect (SO_PEERCRED); they still need the agent's secret",
+    ),
+    spec(
+        "cma",
+        "allow or deny",
+        "allow",
+        "reach memory without a whole sealed memfd by cross-memory attach (the peer can then reach the whole process)",
+    ),
+];
 
 /// Options of the `tcp` backend.
 pub const TCP_OPTIONS: &[OptionSpec] = &[
@@ -168,7 +181,7 @@ mod tests {
         assert!(matches!(e, TransportError::InvalidOption { ref key, .. } if key == "conn_per_peer"), "{msg}");
         assert!(msg.contains("conns_per_peer") && msg.contains("listen"), "{msg}");
         let c = cfg(&[("anything", "1")]);
-        assert!(OptionSet::parse(TransportKind::Shm, &c).unwrap_err().to_string().contains("none"));
+        assert!(OptionSet::parse(TransportKind::Shm, &c).unwrap_err().to_string().contains("allow_uids"));
     }
 
     #[test]

@@ -135,8 +135,10 @@ fn config(copy_threads: usize, options: Vec<(String, String)>) -> TransportConfi
 }
 
 fn fill_blocks(buf: &HostBuffer, block_size: u64, blocks: u64) {
+    let mut page = vec![0u8; block_size as usize];
     for i in 0..blocks {
-        buf.write_with((i * block_size) as usize, block_size as usize, |page| fill_page(page, block_key(i)));
+        fill_page(&mut page, block_key(i));
+        buf.write((i * block_size) as usize, &page);
     }
 }
 

@@ -299,7 +299,9 @@ pub fn run(a: &ReplayArgs, mut chan: SideChannel) -> Result<Report> {
                 for (j, &p) in src.iter().enumerate().skip(hit) {
                     let corrupt = j == 0 && a.inject_bad_page == Some(id);
                     let key = shard_key(keys[j], s) ^ u64::from(corrupt);
-                    host.write_with((p * prefill_bpp) as usize, prefill_bpp as usize, |page| fill_page(page, key));
+                    let mut page = vec![0u8; prefill_bpp as usize];
+                    fill_page(&mut page, key);
+                    host.write((p * prefill_bpp) as usize, &page);
                 }
             }
             let offload = match tier.as_mut() {
