@@ -205,10 +205,6 @@ pub const MAX_PEER_TIMEOUT: Duration = Duration::from_secs(86_400);
 /// Most accepted [`TransportConfig::copy_threads`].
 pub const MAX_COPY_THREADS: usize = 256;
 
-/// Largest notification payload every backend accepts (bytes); a larger one
-/// is refused at post with [`TransportError::Post`].
-pub const MAX_NOTIFICATION_BYTES: usize = 65_536;
-
 impl TransportConfig {
     /// Check the shared options: `peer_timeout` in (0, [`MAX_PEER_TIMEOUT`]],
     /// `copy_threads` in 1..=[`MAX_COPY_THREADS`]. Every backend calls this
