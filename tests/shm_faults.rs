@@ -245,3 +245,26 @@ fn packets_with_many_descriptors_leak_none_into_the_target() {
     let after = count();
     assert!(after <= before + 2, "target leaked descriptors: {before} -> {after}");
 }
+
+/// Issue 18 item 9: `peer_timeout = 0` made a connect to a silent peer
+/// block forever (a zero socket timeout means "none"). It is refused now,
+/// and a connect to a target that accepts but never answers fails after
+/// `peer_timeout` (the whole handshake is bounded).
+#[test]
+fn zero_peer_timeout_is_refused_and_a_silent_target_fails_connect() {
+    let zero = config(Duration::ZERO);
+    assert!(matches!(ShmTransport::new("x", &zero), Err(TransportError::InvalidConfig(_))));
+    let name = format!("kvwire-silent-target-{}", std::process::id());
+    let l = Listener::bind(&name).unwrap();
+    let boot = std::fs::read_to_string("/proc/sys/kernel/random/boot_id").unwrap().trim().to_string();
+    let info = ShmInfo { boot_id: boot, socket: name, secret: AgentSecret::from_bytes([1; 16]) };
+    let silent = std::thread::spawn(move || {
+        let ch = l.accept().unwrap();
+        std::thread::sleep(Duration::from_secs(3));
+        drop(ch);
+    });
+    let mut init = ShmTransport::new("initiator", &config(Duration::from_millis(300))).unwrap();
+    let err = init.connect("silent", &info.encode(), &[]).unwrap_err();
+    assert!(matches!(err, TransportError::Connect { .. }), "{err}");
+    silent.join().unwrap();
+}

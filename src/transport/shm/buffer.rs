@@ -3,7 +3,7 @@
 
 use std::fs::File;
 use std::io;
-use std::os::fd::{AsFd, AsRawFd, BorrowedFd};
+use std::os::fd::{AsFd, BorrowedFd};
 
 use memmap2::{MmapOptions, MmapRaw};
 use nix::sys::memfd::{MFdFlags, memfd_create};
@@ -47,17 +47,9 @@ impl HostBuffer {
         // buffer; sealed so that no holder of the fd can shrink it (SIGBUS
         // at our next access), grow it, or change the seals.
         file.set_len((len_bytes as u64).div_ceil(4096) * 4096)?;
-        // SAFETY: fcntl on the memfd we just created; no memory is passed.
-        let r = unsafe {
-            libc::fcntl(
-                file.as_raw_fd(),
-                libc::F_ADD_SEALS,
-                libc::F_SEAL_SHRINK | libc::F_SEAL_GROW | libc::F_SEAL_SEAL,
-            )
-        };
-        if r != 0 {
-            return Err(io::Error::last_os_error());
-        }
+        use nix::fcntl::{FcntlArg, SealFlag, fcntl};
+        let seals = SealFlag::F_SEAL_SHRINK | SealFlag::F_SEAL_GROW | SealFlag::F_SEAL_SEAL;
+        fcntl(&file, FcntlArg::F_ADD_SEALS(seals)).map_err(io::Error::from)?;
         let map = MmapOptions::new().len(len_bytes).populate().map_raw(&file)?;
         Ok(Self { file, map, len_bytes })
     }

@@ -1,16 +1,25 @@
 //! `shm`: one-sided READ/WRITE between processes on the same host.
 //!
-//! Each agent listens on an abstract `SOCK_SEQPACKET` Unix socket. A peer
-//! that connects says hello and gets, per registered region, either the
-//! region's memfd ([`HostBuffer`] memory) which it maps, so that a transfer is
-//! one `memcpy` by the initiator's copy threads, or the target's pid for
-//! cross-memory attach (`process_vm_readv/writev`) for any other memory.
-//! The target's CPU copies nothing. Every segment is checked against the
-//! region table the *target* reported (key and bounds), as an HCA checks an
-//! rkey: a bad key or range fails the transfer before any byte moves.
-//! Notifications travel on the socket after the data. A peer whose socket
-//! closes (it died) fails its transfers; socket sends time out after
-//! [`TransportConfig::peer_timeout`].
+//! Each agent listens on an abstract `SOCK_SEQPACKET` Unix socket. A process
+//! that connects must run as an allowed uid (`SO_PEERCRED`) and prove it
+//! knows the agent's secret from the metadata (the target module's docs and
+//! `docs/SECURITY.md`); it then gets, per registered region, either the
+//! region's sealed memfd ([`HostBuffer`] memory) which it maps after checking
+//! its size and seals, so that a transfer is one `memcpy` by the initiator's
+//! copy threads, or the target's pid for cross-memory attach
+//! (`process_vm_readv/writev`) for any other memory (option `cma=deny`
+//! refuses such registrations). The target's CPU copies nothing. Every
+//! segment is checked against the region table the *target* reported (key
+//! and bounds), as an HCA checks an rkey: a bad key or range fails the
+//! transfer before any byte moves.
+//!
+//! Notifications travel on the socket after the data, never with a blocking
+//! send from the shared copy threads (the peer module); a notified transfer is
+//! `Done` once the target acknowledged the notification, `Failed(PeerDied)`
+//! when the target goes away first and `Failed(PeerTimeout)` after
+//! [`TransportConfig::peer_timeout`]. The largest notification is
+//! [`super::MAX_NOTIFICATION_BYTES`]. A deregistered region is revoked and
+//! unmapped in every connected initiator before `deregister` returns.
 
 mod buffer;
 mod copy;
@@ -19,7 +28,7 @@ mod target;
 pub mod wire;
 
 use std::collections::HashMap;
-use std::os::fd::{AsRawFd, BorrowedFd, OwnedFd};
+use std::os::fd::{BorrowedFd, OwnedFd};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::thread::JoinHandle;
@@ -184,13 +193,12 @@ fn export_fd(fd: BorrowedFd<'_>, offset: u64, len_bytes: u64) -> Result<Option<(
     if offset != 0 || len_bytes > size || size > len_bytes.div_ceil(page) * page {
         return Ok(None); // a view inside a larger file
     }
-    // SAFETY: fcntl on a descriptor the backing keeps open; no memory passed.
-    let mut seals = unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_GET_SEALS) };
+    use nix::fcntl::{FcntlArg, SealFlag, fcntl};
+    let mut seals = fcntl(fd, FcntlArg::F_GET_SEALS).unwrap_or(-1);
     if seals >= 0 && seals & EXPORT_SEALS != EXPORT_SEALS {
-        // SAFETY: as above.
-        unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_ADD_SEALS, EXPORT_SEALS) };
-        // SAFETY: as above.
-        seals = unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_GET_SEALS) };
+        let want = SealFlag::F_SEAL_SHRINK | SealFlag::F_SEAL_GROW;
+        let _ = fcntl(fd, FcntlArg::F_ADD_SEALS(want));
+        seals = fcntl(fd, FcntlArg::F_GET_SEALS).unwrap_or(-1);
     }
     if seals < 0 || seals & EXPORT_SEALS != EXPORT_SEALS {
         return Ok(None);

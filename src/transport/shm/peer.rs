@@ -391,8 +391,7 @@ fn map_region(fd: OwnedFd, offset: u64, len_bytes: u64) -> Result<PeerMem, Strin
     if end > size || len_bytes == 0 {
         return Err(format!("the reply claims bytes {offset}..{end} but the memfd holds {size}"));
     }
-    // SAFETY: fcntl(F_GET_SEALS) on a descriptor we own; no memory is passed.
-    let seals = unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_GET_SEALS) };
+    let seals = nix::fcntl::fcntl(&fd, nix::fcntl::FcntlArg::F_GET_SEALS).unwrap_or(-1);
     if seals < 0 || seals & REQUIRED_SEALS != REQUIRED_SEALS {
         return Err("the memfd is not sealed against shrinking and growing (F_SEAL_SHRINK | F_SEAL_GROW)".into());
     }
