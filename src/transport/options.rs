@@ -67,7 +67,7 @@ pub const VERBS_OPTIONS: &[OptionSpec] = &[
     spec("port", "port number", "1", "HCA port"),
     spec("gid_index", "index", "auto (RoCE v2 IPv4-mapped GID)", "GID table index (RoCE)"),
     spec("listen", "IP", "the GID's IPv4 address, else 127.0.0.1", "address of the connection handshake listener"),
-    spec("timeout", "4.096 µs × 2^value, 0..=31", "14 (≈ 67 ms)", "QP local ACK timeout"),
+    spec("timeout", "4.096 µs × 2^value, 0..=31", "14 (≈ 67 ms); 18 (≈ 1 s) on rxe/siw", "QP local ACK timeout"),
     spec("retry_cnt", "count 0..=7", "6", "QP transport retries (7 = forever on rxe)"),
     spec(
         "progress_timeout_ms",

@@ -32,7 +32,8 @@
 //! Options (`TransportConfig::options`, checked by `OptionSet::parse`
 //! against `transport::options::VERBS_OPTIONS`): `device=rxe0`, `port=1`,
 //! `gid_index=N` (default: RoCE v2 IPv4-mapped, LID routing on IB),
-//! `qps_per_peer=N` (1), `timeout=EXP` (14: 4.096 µs × 2^14 ≈ 67 ms),
+//! `qps_per_peer=N` (1), `timeout=EXP` (14: 4.096 µs × 2^14 ≈ 67 ms; 18,
+//! ≈ 1 s, on software devices),
 //! `retry_cnt=N` (6), `progress_timeout_ms=N` (2 × `peer_timeout`),
 //! `max_send_wr=N` (1024), `signal_every=N` (32),
 //! `post_list=N` (64: most WRs chained into one `post_send`, as perftest's
@@ -187,7 +188,10 @@ impl VerbsTransport {
         let qp_options = QpOptions {
             port,
             gid_index,
-            timeout: o.get_checked("timeout", 14, |v| *v <= 31)?,
+            // Software devices (rxe, siw) answer late under CPU load: with a
+            // finite retry_cnt, 67 ms ACK timeouts failed READs of a busy
+            // Soft-RoCE guest with IBV_WC_RETRY_EXC_ERR; 2^18 × 4.096 µs ≈ 1 s.
+            timeout: o.get_checked("timeout", if ctx.is_software() { 18 } else { 14 }, |v| *v <= 31)?,
             // 7 would mean "retry forever" on rxe (`rxe_comp.c` never
             // decrements it): a finite default everywhere.
             retry_cnt: o.get_checked("retry_cnt", DEFAULT_RETRY_CNT, |v| *v <= 7)?,
