@@ -1,9 +1,11 @@
 //! The verbs transport on real RDMA devices (Soft-RoCE in CI: rxe0 ↔ rxe1).
 //!
-//! Each test runs only where a device exists (`SOFTROCE_DEVS`, or any device
-//! libibverbs lists); elsewhere it prints `skipped: no RDMA device (...)` to
-//! stderr and returns. `scripts/softroce-tests.sh` runs them in the
-//! Soft-RoCE guest. The guest is slow (20-60 MB/s, ms round trips): data is
+//! Each test needs a device and is `#[ignore]`d with that reason, so a plain
+//! `cargo test` reports it as ignored, never as passed;
+//! `scripts/softroce-tests.sh` runs them with `--include-ignored` in the
+//! Soft-RoCE guest (where a missing device still prints `skipped` and
+//! returns). The state machine itself is tested without hardware on the
+//! simulated NIC (`src/transport/verbs/tests.rs`). The guest is slow (20-60 MB/s, ms round trips): data is
 //! small and completions get seconds.
 
 mod verbs_util;
@@ -37,6 +39,7 @@ fn wait_notifs(e: &mut TransferEngine, from: &str, n: usize) -> Vec<Vec<u8>> {
 }
 
 #[test]
+#[ignore = "needs an RDMA device (Soft-RoCE guest: scripts/softroce-tests.sh)"]
 fn verbs_write_read_and_notification() {
     let (tdev, idev) = need_devices!();
     let mut target = engine("decode", &tdev);
@@ -72,6 +75,7 @@ fn verbs_write_read_and_notification() {
 }
 
 #[test]
+#[ignore = "needs an RDMA device (Soft-RoCE guest: scripts/softroce-tests.sh)"]
 fn verbs_notifications_arrive_in_order_after_their_data() {
     let (tdev, idev) = need_devices!();
     let mut target = engine("t-order", &tdev);
@@ -120,6 +124,7 @@ fn verbs_notifications_arrive_in_order_after_their_data() {
 }
 
 #[test]
+#[ignore = "needs an RDMA device (Soft-RoCE guest: scripts/softroce-tests.sh)"]
 fn verbs_thousand_scattered_pages_byte_exact() {
     let (tdev, idev) = need_devices!();
     for qps in ["1", "2"] {
@@ -177,6 +182,7 @@ fn wait_completion(t: &mut Box<dyn transport::Transport>, x: XferId) -> Completi
 }
 
 #[test]
+#[ignore = "needs an RDMA device (Soft-RoCE guest: scripts/softroce-tests.sh)"]
 fn verbs_wrong_rkey_fails_with_remote_access_error_then_recovers() {
     let (tdev, idev) = need_devices!();
     let mut target = transport::create(TransportKind::Verbs, "t-rkey", &config(&tdev, &[])).unwrap();
@@ -238,6 +244,7 @@ const CHILD_META_ENV: &str = "KVWIRE_VERBS_CHILD_META";
 
 /// The target process of the kill test (does nothing unless spawned by it).
 #[test]
+#[ignore = "the kill test's target process (it spawns this test itself)"]
 fn verbs_child_target_process() {
     let Ok(dev) = std::env::var(CHILD_ENV) else {
         return;
@@ -255,32 +262,15 @@ fn verbs_child_target_process() {
 }
 
 #[test]
-fn verbs_peer_killed_mid_transfer_fails_within_retry_budget() {
+#[ignore = "needs an RDMA device (Soft-RoCE guest: scripts/softroce-tests.sh)"]
+fn verbs_peer_killed_mid_transfer_fails_in_bounded_time_with_default_options() {
     let (tdev, idev) = need_devices!();
-    let exe = std::env::current_exe().unwrap();
-    let meta_path = std::env::temp_dir().join(format!("kvwire-verbs-child-{}.json", std::process::id()));
-    let _ = std::fs::remove_file(&meta_path);
-    let mut child = std::process::Command::new(exe)
-        .args(["verbs_child_target_process", "--exact", "--nocapture", "--test-threads=1"])
-        .env(CHILD_ENV, &tdev)
-        .env(CHILD_META_ENV, &meta_path)
-        .stdout(std::process::Stdio::null())
-        .spawn()
-        .unwrap();
     eprintln!("kill test: waiting for the child's metadata");
-    let t0 = Instant::now();
-    let meta = loop {
-        if let Ok(j) = std::fs::read_to_string(&meta_path) {
-            break AgentMetadata::from_json(&j).unwrap();
-        }
-        assert!(t0.elapsed() < WAIT, "child never published its metadata");
-        assert!(child.try_wait().unwrap().is_none(), "child exited early");
-        std::thread::sleep(Duration::from_millis(20));
-    };
-    let _ = std::fs::remove_file(&meta_path);
-    // timeout 2^14 × 4.096 µs ≈ 67 ms, 3 retries: the budget is well under a second
-    // on hardware; rxe's timers are coarser, so allow seconds.
-    let cfg = config(&idev, &[("timeout", "14"), ("retry_cnt", "3")]);
+    let (mut child, meta) = spawn_target(&tdev);
+    // Default options (issue: rxe at retry_cnt=7 retried forever): the
+    // liveness channel's close fails the QPs at once; else the progress
+    // deadline (2 × peer_timeout) or the finite default retry_cnt does.
+    let cfg = config(&idev, &[]);
     let mut init = TransferEngine::new("i-kill", TransportKind::Verbs, &cfg).unwrap();
     let src = Arc::new(HostBuffer::new(8 << 20).unwrap());
     init.register(src.clone()).unwrap();
@@ -301,10 +291,9 @@ fn verbs_peer_killed_mid_transfer_fails_within_retry_budget() {
     let took = killed.elapsed();
     eprintln!("peer killed: {s:?} after {took:?}");
     match s {
-        TransferStatus::Failed(why) => assert!(
-            why.kind == FailureKind::PeerDied && matches!(why.source, FailureSource::WorkCompletion { .. }),
-            "{why:?}"
-        ),
+        TransferStatus::Failed(why) => {
+            assert!(matches!(why.kind, FailureKind::PeerDied | FailureKind::PeerTimeout), "{why:?}")
+        }
         TransferStatus::Done => eprintln!("note: the transfer finished before the kill landed"),
         TransferStatus::InProgress => {
             panic!("transfer still in progress {took:?} after the peer died")
@@ -321,6 +310,126 @@ fn verbs_peer_killed_mid_transfer_fails_within_retry_budget() {
             assert!(matches!(s, TransferStatus::Failed(_)), "{s:?}");
         }
     }
+}
+
+/// Spawn the kill test's target process on `tdev`; it and its metadata.
+fn spawn_target(tdev: &str) -> (std::process::Child, AgentMetadata) {
+    let exe = std::env::current_exe().unwrap();
+    let meta_path = std::env::temp_dir().join(format!("kvwire-verbs-stop-{}.json", std::process::id()));
+    let _ = std::fs::remove_file(&meta_path);
+    let mut child = std::process::Command::new(exe)
+        .args(["verbs_child_target_process", "--exact", "--include-ignored", "--nocapture", "--test-threads=1"])
+        .env(CHILD_ENV, tdev)
+        .env(CHILD_META_ENV, &meta_path)
+        .stdout(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let t0 = Instant::now();
+    let meta = loop {
+        if let Ok(j) = std::fs::read_to_string(&meta_path) {
+            break AgentMetadata::from_json(&j).unwrap();
+        }
+        assert!(t0.elapsed() < WAIT, "child never published its metadata");
+        assert!(child.try_wait().unwrap().is_none(), "child exited early");
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    let _ = std::fs::remove_file(&meta_path);
+    (child, meta)
+}
+
+/// A stopped (SIGSTOP) peer keeps its liveness channel open, and rxe's
+/// kernel responder still acknowledges WRITEs, but its process no longer
+/// reposts receives: once its 64 posted receives are used, the next
+/// notification SEND is NAKed (RNR) forever (`rnr_retry` 7 is infinite).
+/// Only the progress deadline can end that transfer, and the ones behind it:
+/// `PeerTimeout` within it.
+#[test]
+#[ignore = "needs an RDMA device (Soft-RoCE guest: scripts/softroce-tests.sh)"]
+fn verbs_stopped_peer_stalled_on_rnr_fails_by_the_progress_deadline() {
+    let (tdev, idev) = need_devices!();
+    let (mut child, meta) = spawn_target(&tdev);
+    let cfg = config(&idev, &[("progress_timeout_ms", "3000")]);
+    let mut init = TransferEngine::new("i-stop", TransportKind::Verbs, &cfg).unwrap();
+    let src = Arc::new(HostBuffer::new(1 << 20).unwrap());
+    init.register(src.clone()).unwrap();
+    init.connect(&meta).unwrap();
+    let stop = std::process::Command::new("kill").args(["-STOP", &child.id().to_string()]).status().unwrap();
+    assert!(stop.success(), "kill -STOP failed");
+    let base = meta.regions[0].addr;
+    let t0 = Instant::now();
+    let handles: Vec<_> = (0..100u64)
+        .map(|i| {
+            let (l, r) = ([Desc::new(src.addr() + i * 64, 64)], [Desc::new(base + i * 64, 64)]);
+            init.post(Op::Write, &l, "t-killed", &r, Some(format!("n{i}").into_bytes())).unwrap()
+        })
+        .collect();
+    let statuses: Vec<TransferStatus> = handles.iter().map(|&h| wait(&mut init, h)).collect();
+    let took = t0.elapsed();
+    let _ = child.kill();
+    let _ = child.wait();
+    let done = statuses.iter().filter(|s| **s == TransferStatus::Done).count();
+    let timed_out = statuses
+        .iter()
+        .filter(|s| matches!(s, TransferStatus::Failed(w) if w.kind == FailureKind::PeerTimeout))
+        .count();
+    eprintln!("stopped peer: {done} done, {timed_out} PeerTimeout, all ended after {took:?}");
+    assert!(statuses.iter().all(|s| *s != TransferStatus::InProgress), "a transfer never ended: {statuses:?}");
+    assert!(timed_out > 0, "expected the RNR stall to end by the deadline: {statuses:?}");
+    assert!(done <= 64, "more notifications than posted receives: {done}");
+    assert!(took < Duration::from_secs(30), "took {took:?}");
+}
+
+/// The connection secret from verbs connection info (postcard: the address
+/// string, then the 16 secret bytes last) with one bit flipped.
+fn with_wrong_secret(info: &[u8]) -> Vec<u8> {
+    let mut v = info.to_vec();
+    *v.last_mut().unwrap() ^= 1;
+    v
+}
+
+#[test]
+#[ignore = "needs an RDMA device (Soft-RoCE guest: scripts/softroce-tests.sh)"]
+fn verbs_initiator_without_the_secret_is_refused_before_any_qp() {
+    let (tdev, idev) = need_devices!();
+    let target = transport::create(TransportKind::Verbs, "t-auth", &config(&tdev, &[])).unwrap();
+    let mut init = transport::create(TransportKind::Verbs, "i-auth", &config(&idev, &[])).unwrap();
+    let info = target.connection_info();
+    let e = init.connect("t-auth", &with_wrong_secret(&info), &[]).unwrap_err();
+    assert!(e.to_string().contains("authentication failed"), "{e}");
+    // The right secret still connects.
+    init.connect("t-auth", &info, &[]).unwrap();
+}
+
+#[test]
+#[ignore = "needs an RDMA device (Soft-RoCE guest: scripts/softroce-tests.sh)"]
+fn verbs_hello_without_a_proof_gets_no_qp_numbers() {
+    use std::io::{Read, Write};
+    let (tdev, _) = need_devices!();
+    let target = transport::create(TransportKind::Verbs, "t-raw", &config(&tdev, &[])).unwrap();
+    let info = target.connection_info();
+    // postcard: varint length (< 128 here), then the address.
+    let addr = std::str::from_utf8(&info[1..1 + info[0] as usize]).unwrap().to_string();
+    let mut s = std::net::TcpStream::connect(&addr).unwrap();
+    s.set_read_timeout(Some(WAIT)).unwrap();
+    let frame = |s: &mut std::net::TcpStream, json: &str| {
+        s.write_all(&(json.len() as u32).to_le_bytes()).unwrap();
+        s.write_all(json.as_bytes()).unwrap();
+    };
+    let read = |s: &mut std::net::TcpStream| -> Option<String> {
+        let mut len = [0u8; 4];
+        s.read_exact(&mut len).ok()?;
+        let mut body = vec![0u8; u32::from_le_bytes(len) as usize];
+        s.read_exact(&mut body).ok()?;
+        Some(String::from_utf8_lossy(&body).into_owned())
+    };
+    let qp = r#"{"qpn":1,"psn":1,"lid":0,"gid":[0,0,0,0,0,0,0,0,0,0,0,0,0,0,0,0],"mtu":3,"rd_atom":1}"#;
+    frame(&mut s, &format!(r#"{{"Hello":{{"version":3,"agent":"mallory","qps":[{qp}]}}}}"#));
+    let challenge = read(&mut s).expect("a challenge");
+    assert!(challenge.contains("Challenge"), "{challenge}");
+    frame(&mut s, &format!(r#"{{"Proof":{{"proof":[{}]}}}}"#, vec!["0"; 32].join(",")));
+    let answer = read(&mut s).unwrap_or_default();
+    assert!(!answer.contains("Accept"), "QP numbers given to a peer without the secret: {answer}");
+    assert!(answer.contains("authentication failed"), "{answer}");
 }
 
 #[test]

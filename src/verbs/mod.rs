@@ -29,7 +29,7 @@ pub use loader::{LIBRARY, available};
 pub use mr::MemoryRegion;
 pub use pd::ProtectionDomain;
 pub use qp::{QpEndpoint, QpOptions, QueuePair};
-pub use wr::{WrBatch, WrId};
+pub use wr::{WrBatch, WrId, WrView};
 
 /// Errors of the verbs layer: one variant per failing verb, naming the call.
 #[derive(Debug, thiserror::Error)]

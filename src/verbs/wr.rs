@@ -239,3 +239,48 @@ impl FakeQueuePair {
         self.qp.events_completed
     }
 }
+
+/// One WR of a [`WrBatch`] as plain values (what a provider reads from the
+/// chain): for simulated NICs and tests.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct WrView {
+    /// The WR's id.
+    pub wr_id: u64,
+    /// `IBV_WR_RDMA_WRITE`, `IBV_WR_RDMA_READ` or `IBV_WR_SEND`.
+    pub opcode: u32,
+    /// `IBV_SEND_SIGNALED` was set.
+    pub signaled: bool,
+    /// Local address of the one SGE.
+    pub local_addr: u64,
+    /// Bytes of the one SGE.
+    pub len_bytes: u32,
+    /// Local key of the SGE.
+    pub lkey: u32,
+    /// Remote address (RDMA WRs; 0 for SEND).
+    pub remote_addr: u64,
+    /// Remote key (RDMA WRs; 0 for SEND).
+    pub rkey: u32,
+}
+
+impl WrBatch {
+    /// WR `i` of the batch, `None` past its end.
+    pub fn view(&self, i: usize) -> Option<WrView> {
+        if i >= self.len {
+            return None;
+        }
+        let (wr, sge) = (&self.wrs[i], &self.sges[i]);
+        // SAFETY: every push writes the `rdma` member of the union (zeroed
+        // for SEND), so that is the member read here.
+        let rdma = unsafe { wr.wr.rdma };
+        Some(WrView {
+            wr_id: wr.wr_id,
+            opcode: wr.opcode,
+            signaled: wr.send_flags & IBV_SEND_SIGNALED != 0,
+            local_addr: sge.addr,
+            len_bytes: sge.length,
+            lkey: sge.lkey,
+            remote_addr: rdma.remote_addr,
+            rkey: rdma.rkey,
+        })
+    }
+}

@@ -1,21 +1,35 @@
-//! Connection setup over TCP: the target's listener thread and the
-//! initiator's handshake. The initiator says hello with its agent name and
-//! one [`QpEndpoint`] per QP; the target creates matching QPs with posted
-//! receives for notifications, brings them to RTS and answers with its own
-//! endpoints. The TCP connection stays open: when it closes (initiator gone,
-//! disconnected or reconnecting), the target destroys those QPs.
+//! Connection management over TCP: the target's listener thread, the
+//! initiator's handshake, and the liveness channel both sides keep open.
+//!
+//! The initiator says hello with its agent name and one [`QpEndpoint`] per
+//! QP; the target answers with a random [`Nonce`] and requires
+//! [`auth::prove`]`(secret, nonce, "<initiator agent>/verbs")` with the
+//! secret it published in its connection info before it creates any QP or
+//! answers with QP numbers (a wrong or missing proof is refused and
+//! logged); it then creates matching QPs with posted receives for
+//! notifications, brings them to RTS and answers with its own endpoints.
+//! The TCP connection stays open as the liveness channel: when it closes
+//! (initiator gone, disconnected or reconnecting), the target destroys those
+//! QPs; when the target's side closes (its process died), the initiator's
+//! [`Liveness`] watcher fails that peer's QPs at once.
+//!
+//! Every thread here is owned: the listener joins the peer threads it
+//! started (each looks at `stopping` at least every [`WATCH_MS`]), the
+//! transport joins the listener and its watchers on drop.
 
 use std::net::TcpListener;
 use std::sync::Arc;
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
 
 use super::Inner;
 use super::state::{NOTIF_SLOT_BYTES, RECV_BIT, RecvQp};
-use crate::sidechannel::SideChannel;
-use crate::transport::TransportError;
+use crate::sidechannel::{SideChannel, SideChannelError};
+use crate::transport::auth::{self, AgentSecret, Nonce};
+use crate::transport::{TransferFailure, TransportError};
 use crate::verbs::{MemoryRegion, QpEndpoint, QueuePair};
 
 /// Receives posted per target QP (notifications in flight per QP; more
@@ -23,8 +37,17 @@ use crate::verbs::{MemoryRegion, QpEndpoint, QueuePair};
 pub const RECVS_PER_QP: u32 = 64;
 
 /// Version of the handshake below; a target refuses any other. 2: QP
-/// endpoints carry the responder READ depth (`QpEndpoint::rd_atom`).
-pub const HANDSHAKE_VERSION: u32 = 2;
+/// endpoints carry the responder READ depth (`QpEndpoint::rd_atom`); 3: the
+/// target challenges the initiator ([`Handshake::Challenge`]).
+pub const HANDSHAKE_VERSION: u32 = 3;
+
+/// How often (ms) a thread blocked on a liveness channel looks at its stop flag.
+pub const WATCH_MS: u64 = 100;
+
+/// What the initiator proves knowledge of the target's secret for.
+fn auth_context(initiator: &str) -> Vec<u8> {
+    format!("{initiator}/verbs").into_bytes()
+}
 
 /// Handshake messages.
 #[derive(Debug, Serialize, Deserialize)]
@@ -37,6 +60,16 @@ pub enum Handshake {
         agent: String,
         /// One per QP.
         qps: Vec<QpEndpoint>,
+    },
+    /// Target → initiator, after a hello: prove you know my secret.
+    Challenge {
+        /// Fresh random challenge.
+        nonce: Nonce,
+    },
+    /// Initiator → target: [`auth::prove`] over the challenge.
+    Proof {
+        /// HMAC-SHA256 ([`auth::PROOF_BYTES`] bytes).
+        proof: Vec<u8>,
     },
     /// Target → initiator: matching endpoints, same order.
     Accept {
@@ -51,18 +84,52 @@ pub enum Handshake {
 }
 
 pub(super) fn accept_loop(inner: Arc<Inner>, listener: TcpListener) {
+    let mut peers: Vec<JoinHandle<()>> = Vec::new();
     loop {
         let conn = SideChannel::accept(&listener);
         if inner.stopping.load(Ordering::Acquire) {
             break;
         }
+        // Reap the threads of initiators that left.
+        let (done, live): (Vec<_>, Vec<_>) = peers.drain(..).partition(|t| t.is_finished());
+        peers = live;
+        done.into_iter().for_each(|t| drop(t.join()));
         let Ok(ch) = conn else { continue };
         let inner = inner.clone();
-        let spawned = std::thread::Builder::new().name("kvwire-verbs-peer".into()).spawn(move || serve(&inner, ch));
-        if let Err(e) = spawned {
-            tracing::warn!("verbs: cannot serve a peer: {e}");
+        match std::thread::Builder::new().name("kvwire-verbs-peer".into()).spawn(move || serve(&inner, ch)) {
+            Ok(t) => peers.push(t),
+            Err(e) => tracing::warn!("verbs: cannot serve a peer: {e}"),
         }
     }
+    for t in peers {
+        let _ = t.join();
+    }
+}
+
+/// True for a receive that timed out (the channel is still open).
+fn timed_out(e: &SideChannelError) -> bool {
+    matches!(e, SideChannelError::Io { source, .. }
+        if matches!(source.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut))
+}
+
+/// Challenge the initiator `agent`; true when it proved it knows our secret.
+fn authenticate(inner: &Inner, ch: &mut SideChannel, agent: &str) -> bool {
+    let Ok(nonce) = Nonce::random() else {
+        let _ = ch.send(&Handshake::Refuse { reason: "no randomness for a challenge".into() });
+        return false;
+    };
+    if ch.send(&Handshake::Challenge { nonce }).is_err() {
+        return false;
+    }
+    let ok = match ch.recv::<Handshake>() {
+        Ok(Handshake::Proof { proof }) => auth::verify(&inner.secret, &nonce, &auth_context(agent), &proof),
+        _ => false,
+    };
+    if !ok {
+        tracing::warn!("verbs: refusing {agent}: wrong or missing proof of the connection secret");
+        let _ = ch.send(&Handshake::Refuse { reason: "authentication failed".into() });
+    }
+    ok
 }
 
 fn serve(inner: &Inner, mut ch: SideChannel) {
@@ -75,6 +142,10 @@ fn serve(inner: &Inner, mut ch: SideChannel) {
             return;
         }
         Ok(Handshake::Hello { agent, qps, .. }) => (agent, qps),
+        Ok(Handshake::Proof { .. }) => {
+            tracing::warn!("verbs: refusing a peer that sent a proof before its hello");
+            return;
+        }
         Ok(other) => {
             tracing::warn!("verbs: expected hello, got {other:?}");
             return;
@@ -84,6 +155,15 @@ fn serve(inner: &Inner, mut ch: SideChannel) {
             return;
         }
     };
+    if !authenticate(inner, &mut ch, &agent) {
+        return;
+    }
+    if remote.len() > MAX_QPS_PER_HELLO {
+        let reason = format!("{} QPs asked for, at most {MAX_QPS_PER_HELLO}", remote.len());
+        tracing::warn!("verbs: refusing {agent}: {reason}");
+        let _ = ch.send(&Handshake::Refuse { reason });
+        return;
+    }
     let mut qpns = Vec::new();
     let mut mine = Vec::new();
     let mut built = Vec::new();
@@ -134,11 +214,12 @@ fn serve(inner: &Inner, mut ch: SideChannel) {
         }
     }
     if ch.send(&Handshake::Accept { qps: mine }).is_ok() {
-        // Block until the initiator goes away.
-        let _ = ch.set_read_timeout(None);
+        // Wait until the initiator goes away (or this transport stops).
+        let _ = ch.set_read_timeout(Some(Duration::from_millis(WATCH_MS)));
         while !inner.stopping.load(Ordering::Acquire) {
             match ch.recv::<Handshake>() {
                 Ok(_) => {}
+                Err(e) if timed_out(&e) => {}
                 Err(_) => break,
             }
         }
@@ -154,11 +235,16 @@ fn verbs_err(e: crate::verbs::VerbsError) -> TransportError {
     TransportError::Unsupported(e.to_string())
 }
 
-/// Initiator side: hello to `addr` with `local` endpoints; returns the
+/// Most QPs one hello may ask for (`qps_per_peer` is at most 64).
+pub const MAX_QPS_PER_HELLO: usize = 64;
+
+/// Initiator side: hello to `addr` with `local` endpoints, answering the
+/// target's challenge with `secret` (from its connection info); returns the
 /// target's endpoints and the open control connection.
 pub(super) fn handshake(
     addr: &str,
     agent: &str,
+    secret: &AgentSecret,
     local: &[QpEndpoint],
     timeout: Duration,
 ) -> Result<(Vec<QpEndpoint>, SideChannel), String> {
@@ -166,11 +252,80 @@ pub(super) fn handshake(
     ch.set_read_timeout(Some(timeout)).map_err(|e| e.to_string())?;
     let hello = Handshake::Hello { version: HANDSHAKE_VERSION, agent: agent.to_string(), qps: local.to_vec() };
     ch.send(&hello).map_err(|e| e.to_string())?;
-    match ch.recv::<Handshake>().map_err(|e| e.to_string())? {
+    let mut answer = ch.recv::<Handshake>().map_err(|e| e.to_string())?;
+    if let Handshake::Challenge { nonce } = answer {
+        let proof = auth::prove(secret, &nonce, &auth_context(agent)).to_vec();
+        ch.send(&Handshake::Proof { proof }).map_err(|e| e.to_string())?;
+        answer = ch.recv::<Handshake>().map_err(|e| e.to_string())?;
+    }
+    match answer {
         Handshake::Accept { qps } if qps.len() == local.len() => Ok((qps, ch)),
         Handshake::Accept { qps } => Err(format!("target answered {} QPs for {}", qps.len(), local.len())),
         Handshake::Refuse { reason } => Err(format!("target refused: {reason}")),
-        Handshake::Hello { .. } => Err("unexpected hello from the target".into()),
+        other => Err(format!("unexpected {other:?} from the target")),
+    }
+}
+
+/// The initiator's watch over one peer's liveness channel: a thread that
+/// blocks on it and, when the target's side closes (its process died),
+/// fails that peer's QPs at once ([`super::state::State::fail_peer`]) instead of waiting
+/// for the QPs' retries or the progress deadline. Dropping it stops the
+/// watch (within [`WATCH_MS`]) and closes the channel; [`Liveness::join`]
+/// waits for the thread.
+pub(super) struct Liveness {
+    stop: Arc<AtomicBool>,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl Liveness {
+    /// Watch `ch` (the control connection of peer `peer`, named `name`).
+    pub(super) fn watch(inner: &Arc<Inner>, peer: u32, name: &str, mut ch: SideChannel) -> Result<Self, String> {
+        ch.set_read_timeout(Some(Duration::from_millis(WATCH_MS))).map_err(|e| e.to_string())?;
+        let stop = Arc::new(AtomicBool::new(false));
+        let (inner, stop2, name) = (inner.clone(), stop.clone(), name.to_string());
+        let thread = std::thread::Builder::new()
+            .name("kvwire-verbs-live".into())
+            .spawn(move || {
+                let why = loop {
+                    if stop2.load(Ordering::Acquire) || inner.stopping.load(Ordering::Acquire) {
+                        return;
+                    }
+                    match ch.recv::<Handshake>() {
+                        Ok(_) => {}
+                        Err(e) if timed_out(&e) => {}
+                        Err(e) => break e,
+                    }
+                };
+                if stop2.load(Ordering::Acquire) {
+                    return;
+                }
+                tracing::warn!("verbs: liveness channel to {name} closed ({why}): failing its QPs");
+                let f = TransferFailure::peer_died(format!("{name}: liveness channel closed ({why})"));
+                inner.lock().fail_peer(peer, &f, &inner.limits);
+            })
+            .map_err(|e| e.to_string())?;
+        Ok(Self { stop, thread: Some(thread) })
+    }
+
+    /// Stop watching and wait for the thread (at most about [`WATCH_MS`]).
+    pub(super) fn join(mut self) {
+        self.stop.store(true, Ordering::Release);
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+
+    /// Stop watching; the thread ends (and closes the channel) on its own.
+    /// Returns its handle for the owner to join later.
+    pub(super) fn retire(mut self) -> Option<JoinHandle<()>> {
+        self.stop.store(true, Ordering::Release);
+        self.thread.take()
+    }
+}
+
+impl Drop for Liveness {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Release);
     }
 }
 

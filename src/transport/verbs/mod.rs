@@ -17,13 +17,25 @@
 //! - Completion: a progress thread polls the CQ. An error completion fails
 //!   its transfer with the status name (e.g. `IBV_WC_REM_ACCESS_ERR`) and
 //!   puts the QP in error; once drained, the next post to that peer resets
-//!   and reconnects it. A dead peer surfaces as `IBV_WC_RETRY_EXC_ERR`
-//!   after the QP's `timeout` × `retry_cnt` budget.
+//!   and reconnects it.
+//! - A dead peer fails its transfers in bounded time with the default
+//!   options: its liveness channel closing fails its QPs at once
+//!   (`PeerDied`); a QP with WRs in flight and no completion for
+//!   `progress_timeout_ms` is put in error (`PeerTimeout`, its WRs flushed);
+//!   and the default `retry_cnt` is finite (rxe retries forever at 7,
+//!   `rxe_comp.c`), so the NIC also gives up with `IBV_WC_RETRY_EXC_ERR`
+//!   after `timeout` × (`retry_cnt` + 1).
+//! - Connections are authenticated: the connection info carries this
+//!   transport's random `AgentSecret`, and the target serves only an
+//!   initiator that proves it knows it (`conn`).
 //!
-//! Options (`TransportConfig::options`): `device=rxe0`, `port=1`,
+//! Options (`TransportConfig::options`, checked by `OptionSet::parse`
+//! against `transport::options::VERBS_OPTIONS`): `device=rxe0`, `port=1`,
 //! `gid_index=N` (default: RoCE v2 IPv4-mapped, LID routing on IB),
-//! `qps_per_peer=N` (1), `timeout=EXP` (14: 4.096 µs × 2^14 ≈ 67 ms),
-//! `retry_cnt=N` (7), `max_send_wr=N` (1024), `signal_every=N` (32),
+//! `qps_per_peer=N` (1), `timeout=EXP` (14: 4.096 µs × 2^14 ≈ 67 ms; 18,
+//! ≈ 1 s, on software devices),
+//! `retry_cnt=N` (6), `progress_timeout_ms=N` (2 × `peer_timeout`),
+//! `max_send_wr=N` (1024), `signal_every=N` (32),
 //! `post_list=N` (64: most WRs chained into one `post_send`, as perftest's
 //! `--post_list`), `post_bytes=N` (a batch also ends with the WR that brings
 //! it to N bytes; 65536 on software devices (rxe, siw), where a `post_send`
@@ -39,8 +51,16 @@
 //! rather than overrun it), `listen=IP` (default: the GID's IPv4 address).
 
 mod conn;
+mod deadline;
+pub mod nic;
+mod ops;
 mod progress;
+#[doc(hidden)]
+pub mod sim;
 mod state;
+#[cfg(test)]
+mod tests;
+mod wc;
 
 use std::collections::HashMap;
 use std::net::{SocketAddr, TcpListener};
@@ -52,23 +72,29 @@ use std::time::{Duration, Instant};
 use crossbeam_channel::Receiver;
 use serde::{Deserialize, Serialize};
 
+use super::auth::AgentSecret;
+use super::options::OptionSet;
 use super::{
     Completion, LocalKey, MemoryBacking, MemoryKind, Notification, PeerId, PostRequest, Registration, RemoteKey,
-    RemoteRegion, TransferFailure, Transport, TransportConfig, TransportError, TransportKind, XferId,
+    RemoteRegion, Transport, TransportConfig, TransportError, TransportKind, XferId,
 };
 use crate::sidechannel::SideChannel;
 use crate::verbs::ffi::IBV_LINK_LAYER_INFINIBAND;
 use crate::verbs::{CompletionQueue, Context, MemoryRegion, ProtectionDomain, QpOptions, QueuePair, VerbsError};
-use state::{NOTIF_SLOT_BYTES, NotifSlab, PostLimits, SendQp, State, Xfer};
+use conn::Liveness;
+use ops::NOTIF_SLOTS;
+use state::{NOTIF_SLOT_BYTES, NotifSlab, PostLimits, SendQp, State};
 
-/// Notification slots per peer on the initiator (notifications in flight).
-const NOTIF_SLOTS: u32 = 256;
+/// Default `retry_cnt`: finite (7 means "forever" on rxe).
+pub const DEFAULT_RETRY_CNT: u8 = 6;
 
 /// Connection info published in the agent metadata.
 #[derive(Debug, Serialize, Deserialize)]
 struct VerbsInfo {
     /// TCP address of the listener (`ip:port`).
     addr: String,
+    /// The secret an initiator proves it knows before the target serves it.
+    secret: AgentSecret,
 }
 
 pub(crate) struct Inner {
@@ -77,7 +103,11 @@ pub(crate) struct Inner {
     pub(crate) config: TransportConfig,
     pub(crate) qp_options: QpOptions,
     limits: PostLimits,
-    state: Mutex<State>,
+    /// A QP with WRs in flight and no completion for this long fails.
+    progress_timeout: Duration,
+    /// This transport's connection secret (published in its info).
+    secret: AgentSecret,
+    state: Mutex<State<QueuePair>>,
     pub(crate) stopping: AtomicBool,
     /// Threads other than the progress thread waiting for `state`.
     waiting: AtomicU32,
@@ -85,10 +115,11 @@ pub(crate) struct Inner {
 
 impl Inner {
     /// The shared state, for any thread but the progress thread.
-    pub(crate) fn lock(&self) -> MutexGuard<'_, State> {
+    pub(crate) fn lock(&self) -> MutexGuard<'_, State<QueuePair>> {
         self.waiting.fetch_add(1, Ordering::AcqRel);
-        let guard = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        let mut guard = self.state.lock().unwrap_or_else(|p| p.into_inner());
         self.waiting.fetch_sub(1, Ordering::AcqRel);
+        guard.now = Instant::now();
         guard
     }
 }
@@ -96,9 +127,12 @@ impl Inner {
 struct Peer {
     name: String,
     addr: String,
+    /// The target's connection secret (from its connection info).
+    secret: AgentSecret,
     qpns: Vec<u32>,
-    /// Control connection: closing it tells the target to drop its QPs.
-    ctrl: Option<SideChannel>,
+    /// Watch over the control connection, which it owns: closing it tells
+    /// the target to drop its QPs; the target's side closing fails ours.
+    live: Option<Liveness>,
 }
 
 /// The RDMA backend. See the module docs.
@@ -111,6 +145,9 @@ pub struct VerbsTransport {
     next_peer: u32,
     qps_per_peer: u32,
     threads: Vec<JoinHandle<()>>,
+    /// Liveness watchers of peers disconnected or reconnected (each ends
+    /// within `conn::WATCH_MS`); reaped on connect, joined on drop.
+    retired: Vec<JoinHandle<()>>,
     /// Finished transfers from the progress thread (see `State::done`).
     done_rx: Receiver<Completion>,
     /// Drained from `done_rx` by `cancel` and not yet polled.
@@ -118,13 +155,9 @@ pub struct VerbsTransport {
     notif_rx: Receiver<Notification>,
 }
 
-fn opt<T: std::str::FromStr>(config: &TransportConfig, key: &str, default: T) -> Result<T, TransportError> {
-    match config.option(key) {
-        None => Ok(default),
-        Some(v) => {
-            v.parse().map_err(|_| TransportError::Unsupported(format!("verbs option {key}={v:?} is not a valid value")))
-        }
-    }
+/// `key` of `o` as `T`, or `default`.
+fn opt<T: std::str::FromStr>(o: &OptionSet<'_>, key: &str, default: T) -> Result<T, TransportError> {
+    Ok(o.get::<T>(key)?.unwrap_or(default))
 }
 
 fn unsupported(e: VerbsError) -> TransportError {
@@ -139,11 +172,14 @@ impl VerbsTransport {
     /// [`TransportError::Unsupported`] when libibverbs or the device is
     /// missing, or an option is invalid; [`TransportError::Io`] for sockets.
     pub fn new(agent: &str, config: &TransportConfig) -> Result<Self, TransportError> {
-        let ctx = Arc::new(Context::open(config.option("device")).map_err(unsupported)?);
-        let port: u8 = opt(config, "port", 1)?;
+        let o = OptionSet::parse(TransportKind::Verbs, config)?;
+        let config_o = &o;
+        let secret = AgentSecret::random()?;
+        let ctx = Arc::new(Context::open(o.raw("device")).map_err(unsupported)?);
+        let port: u8 = opt(config_o, "port", 1)?;
         let pattr = ctx.query_port(port).map_err(unsupported)?;
-        let gid_index = match config.option("gid_index") {
-            Some(_) => Some(opt(config, "gid_index", 0u8)?),
+        let gid_index = match o.raw("gid_index") {
+            Some(_) => Some(opt(config_o, "gid_index", 0u8)?),
             None if pattr.link_layer == IBV_LINK_LAYER_INFINIBAND => None,
             None => Some(ctx.auto_gid_index(port).map_err(unsupported)? as u8),
         };
@@ -152,24 +188,33 @@ impl VerbsTransport {
         let qp_options = QpOptions {
             port,
             gid_index,
-            timeout: opt(config, "timeout", 14)?,
-            retry_cnt: opt(config, "retry_cnt", 7)?,
+            // Software devices (rxe, siw) answer late under CPU load: with a
+            // finite retry_cnt, 67 ms ACK timeouts failed READs of a busy
+            // Soft-RoCE guest with IBV_WC_RETRY_EXC_ERR; 2^18 × 4.096 µs ≈ 1 s.
+            timeout: o.get_checked("timeout", if ctx.is_software() { 18 } else { 14 }, |v| *v <= 31)?,
+            // 7 would mean "retry forever" on rxe (`rxe_comp.c` never
+            // decrements it): a finite default everywhere.
+            retry_cnt: o.get_checked("retry_cnt", DEFAULT_RETRY_CNT, |v| *v <= 7)?,
             rnr_retry: 7,
             max_rd_atomic: init_rd_atom,
             max_dest_rd_atomic: dest_rd_atom,
             min_rnr_timer: 12,
         };
-        let max_send_wr: u32 = opt::<u32>(config, "max_send_wr", 1024)?.clamp(1, ctx.attr().max_qp_wr.max(16) as u32);
+        let max_send_wr: u32 = opt::<u32>(config_o, "max_send_wr", 1024)?.clamp(1, ctx.attr().max_qp_wr.max(16) as u32);
         let limits = PostLimits {
             max_send_wr,
-            signal_every: opt::<u32>(config, "signal_every", 32)?.clamp(1, max_send_wr),
-            max_batch: opt::<u32>(config, "post_list", 64)?.clamp(1, 1024),
-            batch_bytes: opt::<u64>(config, "post_bytes", if ctx.is_software() { 64 << 10 } else { 0 })?,
-            poll_sleep_us: opt::<u32>(config, "poll_sleep_us", 50)?.clamp(1, 100_000),
-            idle_yields: opt::<u32>(config, "idle_yields", 192)?.min(1_000_000),
+            signal_every: opt::<u32>(config_o, "signal_every", 32)?.clamp(1, max_send_wr),
+            max_batch: opt::<u32>(config_o, "post_list", 64)?.clamp(1, 1024),
+            batch_bytes: opt::<u64>(config_o, "post_bytes", if ctx.is_software() { 64 << 10 } else { 0 })?,
+            poll_sleep_us: opt::<u32>(config_o, "poll_sleep_us", 50)?.clamp(1, 100_000),
+            idle_yields: opt::<u32>(config_o, "idle_yields", 192)?.min(1_000_000),
         };
-        let qps_per_peer = opt::<u32>(config, "qps_per_peer", 1)?.clamp(1, 64);
-        let listen_ip = match config.option("listen") {
+        let qps_per_peer = opt::<u32>(config_o, "qps_per_peer", 1)?.clamp(1, 64);
+        let progress_timeout = match o.get_checked::<u64>("progress_timeout_ms", 0, |v| *v > 0)? {
+            0 => config.peer_timeout.saturating_mul(2),
+            ms => Duration::from_millis(ms),
+        };
+        let listen_ip = match o.raw("listen") {
             Some(ip) => ip.to_string(),
             None => match gid_index.map(|i| ctx.query_gid(port, i32::from(i))) {
                 Some(Ok(g)) if g.raw[..12] == [0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0xff, 0xff] => {
@@ -185,9 +230,9 @@ impl VerbsTransport {
         let listen_addr = listener.local_addr().map_err(|e| TransportError::io("getsockname", e))?;
         let max_cqe = ctx.attr().max_cqe.max(64);
         // At least 128: receives may hold half, and one QP posts 64.
-        let num_cqe = opt::<i32>(config, "cq_size", max_cqe.clamp(256, 65536))?.clamp(128, max_cqe.max(128));
+        let num_cqe = opt::<i32>(config_o, "cq_size", max_cqe.clamp(256, 65536))?.clamp(128, max_cqe.max(128));
         let pd = ProtectionDomain::new(&ctx).map_err(unsupported)?;
-        let cq_events = opt::<u8>(config, "cq_events", 1)? != 0;
+        let cq_events = opt::<u8>(config_o, "cq_events", 1)? != 0;
         let cq = CompletionQueue::create(&ctx, num_cqe, cq_events).map_err(unsupported)?;
         let (done_tx, done_rx) = crossbeam_channel::unbounded();
         let (notif_tx, notif_rx) = crossbeam_channel::unbounded();
@@ -197,6 +242,8 @@ impl VerbsTransport {
             config: config.clone(),
             qp_options,
             limits,
+            progress_timeout,
+            secret,
             state: Mutex::new(State::new(num_cqe as u32, done_tx, notif_tx)),
             stopping: AtomicBool::new(false),
             waiting: AtomicU32::new(0),
@@ -225,6 +272,7 @@ impl VerbsTransport {
             next_peer: 1,
             qps_per_peer,
             threads,
+            retired: Vec::new(),
             done_rx,
             done_held: Vec::new(),
             notif_rx,
@@ -232,7 +280,7 @@ impl VerbsTransport {
     }
 
     /// Create `n` send QPs, handshake with `addr`, bring them to RTS.
-    fn open_qps(&self, addr: &str, n: u32) -> Result<(Vec<QueuePair>, SideChannel), String> {
+    fn open_qps(&self, addr: &str, secret: &AgentSecret, n: u32) -> Result<(Vec<QueuePair>, SideChannel), String> {
         let o = &self.inner.qp_options;
         let mut qps = Vec::new();
         let mut eps = Vec::new();
@@ -242,7 +290,7 @@ impl VerbsTransport {
             eps.push(qp.endpoint(o).map_err(|e| e.to_string())?);
             qps.push(qp);
         }
-        let (remote, ch) = conn::handshake(addr, &self.agent, &eps, self.inner.config.peer_timeout)?;
+        let (remote, ch) = conn::handshake(addr, &self.agent, secret, &eps, self.inner.config.peer_timeout)?;
         for ((qp, l), r) in qps.iter().zip(&eps).zip(&remote) {
             qp.connect(l, r, o).map_err(|e| e.to_string())?;
         }
@@ -276,7 +324,7 @@ impl VerbsTransport {
             }
             std::thread::sleep(Duration::from_millis(1));
         }
-        let (name, addr, old) = (p.name.clone(), p.addr.clone(), p.qpns.clone());
+        let (name, addr, old, secret) = (p.name.clone(), p.addr.clone(), p.qpns.clone(), p.secret.clone());
         {
             let mut st = self.inner.lock();
             for q in &old {
@@ -284,38 +332,29 @@ impl VerbsTransport {
             }
         }
         if let Some(p) = self.peers.get_mut(&peer.0) {
-            p.ctrl = None;
+            let old = p.live.take();
             p.qpns.clear();
+            self.retired.extend(old.and_then(Liveness::retire));
         }
-        let (qps, ch) = self
-            .open_qps(&addr, self.qps_per_peer)
-            .map_err(|why| TransportError::PeerDisconnected(format!("{name} (reconnect failed: {why})")))?;
+        let failed = |why: String| TransportError::PeerDisconnected(format!("{name} (reconnect failed: {why})"));
+        let (qps, ch) = self.open_qps(&addr, &secret, self.qps_per_peer).map_err(failed)?;
         tracing::info!("verbs: reconnected to {name}");
         let qpns = self.install(peer.0, qps);
+        let live = Liveness::watch(&self.inner, peer.0, &name, ch).map_err(failed)?;
         if let Some(p) = self.peers.get_mut(&peer.0) {
             p.qpns = qpns;
-            p.ctrl = Some(ch);
+            p.live = Some(live);
         }
         Ok(())
     }
 
     fn install(&self, peer: u32, qps: Vec<QueuePair>) -> Vec<u32> {
         let mut st = self.inner.lock();
+        let now = st.now;
         qps.into_iter()
             .map(|qp| {
                 let qpn = qp.qp_num();
-                st.send_qps.insert(
-                    qpn,
-                    SendQp {
-                        qp,
-                        peer,
-                        outstanding: 0,
-                        chunks: HashMap::new(),
-                        queue: Default::default(),
-                        error: None,
-                        flush_reserved: 0,
-                    },
-                );
+                st.send_qps.insert(qpn, SendQp::new(qp, peer, now));
                 qpn
             })
             .collect()
@@ -364,7 +403,8 @@ impl Transport for VerbsTransport {
     }
 
     fn connection_info(&self) -> Vec<u8> {
-        postcard::to_allocvec(&VerbsInfo { addr: self.listen_addr.to_string() }).expect("plain data encodes")
+        let info = VerbsInfo { addr: self.listen_addr.to_string(), secret: self.inner.secret.clone() };
+        postcard::to_allocvec(&info).expect("plain data encodes")
     }
 
     fn connect(&mut self, peer_name: &str, info: &[u8], _regions: &[RemoteRegion]) -> Result<PeerId, TransportError> {
@@ -373,19 +413,26 @@ impl Transport for VerbsTransport {
         let cerr = |reason: String| TransportError::Connect { peer: peer_name.to_string(), reason };
         let slab = MemoryRegion::alloc(&self.inner.pd, NOTIF_SLOTS as usize * NOTIF_SLOT_BYTES)
             .map_err(|e| TransportError::Registration(e.to_string()))?;
-        let (qps, ch) = self.open_qps(&info.addr, self.qps_per_peer).map_err(cerr)?;
+        let (done, live): (Vec<_>, Vec<_>) = self.retired.drain(..).partition(|t| t.is_finished());
+        self.retired = live;
+        done.into_iter().for_each(|t| drop(t.join()));
+        let (qps, ch) = self.open_qps(&info.addr, &info.secret, self.qps_per_peer).map_err(cerr)?;
         let id = self.next_peer;
         self.next_peer += 1;
+        let live = Liveness::watch(&self.inner, id, peer_name, ch).map_err(cerr)?;
         let qpns = self.install(id, qps);
         self.inner.lock().slabs.insert(id, NotifSlab { mr: slab, free: (0..NOTIF_SLOTS).rev().collect() });
-        self.peers.insert(id, Peer { name: peer_name.to_string(), addr: info.addr, qpns, ctrl: Some(ch) });
+        let peer = Peer { name: peer_name.to_string(), addr: info.addr, secret: info.secret, qpns, live: Some(live) };
+        self.peers.insert(id, peer);
         Ok(PeerId(id))
     }
 
     fn disconnect(&mut self, peer: PeerId) {
-        let Some(p) = self.peers.remove(&peer.0) else {
+        let Some(mut p) = self.peers.remove(&peer.0) else {
             return;
         };
+        // Stop the watch first: the QPs go away on purpose.
+        self.retired.extend(p.live.take().and_then(Liveness::retire));
         let mut st = self.inner.lock();
         for q in &p.qpns {
             st.remove_peer_qp(*q, peer.0, &self.inner.limits);
@@ -399,41 +446,7 @@ impl Transport for VerbsTransport {
         }
         self.recover(req.peer)?;
         let p = &self.peers[&req.peer.0];
-        if req.notification.as_ref().is_some_and(|n| n.len() > NOTIF_SLOT_BYTES) {
-            return Err(TransportError::Post(format!("notification larger than {NOTIF_SLOT_BYTES} bytes")));
-        }
-        let limits = self.inner.limits;
-        let mut st = self.inner.lock();
-        let mut slot = None;
-        if let Some(payload) = &req.notification {
-            let slab = st.slabs.get_mut(&req.peer.0).ok_or(TransportError::NotConnected(req.peer))?;
-            let s = slab.free.pop().ok_or_else(|| {
-                TransportError::Post(format!("more than {NOTIF_SLOTS} notifications in flight to {}", p.name))
-            })?;
-            // Slot `s` is free: no WR reads it until we post one.
-            let written = slab.mr.write_owned(s as usize * NOTIF_SLOT_BYTES, payload);
-            debug_assert!(written, "the slab owns its buffer and payloads fit a slot");
-            slot = Some((s, payload.len() as u32));
-        }
-        let qp0 = p.qpns[0];
-        let multi = p.qpns.len() > 1;
-        st.xfers.insert(
-            req.xfer.0,
-            Xfer {
-                queued: 0,
-                chunks: 0,
-                error: None,
-                cancelled: false,
-                deferred_notify: slot.filter(|_| multi).map(|(s, l)| (qp0, s, l)),
-                slot: slot.map(|(s, _)| (req.peer.0, s)),
-            },
-        );
-        st.enqueue(req.xfer, req.op, &req.segments, &p.qpns, &limits);
-        if let (Some((s, l)), false) = (slot, multi) {
-            st.enqueue_notify(req.xfer.0, qp0, s, l, &limits);
-        }
-        st.try_finish(req.xfer.0, &limits);
-        Ok(())
+        self.inner.lock().post(&req, &p.qpns, &p.name, &self.inner.limits)
     }
 
     fn poll(&mut self, out: &mut Vec<Completion>) {
@@ -443,27 +456,11 @@ impl Transport for VerbsTransport {
 
     fn cancel(&mut self, xfer: XferId) {
         let limits = self.inner.limits;
-        {
-            let mut st = self.inner.lock();
-            let Some(x) = st.xfers.get_mut(&xfer.0) else {
-                // Finished already: its completion is not to be reported.
-                drop(st);
-                self.done_held.extend(self.done_rx.try_iter());
-                self.done_held.retain(|c| c.xfer != xfer);
-                return;
-            };
-            x.cancelled = true;
-            x.deferred_notify = None;
-            let mut dropped = 0;
-            for sq in st.send_qps.values_mut() {
-                let before = sq.queue.len();
-                sq.queue.retain(|w| w.xfer() != xfer.0);
-                dropped += before - sq.queue.len();
-            }
-            if let Some(x) = st.xfers.get_mut(&xfer.0) {
-                x.queued = x.queued.saturating_sub(dropped as u32);
-            }
-            st.try_finish(xfer.0, &limits);
+        if !self.inner.lock().cancel_start(xfer.0, &limits) {
+            // Finished already: its completion is not to be reported.
+            self.done_held.extend(self.done_rx.try_iter());
+            self.done_held.retain(|c| c.xfer != xfer);
+            return;
         }
         // Posted WRs finish (or fail after the QP's retry budget, or flush):
         // only then can the NIC no longer touch the buffers. Past
@@ -475,43 +472,9 @@ impl Transport for VerbsTransport {
         let destroy_at = flush_at + self.inner.config.peer_timeout;
         let mut flushed = false;
         loop {
-            {
-                let mut st = self.inner.lock();
-                if !st.xfers.contains_key(&xfer.0) {
-                    break;
-                }
-                let now = Instant::now();
-                if now > flush_at {
-                    let carrying: Vec<u32> = st
-                        .send_qps
-                        .iter()
-                        .filter(|(_, sq)| sq.chunks.values().any(|(x, _)| *x == xfer.0))
-                        .map(|(&q, _)| q)
-                        .collect();
-                    if !flushed {
-                        flushed = true;
-                        for q in &carrying {
-                            if let Some(sq) = st.send_qps.get_mut(q)
-                                && sq.error.is_none()
-                            {
-                                tracing::warn!("verbs: cancel of {xfer:?} flushes QP {q}");
-                                sq.error = Some(TransferFailure::cancelled(format!("QP flushed to cancel {xfer:?}")));
-                                let _ = sq.qp.set_error();
-                            }
-                        }
-                    } else if now > destroy_at {
-                        for q in &carrying {
-                            tracing::warn!("verbs: cancel of {xfer:?} destroys QP {q}, which did not drain");
-                            st.remove_qp(*q, &limits);
-                        }
-                        if carrying.is_empty() {
-                            // Nothing in flight on any QP: nothing can touch
-                            // its buffers. Drop the record, giving its
-                            // notification slot back.
-                            st.drop_xfer(xfer.0);
-                        }
-                    }
-                }
+            let now = Instant::now();
+            if self.inner.lock().cancel_step(xfer.0, now > flush_at, now > destroy_at, &mut flushed, &limits) {
+                break;
             }
             std::thread::sleep(Duration::from_micros(200));
         }
@@ -532,6 +495,14 @@ impl Drop for VerbsTransport {
         // Wake the listener.
         let _ = std::net::TcpStream::connect_timeout(&self.listen_addr, Duration::from_millis(200));
         for t in self.threads.drain(..) {
+            let _ = t.join();
+        }
+        for p in self.peers.values_mut() {
+            if let Some(l) = p.live.take() {
+                l.join();
+            }
+        }
+        for t in self.retired.drain(..) {
             let _ = t.join();
         }
         let mut st = self.inner.lock();

@@ -5,11 +5,11 @@
 
 use std::sync::MutexGuard;
 use std::sync::atomic::Ordering;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use super::Inner;
 use super::state::State;
-use crate::verbs::WorkCompletion;
+use crate::verbs::{QueuePair, WorkCompletion};
 
 /// Times in a row the progress thread takes the state ahead of a waiting
 /// thread before it lets that thread go first.
@@ -27,7 +27,7 @@ impl Inner {
     /// call: 0.6 s). So once it has taken the state `PROGRESS_BARGES` times
     /// in a row while another thread was waiting (`barged` counts them), it
     /// lets that thread go first.
-    pub(super) fn lock_progress(&self, barged: &mut u32) -> MutexGuard<'_, State> {
+    pub(super) fn lock_progress(&self, barged: &mut u32) -> MutexGuard<'_, State<QueuePair>> {
         if self.waiting.load(Ordering::Acquire) == 0 {
             *barged = 0;
         } else if *barged < PROGRESS_BARGES {
@@ -40,13 +40,17 @@ impl Inner {
                 defers += 1;
             }
         }
-        self.state.lock().unwrap_or_else(|p| p.into_inner())
+        let mut guard = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        guard.now = Instant::now();
+        guard
     }
 }
 
 /// How long the progress thread blocks on the completion channel before it
 /// looks at `stopping` again.
 const EVENT_WAIT_MS: i32 = 20;
+/// How often the progress thread looks for QPs past their progress deadline.
+const EXPIRE_EVERY: Duration = Duration::from_millis(10);
 
 pub(super) fn progress_loop(inner: &Inner) {
     let mut wcs = vec![WorkCompletion::default(); 64];
@@ -55,10 +59,16 @@ pub(super) fn progress_loop(inner: &Inner) {
     let mut events = inner.cq.has_events();
     let mut armed = false;
     let mut barged = 0u32;
+    let mut next_expire = Instant::now() + EXPIRE_EVERY;
     while !inner.stopping.load(Ordering::Acquire) {
         match inner.cq.poll(&mut wcs) {
             Ok(0) => {
                 idle += 1;
+                if idle >= 64 && Instant::now() >= next_expire {
+                    let mut st = inner.lock_progress(&mut barged);
+                    st.expire(inner.progress_timeout, &inner.limits);
+                    next_expire = st.now + EXPIRE_EVERY;
+                }
                 if idle < 64 {
                     std::hint::spin_loop();
                 } else if idle < 64 + inner.limits.idle_yields {
@@ -91,6 +101,10 @@ pub(super) fn progress_loop(inner: &Inner) {
                 let mut st = inner.lock_progress(&mut barged);
                 for wc in &wcs[..n] {
                     st.on_completion(wc, &inner.limits);
+                }
+                if st.now >= next_expire {
+                    st.expire(inner.progress_timeout, &inner.limits);
+                    next_expire = st.now + EXPIRE_EVERY;
                 }
             }
             Err(e) => {

@@ -4,14 +4,15 @@
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
+use std::time::Instant;
 
 use crossbeam_channel::Sender;
 
-use crate::transport::{
-    Completion, FailureKind, FailureSource, Notification, Op, RemoteAccessKind, Segment, TransferFailure, XferId,
-};
+use super::nic::{NicQp, NicSlab};
+use super::wc::{post_failure, wc_failure};
+use crate::transport::{Completion, Notification, Op, Segment, TransferFailure, XferId};
 use crate::verbs::ffi::{IBV_WC_SUCCESS, IBV_WC_WR_FLUSH_ERR, wc_status_name};
-use crate::verbs::{MemoryRegion, QueuePair, WorkCompletion, WrBatch, WrId};
+use crate::verbs::{WorkCompletion, WrBatch, WrId};
 
 /// Largest notification payload (bytes): one receive slot.
 pub const NOTIF_SLOT_BYTES: usize = 4096;
@@ -38,8 +39,8 @@ impl Work {
 
 /// An initiator-side QP: its queue of work not yet posted and the
 /// signalled chunks in flight.
-pub struct SendQp {
-    pub qp: QueuePair,
+pub struct SendQp<Q> {
+    pub qp: Q,
     pub peer: u32,
     /// WRs posted and not yet covered by a polled completion.
     pub outstanding: u32,
@@ -51,6 +52,28 @@ pub struct SendQp {
     /// CQEs still held for this QP after error completions: each WR of a
     /// failed chunk may still be flushed with a CQE of its own.
     pub flush_reserved: u32,
+    /// When the QP last made progress: its first WR posted with none
+    /// outstanding, or its last completion ([`State::expire`]).
+    pub progress_at: Instant,
+    /// When [`State::expire`] put the QP in error for want of progress.
+    pub expired_at: Option<Instant>,
+}
+
+impl<Q> SendQp<Q> {
+    /// A connected QP of `peer` with nothing queued or in flight.
+    pub fn new(qp: Q, peer: u32, now: Instant) -> Self {
+        Self {
+            qp,
+            peer,
+            outstanding: 0,
+            chunks: HashMap::new(),
+            queue: VecDeque::new(),
+            error: None,
+            flush_reserved: 0,
+            progress_at: now,
+            expired_at: None,
+        }
+    }
 }
 
 /// A transfer in flight.
@@ -69,29 +92,29 @@ pub struct Xfer {
 }
 
 /// A target-side QP receiving notifications from one initiator.
-pub struct RecvQp {
-    pub qp: QueuePair,
+pub struct RecvQp<Q: NicQp> {
+    pub qp: Q,
     pub agent: String,
     /// Receive slots; the QP also keeps it alive (`post_recv_owned`).
-    pub slab: Arc<MemoryRegion>,
+    pub slab: Arc<Q::Slab>,
 }
 
 /// Notification slots of one peer (a registered slab on the initiator).
-pub struct NotifSlab {
-    pub mr: MemoryRegion,
+pub struct NotifSlab<S> {
+    pub mr: S,
     pub free: Vec<u32>,
 }
 
 /// Everything the user thread and the progress thread share.
-pub struct State {
-    pub send_qps: HashMap<u32, SendQp>,
+pub struct State<Q: NicQp> {
+    pub send_qps: HashMap<u32, SendQp<Q>>,
     pub xfers: HashMap<u64, Xfer>,
-    pub slabs: HashMap<u32, NotifSlab>,
+    pub slabs: HashMap<u32, NotifSlab<Q::Slab>>,
     /// Finished transfers, to the transport's `poll` without this state's
     /// lock, so a scheduler polling `status` never waits for the progress
     /// thread.
     pub done: Sender<Completion>,
-    pub recv_qps: HashMap<u32, RecvQp>,
+    pub recv_qps: HashMap<u32, RecvQp<Q>>,
     /// Received notifications, to `take_notifications` likewise.
     pub notifs: Sender<Notification>,
     pub next_chunk: u64,
@@ -108,6 +131,9 @@ pub struct State {
     /// CQEs held for posted receives, at most `recv_cap` (half the CQ).
     pub recv_reserved: u32,
     pub recv_cap: u32,
+    /// The time the caller last set (the state reads no clock itself, so a
+    /// simulation drives it): stamps QP progress for [`State::expire`].
+    pub now: Instant,
 }
 
 /// Posting parameters.
@@ -154,7 +180,7 @@ pub fn batch_len(queue: &VecDeque<Work>, room: usize, limits: &PostLimits) -> us
 /// Receive chunk ids have the top bit set; the rest is the slot.
 pub const RECV_BIT: u64 = 1 << 63;
 
-impl State {
+impl<Q: NicQp> State<Q> {
     /// Empty state for a completion queue of `cqes` entries.
     pub fn new(cqes: u32, done: Sender<Completion>, notifs: Sender<Notification>) -> Self {
         Self {
@@ -170,6 +196,7 @@ impl State {
             cq_starved: false,
             recv_reserved: 0,
             recv_cap: cqes / 2,
+            now: Instant::now(),
         }
     }
 
@@ -344,7 +371,7 @@ impl State {
             self.fail_queue(qpn, limits);
             return;
         }
-        let State { send_qps, xfers, slabs, batch, next_chunk, cq_free, cq_starved, .. } = self;
+        let State { send_qps, xfers, slabs, batch, next_chunk, cq_free, cq_starved, now, .. } = self;
         let Some(sq) = send_qps.get_mut(&qpn) else {
             return;
         };
@@ -415,6 +442,9 @@ impl State {
                 }
             }
             *cq_free -= covered as u32;
+            if sq.outstanding == 0 && covered > 0 {
+                sq.progress_at = *now;
+            }
             let why = posted.as_ref().err().map(|(_, e)| post_failure(e));
             let mut unposted = Vec::new();
             for (k, w) in sq.queue.drain(..n).enumerate() {
@@ -468,6 +498,7 @@ impl State {
             return;
         };
         sq.outstanding = sq.outstanding.saturating_sub(cnt);
+        sq.progress_at = self.now;
         // A good chunk completes with one CQE and no more; after an error
         // each of its other WRs may still be flushed with a CQE.
         let freed = if wc.status == IBV_WC_SUCCESS {
@@ -545,73 +576,12 @@ impl State {
         let len = (wc.byte_len as usize).min(NOTIF_SLOT_BYTES);
         // The receive completed: the NIC no longer writes the slot until it
         // is reposted below.
-        let Some(payload) = r.slab.read_owned(slot * NOTIF_SLOT_BYTES, len) else {
+        let Some(payload) = r.slab.read(slot * NOTIF_SLOT_BYTES, len) else {
             return;
         };
         let _ = self.notifs.send(Notification { from_agent: r.agent.clone(), payload });
-        if let Err(e) = r.qp.post_recv_owned(wc.wr_id, &r.slab, slot * NOTIF_SLOT_BYTES, NOTIF_SLOT_BYTES as u32) {
+        if let Err(e) = r.qp.post_recv(wc.wr_id, &r.slab, slot * NOTIF_SLOT_BYTES, NOTIF_SLOT_BYTES as u32) {
             tracing::warn!("verbs: cannot repost a receive for {}: {e}", r.agent);
         }
-    }
-}
-
-/// The typed failure for an error work completion, keeping its status and
-/// vendor syndrome as the source (`enum ibv_wc_status`, verbs.h).
-pub fn wc_failure(wc: &WorkCompletion) -> TransferFailure {
-    // Values of `enum ibv_wc_status`.
-    let kind = match wc.status {
-        1 | 2 | 4 | 8 => FailureKind::LocalProtection, // LOC_LEN, LOC_QP_OP, LOC_PROT, LOC_ACCESS
-        10 => FailureKind::RemoteAccess(RemoteAccessKind::OutOfBounds), // REM_ACCESS_ERR
-        9 | 15 => FailureKind::RemoteAccess(RemoteAccessKind::Denied), // REM_INV_REQ, REM_INV_RD_REQ
-        12 | 13 | 20 => FailureKind::PeerDied,         // RETRY_EXC, RNR_RETRY_EXC, RESP_TIMEOUT
-        5 => FailureKind::Cancelled,                   // WR_FLUSH_ERR with no earlier error: QP flushed by us
-        _ => FailureKind::Transport,
-    };
-    TransferFailure {
-        kind,
-        source: FailureSource::WorkCompletion { status: wc.status, vendor_err: wc.vendor_err },
-        detail: format!("{} (vendor error {:#x}) on QP {}", wc_status_name(wc.status), wc.vendor_err, wc.qp_num),
-    }
-}
-
-/// The typed failure for an `ibv_post_send` that returned an error.
-fn post_failure(e: &impl std::fmt::Display) -> TransferFailure {
-    TransferFailure::new(FailureKind::Transport, format!("ibv_post_send: {e}"))
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::transport::{LocalKey, RemoteKey};
-
-    fn limits(max_batch: u32, batch_bytes: u64) -> PostLimits {
-        PostLimits { max_send_wr: 1024, signal_every: 32, max_batch, batch_bytes, poll_sleep_us: 50, idle_yields: 0 }
-    }
-
-    fn queue(sizes: &[u64]) -> VecDeque<Work> {
-        sizes
-            .iter()
-            .map(|&len_bytes| Work::Rdma {
-                xfer: 1,
-                read: true,
-                seg: Segment { local_addr: 0, lkey: LocalKey(1), remote_addr: 0, rkey: RemoteKey(2), len_bytes },
-            })
-            .collect()
-    }
-
-    #[test]
-    fn batch_len_counts_wrs_room_and_bytes() {
-        let q = queue(&[4096; 100]);
-        assert_eq!(batch_len(&q, 1000, &limits(64, 0)), 64, "max_batch");
-        assert_eq!(batch_len(&q, 10, &limits(64, 0)), 10, "room in the send queue");
-        assert_eq!(batch_len(&q, 1000, &limits(64, 64 << 10)), 16, "16 x 4 KiB reach 64 KiB");
-        assert_eq!(batch_len(&q, 5, &limits(64, 64 << 10)), 5, "room before bytes");
-        let big = queue(&[65536, 65536, 1 << 20]);
-        assert_eq!(batch_len(&big, 1000, &limits(64, 64 << 10)), 1, "one 64 KiB WR per post");
-        assert_eq!(batch_len(&queue(&[100, 1 << 20]), 1000, &limits(64, 64 << 10)), 2);
-        assert_eq!(batch_len(&queue(&[]), 1000, &limits(64, 64 << 10)), 0);
-        let mut with_notify = queue(&[4096; 3]);
-        with_notify.push_back(Work::Notify { xfer: 1, slot: 0, len: 100 });
-        assert_eq!(batch_len(&with_notify, 1000, &limits(64, 64 << 10)), 4, "short queue: all of it");
     }
 }

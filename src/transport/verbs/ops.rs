@@ -1,0 +1,134 @@
+//! The transport's commands as steps of the state machine: accept a post
+//! (notification slot, transfer record, queued work) and cancel a transfer
+//! (drop its queued work, flush and finally destroy the QPs that still carry
+//! it). `VerbsTransport` and the simulated tests call these same functions.
+
+use super::nic::{NicQp, NicSlab};
+use super::state::{NOTIF_SLOT_BYTES, PostLimits, State, Xfer};
+use crate::transport::{PostRequest, TransferFailure, TransportError};
+
+/// Notification slots per peer on the initiator (notifications in flight).
+pub const NOTIF_SLOTS: u32 = 256;
+
+impl<Q: NicQp> State<Q> {
+    /// Accept `req` for a peer named `peer_name` whose QPs are `qpns`: take
+    /// a notification slot (when it carries one), record the transfer, queue
+    /// its work and post what fits. A post with no segments and a
+    /// notification sends just the notification and ends `Done` once it was
+    /// sent; with neither it ends `Done` at once.
+    ///
+    /// # Errors
+    /// [`TransportError::Post`] for a notification over
+    /// [`NOTIF_SLOT_BYTES`] or more than [`NOTIF_SLOTS`] in flight;
+    /// [`TransportError::NotConnected`] when the peer has no slots.
+    pub fn post(
+        &mut self,
+        req: &PostRequest,
+        qpns: &[u32],
+        peer_name: &str,
+        limits: &PostLimits,
+    ) -> Result<(), TransportError> {
+        if req.notification.as_ref().is_some_and(|n| n.len() > NOTIF_SLOT_BYTES) {
+            return Err(TransportError::Post(format!("notification larger than {NOTIF_SLOT_BYTES} bytes")));
+        }
+        if qpns.is_empty() {
+            return Err(TransportError::NotConnected(req.peer));
+        }
+        let mut slot = None;
+        if let Some(payload) = &req.notification {
+            let slab = self.slabs.get_mut(&req.peer.0).ok_or(TransportError::NotConnected(req.peer))?;
+            let s = slab.free.pop().ok_or_else(|| {
+                TransportError::Post(format!("more than {NOTIF_SLOTS} notifications in flight to {peer_name}"))
+            })?;
+            // Slot `s` is free: no WR reads it until we post one.
+            let written = slab.mr.write(s as usize * NOTIF_SLOT_BYTES, payload);
+            debug_assert!(written, "payloads fit a slot");
+            slot = Some((s, payload.len() as u32));
+        }
+        let qp0 = qpns[0];
+        let multi = qpns.len() > 1;
+        self.xfers.insert(
+            req.xfer.0,
+            Xfer {
+                queued: 0,
+                chunks: 0,
+                error: None,
+                cancelled: false,
+                deferred_notify: slot.filter(|_| multi).map(|(s, l)| (qp0, s, l)),
+                slot: slot.map(|(s, _)| (req.peer.0, s)),
+            },
+        );
+        self.enqueue(req.xfer, req.op, &req.segments, qpns, limits);
+        if let (Some((s, l)), false) = (slot, multi) {
+            self.enqueue_notify(req.xfer.0, qp0, s, l, limits);
+        }
+        self.try_finish(req.xfer.0, limits);
+        Ok(())
+    }
+
+    /// Start cancelling `xfer`: drop its queued work and its deferred
+    /// notification; it will not be reported. False when it is not in
+    /// flight (finished already).
+    pub fn cancel_start(&mut self, xfer: u64, limits: &PostLimits) -> bool {
+        let Some(x) = self.xfers.get_mut(&xfer) else {
+            return false;
+        };
+        x.cancelled = true;
+        x.deferred_notify = None;
+        let mut dropped = 0;
+        for sq in self.send_qps.values_mut() {
+            let before = sq.queue.len();
+            sq.queue.retain(|w| w.xfer() != xfer);
+            dropped += before - sq.queue.len();
+        }
+        if let Some(x) = self.xfers.get_mut(&xfer) {
+            x.queued = x.queued.saturating_sub(dropped as u32);
+        }
+        self.try_finish(xfer, limits);
+        true
+    }
+
+    /// One look at a cancel in progress: true once `xfer` is gone, so the
+    /// NIC can no longer touch its buffers. Past the flush deadline (`flush`)
+    /// the QPs still carrying it are put in error once (`flushed` remembers),
+    /// which flushes its WRs; past the destroy deadline (`destroy`) those
+    /// QPs are destroyed, and with none left carrying it the record is
+    /// dropped (its notification slot given back).
+    pub fn cancel_step(
+        &mut self,
+        xfer: u64,
+        flush: bool,
+        destroy: bool,
+        flushed: &mut bool,
+        limits: &PostLimits,
+    ) -> bool {
+        if !self.xfers.contains_key(&xfer) {
+            return true;
+        }
+        if !flush {
+            return false;
+        }
+        let carrying: Vec<u32> = self
+            .send_qps
+            .iter()
+            .filter(|(_, sq)| sq.chunks.values().any(|(x, _)| *x == xfer))
+            .map(|(&q, _)| q)
+            .collect();
+        if !*flushed {
+            *flushed = true;
+            for q in &carrying {
+                let why = TransferFailure::cancelled(format!("QP flushed to cancel transfer {xfer}"));
+                self.fail_qp(*q, why, limits);
+            }
+        } else if destroy {
+            for q in &carrying {
+                tracing::warn!("verbs: cancel of transfer {xfer} destroys QP {q}, which did not drain");
+                self.remove_qp(*q, limits);
+            }
+            if carrying.is_empty() {
+                self.drop_xfer(xfer);
+            }
+        }
+        !self.xfers.contains_key(&xfer)
+    }
+}

@@ -1,0 +1,579 @@
+//! `SimNic`: a deterministic, seeded simulation of RC queue pairs on one
+//! fabric, implementing [`Nic`]/[`NicQp`]/[`NicSlab`] so that the verbs
+//! state machine runs without RDMA hardware (unit and property tests, the
+//! command-path bench).
+//!
+//! What it models: per-device completion queues of a fixed size (a CQE
+//! pushed into a full CQ is an overrun, recorded and putting every QP of
+//! that device in error, as `IBV_EVENT_CQ_ERR` does), send queues of a
+//! fixed depth (`ENOMEM` from `post_send` beyond it, the WRs before it
+//! posted), in-order execution per QP and a seeded random interleaving
+//! across QPs (completions of different QPs arrive reordered and delayed),
+//! bytes moved between in-simulation memory (so data and notification
+//! ordering is checkable), rkey/bounds checks (`IBV_WC_REM_ACCESS_ERR`),
+//! SENDs consuming posted receives (`IBV_WC_RNR_RETRY_EXC_ERR` when none
+//! is posted), error state with `IBV_WC_WR_FLUSH_ERR` for every WR after
+//! the first error (signalled or not), QP numbers reused after destroy
+//! (lowest free number first), and a device that disappears (its peers'
+//! WRs end in `IBV_WC_RETRY_EXC_ERR`, or never complete with
+//! [`World::infinite_retry`], as rxe at `retry_cnt=7`). Faults are
+//! injected per QP ([`SimFabric::fail_next`]).
+//!
+//! Not modelled: READ depth (`max_rd_atomic`), timing (steps are the
+//! clock), partial WRs.
+
+use std::collections::{BTreeSet, HashMap, HashSet, VecDeque};
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use super::nic::{Nic, NicQp, NicSlab};
+use crate::verbs::ffi::{IBV_WC_RECV, IBV_WC_SUCCESS, IBV_WC_WR_FLUSH_ERR, IBV_WR_RDMA_READ, IBV_WR_SEND};
+use crate::verbs::{VerbsError, WorkCompletion, WrBatch, WrView};
+
+/// `IBV_WC_LOC_PROT_ERR`.
+pub const WC_LOC_PROT_ERR: u32 = 4;
+/// `IBV_WC_REM_ACCESS_ERR`.
+pub const WC_REM_ACCESS_ERR: u32 = 10;
+/// `IBV_WC_RETRY_EXC_ERR`.
+pub const WC_RETRY_EXC_ERR: u32 = 12;
+/// `IBV_WC_RNR_RETRY_EXC_ERR`.
+pub const WC_RNR_RETRY_EXC_ERR: u32 = 13;
+
+struct Region {
+    dev: u32,
+    addr: u64,
+    bytes: Vec<u8>,
+}
+
+struct SimQpState {
+    dev: u32,
+    peer: Option<u32>,
+    error: bool,
+    max_send_wr: u32,
+    sq: VecDeque<WrView>,
+    /// Posted receives: (wr_id, slab key, offset, len).
+    rq: VecDeque<(u64, u32, usize, u32)>,
+    /// Status the next executed WR completes with (fault injection).
+    fail_next: VecDeque<u32>,
+}
+
+/// The fabric's whole state (behind [`SimFabric`]'s lock: the simulated
+/// hardware, not the transport's).
+pub struct World {
+    rng: u64,
+    next_addr: u64,
+    next_key: u32,
+    next_qpn: u32,
+    free_qpns: BTreeSet<u32>,
+    regions: HashMap<u32, Region>,
+    qps: HashMap<u32, SimQpState>,
+    cqs: HashMap<u32, (VecDeque<WorkCompletion>, usize)>,
+    dead: HashSet<u32>,
+    /// WRs to a vanished peer never complete (rxe with `retry_cnt=7`).
+    pub infinite_retry: bool,
+    /// Devices whose CQ overran.
+    pub overruns: Vec<u32>,
+    /// Every memory access the NIC made: (step, key, offset, len).
+    pub touches: Vec<(u64, u32, usize, usize)>,
+    /// Steps executed so far (the simulation's clock).
+    pub steps: u64,
+    /// `post_send` fails with `EINVAL` at this WR index of the next call.
+    pub fail_post_at: Option<usize>,
+}
+
+/// A shared simulated fabric: devices, memory, QPs.
+#[derive(Clone)]
+pub struct SimFabric(Arc<Mutex<World>>);
+
+impl SimFabric {
+    /// An empty fabric whose interleaving follows `seed`.
+    pub fn new(seed: u64) -> Self {
+        Self(Arc::new(Mutex::new(World {
+            rng: seed ^ 0x9e37_79b9_7f4a_7c15,
+            next_addr: 0x10_0000,
+            next_key: 1,
+            next_qpn: 0x11,
+            free_qpns: BTreeSet::new(),
+            regions: HashMap::new(),
+            qps: HashMap::new(),
+            cqs: HashMap::new(),
+            dead: HashSet::new(),
+            infinite_retry: false,
+            overruns: Vec::new(),
+            touches: Vec::new(),
+            steps: 0,
+            fail_post_at: None,
+        })))
+    }
+
+    /// The world, locked.
+    pub fn world(&self) -> MutexGuard<'_, World> {
+        self.0.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// A device `dev` with a completion queue of `cqes` entries.
+    pub fn device(&self, dev: u32, cqes: usize) -> SimNic {
+        self.world().cqs.insert(dev, (VecDeque::new(), cqes));
+        SimNic { fabric: self.clone(), dev }
+    }
+
+    /// Register `len` zeroed bytes on `dev`: `(address, key)` (lkey = rkey).
+    pub fn alloc(&self, dev: u32, len: usize) -> (u64, u32) {
+        self.world().alloc(dev, len)
+    }
+
+    /// Drop the region of `key` (deregister): later accesses fail.
+    pub fn dealloc(&self, key: u32) {
+        self.world().regions.remove(&key);
+    }
+
+    /// A copy of `len` bytes at `addr` of region `key`.
+    pub fn read(&self, key: u32, addr: u64, len: usize) -> Option<Vec<u8>> {
+        let w = self.world();
+        let r = w.regions.get(&key)?;
+        let off = usize::try_from(addr.checked_sub(r.addr)?).ok()?;
+        r.bytes.get(off..off.checked_add(len)?).map(<[u8]>::to_vec)
+    }
+
+    /// Write `data` at `addr` of region `key`; false when out of range.
+    pub fn write(&self, key: u32, addr: u64, data: &[u8]) -> bool {
+        let mut w = self.world();
+        let Some(r) = w.regions.get_mut(&key) else { return false };
+        let Some(off) = addr.checked_sub(r.addr).and_then(|o| usize::try_from(o).ok()) else { return false };
+        match r.bytes.get_mut(off..off + data.len()) {
+            Some(dst) => {
+                dst.copy_from_slice(data);
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// Connect QP `a` and QP `b` (RTS both ways).
+    pub fn connect(&self, a: u32, b: u32) {
+        let mut w = self.world();
+        if let Some(q) = w.qps.get_mut(&a) {
+            q.peer = Some(b);
+        }
+        if let Some(q) = w.qps.get_mut(&b) {
+            q.peer = Some(a);
+        }
+    }
+
+    /// The next WR QP `qpn` executes completes with `status` (and puts the QP
+    /// in error, as any error completion does).
+    pub fn fail_next(&self, qpn: u32, status: u32) {
+        if let Some(q) = self.world().qps.get_mut(&qpn) {
+            q.fail_next.push_back(status);
+        }
+    }
+
+    /// Device `dev` disappears (its process was killed): its QPs answer
+    /// nothing from now on.
+    pub fn kill(&self, dev: u32) {
+        self.world().dead.insert(dev);
+    }
+
+    /// Execute one WR of a QP picked at random among those with work; false
+    /// when no QP can make progress.
+    pub fn step(&self) -> bool {
+        self.world().step()
+    }
+}
+
+impl World {
+    fn rand(&mut self) -> u64 {
+        // splitmix64
+        self.rng = self.rng.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = self.rng;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^ (z >> 31)
+    }
+
+    fn alloc(&mut self, dev: u32, len: usize) -> (u64, u32) {
+        let (addr, key) = (self.next_addr, self.next_key);
+        self.next_addr += (len as u64).div_ceil(4096).max(1) * 4096 + 4096;
+        self.next_key += 1;
+        self.regions.insert(key, Region { dev, addr, bytes: vec![0; len] });
+        (addr, key)
+    }
+
+    /// `[addr, addr + len)` of region `key` on `dev`: its offset, if inside.
+    fn check(&self, dev: u32, key: u32, addr: u64, len: usize) -> Option<usize> {
+        let r = self.regions.get(&key).filter(|r| r.dev == dev)?;
+        let off = usize::try_from(addr.checked_sub(r.addr)?).ok()?;
+        (off.checked_add(len)? <= r.bytes.len()).then_some(off)
+    }
+
+    fn copy(&mut self, from: (u32, usize), to: (u32, usize), len: usize) {
+        let data = self.regions[&from.0].bytes[from.1..from.1 + len].to_vec();
+        self.regions.get_mut(&to.0).expect("checked").bytes[to.1..to.1 + len].copy_from_slice(&data);
+        let s = self.steps;
+        self.touches.push((s, from.0, from.1, len));
+        self.touches.push((s, to.0, to.1, len));
+    }
+
+    fn push_cqe(&mut self, dev: u32, wc: WorkCompletion) {
+        let Some((q, cap)) = self.cqs.get_mut(&dev) else { return };
+        if q.len() >= *cap {
+            // CQ overrun: the device reports a CQ error and every QP on the
+            // CQ goes to the error state.
+            self.overruns.push(dev);
+            for qp in self.qps.values_mut().filter(|qp| qp.dev == dev) {
+                qp.error = true;
+            }
+            return;
+        }
+        q.push_back(wc);
+    }
+
+    fn step(&mut self) -> bool {
+        let live: Vec<u32> = {
+            let mut v: Vec<u32> = self
+                .qps
+                .iter()
+                .filter(|(_, q)| !q.sq.is_empty() && !self.dead.contains(&q.dev) && !self.stuck(q))
+                .map(|(&n, _)| n)
+                .collect();
+            v.sort_unstable();
+            v
+        };
+        if live.is_empty() {
+            return false;
+        }
+        self.steps += 1;
+        let qpn = live[(self.rand() % live.len() as u64) as usize];
+        self.exec(qpn);
+        true
+    }
+
+    /// A QP whose head WR can never complete (peer gone with infinite
+    /// retries, or a SEND with no receive posted and infinite RNR retries).
+    fn stuck(&self, q: &SimQpState) -> bool {
+        if q.error || !q.fail_next.is_empty() || !self.infinite_retry {
+            return false;
+        }
+        let peer = q.peer.and_then(|p| self.qps.get(&p).filter(|_| !self.dead.contains(&self.qps[&p].dev)));
+        match peer {
+            None => true,
+            Some(p) => q.sq.front().is_some_and(|w| w.opcode == IBV_WR_SEND && p.rq.is_empty()),
+        }
+    }
+
+    fn exec(&mut self, qpn: u32) {
+        let q = self.qps.get_mut(&qpn).expect("live QP");
+        let w = q.sq.pop_front().expect("has work");
+        let dev = q.dev;
+        let cqe = |status: u32| WorkCompletion { wr_id: w.wr_id, status, qp_num: qpn, ..Default::default() };
+        if q.error {
+            self.push_cqe(dev, cqe(IBV_WC_WR_FLUSH_ERR));
+            return;
+        }
+        let status = q.fail_next.pop_front().unwrap_or_else(|| self.perform(qpn, &w));
+        if status != IBV_WC_SUCCESS {
+            if let Some(q) = self.qps.get_mut(&qpn) {
+                q.error = true;
+            }
+            self.push_cqe(dev, cqe(status));
+        } else if w.signaled {
+            self.push_cqe(dev, WorkCompletion { byte_len: w.len_bytes, ..cqe(IBV_WC_SUCCESS) });
+        }
+    }
+
+    /// Move the bytes of `w` (from QP `qpn`); its completion status.
+    fn perform(&mut self, qpn: u32, w: &WrView) -> u32 {
+        let q = &self.qps[&qpn];
+        let (dev, len) = (q.dev, w.len_bytes as usize);
+        let Some(peer) = q.peer.filter(|p| self.qps.get(p).is_some_and(|pq| !self.dead.contains(&pq.dev))) else {
+            return WC_RETRY_EXC_ERR;
+        };
+        let Some(loff) = self.check(dev, w.lkey, w.local_addr, len) else {
+            return WC_LOC_PROT_ERR;
+        };
+        let pdev = self.qps[&peer].dev;
+        if w.opcode == IBV_WR_SEND {
+            let Some((rid, key, off, rlen)) = self.qps.get_mut(&peer).and_then(|p| p.rq.pop_front()) else {
+                return WC_RNR_RETRY_EXC_ERR;
+            };
+            if len > rlen as usize {
+                return WC_REM_ACCESS_ERR;
+            }
+            self.copy((w.lkey, loff), (key, off), len);
+            let wc = WorkCompletion {
+                wr_id: rid,
+                status: IBV_WC_SUCCESS,
+                opcode: IBV_WC_RECV,
+                byte_len: len as u32,
+                qp_num: peer,
+                ..Default::default()
+            };
+            self.push_cqe(pdev, wc);
+            return IBV_WC_SUCCESS;
+        }
+        let Some(roff) = self.check(pdev, w.rkey, w.remote_addr, len) else {
+            return WC_REM_ACCESS_ERR;
+        };
+        if w.opcode == IBV_WR_RDMA_READ {
+            self.copy((w.rkey, roff), (w.lkey, loff), len);
+        } else {
+            self.copy((w.lkey, loff), (w.rkey, roff), len);
+        }
+        IBV_WC_SUCCESS
+    }
+
+    /// WRs queued on QP `qpn` and not executed yet.
+    pub fn queued(&self, qpn: u32) -> usize {
+        self.qps.get(&qpn).map_or(0, |q| q.sq.len())
+    }
+
+    /// True when QP `qpn` exists (is not destroyed).
+    pub fn has_qp(&self, qpn: u32) -> bool {
+        self.qps.contains_key(&qpn)
+    }
+}
+
+/// One simulated device: its completion queue and QP factory.
+pub struct SimNic {
+    fabric: SimFabric,
+    dev: u32,
+}
+
+impl SimNic {
+    /// The fabric it sits on.
+    pub fn fabric(&self) -> &SimFabric {
+        &self.fabric
+    }
+}
+
+/// A simulated QP; dropping it destroys it (its posted WRs vanish without
+/// completions, its number becomes free for reuse).
+pub struct SimQp {
+    fabric: SimFabric,
+    qpn: u32,
+    /// Slabs its receives land in, kept alive as a real QP does.
+    slabs: Vec<Arc<SimSlab>>,
+}
+
+impl Drop for SimQp {
+    fn drop(&mut self) {
+        let mut w = self.fabric.world();
+        w.qps.remove(&self.qpn);
+        w.free_qpns.insert(self.qpn);
+    }
+}
+
+/// Simulated registered memory owned by the transport.
+pub struct SimSlab {
+    fabric: SimFabric,
+    addr: u64,
+    key: u32,
+    len: usize,
+}
+
+impl Drop for SimSlab {
+    fn drop(&mut self) {
+        self.fabric.dealloc(self.key);
+    }
+}
+
+fn einval(call: &'static str) -> VerbsError {
+    VerbsError::call(call, libc::EINVAL)
+}
+
+impl NicSlab for SimSlab {
+    fn addr(&self) -> u64 {
+        self.addr
+    }
+    fn lkey(&self) -> u32 {
+        self.key
+    }
+    fn len_bytes(&self) -> usize {
+        self.len
+    }
+    fn write(&mut self, offset: usize, data: &[u8]) -> bool {
+        self.fabric.write(self.key, self.addr + offset as u64, data)
+    }
+    fn read(&self, offset: usize, len: usize) -> Option<Vec<u8>> {
+        self.fabric.read(self.key, self.addr + offset as u64, len)
+    }
+}
+
+impl NicQp for SimQp {
+    type Slab = SimSlab;
+    fn qp_num(&self) -> u32 {
+        self.qpn
+    }
+    unsafe fn post_send(&mut self, batch: &mut WrBatch) -> Result<(), (usize, VerbsError)> {
+        let mut w = self.fabric.world();
+        let fail_at = w.fail_post_at.take();
+        let q = w.qps.get_mut(&self.qpn).ok_or((0, einval("ibv_post_send (destroyed QP)")))?;
+        for i in 0..batch.len() {
+            if fail_at == Some(i) {
+                return Err((i, einval("ibv_post_send")));
+            }
+            if q.sq.len() >= q.max_send_wr as usize {
+                return Err((i, VerbsError::call("ibv_post_send", libc::ENOMEM)));
+            }
+            q.sq.push_back(batch.view(i).expect("in range"));
+        }
+        Ok(())
+    }
+    fn post_recv(&mut self, wr_id: u64, slab: &Arc<SimSlab>, offset: usize, len_bytes: u32) -> Result<(), VerbsError> {
+        if offset + len_bytes as usize > slab.len {
+            return Err(einval("ibv_post_recv (range outside the slab)"));
+        }
+        if !self.slabs.iter().any(|s| Arc::ptr_eq(s, slab)) {
+            self.slabs.push(slab.clone());
+        }
+        let mut w = self.fabric.world();
+        let q = w.qps.get_mut(&self.qpn).ok_or_else(|| einval("ibv_post_recv (destroyed QP)"))?;
+        q.rq.push_back((wr_id, slab.key, offset, len_bytes));
+        Ok(())
+    }
+    fn set_error(&self) -> Result<(), VerbsError> {
+        let mut w = self.fabric.world();
+        let q = w.qps.get_mut(&self.qpn).ok_or_else(|| einval("ibv_modify_qp (destroyed QP)"))?;
+        q.error = true;
+        // Posted receives are flushed too.
+        let dev = q.dev;
+        let flushed: Vec<u64> = q.rq.drain(..).map(|r| r.0).collect();
+        for wr_id in flushed {
+            let wc = WorkCompletion { wr_id, status: IBV_WC_WR_FLUSH_ERR, qp_num: self.qpn, ..Default::default() };
+            w.push_cqe(dev, wc);
+        }
+        Ok(())
+    }
+}
+
+impl Nic for SimNic {
+    type Qp = SimQp;
+    type Slab = SimSlab;
+    fn poll_cq(&self, out: &mut [WorkCompletion]) -> Result<usize, VerbsError> {
+        let mut w = self.fabric.world();
+        let Some((q, _)) = w.cqs.get_mut(&self.dev) else { return Ok(0) };
+        let n = out.len().min(q.len());
+        for (slot, wc) in out.iter_mut().zip(q.drain(..n)) {
+            *slot = wc;
+        }
+        Ok(n)
+    }
+    fn req_notify(&self) -> Result<(), VerbsError> {
+        Ok(())
+    }
+    fn create_qp(&self, max_send_wr: u32, _max_recv_wr: u32) -> Result<SimQp, VerbsError> {
+        let mut w = self.fabric.world();
+        let qpn = match w.free_qpns.pop_first() {
+            Some(n) => n,
+            None => {
+                w.next_qpn += 1;
+                w.next_qpn - 1
+            }
+        };
+        let st = SimQpState {
+            dev: self.dev,
+            peer: None,
+            error: false,
+            max_send_wr: max_send_wr.max(1),
+            sq: VecDeque::new(),
+            rq: VecDeque::new(),
+            fail_next: VecDeque::new(),
+        };
+        w.qps.insert(qpn, st);
+        Ok(SimQp { fabric: self.fabric.clone(), qpn, slabs: Vec::new() })
+    }
+    fn alloc_slab(&self, len_bytes: usize) -> Result<SimSlab, VerbsError> {
+        let (addr, key) = self.fabric.alloc(self.dev, len_bytes);
+        Ok(SimSlab { fabric: self.fabric.clone(), addr, key, len: len_bytes })
+    }
+}
+
+/// The command path on the simulated NIC, for the criterion bench
+/// `verbs_command`: one initiator state machine with one QP to a simulated
+/// target; [`post_pages`](Self::post_pages) runs a post (transfer record,
+/// queueing, WR building, `post_send`), [`finish`](Self::finish) lets the
+/// fabric complete it.
+#[doc(hidden)]
+pub struct CommandBench {
+    fabric: SimFabric,
+    nic: SimNic,
+    st: super::state::State<SimQp>,
+    done: crossbeam_channel::Receiver<crate::transport::Completion>,
+    _target: SimQp,
+    qpn: u32,
+    src: (u64, u32),
+    dst: (u64, u32),
+    limits: super::state::PostLimits,
+    next: u64,
+    wcs: Vec<WorkCompletion>,
+}
+
+impl Default for CommandBench {
+    fn default() -> Self {
+        let fabric = SimFabric::new(0);
+        let nic = fabric.device(0, 4096);
+        let target = fabric.device(1, 4096);
+        let (dtx, done) = crossbeam_channel::unbounded();
+        let (ntx, _) = crossbeam_channel::unbounded();
+        let mut st = super::state::State::new(4096, dtx, ntx);
+        let qp = nic.create_qp(1024, 1).expect("sim QP");
+        let t = target.create_qp(4, 64).expect("sim QP");
+        let qpn = qp.qp_num();
+        fabric.connect(qpn, t.qp_num());
+        st.send_qps.insert(qpn, super::state::SendQp::new(qp, 1, std::time::Instant::now()));
+        let src = fabric.alloc(0, 1 << 20);
+        let dst = fabric.alloc(1, 1 << 20);
+        let limits = super::state::PostLimits {
+            max_send_wr: 1024,
+            signal_every: 32,
+            max_batch: 64,
+            batch_bytes: 0,
+            poll_sleep_us: 50,
+            idle_yields: 0,
+        };
+        let wcs = vec![WorkCompletion::default(); 64];
+        Self { fabric, nic, st, done, _target: t, qpn, src, dst, limits, next: 0, wcs }
+    }
+}
+
+impl CommandBench {
+    /// Post one WRITE of `pages` 4 KiB pages (descending, so none
+    /// coalesce); the number of WRs the NIC then holds.
+    pub fn post_pages(&mut self, pages: u64) -> usize {
+        use crate::transport::{LocalKey, Op, PeerId, PostRequest, RemoteKey, Segment, XferId};
+        self.next += 1;
+        let segments = (0..pages)
+            .rev()
+            .map(|i| Segment {
+                local_addr: self.src.0 + (i % 256) * 4096,
+                lkey: LocalKey(self.src.1),
+                remote_addr: self.dst.0 + (i % 256) * 4096,
+                rkey: RemoteKey(self.dst.1),
+                len_bytes: 4096,
+            })
+            .collect();
+        let req = PostRequest { xfer: XferId(self.next), op: Op::Write, peer: PeerId(1), segments, notification: None };
+        self.st.post(&req, &[self.qpn], "bench", &self.limits).expect("post");
+        self.fabric.world().queued(self.qpn)
+    }
+
+    /// Complete everything posted and retire it (outside the measured
+    /// command path).
+    pub fn finish(&mut self) {
+        {
+            let mut w = self.fabric.world();
+            // Drop the moved bytes' log: the bench never reads it.
+            w.touches.clear();
+            while w.step() {}
+        }
+        loop {
+            let n = self.nic.poll_cq(&mut self.wcs).unwrap_or(0);
+            if n == 0 {
+                break;
+            }
+            for wc in &self.wcs[..n] {
+                self.st.on_completion(wc, &self.limits);
+            }
+        }
+        while self.done.try_recv().is_ok() {}
+    }
+}

@@ -1,0 +1,359 @@
+//! State-machine tests on the simulated NIC (`sim::SimNic`): no RDMA hardware.
+
+mod batch {
+
+    use crate::transport::Segment;
+    use crate::transport::verbs::state::*;
+    use crate::transport::{LocalKey, RemoteKey};
+    use std::collections::VecDeque;
+
+    fn limits(max_batch: u32, batch_bytes: u64) -> PostLimits {
+        PostLimits { max_send_wr: 1024, signal_every: 32, max_batch, batch_bytes, poll_sleep_us: 50, idle_yields: 0 }
+    }
+
+    fn queue(sizes: &[u64]) -> VecDeque<Work> {
+        sizes
+            .iter()
+            .map(|&len_bytes| Work::Rdma {
+                xfer: 1,
+                read: true,
+                seg: Segment { local_addr: 0, lkey: LocalKey(1), remote_addr: 0, rkey: RemoteKey(2), len_bytes },
+            })
+            .collect()
+    }
+
+    #[test]
+    fn batch_len_counts_wrs_room_and_bytes() {
+        let q = queue(&[4096; 100]);
+        assert_eq!(batch_len(&q, 1000, &limits(64, 0)), 64, "max_batch");
+        assert_eq!(batch_len(&q, 10, &limits(64, 0)), 10, "room in the send queue");
+        assert_eq!(batch_len(&q, 1000, &limits(64, 64 << 10)), 16, "16 x 4 KiB reach 64 KiB");
+        assert_eq!(batch_len(&q, 5, &limits(64, 64 << 10)), 5, "room before bytes");
+        let big = queue(&[65536, 65536, 1 << 20]);
+        assert_eq!(batch_len(&big, 1000, &limits(64, 64 << 10)), 1, "one 64 KiB WR per post");
+        assert_eq!(batch_len(&queue(&[100, 1 << 20]), 1000, &limits(64, 64 << 10)), 2);
+        assert_eq!(batch_len(&queue(&[]), 1000, &limits(64, 64 << 10)), 0);
+        let mut with_notify = queue(&[4096; 3]);
+        with_notify.push_back(Work::Notify { xfer: 1, slot: 0, len: 100 });
+        assert_eq!(batch_len(&with_notify, 1000, &limits(64, 64 << 10)), 4, "short queue: all of it");
+    }
+}
+
+mod sim_harness;
+
+use std::time::Duration;
+
+use sim_harness::{Opts, PAGE, Pair};
+
+use super::sim::{WC_REM_ACCESS_ERR, WC_RETRY_EXC_ERR, WC_RNR_RETRY_EXC_ERR};
+use crate::transport::{FailureKind, FailureSource, Op, RemoteAccessKind, TransportError};
+
+fn ok(p: &Pair, x: u64) -> bool {
+    p.result(x) == Some(Ok(()))
+}
+
+#[test]
+fn tiny_queue_odd_batches_three_qps_move_every_byte() {
+    // verbs_edge: max_send_wr 5, post_list 3, signal_every 2, 3 QPs.
+    let mut p = Pair::new(1, Opts { qps: 3, max_send_wr: 5, post_list: 3, signal_every: 2, ..Opts::default() });
+    let segs: Vec<(u64, u64)> = (0..200).map(|i| (i * 2 * PAGE, [4096, 61, 65536, 1, 4095][i as usize % 5])).collect();
+    p.fill_src(|i| (i * 31 + i / 4096) as u8);
+    p.post(1, Op::Write, &segs, Some(b"odd")).unwrap();
+    p.run();
+    assert!(ok(&p, 1), "{:?}", p.result(1));
+    p.assert_same(&segs);
+    assert_eq!(p.notifs(), vec![b"odd".to_vec()]);
+    p.invariants();
+}
+
+#[test]
+fn many_transfers_with_notifications_refuse_past_the_slots_then_deliver_all() {
+    let mut p = Pair::new(2, Opts { qps: 2, ..Opts::default() });
+    let mut posted = Vec::new();
+    for i in 0..300u64 {
+        match p.post(i, Op::Write, &[(i * PAGE, PAGE)], Some(format!("m{i}").as_bytes())) {
+            Ok(()) => posted.push(i),
+            Err(e) => assert!(e.to_string().contains("notifications in flight"), "{e}"),
+        }
+    }
+    assert_eq!(posted.len(), 256, "one slot per notification in flight");
+    p.run();
+    assert!(posted.iter().all(|&i| ok(&p, i)));
+    let mut got = p.notifs();
+    got.sort();
+    let mut want: Vec<Vec<u8>> = posted.iter().map(|i| format!("m{i}").into_bytes()).collect();
+    want.sort();
+    assert_eq!(got, want);
+    // The slots came back: more can be posted.
+    p.post(1000, Op::Write, &[(0, 8)], Some(b"again")).unwrap();
+    p.run();
+    assert!(ok(&p, 1000));
+    p.invariants();
+}
+
+#[test]
+fn cancel_returns_only_when_nothing_can_touch_the_buffers_and_frees_the_slot() {
+    // verbs_edge release_in_flight + the notification slot leak in cancel.
+    for seed in 0..20 {
+        let mut p = Pair::new(seed, Opts { qps: 2, max_send_wr: 64, ..Opts::default() });
+        let segs: Vec<(u64, u64)> = (0..512).map(|i| (i * PAGE, PAGE)).collect();
+        p.post(1, Op::Read, &segs, Some(b"no")).unwrap();
+        p.steps(seed as usize * 7);
+        let returned_at = p.cancel(1);
+        assert!(p.fabric.world().touches.iter().all(|&(s, key, _, _)| s <= returned_at || key != p.src.1));
+        p.run();
+        assert_eq!(p.result(1), None, "a cancelled transfer is not reported");
+        assert!(p.notifs().is_empty(), "notification of a cancelled transfer");
+        assert!(p.fabric.world().touches.iter().all(|&(s, key, _, _)| s <= returned_at || key != p.src.1));
+        assert_eq!(p.i.st.slabs[&p.peer].free.len(), 256, "the notification slot leaked");
+        p.invariants();
+    }
+}
+
+#[test]
+fn forged_bounds_and_rkeys_fail_as_remote_access_without_writing() {
+    let mut p = Pair::new(3, Opts::default());
+    let past = p.dst_len;
+    p.post(1, Op::Write, &[(past - 4096, 8192)], None).unwrap();
+    p.run();
+    let f = p.result(1).unwrap().unwrap_err();
+    assert_eq!(f.kind, FailureKind::RemoteAccess(RemoteAccessKind::OutOfBounds));
+    assert!(matches!(f.source, FailureSource::WorkCompletion { status: WC_REM_ACCESS_ERR, .. }), "{f:?}");
+    // The next post reconnects (the harness as the transport's recover).
+    p.reconnect();
+    p.post_with_rkey(2, Op::Write, &[(0, 4096)], p.dst.1 + 0x100).unwrap();
+    p.run();
+    assert_eq!(p.result(2).unwrap().unwrap_err().kind, FailureKind::RemoteAccess(RemoteAccessKind::OutOfBounds));
+    assert!(p.dst_bytes().iter().all(|&b| b == 0), "wrote through a forged bound or rkey");
+}
+
+#[test]
+fn deferred_notification_on_a_failed_qp_completes() {
+    // Two QPs: A's notification waits for both; B fails QP 0 meanwhile.
+    for seed in 0..20 {
+        let mut p = Pair::new(seed, Opts { qps: 2, ..Opts::default() });
+        let segs: Vec<(u64, u64)> = (0..128).map(|i| (i * PAGE, 64)).collect();
+        p.post(1, Op::Read, &segs, Some(b"A")).unwrap();
+        p.steps(seed as usize);
+        p.post_with_rkey(2, Op::Read, &[(0, 64)], 9999).unwrap();
+        p.run();
+        assert!(p.result(2).unwrap().is_err());
+        match p.result(1).expect("A never completed") {
+            Ok(()) => assert_eq!(p.notifs(), vec![b"A".to_vec()], "A succeeded: its notification arrives"),
+            Err(_) => assert!(p.notifs().is_empty()),
+        }
+        p.invariants();
+    }
+}
+
+#[test]
+fn transfer_queued_behind_a_failed_wr_is_reported() {
+    let mut p = Pair::new(4, Opts { max_send_wr: 4, signal_every: 1, ..Opts::default() });
+    let qp = p.qpns[0];
+    p.fabric.fail_next(qp, WC_REM_ACCESS_ERR);
+    let b: Vec<(u64, u64)> = (0..4).map(|i| (i * PAGE, PAGE)).collect();
+    p.post(1, Op::Read, &b, None).unwrap();
+    p.post(2, Op::Read, &[(8 * PAGE, PAGE)], Some(b"y")).unwrap();
+    p.run();
+    assert!(p.result(1).unwrap().is_err());
+    assert!(p.result(2).expect("Y never completed").is_err());
+    p.invariants();
+}
+
+#[test]
+fn wc_error_statuses_fail_with_their_kind_and_flushes_carry_the_first_error() {
+    for (status, kind) in [
+        (WC_RETRY_EXC_ERR, FailureKind::PeerDied),
+        (WC_RNR_RETRY_EXC_ERR, FailureKind::PeerDied),
+        (WC_REM_ACCESS_ERR, FailureKind::RemoteAccess(RemoteAccessKind::OutOfBounds)),
+    ] {
+        let mut p = Pair::new(5, Opts { signal_every: 1, max_send_wr: 8, ..Opts::default() });
+        p.fabric.fail_next(p.qpns[0], status);
+        p.post(1, Op::Write, &[(0, PAGE)], None).unwrap();
+        p.post(2, Op::Write, &[(PAGE, PAGE), (3 * PAGE, PAGE)], None).unwrap();
+        p.run();
+        let f1 = p.result(1).unwrap().unwrap_err();
+        assert_eq!(f1.kind, kind, "{f1}");
+        assert!(matches!(f1.source, FailureSource::WorkCompletion { status: s, .. } if s == status));
+        // WRs flushed behind it fail with the first error's kind.
+        let f2 = p.result(2).unwrap().unwrap_err();
+        assert_eq!(f2.kind, kind, "{f2}");
+        p.invariants();
+    }
+}
+
+#[test]
+fn small_completion_queue_holds_work_back_instead_of_overrunning() {
+    let o = Opts { qps: 4, cq: 128, max_send_wr: 256, signal_every: 1, ..Opts::default() };
+    let mut p = Pair::new(6, o);
+    let segs: Vec<(u64, u64)> = (0..2000).map(|i| (i * 2 * 1024, 1024)).collect();
+    p.fill_src(|i| (i * 7 + i / 1024) as u8);
+    p.post(1, Op::Write, &segs, Some(b"cq")).unwrap();
+    p.run();
+    assert!(ok(&p, 1));
+    p.assert_same(&segs);
+    p.invariants();
+}
+
+#[test]
+fn receives_hold_at_most_half_the_cq_and_refuse_beyond() {
+    let mut p = Pair::new(7, Opts { cq_target: 128, ..Opts::default() });
+    // The pair's one QP holds 64 receives on a 128-entry CQ: no room for more.
+    assert!(!p.t.st.reserve_recv_cqes(64), "receives may hold half the CQ");
+    assert!(p.t.st.reserve_recv_cqes(0));
+    p.invariants();
+}
+
+#[test]
+fn cq_room_given_back_outside_a_completion_posts_waiting_work() {
+    // A target's CQ half held by receives; the room receives give back when
+    // their initiator leaves must post sends that waited for it.
+    let mut p = Pair::new(8, Opts { cq: 128, max_send_wr: 256, signal_every: 1, ..Opts::default() });
+    assert!(p.i.st.reserve_recv_cqes(64), "receives take half of the CQ");
+    // The other half is held elsewhere (sends of another peer in flight).
+    p.i.st.cq_free = 0;
+    let segs: Vec<(u64, u64)> = (0..64).map(|i| (i * 2 * PAGE, PAGE)).collect();
+    p.post(1, Op::Write, &segs, None).unwrap();
+    p.run();
+    assert_eq!(p.result(1), None, "waits for CQEs");
+    p.i.st.release_cqes(64);
+    // The receives' initiator left: their CQEs come back outside any completion.
+    p.i.st.release_recv_cqes(64, &p.limits);
+    p.run();
+    assert!(ok(&p, 1), "work that waited for CQEs given back outside a completion");
+    p.invariants();
+}
+
+#[test]
+fn one_busy_qp_does_not_starve_another_peers_small_transfer() {
+    let o = Opts { cq: 128, max_send_wr: 256, signal_every: 32, ..Opts::default() };
+    let mut p = Pair::new(9, o);
+    let second = p.add_peer();
+    let big: Vec<(u64, u64)> = (0..4000).map(|i| (i * 2 * 1024 % (p.dst_len - 1024), 1024)).collect();
+    p.post(1, Op::Write, &big, None).unwrap();
+    p.post_to(second, 2, Op::Write, &[(0, 1024)], None).unwrap();
+    while p.result(2).is_none() {
+        assert!(p.pump(), "stalled");
+    }
+    assert_eq!(p.result(1), None, "the small transfer waited for all of the large one");
+    p.run();
+    assert!(ok(&p, 1));
+}
+
+#[test]
+fn qp_number_reuse_after_destroy_never_removes_another_peers_qp() {
+    let mut p = Pair::new(10, Opts::default());
+    let old = p.qpns[0];
+    p.i.st.remove_qp(old, &p.limits); // a failed post_send destroyed it
+    let second = p.add_peer();
+    let reused = p.peer_qpns(second)[0];
+    assert_eq!(reused, old, "the simulator hands out the freed number first");
+    // Disconnecting the first peer by its stale number leaves the second's QP.
+    p.i.st.remove_peer_qp(old, p.peer, &p.limits);
+    assert!(p.i.st.send_qps.contains_key(&reused));
+    p.post_to(second, 1, Op::Write, &[(0, 64)], None).unwrap();
+    p.run();
+    assert!(ok(&p, 1));
+}
+
+#[test]
+fn max_send_wr_of_one_and_post_after_failed_reconnect() {
+    let mut p = Pair::new(11, Opts { max_send_wr: 1, signal_every: 1, post_list: 1, ..Opts::default() });
+    let segs: Vec<(u64, u64)> = (0..50).map(|i| (i * PAGE, 100)).collect();
+    p.post(1, Op::Write, &segs, Some(b"1")).unwrap();
+    p.run();
+    assert!(ok(&p, 1));
+    // A reconnect that failed leaves the peer with no QPs: posts are refused.
+    for q in p.qpns.clone() {
+        p.i.st.remove_peer_qp(q, p.peer, &p.limits);
+    }
+    p.qpns.clear();
+    let e = p.post(2, Op::Write, &[(0, 8)], None).unwrap_err();
+    assert!(matches!(e, TransportError::NotConnected(_)), "{e}");
+}
+
+#[test]
+fn failed_post_send_destroys_the_qp_and_keeps_the_errno() {
+    let mut p = Pair::new(12, Opts { signal_every: 4, ..Opts::default() });
+    p.fabric.world().fail_post_at = Some(2);
+    let segs: Vec<(u64, u64)> = (0..8).map(|i| (i * PAGE, 64)).collect();
+    p.post(1, Op::Write, &segs, None).unwrap();
+    p.run();
+    let f = p.result(1).unwrap().unwrap_err();
+    assert_eq!(f.kind, FailureKind::Transport);
+    assert_eq!(f.source, FailureSource::Os(libc::EINVAL));
+    assert!(!p.fabric.world().has_qp(p.qpns[0]), "the cut QP was destroyed");
+    p.invariants();
+}
+
+#[test]
+fn empty_post_with_a_notification_delivers_it_and_ends_done() {
+    for qps in [1, 2] {
+        let mut p = Pair::new(13, Opts { qps, ..Opts::default() });
+        p.post(1, Op::Write, &[], Some(b"only")).unwrap();
+        p.post(2, Op::Read, &[], None).unwrap();
+        p.run();
+        assert!(ok(&p, 1) && ok(&p, 2));
+        assert_eq!(p.notifs(), vec![b"only".to_vec()]);
+        p.post(3, Op::Write, &[(0, 64)], None).unwrap();
+        p.run();
+        assert!(ok(&p, 3), "the connection survives");
+    }
+}
+
+#[test]
+fn dead_peer_fails_by_the_progress_deadline_with_infinite_retries() {
+    // rxe at retry_cnt=7: WRs to a killed peer never complete.
+    let mut p = Pair::new(14, Opts { qps: 2, ..Opts::default() });
+    p.fabric.world().infinite_retry = true;
+    p.fabric.kill(1);
+    let segs: Vec<(u64, u64)> = (0..300).map(|i| (i * PAGE, PAGE)).collect();
+    p.post(1, Op::Write, &segs, Some(b"x")).unwrap();
+    p.run();
+    assert_eq!(p.result(1), None, "nothing completes by itself");
+    let deadline = Duration::from_secs(10);
+    p.advance(deadline / 2);
+    p.i.st.expire(deadline, &p.limits);
+    p.run();
+    assert_eq!(p.result(1), None, "failed before its deadline");
+    p.advance(deadline);
+    p.i.st.expire(deadline, &p.limits);
+    p.run();
+    let f = p.result(1).expect("bounded by the deadline").unwrap_err();
+    assert_eq!(f.kind, FailureKind::PeerTimeout, "{f}");
+    p.invariants();
+}
+
+#[test]
+fn a_qp_that_never_flushes_is_destroyed_a_deadline_later() {
+    let mut p = Pair::new(15, Opts::default());
+    p.fabric.world().infinite_retry = true;
+    p.fabric.kill(1);
+    p.post(1, Op::Write, &[(0, PAGE)], None).unwrap();
+    let d = Duration::from_secs(1);
+    p.advance(2 * d);
+    p.i.st.expire(d, &p.limits);
+    // The simulated flush is held back: the QP stays "stuck".
+    p.advance(2 * d);
+    p.i.st.expire(d, &p.limits);
+    p.drain_cqs();
+    let f = p.result(1).expect("destroyed QP fails its transfer").unwrap_err();
+    assert!(matches!(f.kind, FailureKind::PeerTimeout | FailureKind::PeerDied), "{f}");
+}
+
+#[test]
+fn liveness_close_fails_the_peers_qps_at_once() {
+    let mut p = Pair::new(16, Opts { qps: 2, ..Opts::default() });
+    p.fabric.world().infinite_retry = true;
+    p.fabric.kill(1);
+    let segs: Vec<(u64, u64)> = (0..100).map(|i| (i * PAGE, PAGE)).collect();
+    p.post(1, Op::Write, &segs, None).unwrap();
+    p.run();
+    let why = crate::transport::TransferFailure::peer_died("liveness channel closed");
+    p.i.st.fail_peer(p.peer, &why, &p.limits);
+    p.run();
+    assert_eq!(p.result(1).expect("failed at once").unwrap_err().kind, FailureKind::PeerDied);
+    p.invariants();
+}
+
+mod prop;

@@ -1,0 +1,414 @@
+//! An initiator and its targets on one simulated fabric, driven step by
+//! step: the connection setup of `conn.rs` (QPs connected, receives posted,
+//! CQEs reserved), the commands of `ops.rs`, and the progress loop's
+//! completion handling, with the invariants the property test checks.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use crossbeam_channel::{Receiver, unbounded};
+
+use crate::transport::verbs::conn::RECVS_PER_QP;
+use crate::transport::verbs::nic::{Nic, NicQp};
+use crate::transport::verbs::ops::NOTIF_SLOTS;
+use crate::transport::verbs::sim::{SimFabric, SimNic, SimQp};
+use crate::transport::verbs::state::{NOTIF_SLOT_BYTES, NotifSlab, PostLimits, RECV_BIT, RecvQp, SendQp, State};
+use crate::transport::{
+    Completion, LocalKey, Notification, Op, PeerId, PostRequest, RemoteKey, Segment, TransferFailure, TransportError,
+    XferId,
+};
+use crate::verbs::WorkCompletion;
+
+/// Bytes per test page.
+pub const PAGE: u64 = 4096;
+/// Bytes of each target's region (the source has twice as many).
+const REGION: usize = 4 << 20;
+
+/// Shape of the pair (the transport options of the same names).
+#[derive(Debug, Clone, Copy)]
+pub struct Opts {
+    pub qps: u32,
+    pub max_send_wr: u32,
+    pub post_list: u32,
+    pub signal_every: u32,
+    /// Initiator CQ entries.
+    pub cq: usize,
+    /// Target CQ entries.
+    pub cq_target: usize,
+}
+
+impl Default for Opts {
+    fn default() -> Self {
+        Self { qps: 1, max_send_wr: 256, post_list: 64, signal_every: 32, cq: 1024, cq_target: 1024 }
+    }
+}
+
+/// One side: its device and state machine.
+pub struct Side {
+    pub nic: SimNic,
+    pub st: State<SimQp>,
+    done: Receiver<Completion>,
+    notifs: Receiver<Notification>,
+}
+
+fn side(fabric: &SimFabric, dev: u32, cqes: usize) -> Side {
+    let (dtx, done) = unbounded();
+    let (ntx, notifs) = unbounded();
+    Side { nic: fabric.device(dev, cqes), st: State::new(cqes as u32, dtx, ntx), done, notifs }
+}
+
+struct Remote {
+    t: Side,
+    dst: (u64, u32),
+    qpns: Vec<u32>,
+}
+
+/// Segments of a WRITE checked when its notification arrives: (dst key, (offset, bytes)).
+type Expected = (u32, Vec<(u64, u64)>);
+
+/// A WRITE's target region (address, key) and its (offset, bytes) segments.
+type Write = ((u64, u32), Vec<(u64, u64)>);
+
+/// The initiator `i`, its first target `t` (peer `peer`) and more targets.
+pub struct Pair {
+    pub fabric: SimFabric,
+    pub i: Side,
+    pub t: Side,
+    pub peer: u32,
+    pub qpns: Vec<u32>,
+    pub limits: PostLimits,
+    pub src: (u64, u32),
+    pub dst: (u64, u32),
+    pub src_len: u64,
+    pub dst_len: u64,
+    opts: Opts,
+    others: HashMap<u32, Remote>,
+    now: Instant,
+    results: HashMap<u64, Result<(), TransferFailure>>,
+    duplicates: Vec<u64>,
+    got: Vec<Vec<u8>>,
+    /// WRITE segments whose data must be at the target when the
+    /// notification with this payload arrives: (dst key, segments).
+    expect: HashMap<Vec<u8>, Expected>,
+    late_data: Vec<Vec<u8>>,
+    /// Every WRITE posted: its target region (address, key) and segments,
+    /// checked when it reports `Done`.
+    writes: HashMap<u64, Write>,
+    early_done: Vec<u64>,
+}
+
+impl Pair {
+    /// A connected pair on a fabric seeded with `seed`.
+    pub fn new(seed: u64, opts: Opts) -> Self {
+        let fabric = SimFabric::new(seed);
+        let i = side(&fabric, 0, opts.cq);
+        let t = side(&fabric, 1, opts.cq_target);
+        let src = fabric.alloc(0, 2 * REGION);
+        let dst = fabric.alloc(1, REGION);
+        let limits = PostLimits {
+            max_send_wr: opts.max_send_wr.max(1),
+            signal_every: opts.signal_every.clamp(1, opts.max_send_wr.max(1)),
+            max_batch: opts.post_list.max(1),
+            batch_bytes: 64 << 10,
+            poll_sleep_us: 50,
+            idle_yields: 0,
+        };
+        let mut p = Self {
+            fabric,
+            i,
+            t,
+            peer: 1,
+            qpns: Vec::new(),
+            limits,
+            src,
+            dst,
+            src_len: 2 * REGION as u64,
+            dst_len: REGION as u64,
+            opts,
+            others: HashMap::new(),
+            now: Instant::now(),
+            results: HashMap::new(),
+            duplicates: Vec::new(),
+            got: Vec::new(),
+            expect: HashMap::new(),
+            late_data: Vec::new(),
+            writes: HashMap::new(),
+            early_done: Vec::new(),
+        };
+        let slab = p.i.nic.alloc_slab(NOTIF_SLOTS as usize * NOTIF_SLOT_BYTES).unwrap();
+        p.i.st.slabs.insert(1, NotifSlab { mr: slab, free: (0..NOTIF_SLOTS).rev().collect() });
+        p.qpns = connect(&p.fabric, &mut p.i, &mut p.t, 1, opts, p.now);
+        p
+    }
+
+    /// Connect another target (a device of its own); its peer id.
+    pub fn add_peer(&mut self) -> u32 {
+        let id = 2 + self.others.len() as u32;
+        let mut t = side(&self.fabric, id, self.opts.cq_target);
+        let dst = self.fabric.alloc(id, REGION);
+        let slab = self.i.nic.alloc_slab(NOTIF_SLOTS as usize * NOTIF_SLOT_BYTES).unwrap();
+        self.i.st.slabs.insert(id, NotifSlab { mr: slab, free: (0..NOTIF_SLOTS).rev().collect() });
+        let qpns = connect(&self.fabric, &mut self.i, &mut t, id, self.opts, self.now);
+        self.others.insert(id, Remote { t, dst, qpns });
+        id
+    }
+
+    /// The QPs of peer `peer`.
+    pub fn peer_qpns(&self, peer: u32) -> Vec<u32> {
+        if peer == self.peer { self.qpns.clone() } else { self.others[&peer].qpns.clone() }
+    }
+
+    /// Replace the first peer's QPs (the transport's `recover`).
+    pub fn reconnect(&mut self) {
+        for q in self.qpns.clone() {
+            self.i.st.remove_peer_qp(q, self.peer, &self.limits);
+        }
+        let recv: Vec<u32> = self.t.st.recv_qps.keys().copied().collect();
+        for q in recv {
+            self.t.st.recv_qps.remove(&q);
+            self.t.st.release_recv_cqes(RECVS_PER_QP, &self.limits);
+        }
+        self.qpns = connect(&self.fabric, &mut self.i, &mut self.t, self.peer, self.opts, self.now);
+    }
+
+    fn segs(&self, dst: (u64, u32), rkey: u32, segs: &[(u64, u64)]) -> Vec<Segment> {
+        segs.iter()
+            .map(|&(off, len)| Segment {
+                local_addr: self.src.0 + off,
+                lkey: LocalKey(self.src.1),
+                remote_addr: dst.0 + off,
+                rkey: RemoteKey(rkey),
+                len_bytes: len,
+            })
+            .collect()
+    }
+
+    /// Post transfer `x` to peer `peer`: `segs` are (offset, bytes), the
+    /// same offset in the source and the target's region.
+    pub fn post_to(
+        &mut self,
+        peer: u32,
+        x: u64,
+        op: Op,
+        segs: &[(u64, u64)],
+        notif: Option<&[u8]>,
+    ) -> Result<(), TransportError> {
+        let (dst, qpns) = if peer == self.peer {
+            (self.dst, self.qpns.clone())
+        } else {
+            (self.others[&peer].dst, self.others[&peer].qpns.clone())
+        };
+        let req = PostRequest {
+            xfer: XferId(x),
+            op,
+            peer: PeerId(peer),
+            segments: self.segs(dst, dst.1, segs),
+            notification: notif.map(<[u8]>::to_vec),
+        };
+        self.i.st.now = self.now;
+        self.i.st.post(&req, &qpns, "target", &self.limits)?;
+        if op == Op::Write {
+            self.writes.insert(x, (dst, segs.to_vec()));
+        }
+        if let (Some(n), Op::Write, true) = (notif, op, peer == self.peer) {
+            self.expect.insert(n.to_vec(), (dst.1, segs.to_vec()));
+        }
+        Ok(())
+    }
+
+    /// [`post_to`](Self::post_to) the first peer.
+    pub fn post(&mut self, x: u64, op: Op, segs: &[(u64, u64)], notif: Option<&[u8]>) -> Result<(), TransportError> {
+        self.post_to(self.peer, x, op, segs, notif)
+    }
+
+    /// Post to the first peer with a forged `rkey`.
+    pub fn post_with_rkey(&mut self, x: u64, op: Op, segs: &[(u64, u64)], rkey: u32) -> Result<(), TransportError> {
+        let req = PostRequest {
+            xfer: XferId(x),
+            op,
+            peer: PeerId(self.peer),
+            segments: self.segs(self.dst, rkey, segs),
+            notification: None,
+        };
+        self.i.st.post(&req, &self.qpns.clone(), "target", &self.limits)
+    }
+
+    /// Move the clock on by `d`.
+    pub fn advance(&mut self, d: Duration) {
+        self.now += d;
+        self.i.st.now = self.now;
+    }
+
+    /// Hand every queued completion to its side's state machine.
+    pub fn drain_cqs(&mut self) -> bool {
+        let mut any = false;
+        let mut wcs = vec![WorkCompletion::default(); 16];
+        loop {
+            let n = self.i.nic.poll_cq(&mut wcs).unwrap();
+            for wc in &wcs[..n] {
+                self.i.st.on_completion(wc, &self.limits);
+            }
+            let mut m = self.t.nic.poll_cq(&mut wcs).unwrap();
+            for wc in &wcs[..m] {
+                self.t.st.on_completion(wc, &self.limits);
+            }
+            for r in self.others.values_mut() {
+                let k = r.t.nic.poll_cq(&mut wcs).unwrap();
+                for wc in &wcs[..k] {
+                    r.t.st.on_completion(wc, &self.limits);
+                }
+                m += k;
+            }
+            if n + m == 0 {
+                break;
+            }
+            any = true;
+        }
+        self.collect();
+        any
+    }
+
+    fn collect(&mut self) {
+        let reported: Vec<Completion> = self.i.done.try_iter().collect();
+        for c in reported {
+            // `Done` of a WRITE promises its data is at the target.
+            if let (Ok(()), Some((dst, segs))) = (&c.result, self.writes.get(&c.xfer.0)) {
+                let landed = segs.iter().all(|&(off, len)| {
+                    self.fabric.read(dst.1, dst.0 + off, len as usize)
+                        == self.fabric.read(self.src.1, self.src.0 + off, len as usize)
+                });
+                if !landed {
+                    self.early_done.push(c.xfer.0);
+                }
+            }
+            if self.results.insert(c.xfer.0, c.result).is_some() {
+                self.duplicates.push(c.xfer.0);
+            }
+        }
+        let arrived: Vec<Notification> = self.t.notifs.try_iter().collect();
+        for n in arrived {
+            if let Some((key, segs)) = self.expect.get(&n.payload) {
+                for &(off, len) in segs {
+                    let want = self.fabric.read(self.src.1, self.src.0 + off, len as usize);
+                    if self.fabric.read(*key, self.dst.0 + off, len as usize) != want {
+                        self.late_data.push(n.payload.clone());
+                        break;
+                    }
+                }
+            }
+            self.got.push(n.payload);
+        }
+    }
+
+    /// One step of the fabric, then the completions; false when nothing moved.
+    pub fn pump(&mut self) -> bool {
+        let stepped = self.fabric.step();
+        self.advance(Duration::from_micros(10));
+        self.drain_cqs() || stepped
+    }
+
+    /// `n` pumps.
+    pub fn steps(&mut self, n: usize) {
+        for _ in 0..n {
+            self.pump();
+        }
+    }
+
+    /// Pump until nothing moves.
+    pub fn run(&mut self) {
+        for _ in 0..10_000_000 {
+            if !self.pump() {
+                return;
+            }
+        }
+        panic!("the simulation did not settle");
+    }
+
+    /// Cancel `x` as `VerbsTransport::cancel` does, pumping the fabric while
+    /// it waits (flush after 50 pumps, destroy after 100); the fabric step at
+    /// which it returned.
+    pub fn cancel(&mut self, x: u64) -> u64 {
+        let started = self.fabric.world().steps;
+        if self.i.st.cancel_start(x, &self.limits) {
+            let mut flushed = false;
+            for k in 0.. {
+                let (flush, destroy) = (k > 50, k > 100);
+                if self.i.st.cancel_step(x, flush, destroy, &mut flushed, &self.limits) {
+                    break;
+                }
+                self.pump();
+                assert!(k < 1_000_000, "cancel never returned");
+            }
+        }
+        let at = self.fabric.world().steps;
+        assert!(at >= started);
+        at
+    }
+
+    /// The result of `x`, once reported.
+    pub fn result(&self, x: u64) -> Option<Result<(), TransferFailure>> {
+        self.results.get(&x).cloned()
+    }
+
+    /// Notification payloads the first target received so far.
+    pub fn notifs(&mut self) -> Vec<Vec<u8>> {
+        self.collect();
+        self.got.clone()
+    }
+
+    /// Fill the source with `f(byte index)`.
+    pub fn fill_src(&self, f: impl Fn(usize) -> u8) {
+        let data: Vec<u8> = (0..2 * REGION).map(f).collect();
+        assert!(self.fabric.write(self.src.1, self.src.0, &data));
+    }
+
+    /// The first target's region.
+    pub fn dst_bytes(&self) -> Vec<u8> {
+        self.fabric.read(self.dst.1, self.dst.0, REGION).unwrap()
+    }
+
+    /// Source and first target agree on `segs`.
+    pub fn assert_same(&self, segs: &[(u64, u64)]) {
+        for &(off, len) in segs {
+            let a = self.fabric.read(self.src.1, self.src.0 + off, len as usize);
+            let b = self.fabric.read(self.dst.1, self.dst.0 + off, len as usize);
+            assert_eq!(a, b, "bytes at {off}+{len}");
+        }
+    }
+
+    /// What must hold at any time: no transfer reported twice, no CQ overrun,
+    /// the CQE budget adds up, no notification ahead of its data, no WRITE
+    /// `Done` before its data landed.
+    pub fn invariants(&mut self) {
+        self.collect();
+        assert!(self.duplicates.is_empty(), "reported more than once: {:?}", self.duplicates);
+        assert!(self.fabric.world().overruns.is_empty(), "CQ overrun");
+        assert!(self.late_data.is_empty(), "notification before its data: {:?}", self.late_data);
+        assert!(self.early_done.is_empty(), "Done before the data landed: {:?}", self.early_done);
+        for (s, cq) in [(&self.i.st, self.opts.cq), (&self.t.st, self.opts.cq_target)] {
+            let held: u32 = s.send_qps.values().map(|q| q.outstanding + q.flush_reserved).sum();
+            assert_eq!(s.cq_free + s.recv_reserved + held, cq as u32, "CQE budget");
+        }
+    }
+}
+
+/// Connect `opts.qps` QP pairs between `i` and `t` as `conn.rs` does.
+fn connect(fabric: &SimFabric, i: &mut Side, t: &mut Side, peer: u32, opts: Opts, now: Instant) -> Vec<u32> {
+    let mut qpns = Vec::new();
+    for _ in 0..opts.qps {
+        let iq = i.nic.create_qp(opts.max_send_wr.max(1), 1).unwrap();
+        let mut tq = t.nic.create_qp(4, RECVS_PER_QP).unwrap();
+        fabric.connect(iq.qp_num(), tq.qp_num());
+        assert!(t.st.reserve_recv_cqes(RECVS_PER_QP), "target CQ full");
+        let slab = Arc::new(t.nic.alloc_slab(RECVS_PER_QP as usize * NOTIF_SLOT_BYTES).unwrap());
+        for slot in 0..RECVS_PER_QP {
+            let off = slot as usize * NOTIF_SLOT_BYTES;
+            tq.post_recv(RECV_BIT | u64::from(slot), &slab, off, NOTIF_SLOT_BYTES as u32).unwrap();
+        }
+        t.st.recv_qps.insert(tq.qp_num(), RecvQp { qp: tq, agent: "initiator".into(), slab });
+        qpns.push(iq.qp_num());
+        i.st.send_qps.insert(iq.qp_num(), SendQp::new(iq, peer, now));
+    }
+    qpns
+}

@@ -1,0 +1,77 @@
+//! Work-completion statuses and verbs errors as typed transfer failures,
+//! keeping the status (`enum ibv_wc_status`, `<infiniband/verbs.h>`) or the
+//! errno as the source.
+
+use crate::transport::{FailureKind, FailureSource, RemoteAccessKind, TransferFailure};
+use crate::verbs::ffi::wc_status_name;
+use crate::verbs::{VerbsError, WorkCompletion};
+
+/// The typed failure for an error work completion, keeping its status and
+/// vendor syndrome as the source (`enum ibv_wc_status`, verbs.h).
+pub fn wc_failure(wc: &WorkCompletion) -> TransferFailure {
+    // Values of `enum ibv_wc_status`.
+    let kind = match wc.status {
+        1 | 2 | 4 | 8 => FailureKind::LocalProtection, // LOC_LEN, LOC_QP_OP, LOC_PROT, LOC_ACCESS
+        10 => FailureKind::RemoteAccess(RemoteAccessKind::OutOfBounds), // REM_ACCESS_ERR
+        9 | 15 => FailureKind::RemoteAccess(RemoteAccessKind::Denied), // REM_INV_REQ, REM_INV_RD_REQ
+        12 | 13 | 20 => FailureKind::PeerDied,         // RETRY_EXC, RNR_RETRY_EXC, RESP_TIMEOUT
+        5 => FailureKind::Cancelled,                   // WR_FLUSH_ERR with no earlier error: QP flushed by us
+        _ => FailureKind::Transport,
+    };
+    TransferFailure {
+        kind,
+        source: FailureSource::WorkCompletion { status: wc.status, vendor_err: wc.vendor_err },
+        detail: format!("{} (vendor error {:#x}) on QP {}", wc_status_name(wc.status), wc.vendor_err, wc.qp_num),
+    }
+}
+
+/// The typed failure for an `ibv_post_send` that returned an error: a
+/// transport error with the errno as the source (`ENOMEM`: the send queue
+/// is full; `EINVAL`: a bad WR, as rdma-core's providers return them).
+pub fn post_failure(e: &VerbsError) -> TransferFailure {
+    let errno = match e {
+        VerbsError::Call { source, .. } => source.raw_os_error(),
+        _ => None,
+    };
+    TransferFailure {
+        kind: FailureKind::Transport,
+        source: errno.map_or(FailureSource::None, FailureSource::Os),
+        detail: format!("ibv_post_send: {e}"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn wc(status: u32) -> WorkCompletion {
+        WorkCompletion { status, vendor_err: 0x81, qp_num: 17, ..Default::default() }
+    }
+
+    #[test]
+    fn wc_statuses_map_to_kinds_and_keep_the_status() {
+        for (status, kind) in [
+            (10, FailureKind::RemoteAccess(RemoteAccessKind::OutOfBounds)),
+            (9, FailureKind::RemoteAccess(RemoteAccessKind::Denied)),
+            (12, FailureKind::PeerDied),
+            (13, FailureKind::PeerDied),
+            (4, FailureKind::LocalProtection),
+            (1, FailureKind::LocalProtection),
+            (5, FailureKind::Cancelled),
+            (19, FailureKind::Transport),
+        ] {
+            let f = wc_failure(&wc(status));
+            assert_eq!(f.kind, kind, "status {status}");
+            assert_eq!(f.source, FailureSource::WorkCompletion { status, vendor_err: 0x81 });
+            assert!(f.detail.contains("QP 17"), "{f}");
+        }
+    }
+
+    #[test]
+    fn post_errors_keep_the_errno() {
+        let e = VerbsError::call("ibv_post_send", libc::ENOMEM);
+        let f = post_failure(&e);
+        assert_eq!(f.kind, FailureKind::Transport);
+        assert_eq!(f.source, FailureSource::Os(libc::ENOMEM));
+    }
+}
