@@ -5,7 +5,8 @@
 #
 # Needs: python3 with pip and venv, cargo. On a fresh Debian machine:
 #   apt-get install -y python3 python3-pip python3-venv
-# From PyPI (into a venv under target/, ignored by git): maturin, numpy, pytest.
+# From PyPI (into a venv under target/, ignored by git): maturin, numpy, pytest,
+# msgspec (the MAX byte-for-byte cross-checks).
 #
 # Env: KVWIRE_VENV (default target/python-venv), PYTEST_ARGS (extra args).
 # Exits non-zero on any failure, including "no tests collected". Without
@@ -25,8 +26,8 @@ if [ ! -x "$venv/bin/python" ]; then
     python3 -m venv "$venv"
 fi
 export PATH="$venv/bin:$PATH"  # the maturin build backend runs `maturin` from PATH
-if ! "$venv/bin/python" -m pip install -q "maturin>=1.5,<2" numpy pytest; then
-    suite_unavailable python-tests KVWIRE_REQUIRE_PYTHON "pip could not install maturin, numpy, pytest (no PyPI access?)"
+if ! "$venv/bin/python" -m pip install -q "maturin>=1.5,<2" numpy pytest msgspec; then
+    suite_unavailable python-tests KVWIRE_REQUIRE_PYTHON "pip could not install maturin, numpy, pytest, msgspec (no PyPI access?)"
 fi
 
 start=$(date +%s)
