@@ -5,7 +5,7 @@
 # tests (python/nixl-compat/tests) on the shm and tcp transports.
 #
 # Needs python3 with venv and cargo. Without python3/venv it prints
-# `skipped: <reason>` and exits 0, unless KVWIRE_REQUIRE_PYTHON=1 (then it fails).
+# `nixl-tests: skipped: <reason>` and exits 0, unless KVWIRE_REQUIRE_PYTHON=1 (then it fails).
 # From PyPI (into the venv, ignored by git): maturin, numpy, pytest, pytest-timeout.
 #
 # Env: KVWIRE_NIXL_VENV (default target/nixl-venv), PYTEST_ARGS (extra args).
@@ -13,16 +13,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 root=$(pwd)
 venv=${KVWIRE_NIXL_VENV:-$root/target/nixl-venv}
-
-skip() {
-    if [ "${KVWIRE_REQUIRE_PYTHON:-0}" = 1 ]; then
-        echo "nixl-tests: FAILED: $1 (KVWIRE_REQUIRE_PYTHON=1)" >&2
-        exit 1
-    fi
-    echo "skipped: $1"
-    exit 0
-}
-command -v python3 >/dev/null || skip "python3 not found"
+. scripts/suite-lib.sh
+skip() { suite_unavailable nixl-tests KVWIRE_REQUIRE_PYTHON "$1"; }
+command -v python3 >/dev/null || skip "python3 not found (apt-get install -y python3 python3-venv)"
 python3 -c "import venv, ensurepip" 2>/dev/null || skip "python3 venv/ensurepip missing (apt-get install python3-venv)"
 
 if [ ! -x "$venv/bin/python" ]; then
