@@ -2,6 +2,7 @@
 //! Each subcommand lives in its own module file next to this one.
 
 mod bench;
+mod ceiling;
 mod devices;
 mod pattern;
 mod replay;

@@ -24,6 +24,7 @@ use std::thread::JoinHandle;
 use std::time::Duration;
 
 pub use buffer::HostBuffer;
+pub use copy::stream_copy;
 use copy::{CopyPool, Job, PeerMem, PeerRegion, PeerShared, XferShared};
 use serde::{Deserialize, Serialize};
 use wire::{Access, Channel, Listener, Msg};
