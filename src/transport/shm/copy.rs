@@ -114,8 +114,8 @@ impl AsRef<XferState> for XferShared {
 }
 
 /// A transfer for a worker to help with: it claims chunks until none are left.
-/// At most one job per worker is queued per transfer, so posting wakes at
-/// most `copy_threads` threads whatever the transfer's size.
+/// At most one job per worker is queued per transfer, so a transfer wakes
+/// at most `copy_threads` threads whatever its size.
 pub struct Job {
     /// The transfer.
     pub xfer: Arc<XferShared>,
@@ -129,16 +129,23 @@ pub struct Job {
 /// preempt the poster. It grows to the largest `copy_threads` any transport
 /// asked for; its threads sleep on the job queue when idle.
 struct SharedPool {
-    jobs: Sender<Job>,
-    queue: Receiver<Job>,
+    jobs: Sender<Queued>,
+    queue: Receiver<Queued>,
     threads: Mutex<usize>,
+}
+
+/// A job in the pool's queue, with how many more workers the one that
+/// takes it should wake for the same transfer.
+struct Queued {
+    job: Job,
+    more: usize,
 }
 
 static POOL: std::sync::OnceLock<SharedPool> = std::sync::OnceLock::new();
 
 /// A handle on the shared pool, making sure it has at least `threads` workers.
 pub struct CopyPool {
-    jobs: Sender<Job>,
+    jobs: Sender<Queued>,
 }
 
 impl CopyPool {
@@ -148,14 +155,19 @@ impl CopyPool {
     /// Spawning a worker failed.
     pub fn new(threads: usize) -> std::io::Result<Self> {
         let pool = POOL.get_or_init(|| {
-            let (jobs, queue) = crossbeam_channel::unbounded::<Job>();
+            let (jobs, queue) = crossbeam_channel::unbounded::<Queued>();
             SharedPool { jobs, queue, threads: Mutex::new(0) }
         });
         let mut have = pool.threads.lock().unwrap_or_else(|p| p.into_inner());
         while *have < threads.max(1) {
-            let queue = pool.queue.clone();
+            let (queue, jobs) = (pool.queue.clone(), pool.jobs.clone());
             std::thread::Builder::new().name(format!("kvwire-shm-copy-{have}")).spawn(move || {
-                for job in queue.iter() {
+                for Queued { job, more } in queue.iter() {
+                    if more > 0 {
+                        // Wake the next helper from here, not from `post`.
+                        let next = Job { xfer: job.xfer.clone(), done: job.done.clone() };
+                        let _ = jobs.send(Queued { job: next, more: more - 1 });
+                    }
                     run_job(job);
                 }
             })?;
@@ -166,8 +178,19 @@ impl CopyPool {
 
     /// Queue a job.
     pub fn submit(&self, job: Job) {
+        self.submit_helpers(job, 1);
+    }
+
+    /// Queue `job` for `helpers` workers (at least 1). The posting thread
+    /// wakes one; each woken worker wakes the next before it starts
+    /// copying. Waking them all from `post` let the last wake-up preempt
+    /// the poster on a machine with no more cores than copy threads: the
+    /// woken worker ran its whole time slice (~1.5 ms) before `post`
+    /// returned, +23 ns/page of wall prep+post at 65,536 pages
+    /// (docs/perf-shm.md).
+    pub fn submit_helpers(&self, job: Job, helpers: usize) {
         // The shared pool's workers never stop, so the queue stays open.
-        let _ = self.jobs.send(job);
+        let _ = self.jobs.send(Queued { job, more: helpers.max(1) - 1 });
     }
 }
 

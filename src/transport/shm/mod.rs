@@ -494,9 +494,7 @@ impl Transport for ShmTransport {
             chunks,
         });
         self.inflight.insert(x.clone());
-        for _ in 0..helpers {
-            self.pool.submit(Job { xfer: x.clone(), done: self.inflight.sender() });
-        }
+        self.pool.submit_helpers(Job { xfer: x, done: self.inflight.sender() }, helpers);
         Ok(())
     }
 
