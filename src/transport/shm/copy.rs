@@ -182,12 +182,14 @@ impl CopyPool {
     }
 
     /// Queue `job` for `helpers` workers (at least 1). The posting thread
-    /// wakes one; each woken worker wakes the next before it starts
-    /// copying. Waking them all from `post` let the last wake-up preempt
-    /// the poster on a machine with no more cores than copy threads: the
-    /// woken worker ran its whole time slice (~1.5 ms) before `post`
-    /// returned, +23 ns/page of wall prep+post at 65,536 pages
-    /// (docs/perf-shm.md).
+    /// wakes one, which lands on an idle core; each woken worker wakes the
+    /// next before it starts copying. Waking them all from `post` lets the
+    /// last wake-up preempt the poster where there are no more cores than
+    /// copy threads, and `post` then returns only after the woken worker's
+    /// time slice: the bench's wall prep+post exceeded its CPU time by a
+    /// median 3.0 ns/page at 65,536 4 KiB pages (0–7.5, 4 runs), 0.5 with
+    /// this chained wake-up (0.1–1.3, the same 4 interleaved runs; machine
+    /// under load 12–16, where other processes preempt the poster too).
     pub fn submit_helpers(&self, job: Job, helpers: usize) {
         // The shared pool's workers never stop, so the queue stays open.
         let _ = self.jobs.send(Queued { job, more: helpers.max(1) - 1 });
@@ -351,10 +353,12 @@ fn cma_flush(op: Op, pid: i32, batch: &mut Vec<(libc::iovec, libc::iovec)>) -> R
 /// Check a transfer's segments against the target's regions, as an HCA
 /// checks an rkey (known key, not revoked, every byte inside the region the
 /// target reported), and cut them into chunks of about
-/// [`super::CHUNK_BYTES`] — one pass over the segments, which `post` pays
-/// per page: three separate passes (check, any-too-large, chunking) cost
-/// 9.1 ns/page at 65,536 scattered 4 KiB pages (`perf record` of `kvwire
-/// bench`, 2-vCPU EPYC guest), one pass about a third of that. Segments longer than a chunk are
+/// [`super::CHUNK_BYTES`], in one pass over the segments. `post` pays this
+/// per page: with three passes (check, any-too-large, chunking) it was a
+/// third of the engine's prep+post CPU time at 65,536 scattered 4 KiB pages
+/// (`perf record` of `kvwire bench`); one pass took the bench's
+/// prep+post CPU time from 25.0–26.8 to 17.3–19.2 ns/page (3 interleaved
+/// pairs, 2-vCPU EPYC guest). Segments longer than a chunk are
 /// split (a second pass, only for transfers that have one).
 ///
 /// # Errors
@@ -440,20 +444,21 @@ fn chunk_ranges(segments: &[Segment]) -> Vec<Range<usize>> {
 fn streams(chunks: usize) -> bool {
     static CHUNKS: OnceLock<usize> = OnceLock::new();
     let limit = *CHUNKS.get_or_init(|| stream_threshold_bytes().div_ceil(super::CHUNK_BYTES) as usize);
-    if let Ok(v) = std::env::var("KVWIRE_ABL_STREAM") { return v == "1"; } // ABLATION-ONLY
     cfg!(target_arch = "x86_64") && chunks > limit
 }
 
 /// Bytes per transfer from which streaming stores pay: the size of the
 /// largest CPU cache (sysfs), else [`FALLBACK_LLC_BYTES`].
 ///
-/// Measured on a 2-vCPU EPYC guest (32 MiB L3), `kvwire bench --scatter`,
-/// 2 copy threads, interleaved runs (docs/perf-shm.md): at 256 MiB per
-/// transfer streaming stores moved 64 KiB pages at 1.3–1.4× the rate of
-/// `memcpy` (glibc 2.36 `__memmove_avx_unaligned_erms`, which streams only
-/// single copies above ~3/4 of the L3, never a scattered page); at 8 MiB
-/// per transfer (fits the L3) cached stores were as fast or faster, and the
-/// consumer then reads the pages from the cache.
+/// Measured on the 2-vCPU EPYC guest (32 MiB L3, glibc 2.36, whose
+/// `memcpy` streams only single copies of several MiB, never a 4 KiB–1 MiB
+/// page), `kvwire bench --scatter`, 2 copy threads, streaming forced on or
+/// off, interleaved runs on a machine under load 12–20 (docs/perf-shm.md):
+/// 2-thread copy of 256 MiB of scattered 4 KiB / 64 KiB pages, streaming
+/// 1.0–1.6× `memcpy` (median 1.24×, 10 same-process pairs); kvwire at 1 MiB
+/// pages × 256 1.3–1.8× with streaming; at 32 MiB per transfer (the L3)
+/// 1.1–1.3× (3 runs); at 8 MiB (fits the L3) no difference beyond the
+/// noise — there cached stores keep the pages in the L3 for their reader.
 fn stream_threshold_bytes() -> u64 {
     largest_cache_bytes().unwrap_or(FALLBACK_LLC_BYTES)
 }
