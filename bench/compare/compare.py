@@ -250,8 +250,25 @@ def main() -> int:
                     status = r.get("error") or f"{r.get('gb_per_s', 0):.2f} GB/s verified={r.get('verified')}"
                     status += f" load={r['load1']:.2f} quiet={quiet}"
                     print(f"[run {run + 1}/{runs}] {human(bs):>7} {op:5} {sysname:9} {status}", file=sys.stderr, flush=True)
+                    raw = snapshot(a, cells, started, load0, runs, total, iters, warmup, lat_iters, nixl_labels, kvwire)
+                    with open(out_path, "w") as f:
+                        json.dump(raw, f, indent=1)
 
-    raw = {
+    raw = snapshot(a, cells, started, load0, runs, total, iters, warmup, lat_iters, nixl_labels, kvwire)
+    with open(out_path, "w") as f:
+        json.dump(raw, f, indent=1)
+    text = report(raw, sizes, ops, nixl_labels)
+    print(text)
+    if a.md:
+        write_md(a.md, text, [out_path])
+    print(f"\nraw runs: {os.path.relpath(out_path)}", file=sys.stderr)
+    bad = [c for c in raw["cells"] for r in c["runs"] if "error" in r or not r.get("verified")]
+    return 1 if bad else 0
+
+
+def snapshot(a, cells, started, load0, runs, total, iters, warmup, lat_iters, nixl_labels, kvwire) -> dict:
+    """The raw results so far (written after every run, so an interrupted run keeps them)."""
+    return {
         "machine": machine(),
         "started": time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(started)),
         "duration_s": round(time.time() - started, 1),
@@ -265,15 +282,6 @@ def main() -> int:
         "kvwire_git": git_rev(),
         "cells": [{"block_size": bs, "op": op, "system": s, "runs": rs} for (bs, op, s), rs in cells.items()],
     }
-    with open(out_path, "w") as f:
-        json.dump(raw, f, indent=1)
-    text = report(raw, sizes, ops, nixl_labels)
-    print(text)
-    if a.md:
-        write_md(a.md, text, [out_path])
-    print(f"\nraw runs: {os.path.relpath(out_path)}", file=sys.stderr)
-    bad = [c for c in raw["cells"] for r in c["runs"] if "error" in r or not r.get("verified")]
-    return 1 if bad else 0
 
 
 def report(raw: dict, sizes: list[int], ops: list[str], nixl_labels: list[str]) -> str:

@@ -53,7 +53,14 @@ enum Routine {
 ///
 /// # Errors
 /// Allocating the second buffer failed.
-pub fn measure(src: &HostBuffer, block_size: u64, dst_of: &[u32], op: Op, iters: usize, threads: usize) -> Result<Ceilings> {
+pub fn measure(
+    src: &HostBuffer,
+    block_size: u64,
+    dst_of: &[u32],
+    op: Op,
+    iters: usize,
+    threads: usize,
+) -> Result<Ceilings> {
     let dst = HostBuffer::new(src.len())?;
     let threads = threads.max(1);
     let mut spent = [Duration::ZERO; 3];

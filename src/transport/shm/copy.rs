@@ -9,8 +9,8 @@
 
 use std::ops::Range;
 use std::sync::Arc;
-use std::sync::{Mutex, OnceLock};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Mutex, OnceLock};
 
 use crossbeam_channel::{Receiver, Sender};
 use memmap2::MmapRaw;
@@ -549,7 +549,8 @@ unsafe fn stream_raw(src: *const u8, dst: *mut u8, len: usize) {
         while i + 64 <= len {
             let s = src.add(i).cast::<__m128i>();
             let d = dst.add(i).cast::<__m128i>();
-            let (a, b, c, e) = (_mm_loadu_si128(s), _mm_loadu_si128(s.add(1)), _mm_loadu_si128(s.add(2)), _mm_loadu_si128(s.add(3)));
+            let (a, b, c, e) =
+                (_mm_loadu_si128(s), _mm_loadu_si128(s.add(1)), _mm_loadu_si128(s.add(2)), _mm_loadu_si128(s.add(3)));
             _mm_stream_si128(d, a);
             _mm_stream_si128(d.add(1), b);
             _mm_stream_si128(d.add(2), c);
