@@ -453,12 +453,13 @@ fn streams(chunks: usize) -> bool {
 /// Measured on the 2-vCPU EPYC guest (32 MiB L3, glibc 2.36, whose
 /// `memcpy` streams only single copies of several MiB, never a 4 KiB–1 MiB
 /// page), `kvwire bench --scatter`, 2 copy threads, streaming forced on or
-/// off, interleaved runs on a machine under load 12–20 (docs/perf-shm.md):
+/// off, interleaved runs on a machine under load 12–20 (docs/PERFORMANCE.md):
 /// 2-thread copy of 256 MiB of scattered 4 KiB / 64 KiB pages, streaming
-/// 1.0–1.6× `memcpy` (median 1.24×, 10 same-process pairs); kvwire at 1 MiB
-/// pages × 256 1.3–1.8× with streaming; at 32 MiB per transfer (the L3)
-/// 1.1–1.3× (3 runs); at 8 MiB (fits the L3) no difference beyond the
-/// noise — there cached stores keep the pages in the L3 for their reader.
+/// 1.0–1.6× `memcpy` (median 1.24×, 10 same-process pairs); kvwire with
+/// streaming forced on / off, 3 pairs each: 1 MiB pages WRITE 1.4–1.85×,
+/// READ 0.99–1.15×; 64 KiB WRITE 0.91–1.37×, READ 1.09–1.80×; 64 KiB pages
+/// at 32 MiB per transfer (the L3) 1.1–1.3×; at 8 MiB (fits the L3) 0.88–2.9×,
+/// i.e. noise — there cached stores keep the pages in the L3 for their reader.
 fn stream_threshold_bytes() -> u64 {
     largest_cache_bytes().unwrap_or(FALLBACK_LLC_BYTES)
 }
