@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 use common::{ChildTarget, Cmd, Reply, fnv, pattern};
 use kvwire::HostBuffer;
 use kvwire::engine::{Desc, EngineError, TransferEngine, TransferHandle, TransferStatus};
-use kvwire::transport::{Op, TransportConfig, TransportKind};
+use kvwire::transport::{FailureKind, Op, RemoteAccessKind, TransportConfig, TransportKind};
 
 const PAGE: u64 = 4096;
 
@@ -151,7 +151,8 @@ fn a_killed_peer_fails_transfers_within_the_timeout() {
             Err(EngineError::Transport(err)) => break err.to_string(),
             Ok(h) => {
                 if let TransferStatus::Failed(why) = wait(&mut e, h, Duration::from_secs(5)) {
-                    break why;
+                    assert_eq!(why.kind, FailureKind::PeerDied, "{why}");
+                    break why.to_string();
                 }
             }
             Err(other) => panic!("unexpected {other}"),
@@ -199,7 +200,9 @@ fn out_of_bounds_remote_access_fails_and_writes_nothing() {
         )
         .unwrap();
     match wait(&mut e, h, Duration::from_secs(5)) {
-        TransferStatus::Failed(why) => assert!(why.contains("remote access error"), "{why}"),
+        TransferStatus::Failed(why) => {
+            assert_eq!(why.kind, FailureKind::RemoteAccess(RemoteAccessKind::OutOfBounds), "{why}")
+        }
         other => panic!("expected Failed, got {other:?}"),
     }
     // not even the in-bounds first segment was written
@@ -303,7 +306,9 @@ fn deregistered_region_is_never_written(memfd: bool) {
             .post(Op::Write, &[Desc::new(buf.addr(), PAGE)], "target", &[Desc::new(dst + i * PAGE, PAGE)], None)
             .unwrap();
         match wait(&mut e, h, Duration::from_secs(5)) {
-            TransferStatus::Failed(why) => assert!(why.contains("deregistered"), "{why}"),
+            TransferStatus::Failed(why) => {
+                assert_eq!(why.kind, FailureKind::RemoteAccess(RemoteAccessKind::UnknownKey), "{why}")
+            }
             other => panic!("post {i} after deregister: {other:?}"),
         }
     }

@@ -10,8 +10,8 @@ use kvwire::HostBuffer;
 use kvwire::engine::{Desc, TransferEngine, TransferStatus};
 use kvwire::transport::tcp::{TcpTransport, wire};
 use kvwire::transport::{
-    Completion, LocalKey, MemoryBacking, Op, PeerId, PostRequest, RemoteKey, Segment, Transport, TransportConfig,
-    TransportKind, XferId,
+    Completion, FailureKind, LocalKey, MemoryBacking, Op, PeerId, PostRequest, RemoteAccessKind, RemoteKey, Segment,
+    Transport, TransportConfig, TransportKind, XferId,
 };
 
 fn cfg(timeout_ms: u64) -> TransportConfig {
@@ -159,7 +159,8 @@ fn out_of_bounds_and_unknown_keys_fail_and_write_nothing() {
         let c = completion(&mut p.init, Duration::from_secs(5)).expect("a completion");
         assert_eq!(c.xfer, XferId(id));
         let err = c.result.expect_err("refused");
-        assert!(err.contains("remote access error"), "{err}");
+        let want = if id == 3 { RemoteAccessKind::UnknownKey } else { RemoteAccessKind::OutOfBounds };
+        assert_eq!(err.kind, FailureKind::RemoteAccess(want), "case {id}: {err}");
     }
     assert!(p.dst.as_slice().iter().all(|&b| b == 0), "a refused WRITE wrote something");
     let mut n = Vec::new();

@@ -415,7 +415,7 @@ pub unsafe extern "C" fn kvw_status(engine: *mut KvwEngine, handle: u64, out_sta
             TransferStatus::InProgress => KvwXferState::KvwXferInProgress,
             TransferStatus::Done => KvwXferState::KvwXferDone,
             TransferStatus::Failed(why) => {
-                set_error(why);
+                set_error(why.to_string());
                 KvwXferState::KvwXferFailed
             }
         };

@@ -30,7 +30,7 @@ pub use metadata::AgentMetadata;
 
 use crate::transport::{
     self, Completion, LocalKey, MemoryBacking, MemoryDesc, Notification, Op, PeerId, PostRequest, Registration,
-    Segment, Transport, TransportConfig, TransportKind, XferId,
+    Segment, TransferFailure, Transport, TransportConfig, TransportKind, XferId,
 };
 
 /// A registration returned by [`TransferEngine::register`].
@@ -48,8 +48,9 @@ pub enum TransferStatus {
     InProgress,
     /// Every byte landed and the notification (if any) was sent.
     Done,
-    /// Terminal failure, with the reason (e.g. "remote access error").
-    Failed(String),
+    /// Terminal failure, with its typed reason ([`TransferFailure::kind`]
+    /// is what a scheduler branches on).
+    Failed(TransferFailure),
 }
 
 struct LocalRegistration {
@@ -256,7 +257,7 @@ impl TransferEngine {
             .collect();
         for id in ids {
             self.transport.cancel(XferId(id));
-            self.finish(id, Err(format!("peer {name} disconnected")));
+            self.finish(id, Err(TransferFailure::cancelled(format!("peer {name} disconnected by this agent"))));
         }
         self.transport.disconnect(remote.peer);
         Ok(())
@@ -332,7 +333,7 @@ impl TransferEngine {
         Ok(TransferHandle(id))
     }
 
-    fn finish(&mut self, id: u64, result: Result<(), String>) {
+    fn finish(&mut self, id: u64, result: Result<(), TransferFailure>) {
         let Some(t) = self.transfers.get_mut(&id) else { return };
         if t.status != TransferStatus::InProgress {
             return;
@@ -400,7 +401,7 @@ impl TransferEngine {
         };
         if in_progress {
             self.transport.cancel(XferId(handle.0));
-            self.finish(handle.0, Err("released while in progress".into()));
+            self.finish(handle.0, Err(TransferFailure::cancelled("released while in progress")));
         }
         self.transfers.remove(&handle.0);
         Ok(())

@@ -301,7 +301,7 @@ pub enum KvError {
         /// Our shard owning the failed request.
         shard: usize,
         /// The transport's reason.
-        reason: String,
+        reason: crate::transport::TransferFailure,
     },
     /// `cleanup_transfer` of a transfer still in progress.
     #[error("transfer {0} is not complete")]

@@ -17,7 +17,7 @@ use std::sync::{Arc, Mutex};
 
 use crossbeam_channel::{Receiver, Sender};
 
-use super::{Completion, Op, XferId};
+use super::{Completion, Op, TransferFailure, XferId};
 
 /// The state of one posted transfer that every worker-driven backend keeps.
 #[derive(Debug)]
@@ -33,7 +33,7 @@ pub struct XferState {
     /// Chunks not yet finished (a cancel waits for 0).
     pending: AtomicUsize,
     /// First failure.
-    error: Mutex<Option<String>>,
+    error: Mutex<Option<TransferFailure>>,
 }
 
 impl XferState {
@@ -50,7 +50,7 @@ impl XferState {
     }
 
     /// Record a failure; only the first one is reported.
-    pub fn fail(&self, why: String) {
+    pub fn fail(&self, why: TransferFailure) {
         let mut e = self.error.lock().unwrap_or_else(|p| p.into_inner());
         if e.is_none() {
             *e = Some(why);
@@ -72,7 +72,7 @@ impl XferState {
     /// transfer was cancelled, which reports nothing. The result is the
     /// first failure, else what `then` returns (it runs only when every
     /// chunk succeeded: the backend's last checks and the notification).
-    pub fn complete(&self, done: &Sender<Completion>, then: impl FnOnce() -> Result<(), String>) {
+    pub fn complete(&self, done: &Sender<Completion>, then: impl FnOnce() -> Result<(), TransferFailure>) {
         // Last chunk: nothing touches the transfer's buffers any more.
         if self.cancelled.load(Ordering::Acquire) {
             return;
@@ -181,16 +181,17 @@ mod tests {
         let (mut t, xs) = tracked(&[2, 1]);
         let (a, b) = (&xs[0].0, &xs[1].0);
         assert!(a.live());
-        a.fail("first".into());
-        a.fail("second".into());
+        a.fail(TransferFailure::peer_died("first"));
+        a.fail(TransferFailure::protocol("second"));
         assert!(!a.live());
         assert!(!a.chunk_done());
         assert!(a.chunk_done());
         a.complete(&t.sender(), || panic!("runs only when every chunk succeeded"));
         assert!(b.chunk_done());
-        b.complete(&t.sender(), || Err("notification failed".into()));
-        let want = [(1, "first"), (2, "notification failed")]
-            .map(|(id, e)| Completion { xfer: XferId(id), result: Err(e.to_string()) });
+        b.complete(&t.sender(), || Err(TransferFailure::peer_timeout("notification failed")));
+        let want =
+            [(1, TransferFailure::peer_died("first")), (2, TransferFailure::peer_timeout("notification failed"))]
+                .map(|(id, e)| Completion { xfer: XferId(id), result: Err(e) });
         assert_eq!(polled(&mut t), want);
         assert!(polled(&mut t).is_empty());
     }

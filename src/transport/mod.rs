@@ -11,8 +11,11 @@
 //! - `verbs`: RC queue pairs over InfiniBand / RoCE through libibverbs.
 //! - `tcp`: hosts without RDMA.
 
+pub mod auth;
+pub mod failure;
 mod inflight;
 pub mod memory;
+pub mod options;
 pub mod shm;
 pub mod tcp;
 pub mod verbs;
@@ -21,7 +24,9 @@ use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
+pub use failure::{FailureKind, FailureSource, RemoteAccessKind, TransferFailure};
 pub use memory::{MemoryBacking, MemoryDesc, MemoryKind, RawMemory};
+pub use options::{OptionSet, OptionSpec};
 
 /// Local key of a registration (the `lkey` of a verbs memory region).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
@@ -117,8 +122,8 @@ pub struct Completion {
     /// The transfer.
     pub xfer: XferId,
     /// `Ok` when every byte landed (and the notification was sent);
-    /// `Err(reason)` otherwise, e.g. "remote access error" or "peer disconnected".
-    pub result: Result<(), String>,
+    /// `Err(failure)` otherwise, with a typed [`FailureKind`].
+    pub result: Result<(), TransferFailure>,
 }
 
 /// A notification received from a peer: `(peer agent name, payload)`.
@@ -187,7 +192,37 @@ impl Default for TransportConfig {
     }
 }
 
+/// Longest accepted [`TransportConfig::peer_timeout`] (one day): longer
+/// values are a typo, and `Instant + Duration` must not overflow.
+pub const MAX_PEER_TIMEOUT: Duration = Duration::from_secs(86_400);
+
+/// Most accepted [`TransportConfig::copy_threads`].
+pub const MAX_COPY_THREADS: usize = 256;
+
 impl TransportConfig {
+    /// Check the shared options: `peer_timeout` in (0, [`MAX_PEER_TIMEOUT`]],
+    /// `copy_threads` in 1..=[`MAX_COPY_THREADS`]. Every backend calls this
+    /// when it is created.
+    ///
+    /// # Errors
+    /// [`TransportError::InvalidConfig`] naming the field and the rule.
+    pub fn validate(&self) -> Result<(), TransportError> {
+        if self.peer_timeout.is_zero() || self.peer_timeout > MAX_PEER_TIMEOUT {
+            return Err(TransportError::InvalidConfig(format!(
+                "peer_timeout must be > 0 and at most {} s, got {:?}",
+                MAX_PEER_TIMEOUT.as_secs(),
+                self.peer_timeout
+            )));
+        }
+        if !(1..=MAX_COPY_THREADS).contains(&self.copy_threads) {
+            return Err(TransportError::InvalidConfig(format!(
+                "copy_threads must be in 1..={MAX_COPY_THREADS}, got {}",
+                self.copy_threads
+            )));
+        }
+        Ok(())
+    }
+
     /// The value of backend option `key`, if set.
     pub fn option(&self, key: &str) -> Option<&str> {
         self.options.iter().rev().find(|(k, _)| k == key).map(|(_, v)| v.as_str())
@@ -201,6 +236,19 @@ pub enum TransportError {
     /// The backend cannot do this here (missing library, other host, bad option).
     #[error("unsupported: {0}")]
     Unsupported(String),
+    /// A backend option (`key=value`) is unknown or has a bad value.
+    #[error("{backend} option {key:?}: {reason}")]
+    InvalidOption {
+        /// The backend.
+        backend: TransportKind,
+        /// The key as given.
+        key: String,
+        /// What is wrong, with the valid keys or the expected value.
+        reason: String,
+    },
+    /// A shared setting of [`TransportConfig`] is out of range.
+    #[error("invalid transport config: {0}")]
+    InvalidConfig(String),
     /// Registering memory failed (the C call or syscall named in the message).
     #[error("memory registration failed: {0}")]
     Registration(String),
@@ -330,6 +378,7 @@ pub fn create(
     agent_name: &str,
     config: &TransportConfig,
 ) -> Result<Box<dyn Transport>, TransportError> {
+    config.validate()?;
     match kind {
         TransportKind::Shm => Ok(Box::new(shm::ShmTransport::new(agent_name, config)?)),
         TransportKind::Verbs => Ok(Box::new(verbs::VerbsTransport::new(agent_name, config)?)),

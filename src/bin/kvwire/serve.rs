@@ -135,7 +135,7 @@ fn wait(engine: &mut TransferEngine, h: TransferHandle) -> Result<(), String> {
             }
             TransferStatus::Failed(why) => {
                 let _ = engine.release(h);
-                return Err(why);
+                return Err(why.to_string());
             }
         }
     }

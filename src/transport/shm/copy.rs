@@ -17,7 +17,7 @@ use memmap2::MmapRaw;
 
 use super::wire::Msg;
 use crate::transport::inflight::XferState;
-use crate::transport::{Completion, Op, Segment};
+use crate::transport::{Completion, Op, RemoteAccessKind, Segment, TransferFailure, TransportError};
 
 /// How the initiator reaches one region of a peer.
 #[derive(Debug)]
@@ -204,7 +204,7 @@ fn run_job(job: Job) {
         let Some(range) = x.chunks.get(idx) else { return };
         if x.core.live() {
             if x.peer.dead.load(Ordering::Acquire) {
-                x.core.fail(format!("peer {} disconnected", x.peer.name));
+                x.core.fail(TransferFailure::peer_died(format!("peer {} disconnected", x.peer.name)));
             } else if let Err(why) = copy_segments(x, &x.segments[range.clone()], stream) {
                 x.core.fail(why);
             }
@@ -227,20 +227,29 @@ fn run_job(job: Job) {
 fn finish(x: &XferShared, done: &Sender<Completion>) {
     x.core.complete(done, || {
         if x.peer.dead.load(Ordering::Acquire) {
-            return Err(format!("peer {} disconnected", x.peer.name));
+            return Err(TransferFailure::peer_died(format!("peer {} disconnected", x.peer.name)));
         }
         match &x.core.notification {
             Some(payload) => x
                 .peer
                 .channel
                 .send(&Msg::Notify { payload: payload.clone() }, None)
-                .map_err(|e| format!("notification to {} failed: {e}", x.peer.name)),
+                .map_err(|e| notify_failure(&e, &x.peer.name)),
             None => Ok(()),
         }
     });
 }
 
-fn copy_segments(x: &XferShared, segs: &[Segment], stream: bool) -> Result<(), String> {
+/// A notification that could not be sent: the transfer is not `Done`.
+fn notify_failure(e: &TransportError, peer: &str) -> TransferFailure {
+    let detail = format!("notification to {peer} not delivered");
+    match e {
+        TransportError::Io { source, .. } => TransferFailure::from_io(source, detail),
+        other => TransferFailure::peer_died(format!("{detail}: {other}")),
+    }
+}
+
+fn copy_segments(x: &XferShared, segs: &[Segment], stream: bool) -> Result<(), TransferFailure> {
     let mut held: Option<(u32, &PeerRegion)> = None;
     let result = copy_held(x, segs, stream, &mut held);
     if let Some((_, r)) = held {
@@ -256,7 +265,7 @@ fn copy_held<'a>(
     segs: &[Segment],
     stream: bool,
     held: &mut Option<(u32, &'a PeerRegion)>,
-) -> Result<(), String> {
+) -> Result<(), TransferFailure> {
     let mut cma: Vec<(libc::iovec, libc::iovec)> = Vec::new();
     let mut cma_pid = 0;
     for s in segs {
@@ -269,10 +278,13 @@ fn copy_held<'a>(
                     old.exit();
                 }
                 let Some(region) = x.peer.regions.get(&s.rkey.0) else {
-                    return Err(format!("remote access error: unknown rkey {}", s.rkey.0));
+                    return Err(TransferFailure::remote_access(
+                        RemoteAccessKind::UnknownKey,
+                        format!("unknown rkey {}", s.rkey.0),
+                    ));
                 };
                 if !region.enter() {
-                    return Err(format!("remote access error: rkey {} was deregistered by the target", s.rkey.0));
+                    return Err(deregistered(s.rkey.0));
                 }
                 *held = Some((s.rkey.0, region));
                 region
@@ -281,7 +293,7 @@ fn copy_held<'a>(
         if region.revoked.load(Ordering::Relaxed) {
             // A revocation is waiting for us: stop here.
             cma_flush(x.core.op, cma_pid, &mut cma)?;
-            return Err(format!("remote access error: rkey {} was deregistered by the target", s.rkey.0));
+            return Err(deregistered(s.rkey.0));
         }
         let off = (s.remote_addr - region.addr) as usize;
         match &region.mem {
@@ -318,7 +330,12 @@ fn copy_held<'a>(
     cma_flush(x.core.op, cma_pid, &mut cma)
 }
 
-fn cma_flush(op: Op, pid: i32, batch: &mut Vec<(libc::iovec, libc::iovec)>) -> Result<(), String> {
+/// The target revoked `rkey` (deregistered it) before or during the copy.
+fn deregistered(rkey: u32) -> TransferFailure {
+    TransferFailure::remote_access(RemoteAccessKind::UnknownKey, format!("rkey {rkey} was deregistered by the target"))
+}
+
+fn cma_flush(op: Op, pid: i32, batch: &mut Vec<(libc::iovec, libc::iovec)>) -> Result<(), TransferFailure> {
     if batch.is_empty() {
         return Ok(());
     }
@@ -340,12 +357,23 @@ fn cma_flush(op: Op, pid: i32, batch: &mut Vec<(libc::iovec, libc::iovec)>) -> R
     if n < 0 {
         let e = std::io::Error::last_os_error();
         return Err(match e.raw_os_error() {
-            Some(libc::ESRCH) => "peer process is gone (ESRCH)".to_string(),
-            _ => format!("cross-memory attach failed: {e}"),
+            Some(libc::ESRCH) => TransferFailure::from_io(&e, "peer process is gone"),
+            Some(libc::EFAULT) => TransferFailure::remote_access(
+                RemoteAccessKind::OutOfBounds,
+                format!("cross-memory attach: {e} (range not mapped in the target)"),
+            ),
+            Some(libc::EPERM) => TransferFailure::remote_access(
+                RemoteAccessKind::Denied,
+                format!("cross-memory attach not permitted: {e}"),
+            ),
+            _ => TransferFailure::from_io(&e, "cross-memory attach failed"),
         });
     }
     if n as usize != want {
-        return Err(format!("cross-memory attach moved {n} of {want} bytes"));
+        return Err(TransferFailure::remote_access(
+            RemoteAccessKind::OutOfBounds,
+            format!("cross-memory attach moved {n} of {want} bytes"),
+        ));
     }
     Ok(())
 }
@@ -362,8 +390,8 @@ fn cma_flush(op: Op, pid: i32, batch: &mut Vec<(libc::iovec, libc::iovec)>) -> R
 /// split (a second pass, only for transfers that have one).
 ///
 /// # Errors
-/// The first violation, as the "remote access error: …" message the transfer fails with.
-pub fn plan(peer: &PeerShared, segments: Vec<Segment>) -> Result<(Vec<Segment>, Vec<Range<usize>>), String> {
+/// The first violation, as the remote-access failure the transfer fails with.
+pub fn plan(peer: &PeerShared, segments: Vec<Segment>) -> Result<(Vec<Segment>, Vec<Range<usize>>), TransferFailure> {
     let mut last: Option<(u32, u64, u64)> = None;
     let mut chunks = Vec::with_capacity(segments.len() / 64 + 1);
     let (mut start, mut acc, mut large) = (0usize, 0u64, false);
@@ -372,20 +400,28 @@ pub fn plan(peer: &PeerShared, segments: Vec<Segment>) -> Result<(Vec<Segment>, 
             Some((k, a, l)) if k == s.rkey.0 => (a, l),
             _ => match peer.regions.get(&s.rkey.0) {
                 Some(r) if r.revoked.load(Ordering::Acquire) => {
-                    return Err(format!("remote access error: rkey {} was deregistered by the target", s.rkey.0));
+                    return Err(TransferFailure::remote_access(
+                        RemoteAccessKind::UnknownKey,
+                        format!("rkey {} was deregistered by the target", s.rkey.0),
+                    ));
                 }
                 Some(r) => {
                     last = Some((s.rkey.0, r.addr, r.len_bytes));
                     (r.addr, r.len_bytes)
                 }
-                None => return Err(format!("remote access error: unknown rkey {}", s.rkey.0)),
+                None => {
+                    return Err(TransferFailure::remote_access(
+                        RemoteAccessKind::UnknownKey,
+                        format!("unknown rkey {}", s.rkey.0),
+                    ));
+                }
             },
         };
         let inside = s.remote_addr >= addr && s.remote_addr.checked_add(s.len_bytes).is_some_and(|e| e <= addr + len);
         if !inside {
-            return Err(format!(
-                "remote access error: {:#x}+{} outside rkey {} ({:#x}+{len})",
-                s.remote_addr, s.len_bytes, s.rkey.0, addr
+            return Err(TransferFailure::remote_access(
+                RemoteAccessKind::OutOfBounds,
+                format!("{:#x}+{} outside rkey {} ({:#x}+{len})", s.remote_addr, s.len_bytes, s.rkey.0, addr),
             ));
         }
         large |= s.len_bytes > super::CHUNK_BYTES;

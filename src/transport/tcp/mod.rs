@@ -39,7 +39,7 @@ use worker::{Job, PeerShared, XferShared};
 use super::inflight::{InFlight, XferState};
 use super::{
     Completion, LocalKey, MemoryBacking, MemoryKind, Notification, PeerId, PostRequest, Registration, RemoteKey,
-    RemoteRegion, Segment, Transport, TransportConfig, TransportError, TransportKind, XferId,
+    RemoteRegion, Segment, TransferFailure, Transport, TransportConfig, TransportError, TransportKind, XferId,
 };
 
 /// Connections per peer unless option `conns_per_peer` says otherwise.
@@ -68,7 +68,7 @@ struct PeerConn {
 
 impl PeerConn {
     fn close(&mut self) {
-        self.shared.kill(format!("peer {} disconnected", self.shared.name));
+        self.shared.kill(TransferFailure::peer_died(format!("peer {} disconnected", self.shared.name)));
         self.jobs = None;
         for w in self.workers.drain(..) {
             let _ = w.join();
@@ -300,7 +300,7 @@ impl Transport for TcpTransport {
     fn post(&mut self, req: PostRequest) -> Result<(), TransportError> {
         let peer = self.peers.get(&req.peer.0).ok_or(TransportError::NotConnected(req.peer))?;
         if peer.shared.dead.load(Ordering::Acquire) {
-            return Err(TransportError::PeerDisconnected(peer.shared.failure()));
+            return Err(TransportError::PeerDisconnected(peer.shared.failure().to_string()));
         }
         if req.notification.as_ref().is_some_and(|n| n.len() > wire::MAX_NOTIFICATION_BYTES as usize) {
             return Err(TransportError::Post(format!(

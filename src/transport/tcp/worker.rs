@@ -17,7 +17,7 @@ use crossbeam_channel::{Receiver, Sender};
 use super::io::{self as tio, Range};
 use super::wire::{self, Header, Kind, SegmentDesc, Status};
 use crate::transport::inflight::XferState;
-use crate::transport::{Completion, Op, Segment};
+use crate::transport::{Completion, Op, RemoteAccessKind, Segment, TransferFailure};
 
 /// One connected peer, shared by the transport and its workers.
 #[derive(Debug)]
@@ -27,7 +27,7 @@ pub struct PeerShared {
     /// Set once any connection to the peer failed; the peer is then unusable.
     pub dead: AtomicBool,
     /// Why it died.
-    pub reason: Mutex<Option<String>>,
+    pub reason: Mutex<Option<TransferFailure>>,
     /// Clones of the connections, to wake blocked workers.
     pub streams: Mutex<Vec<TcpStream>>,
 }
@@ -35,7 +35,7 @@ pub struct PeerShared {
 impl PeerShared {
     /// Mark the peer dead for `why` and shut every connection down, which
     /// wakes the workers blocked on them.
-    pub fn kill(&self, why: String) {
+    pub fn kill(&self, why: TransferFailure) {
         {
             let mut r = self.reason.lock().unwrap_or_else(|p| p.into_inner());
             if r.is_none() {
@@ -49,9 +49,9 @@ impl PeerShared {
     }
 
     /// The failure message for transfers to a dead peer.
-    pub fn failure(&self) -> String {
+    pub fn failure(&self) -> TransferFailure {
         let r = self.reason.lock().unwrap_or_else(|p| p.into_inner());
-        r.clone().unwrap_or_else(|| format!("peer {} disconnected", self.name))
+        r.clone().unwrap_or_else(|| TransferFailure::peer_died(format!("peer {} disconnected", self.name)))
     }
 }
 
@@ -84,7 +84,7 @@ pub struct Job {
 /// Why a request failed.
 enum ReqError {
     /// The target refused it; the connection is still good.
-    Remote(String),
+    Remote(TransferFailure),
     /// The connection broke (peer died, silent past the timeout, protocol).
     Conn(io::Error),
 }
@@ -93,6 +93,17 @@ impl From<io::Error> for ReqError {
     fn from(e: io::Error) -> Self {
         Self::Conn(e)
     }
+}
+
+/// The typed failure for a target's `RemoteAccess` refusal (its text names
+/// the rule: "unknown rkey …" or "… outside rkey …").
+fn remote_refusal(reason: String) -> TransferFailure {
+    let why = if reason.contains("unknown") || reason.contains("deregistered") {
+        RemoteAccessKind::UnknownKey
+    } else {
+        RemoteAccessKind::OutOfBounds
+    };
+    TransferFailure::remote_access(why, reason)
 }
 
 /// State a worker keeps across requests.
@@ -120,7 +131,7 @@ impl Conn {
             tio::read_exact(&self.sock, &mut reason)?;
             let reason = String::from_utf8_lossy(&reason).into_owned();
             return Err(match h.status() {
-                Status::RemoteAccess => ReqError::Remote(reason),
+                Status::RemoteAccess => ReqError::Remote(remote_refusal(reason)),
                 _ => ReqError::Conn(io::Error::new(io::ErrorKind::InvalidData, format!("peer refused: {reason}"))),
             });
         }
@@ -194,7 +205,7 @@ pub fn run(sock: TcpStream, jobs: Receiver<Job>, done: Sender<Completion>) {
                     Ok(()) => {}
                     Err(ReqError::Remote(why)) => x.core.fail(why),
                     Err(ReqError::Conn(e)) => {
-                        peer.kill(format!("peer {} failed: {e}", peer.name));
+                        peer.kill(TransferFailure::from_io(&e, format!("peer {}", peer.name)));
                         x.core.fail(peer.failure());
                     }
                 }
@@ -214,11 +225,11 @@ pub fn run(sock: TcpStream, jobs: Receiver<Job>, done: Sender<Completion>) {
                 let why = match e {
                     ReqError::Remote(r) => r,
                     ReqError::Conn(e) => {
-                        peer.kill(format!("peer {} failed: {e}", peer.name));
+                        peer.kill(TransferFailure::from_io(&e, format!("peer {}", peer.name)));
                         peer.failure()
                     }
                 };
-                format!("notification not delivered: {why}")
+                TransferFailure { detail: format!("notification not delivered: {}", why.detail), ..why }
             })
         });
     }

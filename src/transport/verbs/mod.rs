@@ -54,7 +54,7 @@ use serde::{Deserialize, Serialize};
 
 use super::{
     Completion, LocalKey, MemoryBacking, MemoryKind, Notification, PeerId, PostRequest, Registration, RemoteKey,
-    RemoteRegion, Transport, TransportConfig, TransportError, TransportKind, XferId,
+    RemoteRegion, TransferFailure, Transport, TransportConfig, TransportError, TransportKind, XferId,
 };
 use crate::sidechannel::SideChannel;
 use crate::verbs::ffi::IBV_LINK_LAYER_INFINIBAND;
@@ -495,7 +495,7 @@ impl Transport for VerbsTransport {
                                 && sq.error.is_none()
                             {
                                 tracing::warn!("verbs: cancel of {xfer:?} flushes QP {q}");
-                                sq.error = Some(format!("QP flushed to cancel {xfer:?}"));
+                                sq.error = Some(TransferFailure::cancelled(format!("QP flushed to cancel {xfer:?}")));
                                 let _ = sq.qp.set_error();
                             }
                         }

@@ -7,7 +7,9 @@ use std::sync::Arc;
 
 use crossbeam_channel::Sender;
 
-use crate::transport::{Completion, Notification, Op, Segment, XferId};
+use crate::transport::{
+    Completion, FailureKind, FailureSource, Notification, Op, RemoteAccessKind, Segment, TransferFailure, XferId,
+};
 use crate::verbs::ffi::{IBV_WC_SUCCESS, IBV_WC_WR_FLUSH_ERR, wc_status_name};
 use crate::verbs::{MemoryRegion, QueuePair, WorkCompletion, WrBatch, WrId};
 
@@ -45,7 +47,7 @@ pub struct SendQp {
     pub chunks: HashMap<u64, (u64, u32)>,
     pub queue: VecDeque<Work>,
     /// Set by the first error completion: the QP needs a reset + reconnect.
-    pub error: Option<String>,
+    pub error: Option<TransferFailure>,
     /// CQEs still held for this QP after error completions: each WR of a
     /// failed chunk may still be flushed with a CQE of its own.
     pub flush_reserved: u32,
@@ -57,7 +59,7 @@ pub struct Xfer {
     pub queued: u32,
     /// Signalled chunks posted and not yet completed.
     pub chunks: u32,
-    pub error: Option<String>,
+    pub error: Option<TransferFailure>,
     pub cancelled: bool,
     /// Notification to send once all data completed (multi-QP peers), with
     /// its slot: `(qpn, slot, len)`.
@@ -229,7 +231,7 @@ impl State {
             let q = qpns[(i / stripe) % qpns.len()];
             let Some(sq) = self.send_qps.get_mut(&q) else {
                 if let Some(x) = self.xfers.get_mut(&xfer.0) {
-                    x.error.get_or_insert_with(|| format!("no QP {q} to post on"));
+                    x.error.get_or_insert_with(|| TransferFailure::peer_died(format!("no QP {q} to post on")));
                 }
                 continue;
             };
@@ -260,7 +262,7 @@ impl State {
             }
             self.pump(qpn, limits);
         } else if let Some(x) = self.xfers.get_mut(&xfer) {
-            x.error.get_or_insert_with(|| format!("notification not sent: no QP {qpn}"));
+            x.error.get_or_insert_with(|| TransferFailure::peer_died(format!("notification not sent: no QP {qpn}")));
             self.try_finish(xfer, limits);
         }
     }
@@ -271,7 +273,7 @@ impl State {
         let Some(sq) = self.send_qps.get_mut(&qpn) else {
             return;
         };
-        let why = sq.error.clone().unwrap_or_else(|| format!("QP {qpn} closed"));
+        let why = sq.error.clone().unwrap_or_else(|| TransferFailure::peer_died(format!("QP {qpn} closed")));
         let mut failed: Vec<u64> = sq.queue.drain(..).map(|w| w.xfer()).collect();
         for x in &failed {
             if let Some(xf) = self.xfers.get_mut(x) {
@@ -302,7 +304,9 @@ impl State {
         for x in in_flight {
             if let Some(xf) = self.xfers.get_mut(&x) {
                 xf.chunks = xf.chunks.saturating_sub(1);
-                xf.error.get_or_insert_with(|| format!("QP {qpn} closed with the transfer in flight"));
+                xf.error.get_or_insert_with(|| {
+                    TransferFailure::peer_died(format!("QP {qpn} closed with the transfer in flight"))
+                });
             }
             self.try_finish(x, limits);
         }
@@ -411,7 +415,7 @@ impl State {
                 }
             }
             *cq_free -= covered as u32;
-            let why = posted.as_ref().err().map(|(_, e)| e.to_string());
+            let why = posted.as_ref().err().map(|(_, e)| post_failure(e));
             let mut unposted = Vec::new();
             for (k, w) in sq.queue.drain(..n).enumerate() {
                 if let Some(xf) = xfers.get_mut(&w.xfer()) {
@@ -477,12 +481,12 @@ impl State {
             return;
         };
         if wc.status != IBV_WC_SUCCESS {
-            let name = wc_status_name(wc.status);
             let why = match &sq.error {
-                Some(first) if wc.status == IBV_WC_WR_FLUSH_ERR => {
-                    format!("{name} (after {first} on this QP)")
-                }
-                _ => format!("{name} (vendor error {:#x}) on QP {}", wc.vendor_err, wc.qp_num),
+                Some(first) if wc.status == IBV_WC_WR_FLUSH_ERR => TransferFailure {
+                    detail: format!("{} (after {first} on this QP)", wc_status_name(wc.status)),
+                    ..first.clone()
+                },
+                _ => wc_failure(wc),
             };
             if sq.error.is_none() {
                 tracing::warn!("verbs: {why}");
@@ -549,6 +553,30 @@ impl State {
             tracing::warn!("verbs: cannot repost a receive for {}: {e}", r.agent);
         }
     }
+}
+
+/// The typed failure for an error work completion, keeping its status and
+/// vendor syndrome as the source (`enum ibv_wc_status`, verbs.h).
+pub fn wc_failure(wc: &WorkCompletion) -> TransferFailure {
+    // Values of `enum ibv_wc_status`.
+    let kind = match wc.status {
+        1 | 2 | 4 | 8 => FailureKind::LocalProtection, // LOC_LEN, LOC_QP_OP, LOC_PROT, LOC_ACCESS
+        10 => FailureKind::RemoteAccess(RemoteAccessKind::OutOfBounds), // REM_ACCESS_ERR
+        9 | 15 => FailureKind::RemoteAccess(RemoteAccessKind::Denied), // REM_INV_REQ, REM_INV_RD_REQ
+        12 | 13 | 20 => FailureKind::PeerDied,         // RETRY_EXC, RNR_RETRY_EXC, RESP_TIMEOUT
+        5 => FailureKind::Cancelled,                   // WR_FLUSH_ERR with no earlier error: QP flushed by us
+        _ => FailureKind::Transport,
+    };
+    TransferFailure {
+        kind,
+        source: FailureSource::WorkCompletion { status: wc.status, vendor_err: wc.vendor_err },
+        detail: format!("{} (vendor error {:#x}) on QP {}", wc_status_name(wc.status), wc.vendor_err, wc.qp_num),
+    }
+}
+
+/// The typed failure for an `ibv_post_send` that returned an error.
+fn post_failure(e: &impl std::fmt::Display) -> TransferFailure {
+    TransferFailure::new(FailureKind::Transport, format!("ibv_post_send: {e}"))
 }
 
 #[cfg(test)]
