@@ -290,7 +290,8 @@ def report(raw: dict, sizes: list[int], ops: list[str], nixl_labels: list[str]) 
     m = raw["machine"]
     lines = [
         f"{human(cfg['total'])} per transfer, destination pages a random permutation, two processes, "
-        f"median of {cfg['runs']} interleaved run(s) x {cfg['iters']} transfers; "
+        f"median of {cfg['runs']} interleaved run(s) x {cfg['iters']} transfers "
+        f"({min(len(c['runs']) for c in raw['cells'])}–{max(len(c['runs']) for c in raw['cells'])} runs per cell present); "
         f"load average {raw['loadavg_before'][0]:.2f} before, {raw['loadavg_after'][0]:.2f} after; "
         f"{sum(1 for c in raw['cells'] for r in c['runs'] if r.get('quiet_at_start'))}/"
         f"{sum(len(c['runs']) for c in raw['cells'])} runs started with no compiler running; "
