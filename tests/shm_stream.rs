@@ -59,7 +59,7 @@ fn transfers_past_the_llc_move_every_byte_at_odd_offsets() {
     });
     // Local pages start 8 bytes in (misaligned source too); page i goes to page perm(i).
     let perm: Vec<u64> = (0..pages).map(|i| (i * 7 + 3) % pages).collect();
-    assert!(pages % 7 != 0, "perm must be a permutation");
+    assert!(!pages.is_multiple_of(7), "perm must be a permutation");
     let local: Vec<Desc> = (0..pages).map(|i| Desc::new(src.addr() + 8 + i * page, page)).collect();
     let remote: Vec<Desc> = perm.iter().map(|&p| Desc::new(dst.addr() + p * page, page)).collect();
 

@@ -569,7 +569,7 @@ fn store_fence() {
 /// The x86-64 streaming copy: the head up to a 64-byte aligned destination
 /// and the tail with `memcpy`, the rest in 64-byte lines with unaligned
 /// 16-byte loads and `movntdq` stores (SSE2, every x86-64 CPU; 32-byte AVX
-/// stores measured no faster on this memory-bound loop).
+/// stores were within the noise of it on this memory-bound loop).
 ///
 /// # Safety
 /// As [`copy_bytes`].
@@ -577,7 +577,7 @@ fn store_fence() {
 unsafe fn stream_raw(src: *const u8, dst: *mut u8, len: usize) {
     use std::arch::x86_64::{__m128i, _mm_loadu_si128, _mm_stream_si128};
     let head = dst.align_offset(64).min(len);
-    // SAFETY (whole function): every access is at an offset below `len`,
+    // SAFETY: (the whole loop) every access is at an offset below `len`,
     // inside the caller's non-overlapping ranges; `dst + head` is 64-byte
     // aligned, so each `_mm_stream_si128` target is 16-byte aligned.
     unsafe {
