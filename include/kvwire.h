@@ -34,6 +34,21 @@ typedef enum KvwStatus {
   KVW_ERR_BUFFER_TOO_SMALL = 7,
   // Already connected to that agent, or connecting to itself.
   KVW_ERR_STATE = 8,
+  // A transfer failed: the peer process or its connection went away
+  // (`FailureKind::PeerDied`).
+  KVW_ERR_PEER_DIED = 10,
+  // A transfer failed: the peer stopped answering within the peer
+  // timeout (`FailureKind::PeerTimeout`).
+  KVW_ERR_PEER_TIMEOUT = 11,
+  // A transfer failed: the target refused the access (out of bounds,
+  // unknown key, denied; `FailureKind::RemoteAccess`).
+  KVW_ERR_REMOTE_ACCESS = 12,
+  // A transfer was cancelled (`FailureKind::Cancelled`).
+  KVW_ERR_CANCELLED = 13,
+  // A transfer failed on a local registration (`FailureKind::LocalProtection`).
+  KVW_ERR_LOCAL_PROTECTION = 14,
+  // A transfer failed: the peer broke the wire protocol (`FailureKind::Protocol`).
+  KVW_ERR_PROTOCOL = 15,
   // A bug in kvwire (a Rust panic was caught at the boundary).
   KVW_ERR_PANIC = 99,
 } KvwStatus;
@@ -73,12 +88,37 @@ extern "C" {
 const char *kvw_last_error(void);
 
 // Create an engine (agent) named `name` on `transport` (`"shm"`, `"tcp"`,
-// `"verbs"`; NULL = `"shm"`), written to `*out`. Destroy it with
-// [`kvw_engine_destroy`].
+// `"verbs"`; NULL = `"shm"`) with default options, written to `*out`.
+// Destroy it with [`kvw_engine_destroy`]. Same as
+// [`kvw_engine_create_with_options`] with `options` NULL.
 //
 // # Safety
 // `name` is a NUL-terminated string; `transport` is NULL or one; `out` is writable.
 enum KvwStatus kvw_engine_create(const char *name, const char *transport, struct KvwEngine **out);
+
+// Create an engine (agent) named `name` on `transport` (`"shm"`, `"tcp"`,
+// `"verbs"`; NULL = `"shm"`) configured by `options`, written to `*out`.
+//
+// `options` is NULL (defaults) or a string of `key=value` pairs separated
+// by commas or spaces, e.g. `"listen=10.0.0.2:0,peer_timeout_ms=2000"`:
+// - `peer_timeout_ms`: a dead or silent peer fails its transfers after
+//   this many milliseconds (default 5000);
+// - `copy_threads`: CPU copy threads of `shm`/`tcp` (default 2);
+// - any other key goes to the transport backend, which refuses keys it
+//   does not know (tcp: `listen`, `conns_per_peer`, ...; verbs: `device`,
+//   `gid_index`, ...; `kvwire bench --help` lists them).
+//
+// A pair that is not `key=value`, a bad value, or a key the backend does
+// not know returns `KVW_ERR_INVALID_ARG`, and `kvw_last_error()` names the
+// key (and lists the valid ones).
+//
+// # Safety
+// `name` is a NUL-terminated string; `transport` and `options` are NULL or
+// NUL-terminated strings; `out` is writable.
+enum KvwStatus kvw_engine_create_with_options(const char *name,
+                                              const char *transport,
+                                              const char *options,
+                                              struct KvwEngine **out);
 
 // Destroy an engine: cancels what is in flight, then frees it. NULL is a no-op.
 //
@@ -152,6 +192,21 @@ enum KvwStatus kvw_post(struct KvwEngine *engine,
 // # Safety
 // `engine` valid; `out_state` writable.
 enum KvwStatus kvw_status(struct KvwEngine *engine, uint64_t handle, enum KvwXferState *out_state);
+
+// Poll a transfer like [`kvw_status`], and also say why a failed one
+// failed: `*out_code` receives `KVW_OK` unless `*out_state` is
+// `KVW_XFER_FAILED`, then the failure's category: `KVW_ERR_PEER_DIED`,
+// `KVW_ERR_PEER_TIMEOUT`, `KVW_ERR_REMOTE_ACCESS`, `KVW_ERR_CANCELLED`,
+// `KVW_ERR_LOCAL_PROTECTION`, `KVW_ERR_PROTOCOL`, or `KVW_ERR_TRANSPORT`
+// for any other (kvwire's `FailureKind`). `kvw_last_error()` holds the
+// message. The call itself returns OK for a failed transfer.
+//
+// # Safety
+// `engine` valid; `out_state` and `out_code` writable.
+enum KvwStatus kvw_status_code(struct KvwEngine *engine,
+                               uint64_t handle,
+                               enum KvwXferState *out_state,
+                               enum KvwStatus *out_code);
 
 // Release a transfer handle. Releasing one still in progress cancels it and
 // returns once no copy can touch its buffers.

@@ -19,5 +19,5 @@ exe=$(cargo test --features cuda --no-run --message-format=json --test cuda_verb
 [ -n "$exe" ] || { echo "cuda-softroce-check: no cuda_verbs binary built" >&2; exit 125; }
 cp "$exe" "$stage/cuda_verbs"
 gcc -shared -fPIC -O1 -Wall -o "$stage/libcuda.so.1" tests/cuda_fake/libcuda.c
-"$softroce/run-in-softroce-vm.sh" "$stage" \
-  "LD_LIBRARY_PATH=/host KVWIRE_REQUIRE_GPU=1 RUST_LOG=info ./cuda_verbs --test-threads=1 --nocapture $*"
+bash "$softroce_vm" run "$stage" \
+  "LD_LIBRARY_PATH=/host KVWIRE_REQUIRE_GPU=1 RUST_LOG=info ./cuda_verbs --include-ignored --test-threads=1 --nocapture $*"

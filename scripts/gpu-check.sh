@@ -33,11 +33,11 @@ if [[ -n "${GPU_CHECK_BINS:-}" ]]; then
     rc=0
     for t in cuda_gpu cuda_nogpu cuda_verbs; do
         [[ -x "$GPU_CHECK_BINS/$t" ]] || { echo "no $GPU_CHECK_BINS/$t (run scripts/gpu-stage.sh)"; exit 1; }
-        "$GPU_CHECK_BINS/$t" --show-output --test-threads=1 >>"$log" 2>>"$err" || rc=$?
+        "$GPU_CHECK_BINS/$t" --include-ignored --show-output --test-threads=1 >>"$log" 2>>"$err" || rc=$?
     done
 else
     cargo build --tests --features cuda -q || exit 1
-    cargo test --features cuda --test cuda_gpu --test cuda_nogpu --test cuda_verbs -- --show-output --test-threads=1 >"$log" 2>"$err"
+    cargo test --features cuda --test cuda_gpu --test cuda_nogpu --test cuda_verbs -- --include-ignored --show-output --test-threads=1 >"$log" 2>"$err"
     rc=$?
 fi
 grep -hE "^(cuda::probe|dma-buf export|GPU [0-9]+ \(|registration_path_is_reported: GPU)" "$log" "$err" | sed 's/^/  info: /'

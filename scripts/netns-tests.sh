@@ -1,5 +1,9 @@
 #!/usr/bin/env bash
-# Multi-host tests in network namespaces: prefill and decode engines
+# Multi-host tests in network namespaces. First the README's two-host
+# commands, exactly as README.md's "Across two hosts" shows them (read from
+# the README: host B = 10.0.0.2, host A = 10.0.0.3, etcd on 10.0.0.1): the
+# two-terminal bench, serve + serve --pull, replay --etcd, and the C ABI
+# example. Then: prefill and decode engines
 # (`kvwire serve`) on different "hosts" find each other through etcd and move
 # verified KV pages over the tcp transport; a peer killed (or frozen)
 # mid-transfer fails its transfers within the peer timeout, its etcd lease
@@ -7,22 +11,20 @@
 #
 # Needs root, iproute2 and etcd (Debian: etcd-server). Installs nothing.
 # Topology (addresses only inside the namespaces created here):
-#   kvw-hub-$$: bridge 10.77.0.1/24, etcd on 10.77.0.1:2379
-#   kvw-a-$$ 10.77.0.2 (prefill-0), kvw-b-$$ 10.77.0.3 (decode-0), kvw-c-$$ 10.77.0.4 (prefill-1)
+#   kvw-hub-$$: bridge 10.0.0.1/24, etcd on 10.0.0.1:2379
+#   kvw-a-$$ 10.0.0.2 (README's host B; prefill-0), kvw-b-$$ 10.0.0.3 (README's
+#   host A; decode-0), kvw-c-$$ 10.0.0.4 (prefill-1)
 # Everything is torn down on exit, also on failure.
 # Without root/netns support or etcd it says "skipped: ..." and exits 0,
 # unless KVWIRE_REQUIRE_NETNS=1.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-skip() {
-  if [ "${KVWIRE_REQUIRE_NETNS:-0}" = 1 ]; then echo "netns-tests: required but: $*" >&2; exit 1; fi
-  echo "netns-tests: skipped: $*"
-  exit 0
-}
-[ "$(id -u)" = 0 ] || skip "not root"
-command -v ip >/dev/null || skip "iproute2 not installed"
-command -v etcd >/dev/null || skip "etcd not installed (apt-get install etcd-server)"
+. scripts/suite-lib.sh
+skip() { suite_unavailable netns-tests KVWIRE_REQUIRE_NETNS "$*"; }
+[ "$(id -u)" = 0 ] || skip "not root (network namespaces need root)"
+command -v ip >/dev/null || skip "no ip (apt-get install -y iproute2)"
+command -v etcd >/dev/null || skip "no etcd (apt-get install -y etcd-server)"
 
 TARGET_DIR="${CARGO_TARGET_DIR:-target}"
 KVWIRE="${KVWIRE_BIN:-}"
@@ -51,7 +53,7 @@ trap cleanup EXIT INT TERM
 ip netns add "$HUB" 2>/dev/null || skip "cannot create network namespaces here"
 ip -n "$HUB" link set lo up
 ip -n "$HUB" link add br0 type bridge
-ip -n "$HUB" addr add 10.77.0.1/24 dev br0
+ip -n "$HUB" addr add 10.0.0.1/24 dev br0
 ip -n "$HUB" link set br0 up
 i=2
 for n in "$NA" "$NB" "$NC"; do
@@ -59,14 +61,14 @@ for n in "$NA" "$NB" "$NC"; do
   ip -n "$n" link set lo up
   ip link add "kvw$S-$i" netns "$n" type veth peer name "p$i" netns "$HUB"
   ip -n "$n" link set "kvw$S-$i" name eth0
-  ip -n "$n" addr add "10.77.0.$i/24" dev eth0
+  ip -n "$n" addr add "10.0.0.$i/24" dev eth0
   ip -n "$n" link set eth0 up
   ip -n "$HUB" link set "p$i" master br0
   ip -n "$HUB" link set "p$i" up
   i=$((i + 1))
 done
 
-ETCD_URL=http://10.77.0.1:2379
+ETCD_URL=http://10.0.0.1:2379
 ip netns exec "$HUB" etcd --name kvw --data-dir "$WORK/etcd" \
   --listen-client-urls "$ETCD_URL" --advertise-client-urls "$ETCD_URL" \
   --listen-peer-urls http://127.0.0.1:2380 --initial-advertise-peer-urls http://127.0.0.1:2380 \
@@ -98,12 +100,79 @@ echo "netns-tests: $KVWIRE, namespaces $HUB $NA $NB $NC"
 # etcd may take a moment: the first serve's lookup/publish retries through its own timeouts.
 sleep 1
 
+# The README's two-host commands: "BLOCK|HOST|COMMAND" per line of the code
+# blocks under "### Across two hosts" (HOST from the "# A:" / "# B:" comment
+# above the command).
+readme_commands() {
+  awk '/^### Across two hosts/ { s = 1; next } s && /^##/ { s = 0 }
+       s && /^```/ { if (code) { code = 0 } else { code = 1; block++ }; next }
+       s && code && /^# [AB]/ { host = substr($2, 1, 1); next }
+       s && code && /^[^#]/ && NF { print block "|" host "|" $0 }' README.md
+}
+REMOTE=""
+if command -v gcc >/dev/null; then
+  CAPI_TARGET="${CARGO_TARGET_DIR:-$PWD/target}/capi"
+  # the same build as scripts/capi-tests.sh's
+  CARGO_TARGET_DIR="$CAPI_TARGET" cargo build -q --manifest-path capi/Cargo.toml
+  gcc -std=c11 -D_DEFAULT_SOURCE -Iinclude examples/c/remote.c -L"$CAPI_TARGET/debug" -lkvwire_c \
+    -Wl,-rpath,"$CAPI_TARGET/debug" -o "$WORK/remote"
+  REMOTE="$WORK/remote"
+fi
+# run_readme_block N: B's commands in the background in $NA, A's in the
+# foreground in $NB (each must exit 0); then B's must have exited 0 (bench,
+# C target) or are stopped (serve runs until killed).
+run_readme_block() {
+  local n=$1 line host cmd bpids=() bcmds=() rc ok_block=1 i
+  while IFS='|' read -r b host cmd; do
+    [ "$b" = "$n" ] || continue
+    case "$cmd" in
+      ./remote*) [ -n "$REMOTE" ] || { echo "netns-tests: skipped (part): README C ABI commands: no gcc"; return 0; };;
+    esac
+    cmd=${cmd/#kvwire /\"\$KVWIRE\" }
+    cmd=${cmd/#.\/remote /\"\$REMOTE\" }
+    cmd=${cmd//\/shared\/kvwire.md/\$WORK/kvwire.md}
+    if [ "$host" = B ]; then
+      KVWIRE=$KVWIRE REMOTE=$REMOTE WORK=$WORK ip netns exec "$NA" bash -c "exec $cmd" >"$WORK/readme-$n-B${#bpids[@]}.log" 2>&1 &
+      bpids+=($!); bcmds+=("$cmd"); PIDS+=($!)
+      sleep 1
+    else
+      echo "  A\$ $cmd"
+      if ! KVWIRE=$KVWIRE REMOTE=$REMOTE WORK=$WORK timeout 300 ip netns exec "$NB" bash -c "$cmd" >"$WORK/readme-$n-A.log" 2>&1; then
+        ok_block=0; bad "README: on host A: $cmd"; tail -5 "$WORK/readme-$n-A.log"
+      fi
+    fi
+  done < <(readme_commands)
+  for i in "${!bpids[@]}"; do
+    local t=0
+    while kill -0 "${bpids[$i]}" 2>/dev/null && [ $t -lt 100 ]; do sleep 0.1; t=$((t + 1)); done
+    if kill -0 "${bpids[$i]}" 2>/dev/null; then
+      case "${bcmds[$i]}" in
+        *" serve "*) kill "${bpids[$i]}"; wait "${bpids[$i]}" 2>/dev/null || true;;
+        *) kill -9 "${bpids[$i]}"; ok_block=0; bad "README: on host B, still running: ${bcmds[$i]}";;
+      esac
+    else
+      rc=0; wait "${bpids[$i]}" || rc=$?
+      if [ "$rc" != 0 ]; then ok_block=0; bad "README: on host B (exit $rc): ${bcmds[$i]}"; tail -5 "$WORK/readme-$n-B$i.log"; fi
+    fi
+  done
+  [ $ok_block = 1 ] && ok "README block $n: $(readme_commands | grep -c "^$n|") command(s) across hosts"
+  return 0
+}
+
+echo "test 0: the README's two-host commands"
+nblocks=$(readme_commands | cut -d'|' -f1 | sort -u | wc -l)
+[ "$nblocks" -ge 3 ] || bad "README: expected >= 3 command blocks under '### Across two hosts', found $nblocks"
+for n in $(readme_commands | cut -d'|' -f1 | sort -un); do
+  TEST="readme-$n"
+  run_readme_block "$n"
+done
+
 echo "test 1: decode in $NB pulls verified pages from prefill-0 in $NA (discovered through etcd)"
 TEST=basic
-serve "$NA" prefill-0 10.77.0.2 "$WORK/basic-p0.log"
+serve "$NA" prefill-0 10.0.0.2 "$WORK/basic-p0.log"
 P0=$LAST_PID
 if ! wait_for "$WORK/basic-p0.log" "^serving" 20; then cat "$WORK/basic-p0.log" "$WORK/etcd.log" | tail -20; fi
-serve "$NB" decode-0 10.77.0.3 "$WORK/basic-d0.log" --pull prefill-0 --rounds 10 --pages 256
+serve "$NB" decode-0 10.0.0.3 "$WORK/basic-d0.log" --pull prefill-0 --rounds 10 --pages 256
 D0=$LAST_PID
 if wait "$D0" && grep -q "pull summary: ok=10 failed=0" "$WORK/basic-d0.log"; then
   ok "10 rounds of 3 x 16 MiB (READ, WRITE, READ back) verified across namespaces"
@@ -121,9 +190,9 @@ kill "$P0"
 failure_test() {
   local sig=$1
   TEST="fail-$sig"
-  serve "$NA" prefill-0 10.77.0.2 "$WORK/$TEST-p0.log"; local p0=$LAST_PID
-  serve "$NC" prefill-1 10.77.0.4 "$WORK/$TEST-p1.log"; local p1=$LAST_PID
-  serve "$NB" decode-0 10.77.0.3 "$WORK/$TEST-d0.log" --pull prefill-0,prefill-1 --rounds 60 --pages 256
+  serve "$NA" prefill-0 10.0.0.2 "$WORK/$TEST-p0.log"; local p0=$LAST_PID
+  serve "$NC" prefill-1 10.0.0.4 "$WORK/$TEST-p1.log"; local p1=$LAST_PID
+  serve "$NB" decode-0 10.0.0.3 "$WORK/$TEST-d0.log" --pull prefill-0,prefill-1 --rounds 60 --pages 256
   local d0=$LAST_PID
   if ! wait_for "$WORK/$TEST-d0.log" "^round 3:" 60; then bad "$sig: decode never reached round 3"; cat "$WORK/$TEST-d0.log"; return; fi
   kill "-$sig" "$p0"

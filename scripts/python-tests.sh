@@ -8,18 +8,26 @@
 # From PyPI (into a venv under target/, ignored by git): maturin, numpy, pytest.
 #
 # Env: KVWIRE_VENV (default target/python-venv), PYTEST_ARGS (extra args).
-# Exits non-zero on any failure, including "no tests collected".
+# Exits non-zero on any failure, including "no tests collected". Without
+# python3/venv/pip, or when PyPI cannot be reached, it prints
+# "python-tests: skipped: <reason>" and exits 0, unless KVWIRE_REQUIRE_PYTHON=1.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 root=$(pwd)
+. scripts/suite-lib.sh
 venv=${KVWIRE_VENV:-$root/target/python-venv}
+hint="apt-get install -y python3 python3-pip python3-venv"
+command -v python3 >/dev/null || suite_unavailable python-tests KVWIRE_REQUIRE_PYTHON "no python3 ($hint)"
+python3 -c 'import venv, ensurepip' 2>/dev/null ||
+    suite_unavailable python-tests KVWIRE_REQUIRE_PYTHON "python3 has no venv/ensurepip ($hint)"
 
 if [ ! -x "$venv/bin/python" ]; then
     python3 -m venv "$venv"
 fi
 export PATH="$venv/bin:$PATH"  # the maturin build backend runs `maturin` from PATH
-"$venv/bin/python" -m pip install -q --upgrade pip
-"$venv/bin/python" -m pip install -q "maturin>=1.5,<2" numpy pytest
+if ! "$venv/bin/python" -m pip install -q "maturin>=1.5,<2" numpy pytest; then
+    suite_unavailable python-tests KVWIRE_REQUIRE_PYTHON "pip could not install maturin, numpy, pytest (no PyPI access?)"
+fi
 
 start=$(date +%s)
 # --no-build-isolation: use the maturin just installed instead of fetching another.

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # kvwire's verbs transport next to perftest (ib_write_bw / ib_read_bw) in one
-# Soft-RoCE guest boot (see ../shared/softroce/README.md): same device pair
+# Soft-RoCE guest boot (scripts/softroce-vm.sh): same device pair
 # (server/target rxe0 at 192.0.2.1, client/initiator rxe1), GID index, message
 # size, QP count and about the same bytes; prints every raw result and the
 # kvwire/perftest bandwidth ratio per (op, size).
@@ -82,4 +82,4 @@ awk '{k = $1 " " $2; p = $4 * 1048576 / 1e6; v = $5 * 1000;
 GUEST
 chmod +x "$stage/bench.sh"
 KV_ARGS=${KV_ARGS:-}
-"$softroce/run-in-softroce-vm.sh" "$stage" env ROUNDS="${ROUNDS:-2}" PIPELINE="${PIPELINE:-1}" MB="${MB:-8}" QPS="${QPS:-1}" KV_ARGS="$KV_ARGS" ./bench.sh
+bash "$softroce_vm" run "$stage" env ROUNDS="${ROUNDS:-2}" PIPELINE="${PIPELINE:-1}" MB="${MB:-8}" QPS="${QPS:-1}" KV_ARGS="$KV_ARGS" ./bench.sh

@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # Build the verbs test binaries (tests/verbs_*.rs) on the host and run them in
-# the Soft-RoCE guest (rxe0 <-> rxe1), see ../shared/softroce/README.md.
+# the Soft-RoCE guest (rxe0 <-> rxe1) of scripts/softroce-vm.sh, with
+# --include-ignored: there the tests marked as needing an RDMA device run.
 #
 #   scripts/softroce-tests.sh [test-binary args, e.g. a test name filter]
 #
 # One-time set-up on a new machine (root, downloads ~460 MB):
-#   $SOFTROCE_DIR/run-in-softroce-vm.sh --install-deps --prepare
+#   bash scripts/softroce-vm.sh install
 # Exit status: that of the tests (124/125: guest timeout / VM failure).
 # Where the harness cannot run here (not root, no qemu, no prepared cache) it
 # prints "softroce-tests: skipped: <reason>" and exits 0; with
@@ -28,7 +29,7 @@ cargo test --no-run --message-format=json --test verbs_transport --test verbs_la
   echo 'rc=0'
   while read -r exe; do
     b=$(basename "$exe"); cp "$exe" "$stage/$b"
-    printf 'echo "### %s"; ./%s --test-threads=1 --nocapture "$@"; r=$?; [ $r = 0 ] || { echo "### %s exited $r"; [ $rc = 0 ] && rc=$r; }\n' "$b" "$b" "$b"
+    printf 'echo "### %s"; ./%s --include-ignored --test-threads=1 --nocapture "$@"; r=$?; [ $r = 0 ] || { echo "### %s exited $r"; [ $rc = 0 ] && rc=$r; }\n' "$b" "$b" "$b"
   done < "$stage/.list"
   # The main job over verbs: `kvwire replay` (prefill on rxe1, its decode
   # child on rxe0) of a 4-request trace small enough for the guest (tokens
@@ -46,4 +47,4 @@ cargo test --no-run --message-format=json --test verbs_transport --test verbs_la
   echo 'exit $rc'
 } > "$stage/run-all.sh"
 chmod +x "$stage/run-all.sh"
-"$softroce/run-in-softroce-vm.sh" "$stage" ./run-all.sh "$@"
+bash "$softroce_vm" run "$stage" ./run-all.sh "$@"

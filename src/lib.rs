@@ -55,3 +55,9 @@ pub mod transport;
 pub mod verbs;
 
 pub use transport::shm::HostBuffer;
+
+/// README.md's Rust example runs as a doc-test (`cargo test --doc`), so the
+/// README cannot drift from the API.
+#[cfg(doctest)]
+#[doc = include_str!("../README.md")]
+pub struct ReadmeDoctests;

@@ -10,8 +10,18 @@ use std::time::{Duration, Instant};
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 
-/// Largest message accepted (bytes).
-pub const MAX_MESSAGE_BYTES: usize = 256 << 20;
+/// Largest message accepted (bytes): 16 MiB. Side-channel messages are
+/// agent metadata (a few KiB per agent; one with the 65,536 regions
+/// `engine::metadata::MAX_REGIONS` allows is about 5 MiB as JSON) and
+/// control messages (page lists of one request). A length over it is
+/// refused before anything is allocated, and a message's buffer grows only
+/// as its bytes actually arrive (at most [`RECV_STEP_BYTES`] ahead), so a
+/// peer that announces a large message and sends nothing makes this side
+/// allocate nothing.
+pub const MAX_MESSAGE_BYTES: usize = 16 << 20;
+
+/// The most a receive allocates ahead of the bytes received (bytes).
+pub const RECV_STEP_BYTES: usize = 64 << 10;
 
 /// Errors of the side channel.
 #[derive(Debug, thiserror::Error)]
@@ -27,13 +37,13 @@ pub enum SideChannelError {
         source: io::Error,
     },
     /// The peer closed the connection.
-    #[error("side channel closed by the peer")]
+    #[error("the other process closed the side channel (it exited or failed; its own error says why)")]
     Closed,
     /// A message over [`MAX_MESSAGE_BYTES`].
-    #[error("message of {0} bytes exceeds the limit")]
+    #[error("side-channel message of {0} bytes exceeds the limit of {MAX_MESSAGE_BYTES} bytes")]
     TooLarge(usize),
     /// Undecodable JSON.
-    #[error("bad message: {0}")]
+    #[error("undecodable side-channel message (is the other side a different kvwire version?): {0}")]
     Decode(#[from] serde_json::Error),
     /// Nobody answered in time.
     #[error("timed out after {0:?} connecting to {1} (last error: {2})")]
@@ -143,10 +153,40 @@ impl SideChannel {
         if n > MAX_MESSAGE_BYTES {
             return Err(SideChannelError::TooLarge(n));
         }
-        let mut body = vec![0u8; n];
-        self.stream.read_exact(&mut body).map_err(io_err("recv"))?;
+        let body = read_body(&mut self.stream, n)?;
         Ok(serde_json::from_slice(&body)?)
     }
+
+    /// Decode one message body (the bytes after the length prefix) as
+    /// [`SideChannel::recv`] does: the decode entry of the side channel,
+    /// for tests of hostile input.
+    ///
+    /// # Errors
+    /// [`SideChannelError::TooLarge`], [`SideChannelError::Decode`].
+    pub fn decode<T: DeserializeOwned>(body: &[u8]) -> Result<T, SideChannelError> {
+        if body.len() > MAX_MESSAGE_BYTES {
+            return Err(SideChannelError::TooLarge(body.len()));
+        }
+        Ok(serde_json::from_slice(body)?)
+    }
+}
+
+/// Read exactly `n` bytes, growing the buffer by at most [`RECV_STEP_BYTES`]
+/// ahead of what arrived.
+fn read_body(r: &mut impl Read, n: usize) -> Result<Vec<u8>, SideChannelError> {
+    let mut body = Vec::with_capacity(n.min(RECV_STEP_BYTES));
+    while body.len() < n {
+        let at = body.len();
+        let step = (n - at).min(RECV_STEP_BYTES);
+        body.resize(at + step, 0);
+        match r.read(&mut body[at..]) {
+            Ok(0) => return Err(SideChannelError::Closed),
+            Ok(k) => body.truncate(at + k),
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => body.truncate(at),
+            Err(e) => return Err(SideChannelError::Io { call: "recv", source: e }),
+        }
+    }
+    Ok(body)
 }
 
 #[cfg(test)]
@@ -166,5 +206,41 @@ mod tests {
         assert_eq!(c.recv::<u32>().unwrap(), 6);
         t.join().unwrap();
         assert!(matches!(c.recv::<u32>(), Err(SideChannelError::Closed)));
+    }
+
+    #[test]
+    fn a_huge_announced_length_is_refused_before_allocating() {
+        let (l, addr) = SideChannel::bind("127.0.0.1:0").unwrap();
+        let t = std::thread::spawn(move || {
+            let mut s = SideChannel::accept(&l).unwrap();
+            // 256 MiB announced (the old limit): refused, nothing read.
+            let r = s.recv::<u32>();
+            assert!(matches!(r, Err(SideChannelError::TooLarge(n)) if n == 256 << 20), "{r:?}");
+        });
+        let mut raw = TcpStream::connect(addr).unwrap();
+        raw.write_all(&(256u32 << 20).to_le_bytes()).unwrap();
+        t.join().unwrap();
+        const { assert!(MAX_MESSAGE_BYTES <= 16 << 20) };
+    }
+
+    #[test]
+    fn an_announced_length_allocates_only_as_bytes_arrive() {
+        // A reader that announces MAX_MESSAGE_BYTES and then delivers 10
+        // bytes and EOF: the buffer never grows past one step.
+        struct Few(usize);
+        impl Read for Few {
+            fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+                assert!(buf.len() <= RECV_STEP_BYTES, "asked for {} bytes at once", buf.len());
+                let n = self.0.min(buf.len());
+                self.0 -= n;
+                buf[..n].fill(b' ');
+                Ok(n)
+            }
+        }
+        assert!(matches!(read_body(&mut Few(10), MAX_MESSAGE_BYTES), Err(SideChannelError::Closed)));
+        assert_eq!(
+            read_body(&mut Few(RECV_STEP_BYTES * 3 + 5), RECV_STEP_BYTES * 3 + 5).unwrap().len(),
+            RECV_STEP_BYTES * 3 + 5
+        );
     }
 }

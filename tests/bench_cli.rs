@@ -116,3 +116,92 @@ fn no_notify_posts_transfers_without_notifications() {
     assert_eq!(j["verified"], true);
     assert_eq!(j["notifications_received"], 0);
 }
+
+/// Run a failing kvwire command with `RUST_BACKTRACE=1` (as a user's shell
+/// may have it): its exit code and stderr.
+fn failing(args: &[&str]) -> (i32, String) {
+    let out = kvwire().args(args).env("RUST_BACKTRACE", "1").stdin(Stdio::null()).output().unwrap();
+    assert!(!out.status.success(), "{args:?} succeeded");
+    (out.status.code().unwrap_or(-1), String::from_utf8_lossy(&out.stderr).into_owned())
+}
+
+/// One `error:` line (plus at most a `hint:` line), no backtrace, no panic.
+fn assert_one_error(stderr: &str, needle: &str) {
+    let errors: Vec<&str> = stderr.lines().filter(|l| l.starts_with("error: ")).collect();
+    assert_eq!(errors.len(), 1, "expected exactly one error line:\n{stderr}");
+    assert!(errors[0].contains(needle), "error line lacks {needle:?}:\n{stderr}");
+    for bad in ["panicked", "stack backtrace", "Caused by", "closed the side channel"] {
+        assert!(!stderr.contains(bad), "{bad:?} in:\n{stderr}");
+    }
+}
+
+#[test]
+fn a_bench_too_big_for_memory_is_refused_before_allocating() {
+    // 64 GiB per buffer (the most bench accepts), three buffers: 192 GiB.
+    let avail_kib: u64 = std::fs::read_to_string("/proc/meminfo")
+        .ok()
+        .and_then(|m| m.lines().find(|l| l.starts_with("MemAvailable:"))?.split_whitespace().nth(1)?.parse().ok())
+        .unwrap_or(0);
+    if avail_kib > 200 << 20 {
+        eprintln!("a_bench_too_big_for_memory_is_refused_before_allocating: skipped: {avail_kib} KiB available");
+        return;
+    }
+    let (code, err) = failing(&["bench", "--block-size", "1GiB", "--blocks", "64"]);
+    assert_eq!(code, 1);
+    assert_one_error(&err, "bench needs 192.0 GiB of memory");
+    assert!(err.contains("available") && err.contains("hint: use fewer --blocks"), "{err}");
+}
+
+#[test]
+fn a_target_that_cannot_start_is_reported_once_by_the_initiator_with_its_cause() {
+    // No such RDMA device anywhere: the target child fails creating its engine.
+    let (_, err) = failing(&["bench", "--transport", "verbs", "--target-device", "nosuchdev0", "--blocks", "4"]);
+    assert_one_error(&err, "target");
+    assert!(err.contains("hint:"), "{err}");
+}
+
+#[test]
+fn verbose_prints_the_cause_chain() {
+    let out = kvwire()
+        .args(["-v", "bench", "--connect", "127.0.0.1:1", "--blocks", "1"])
+        .env_remove("RUST_BACKTRACE")
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(err.contains("Caused by"), "{err}");
+}
+
+#[test]
+fn devices_fails_for_a_device_that_is_not_there() {
+    let (code, err) = failing(&["devices", "--device", "nosuchdev0"]);
+    assert_eq!(code, 1);
+    assert_one_error(&err, "no RDMA device");
+    let (_, err) = failing(&["devices", "--gpu", "4096"]);
+    assert_one_error(&err, "no GPU 4096");
+    let out = kvwire().arg("devices").output().unwrap();
+    assert!(out.status.success(), "plain `devices` reports, never fails");
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(text.contains("GPU"), "devices lists GPUs too:\n{text}");
+}
+
+#[test]
+fn serve_refuses_bad_durations_without_panicking() {
+    for bad in ["--peer-timeout=-1", "--peer-timeout=nan", "--peer-timeout=1e300", "--lookup-timeout=-1"] {
+        let (code, err) = failing(&["serve", "--name", "x", "--etcd", "http://127.0.0.1:1", bad]);
+        assert_eq!(code, 2, "{bad}: a usage error");
+        assert!(err.contains("must be more than 0") && !err.contains("panicked"), "{bad}: {err}");
+    }
+}
+
+#[test]
+fn help_lists_every_backends_options_with_defaults() {
+    for cmd in ["bench", "replay", "serve"] {
+        let out = kvwire().args([cmd, "--help"]).output().unwrap();
+        assert!(out.status.success());
+        let text = String::from_utf8_lossy(&out.stdout);
+        for want in ["Transport options", "tcp:", "verbs:", "conns_per_peer", "gid_index", "(default: "] {
+            assert!(text.contains(want), "{cmd} --help lacks {want:?}:\n{text}");
+        }
+    }
+}

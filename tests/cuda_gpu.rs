@@ -1,7 +1,9 @@
-//! GPU tests: run for real where `libcuda` and a GPU are present, and print
-//! `skipped: no CUDA driver` elsewhere (written straight to stderr, so it
-//! shows without `--nocapture`). With `KVWIRE_REQUIRE_GPU=1` (set by
-//! `scripts/gpu-check.sh`) a missing GPU fails instead of skipping.
+//! GPU tests, `#[ignore]`d: a plain `cargo test` reports them as ignored
+//! with the reason. `scripts/gpu-check.sh` runs them with `--include-ignored`
+//! on a GPU machine (or with `FAKE=1` against the fake driver). Run without a
+//! GPU they print `skipped: no CUDA driver` (straight to stderr, so it shows
+//! without `--nocapture`); with `KVWIRE_REQUIRE_GPU=1` (set by
+//! `scripts/gpu-check.sh`) a missing GPU fails instead.
 #![cfg(feature = "cuda")]
 
 use std::collections::BTreeMap;
@@ -41,6 +43,7 @@ fn pattern(len: usize, seed: u8) -> Vec<u8> {
 }
 
 #[test]
+#[ignore = "needs a CUDA GPU (scripts/gpu-check.sh runs it; FAKE=1 against the fake driver)"]
 fn device_buffer_round_trip() {
     let Some(gpu) = gpu_or_skip("device_buffer_round_trip") else { return };
     let len = (1 << 20) + 3;
@@ -59,6 +62,7 @@ fn device_buffer_round_trip() {
 }
 
 #[test]
+#[ignore = "needs a CUDA GPU (scripts/gpu-check.sh runs it; FAKE=1 against the fake driver)"]
 fn async_copies_complete_by_event_query() {
     let Some(gpu) = gpu_or_skip("async_copies_complete_by_event_query") else { return };
     let dev = Arc::new(DeviceBuffer::new(gpu.ordinal, 8 << 20).unwrap());
@@ -80,6 +84,7 @@ fn async_copies_complete_by_event_query() {
 }
 
 #[test]
+#[ignore = "needs a CUDA GPU (scripts/gpu-check.sh runs it; FAKE=1 against the fake driver)"]
 fn dmabuf_export_and_registration_chain() {
     let Some(gpu) = gpu_or_skip("dmabuf_export_and_registration_chain") else { return };
     let buf = Arc::new(DeviceBuffer::new(gpu.ordinal, 3 << 20).unwrap());
@@ -115,6 +120,7 @@ fn dmabuf_export_and_registration_chain() {
 }
 
 #[test]
+#[ignore = "needs a CUDA GPU (scripts/gpu-check.sh runs it; FAKE=1 against the fake driver)"]
 fn vram_pages_serve_a_host_tier() {
     let Some(gpu) = gpu_or_skip("vram_pages_serve_a_host_tier") else { return };
     const BPP: usize = 4096;
@@ -162,6 +168,7 @@ fn vram_pages_serve_a_host_tier() {
 }
 
 #[test]
+#[ignore = "needs a CUDA GPU (scripts/gpu-check.sh runs it; FAKE=1 against the fake driver)"]
 fn kv_engine_validates_vram_shard_buffers() {
     let Some(gpu) = gpu_or_skip("kv_engine_validates_vram_shard_buffers") else { return };
     let pages = VramPages::alloc(&[gpu.ordinal, gpu.ordinal], false, 8, 256).unwrap();
@@ -182,6 +189,7 @@ fn kv_engine_validates_vram_shard_buffers() {
 }
 
 #[test]
+#[ignore = "needs a CUDA GPU (scripts/gpu-check.sh runs it; FAKE=1 against the fake driver)"]
 fn nic_for_each_gpu() {
     let Some(_) = gpu_or_skip("nic_for_each_gpu") else { return };
     for d in cuda::probe().devices {
@@ -193,6 +201,7 @@ fn nic_for_each_gpu() {
 }
 
 #[test]
+#[ignore = "needs a CUDA GPU (scripts/gpu-check.sh runs it; FAKE=1 against the fake driver)"]
 fn external_memory_exports_its_page_aligned_cover() {
     let Some(gpu) = gpu_or_skip("external_memory_exports_its_page_aligned_cover") else { return };
     let owner = DeviceBuffer::new(gpu.ordinal, 4 << 20).unwrap();

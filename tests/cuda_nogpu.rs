@@ -19,7 +19,9 @@ fn uniq(base: &str) -> String {
 /// Host memory that says it is VRAM on GPU 3.
 struct FakeVram(HostBuffer);
 
-impl MemoryBacking for FakeVram {
+// SAFETY: the range is the HostBuffer's, alive as long as this value; only
+// the kind differs, and no test hands it to a device.
+unsafe impl MemoryBacking for FakeVram {
     fn desc(&self) -> MemoryDesc {
         MemoryDesc { kind: MemoryKind::Vram, device_id: 3, ..self.0.desc() }
     }

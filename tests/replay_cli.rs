@@ -117,3 +117,39 @@ fn speed_replays_the_timestamps_in_scaled_real_time() {
     assert_eq!(j["verified"], true);
     assert!(j["elapsed_s"].as_f64().unwrap() >= 3.0, "{j}");
 }
+
+#[test]
+fn requests_zero_and_a_dead_etcd_say_what_is_wrong() {
+    let (ok, _, err) = replay(&["--requests", "0"]);
+    assert!(!ok);
+    assert!(err.contains("error: --requests must be at least 1"), "{err}");
+    // Nothing listens on port 1: the error names etcd and its URL, once.
+    let (ok, _, err) = replay(&["--requests", "2", "--etcd", "http://127.0.0.1:1"]);
+    assert!(!ok);
+    let errors: Vec<&str> = err.lines().filter(|l| l.starts_with("error: ")).collect();
+    assert_eq!(errors.len(), 1, "{err}");
+    assert!(errors[0].contains("etcd at http://127.0.0.1:1"), "{err}");
+}
+
+#[test]
+fn a_replay_too_big_for_memory_is_refused_with_the_numbers() {
+    let (ok, _, err) = replay(&["--requests", "1", "--decode-pages", "100000000"]);
+    assert!(!ok);
+    assert!(err.contains("error: replay needs") && err.contains("available"), "{err}");
+}
+
+#[test]
+fn progress_lines_appear_when_stderr_is_not_a_terminal() {
+    // `output()` pipes stderr: the header line is printed (the 5 s lines
+    // need a longer run than a test should take).
+    let out = Command::new(env!("CARGO_BIN_EXE_kvwire"))
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .args(["replay", "--requests", "3"])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("replay: 3 requests from") && err.contains("GB moved (1 GB = 1e9 bytes)"), "{err}");
+    let table = String::from_utf8_lossy(&out.stdout);
+    assert!(table.contains("GB = 1e9 bytes moved and verified"), "the table explains its columns:\n{table}");
+}

@@ -51,12 +51,9 @@ fn transfers_past_the_llc_move_every_byte_at_odd_offsets() {
     target.register(dst.clone()).unwrap();
     init.register(src.clone()).unwrap();
     init.connect(&target.metadata()).unwrap();
-    src.write_with(0, src.len(), |b| {
-        for (i, w) in b.chunks_mut(8).enumerate() {
-            let v = (i as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15).to_le_bytes();
-            w.copy_from_slice(&v[..w.len()]);
-        }
-    });
+    // Every byte a function of its offset (all four bytes of it), so a page
+    // landing in the wrong slot or shifted by any amount fails the check.
+    src.fill_with(0, src.len(), |i| (i ^ (i >> 8) ^ (i >> 16) ^ (i >> 24) ^ 0x5a) as u8);
     // Local pages start 8 bytes in (misaligned source too); page i goes to page perm(i).
     let perm: Vec<u64> = (0..pages).map(|i| (i * 7 + 3) % pages).collect();
     assert!(!pages.is_multiple_of(7), "perm must be a permutation");

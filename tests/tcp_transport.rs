@@ -8,7 +8,8 @@ use std::time::{Duration, Instant};
 
 use kvwire::HostBuffer;
 use kvwire::engine::{Desc, TransferEngine, TransferStatus};
-use kvwire::transport::tcp::{TcpTransport, wire};
+use kvwire::transport::auth::{self, Nonce};
+use kvwire::transport::tcp::{TcpConnectionInfo, TcpTransport, wire};
 use kvwire::transport::{
     Completion, FailureKind, LocalKey, MemoryBacking, Op, PeerId, PostRequest, RemoteAccessKind, RemoteKey, Segment,
     Transport, TransportConfig, TransportKind, XferId,
@@ -215,6 +216,10 @@ fn silent_peer() -> (Vec<u8>, std::thread::JoinHandle<()>) {
         let mut held = Vec::new();
         for _ in 0..2 {
             let (mut s, _) = l.accept().unwrap();
+            let ch =
+                wire::Header { kind: wire::Kind::Challenge, count: wire::NONCE_BYTES, id: wire::MAGIC_VERSION, len: 0 };
+            s.write_all(&ch.encode()).unwrap();
+            s.write_all(&[0u8; auth::NONCE_BYTES]).unwrap();
             let mut hdr = [0u8; wire::HEADER_BYTES];
             s.read_exact(&mut hdr).unwrap();
             let h = wire::Header::decode(&hdr).unwrap();
@@ -264,18 +269,21 @@ fn silent_peer_fails_within_the_timeout() {
 #[test]
 fn hostile_frames_are_refused_and_the_target_keeps_serving() {
     let mut p = raw_pair(1000);
-    let addr: String = {
-        let info = p.target.connection_info();
-        // The advertised address is the tail of the encoding; find it as text.
-        let s = String::from_utf8_lossy(&info).into_owned();
-        s[s.find("127.0.0.1").unwrap()..].to_string()
-    };
+    let info = TcpConnectionInfo::decode(&p.target.connection_info()).unwrap();
+    let addr = info.addr.clone();
+    // An authenticated client: the frames below test the decoder, not the handshake.
     let hello = |s: &mut TcpStream| {
+        let mut b = [0u8; wire::HEADER_BYTES];
+        s.read_exact(&mut b).unwrap();
+        let mut nonce = Nonce([0; auth::NONCE_BYTES]);
+        s.read_exact(&mut nonce.0).unwrap();
         let h = wire::Header { kind: wire::Kind::Hello, count: 4, id: wire::MAGIC_VERSION, len: 0 };
         s.write_all(&h.encode()).unwrap();
         s.write_all(b"evil").unwrap();
+        s.write_all(&auth::prove(&info.secret, &nonce, &wire::proof_context(b"evil"))).unwrap();
         let mut ack = [0u8; wire::HEADER_BYTES];
         s.read_exact(&mut ack).unwrap();
+        assert_eq!(wire::Header::decode(&ack).unwrap().kind, wire::Kind::HelloAck);
     };
     let frames: Vec<Vec<u8>> = vec![
         vec![0xff; 24],                                                                             // unknown kind
@@ -302,7 +310,8 @@ fn hostile_frames_are_refused_and_the_target_keeps_serving() {
     s.write_all(&f).unwrap();
     let mut rest = Vec::new();
     let _ = s.read_to_end(&mut rest);
-    // A hello with a wrong version is dropped without an ack.
+    // A hello with a wrong version is dropped without an ack: the target
+    // sent its challenge, then a refusal.
     let mut s = TcpStream::connect(&addr).unwrap();
     s.set_read_timeout(Some(Duration::from_secs(3))).unwrap();
     let mut bad = wire::Header { kind: wire::Kind::Hello, count: 1, id: 1, len: 0 }.encode().to_vec();
@@ -310,7 +319,10 @@ fn hostile_frames_are_refused_and_the_target_keeps_serving() {
     s.write_all(&bad).unwrap();
     let mut rest = Vec::new();
     let _ = s.read_to_end(&mut rest);
-    assert!(rest.is_empty());
+    let challenge = wire::HEADER_BYTES + auth::NONCE_BYTES;
+    assert!(rest.len() >= challenge + wire::HEADER_BYTES, "challenge then refusal, got {} bytes", rest.len());
+    let answer = wire::Header::decode(rest[challenge..challenge + wire::HEADER_BYTES].try_into().unwrap()).unwrap();
+    assert_eq!((answer.kind, answer.status()), (wire::Kind::Resp, wire::Status::Denied));
     assert!(p.dst.as_slice().iter().all(|&b| b == 0));
     post_one(1, Op::Write, p.dst.addr(), p.rkey, 1 << 16, &mut p);
     assert_eq!(completion(&mut p.init, Duration::from_secs(5)).unwrap().result, Ok(()));
@@ -347,7 +359,9 @@ impl RawPair {
 fn backing_must_be_host_memory() {
     let mut t = TcpTransport::new("x", &TransportConfig::default()).unwrap();
     struct Vram;
-    impl MemoryBacking for Vram {
+    // SAFETY: a descriptor the transport must refuse (VRAM) before it
+    // touches the (fake) range; nothing dereferences it.
+    unsafe impl MemoryBacking for Vram {
         fn desc(&self) -> kvwire::transport::MemoryDesc {
             kvwire::transport::MemoryDesc {
                 addr: 0x1000,

@@ -21,7 +21,10 @@ use std::sync::Arc;
 use kvwire::engine::{
     AgentMetadata, Desc, EngineError, RegistrationHandle, TransferEngine, TransferHandle, TransferStatus,
 };
-use kvwire::transport::{MemoryDesc, MemoryKind, Op, RawMemory, TransportConfig, TransportKind};
+use kvwire::transport::{
+    FailureKind, MAX_COPY_THREADS, MAX_PEER_TIMEOUT, MemoryDesc, MemoryKind, Op, RawMemory, TransferFailure,
+    TransportConfig, TransportError, TransportKind,
+};
 
 /// Result of every call. 0 is success.
 #[repr(C)]
@@ -45,6 +48,21 @@ pub enum KvwStatus {
     KvwErrBufferTooSmall = 7,
     /// Already connected to that agent, or connecting to itself.
     KvwErrState = 8,
+    /// A transfer failed: the peer process or its connection went away
+    /// (`FailureKind::PeerDied`).
+    KvwErrPeerDied = 10,
+    /// A transfer failed: the peer stopped answering within the peer
+    /// timeout (`FailureKind::PeerTimeout`).
+    KvwErrPeerTimeout = 11,
+    /// A transfer failed: the target refused the access (out of bounds,
+    /// unknown key, denied; `FailureKind::RemoteAccess`).
+    KvwErrRemoteAccess = 12,
+    /// A transfer was cancelled (`FailureKind::Cancelled`).
+    KvwErrCancelled = 13,
+    /// A transfer failed on a local registration (`FailureKind::LocalProtection`).
+    KvwErrLocalProtection = 14,
+    /// A transfer failed: the peer broke the wire protocol (`FailureKind::Protocol`).
+    KvwErrProtocol = 15,
     /// A bug in kvwire (a Rust panic was caught at the boundary).
     KvwErrPanic = 99,
 }
@@ -97,8 +115,25 @@ fn set_error(msg: String) {
     LAST_ERROR.with(|e| *e.borrow_mut() = c);
 }
 
+/// The C code of a failed transfer's [`FailureKind`] (`KVW_ERR_TRANSPORT`
+/// for kinds without a code of their own).
+fn failure_status(f: &TransferFailure) -> KvwStatus {
+    match f.kind {
+        FailureKind::PeerDied => KvwStatus::KvwErrPeerDied,
+        FailureKind::PeerTimeout => KvwStatus::KvwErrPeerTimeout,
+        FailureKind::RemoteAccess(_) => KvwStatus::KvwErrRemoteAccess,
+        FailureKind::Cancelled => KvwStatus::KvwErrCancelled,
+        FailureKind::LocalProtection => KvwStatus::KvwErrLocalProtection,
+        FailureKind::Protocol => KvwStatus::KvwErrProtocol,
+        _ => KvwStatus::KvwErrTransport,
+    }
+}
+
 fn engine_status(e: &EngineError) -> KvwStatus {
     match e {
+        EngineError::Transport(TransportError::InvalidOption { .. } | TransportError::InvalidConfig(_)) => {
+            KvwStatus::KvwErrInvalidArg
+        }
         EngineError::Transport(_) => KvwStatus::KvwErrTransport,
         EngineError::Metadata(_) => KvwStatus::KvwErrMetadata,
         EngineError::UnknownRegistration | EngineError::UnknownAgent(_) | EngineError::UnknownHandle(_) => {
@@ -189,8 +224,9 @@ pub extern "C" fn kvw_last_error() -> *const c_char {
 }
 
 /// Create an engine (agent) named `name` on `transport` (`"shm"`, `"tcp"`,
-/// `"verbs"`; NULL = `"shm"`), written to `*out`. Destroy it with
-/// [`kvw_engine_destroy`].
+/// `"verbs"`; NULL = `"shm"`) with default options, written to `*out`.
+/// Destroy it with [`kvw_engine_destroy`]. Same as
+/// [`kvw_engine_create_with_options`] with `options` NULL.
 ///
 /// # Safety
 /// `name` is a NUL-terminated string; `transport` is NULL or one; `out` is writable.
@@ -198,6 +234,73 @@ pub extern "C" fn kvw_last_error() -> *const c_char {
 pub unsafe extern "C" fn kvw_engine_create(
     name: *const c_char,
     transport: *const c_char,
+    out: *mut *mut KvwEngine,
+) -> KvwStatus {
+    // SAFETY: forwarded under the same contract; NULL options are allowed.
+    unsafe { kvw_engine_create_with_options(name, transport, std::ptr::null(), out) }
+}
+
+/// Split `key=value` pairs separated by commas, spaces or newlines into
+/// the engine's [`TransportConfig`]: `peer_timeout_ms` (a dead or silent
+/// peer fails its transfers after this many ms; default 5000) and
+/// `copy_threads` (CPU copy threads of shm/tcp; default 2) are the engine's;
+/// every other key is the backend's (e.g. tcp `listen=10.0.0.2:0`, verbs
+/// `device=mlx5_0`, `gid_index=3`; see `kvwire bench --help`).
+fn parse_options(text: &str) -> Result<TransportConfig, Fail> {
+    let mut cfg = TransportConfig::default();
+    for item in text.split([',', ' ', '\n', '\t']).filter(|s| !s.is_empty()) {
+        let (k, v) = item.split_once('=').ok_or_else(|| invalid(format!("option {item:?} is not key=value")))?;
+        let (k, v) = (k.trim(), v.trim());
+        match k {
+            "peer_timeout_ms" => {
+                let ms: u64 =
+                    v.parse().ok().filter(|&ms| ms > 0 && ms <= MAX_PEER_TIMEOUT.as_millis() as u64).ok_or_else(
+                        || {
+                            invalid(format!(
+                                "peer_timeout_ms={v}: expected 1..={} (milliseconds)",
+                                MAX_PEER_TIMEOUT.as_millis()
+                            ))
+                        },
+                    )?;
+                cfg.peer_timeout = std::time::Duration::from_millis(ms);
+            }
+            "copy_threads" => {
+                cfg.copy_threads = v
+                    .parse()
+                    .ok()
+                    .filter(|&n| (1..=MAX_COPY_THREADS).contains(&n))
+                    .ok_or_else(|| invalid(format!("copy_threads={v}: expected 1..={MAX_COPY_THREADS}")))?;
+            }
+            _ => cfg.options.push((k.to_string(), v.to_string())),
+        }
+    }
+    Ok(cfg)
+}
+
+/// Create an engine (agent) named `name` on `transport` (`"shm"`, `"tcp"`,
+/// `"verbs"`; NULL = `"shm"`) configured by `options`, written to `*out`.
+///
+/// `options` is NULL (defaults) or a string of `key=value` pairs separated
+/// by commas or spaces, e.g. `"listen=10.0.0.2:0,peer_timeout_ms=2000"`:
+/// - `peer_timeout_ms`: a dead or silent peer fails its transfers after
+///   this many milliseconds (default 5000);
+/// - `copy_threads`: CPU copy threads of `shm`/`tcp` (default 2);
+/// - any other key goes to the transport backend, which refuses keys it
+///   does not know (tcp: `listen`, `conns_per_peer`, ...; verbs: `device`,
+///   `gid_index`, ...; `kvwire bench --help` lists them).
+///
+/// A pair that is not `key=value`, a bad value, or a key the backend does
+/// not know returns `KVW_ERR_INVALID_ARG`, and `kvw_last_error()` names the
+/// key (and lists the valid ones).
+///
+/// # Safety
+/// `name` is a NUL-terminated string; `transport` and `options` are NULL or
+/// NUL-terminated strings; `out` is writable.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn kvw_engine_create_with_options(
+    name: *const c_char,
+    transport: *const c_char,
+    options: *const c_char,
     out: *mut *mut KvwEngine,
 ) -> KvwStatus {
     guard(|| {
@@ -210,10 +313,16 @@ pub unsafe extern "C" fn kvw_engine_create(
             let t = unsafe { str_arg(transport, "transport") }?;
             t.parse().map_err(|e| invalid(format!("{e}")))?
         };
+        let cfg = if options.is_null() {
+            TransportConfig::default()
+        } else {
+            // SAFETY: non-null, NUL-terminated per the contract.
+            parse_options(unsafe { str_arg(options, "options") }?)?
+        };
         if out.is_null() {
             return Err(invalid("out is NULL"));
         }
-        let engine = TransferEngine::new(name, kind, &TransportConfig::default())?;
+        let engine = TransferEngine::new(name, kind, &cfg)?;
         let boxed = Box::into_raw(Box::new(KvwEngine { engine, regs: HashMap::new(), next_reg: 1 }));
         // SAFETY: `out` is non-null and writable per the contract.
         unsafe { write_out(out, boxed, "out") }
@@ -421,6 +530,44 @@ pub unsafe extern "C" fn kvw_status(engine: *mut KvwEngine, handle: u64, out_sta
         };
         // SAFETY: checked non-null; writable per the contract.
         unsafe { write_out(out_state, state, "out_state") }
+    })
+}
+
+/// Poll a transfer like [`kvw_status`], and also say why a failed one
+/// failed: `*out_code` receives `KVW_OK` unless `*out_state` is
+/// `KVW_XFER_FAILED`, then the failure's category: `KVW_ERR_PEER_DIED`,
+/// `KVW_ERR_PEER_TIMEOUT`, `KVW_ERR_REMOTE_ACCESS`, `KVW_ERR_CANCELLED`,
+/// `KVW_ERR_LOCAL_PROTECTION`, `KVW_ERR_PROTOCOL`, or `KVW_ERR_TRANSPORT`
+/// for any other (kvwire's `FailureKind`). `kvw_last_error()` holds the
+/// message. The call itself returns OK for a failed transfer.
+///
+/// # Safety
+/// `engine` valid; `out_state` and `out_code` writable.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn kvw_status_code(
+    engine: *mut KvwEngine,
+    handle: u64,
+    out_state: *mut KvwXferState,
+    out_code: *mut KvwStatus,
+) -> KvwStatus {
+    guard(|| {
+        // SAFETY: per the contract.
+        let e = unsafe { engine_arg(engine) }?;
+        if out_state.is_null() || out_code.is_null() {
+            return Err(invalid("out_state or out_code is NULL"));
+        }
+        let (state, code) = match e.engine.status(TransferHandle(handle))? {
+            TransferStatus::InProgress => (KvwXferState::KvwXferInProgress, KvwStatus::KvwOk),
+            TransferStatus::Done => (KvwXferState::KvwXferDone, KvwStatus::KvwOk),
+            TransferStatus::Failed(why) => {
+                set_error(why.to_string());
+                (KvwXferState::KvwXferFailed, failure_status(&why))
+            }
+        };
+        // SAFETY: checked non-null; writable per the contract.
+        unsafe { write_out(out_state, state, "out_state") }?;
+        // SAFETY: checked non-null; writable per the contract.
+        unsafe { write_out(out_code, code, "out_code") }
     })
 }
 

@@ -20,7 +20,11 @@ pub struct PyBacking {
     _owner: Py<PyAny>,
 }
 
-impl MemoryBacking for PyBacking {
+// SAFETY: `desc` describes the writable buffer that `_owner` exports (checked
+// when the view was made: not read-only, in bounds of its shape); holding
+// `_owner` keeps the Python object, and with it the memory, alive for as
+// long as this value lives.
+unsafe impl MemoryBacking for PyBacking {
     fn desc(&self) -> MemoryDesc {
         self.desc
     }
@@ -152,23 +156,17 @@ pub fn kv_buffer(obj: &Bound<'_, PyAny>) -> PyResult<KvBuffer> {
 }
 
 /// [`kvwire::connector::DevicePages`] over Python-owned host buffers (no
-/// shared fd): pages are copied with `pread`/`pwrite` on `/proc/self/mem`,
-/// which aliases this process's memory, so no `unsafe` is needed. The
-/// buffers stay alive through the [`PyBacking`]s held by `mem`.
+/// shared fd): pages are copied with `memcpy` from/to the buffers, which
+/// stay alive through the [`PyBacking`]s held by `mem`.
 #[derive(Debug)]
 pub struct PyPages {
     mem: kvwire::kv::KVCacheMemory,
-    proc_mem: std::fs::File,
 }
 
 impl PyPages {
     /// Pages of `mem`.
-    ///
-    /// # Errors
-    /// `/proc/self/mem` cannot be opened read-write.
-    pub fn new(mem: kvwire::kv::KVCacheMemory) -> std::io::Result<Self> {
-        let proc_mem = std::fs::OpenOptions::new().read(true).write(true).open("/proc/self/mem")?;
-        Ok(Self { mem, proc_mem })
+    pub fn new(mem: kvwire::kv::KVCacheMemory) -> Self {
+        Self { mem }
     }
 
     fn page_addr(&self, shard: usize, page: kvwire::connector::BlockId, len: usize) -> std::io::Result<u64> {
@@ -195,11 +193,20 @@ impl kvwire::connector::DevicePages for PyPages {
         self.mem.total_num_pages() as usize
     }
     fn read_page(&self, shard: usize, page: kvwire::connector::BlockId, out: &mut [u8]) -> std::io::Result<()> {
-        use std::os::unix::fs::FileExt;
-        self.proc_mem.read_exact_at(out, self.page_addr(shard, page, out.len())?)
+        let addr = self.page_addr(shard, page, out.len())?;
+        // SAFETY: `page_addr` checked that `[addr, addr + out.len())` is one
+        // whole page inside a registered buffer, which the PyBacking in
+        // `mem` keeps alive (its memory is owned by a live Python object);
+        // `out` is a Rust buffer of our own, so the ranges do not overlap.
+        // The connector moves a page only when no transfer uses it.
+        unsafe { std::ptr::copy_nonoverlapping(addr as *const u8, out.as_mut_ptr(), out.len()) };
+        Ok(())
     }
     fn write_page(&self, shard: usize, page: kvwire::connector::BlockId, data: &[u8]) -> std::io::Result<()> {
-        use std::os::unix::fs::FileExt;
-        self.proc_mem.write_all_at(data, self.page_addr(shard, page, data.len())?)
+        let addr = self.page_addr(shard, page, data.len())?;
+        // SAFETY: as in `read_page`; the buffer was checked writable when it
+        // was wrapped (read-only buffers are refused).
+        unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), addr as *mut u8, data.len()) };
+        Ok(())
     }
 }

@@ -3,12 +3,16 @@
 //! Classes follow Modular MAX's KV transfer API (`KVCacheMemory`,
 //! `KVTransferEngine`, `KVTransferEngineMetadata`, `TransferReqData`) so a
 //! MAX user can switch by changing an import. See `docs/PYTHON.md`.
-#![forbid(unsafe_code)]
+// `unsafe` only at the FFI edge of Python-owned memory (`buffers`), each
+// block with its `// SAFETY:` reasoning.
+#![deny(unsafe_code)]
 
+#[allow(unsafe_code)]
 mod buffers;
 mod connector;
 mod engine;
 mod errors;
+mod nixl;
 mod reqdata;
 
 use pyo3::prelude::*;
@@ -25,6 +29,7 @@ fn _kvwire(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<connector::PyConnector>()?;
     m.add_class::<connector::PyNullConnector>()?;
     m.add_class::<connector::PyHostTierConnector>()?;
+    nixl::register(m)?;
     m.add("TransferError", py.get_type::<errors::TransferError>())?;
     m.add("KVLoadRefused", py.get_type::<errors::KVLoadRefused>())?;
     m.add("KVLoadFailed", py.get_type::<errors::KVLoadFailed>())?;

@@ -1,5 +1,5 @@
 //! `KVCacheMetrics` with MAX's field names (`max.nn.kv_cache.metrics`,
-//! SEMANTICS §1.13). Device figures are in blocks; tiers in bytes.
+//! MAX `max/nn/kv_cache/metrics.py`). Device figures are in blocks; tiers in bytes.
 
 use std::ops::{Add, AddAssign};
 

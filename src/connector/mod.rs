@@ -1,6 +1,6 @@
 //! KV connectors: move KV blocks between an engine's device pages and an
-//! external tier, keyed by block hash (MAX `kv_connector.py`, SEMANTICS
-//! §1.12–§1.13).
+//! external tier, keyed by block hash (MAX `kv_connector.py` and
+//! `max/nn/kv_cache/metrics.py`).
 //!
 //! - [`KVConnector`]: the interface the KV cache manager drives.
 //! - [`NullConnector`]: no external cache.

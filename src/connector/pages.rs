@@ -1,5 +1,5 @@
 //! Device-side pages a connector copies to and from: per leaf and DP replica,
-//! one `[num_pages, bytes_per_page]` byte buffer per TP shard (SEMANTICS §1.2).
+//! one `[num_pages, bytes_per_page]` byte buffer per TP shard (MAX `KVCacheMemory`, `cache_params.py`).
 
 use std::fmt;
 use std::fs::File;

@@ -46,7 +46,7 @@ impl fmt::Display for LeafId {
 }
 
 /// Index of one device page (block) in a leaf's `[num_pages, bytes_per_page]`
-/// buffers. Block 0 is the null block by convention (SEMANTICS §1.2); the
+/// buffers. Block 0 is the null block by convention (MAX `cache_params.py`); the
 /// connector never sees null slots.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
 pub struct BlockId(pub u32);
@@ -96,7 +96,7 @@ impl BlockHash {
         }
     }
 
-    /// The `u64` wire form used by dKV (SEMANTICS §1.14): the value itself,
+    /// The `u64` wire form used by dKV (MAX `connectors/dkv/connector.py`): the value itself,
     /// or the first 8 bytes, big-endian, of a SHA-256.
     pub fn seq_hash(&self) -> u64 {
         match self {

@@ -169,7 +169,10 @@ impl DeviceBuffer {
     }
 }
 
-impl MemoryBacking for DeviceBuffer {
+// SAFETY: the allocation `[ptr, ptr + len_bytes)` on this context's GPU is
+// freed only in `Drop`, after the last transfer (the engine keeps the Arc
+// until deregister); the dma-buf exports that same allocation.
+unsafe impl MemoryBacking for DeviceBuffer {
     fn desc(&self) -> MemoryDesc {
         MemoryDesc { addr: self.ptr, len_bytes: self.len_bytes, kind: MemoryKind::Vram, device_id: self.ctx.ordinal() }
     }

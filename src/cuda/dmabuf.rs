@@ -1,5 +1,6 @@
 //! dma-buf export of GPU memory (`cuMemGetHandleForAddressRange`), the first
-//! RDMA registration path of SEMANTICS §6.
+//! RDMA registration path (NVIDIA's GPUDirect RDMA docs recommend DMA-BUF
+//! where supported; Mooncake defaults to it).
 //!
 //! The exported range must be host-page aligned and lie inside one
 //! allocation. [`export_range`] computes it (pure, tested everywhere): the

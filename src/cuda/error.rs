@@ -52,7 +52,8 @@ pub enum CudaError {
     /// GPU memory could not be registered for RDMA on any path: dma-buf
     /// (`cuMemGetHandleForAddressRange` + `ibv_reg_dmabuf_mr`) and the plain
     /// device pointer (`ibv_reg_mr` through nvidia-peermem). Both causes are
-    /// kept (SEMANTICS §6).
+    /// kept (dma-buf fails with EOPNOTSUPP or EFAULT on some NICs, nixl#1609;
+    /// `ibv_reg_mr` without peermem with EFAULT, Mooncake#351).
     #[error(
         "GPU memory at {addr:#x}+{len_bytes} cannot be registered for RDMA: dma-buf path: {dmabuf}; \
          nvidia-peermem path (ibv_reg_mr on the device pointer): {peermem}"

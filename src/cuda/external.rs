@@ -59,7 +59,9 @@ impl ExternalDeviceMemory {
     }
 }
 
-impl MemoryBacking for ExternalDeviceMemory {
+// SAFETY: `ExternalDeviceMemory::new`'s caller promised the device range
+// stays allocated for this value's lifetime; the dma-buf exports that range.
+unsafe impl MemoryBacking for ExternalDeviceMemory {
     fn desc(&self) -> MemoryDesc {
         MemoryDesc { addr: self.addr, len_bytes: self.len_bytes, kind: MemoryKind::Vram, device_id: self.ctx.ordinal() }
     }

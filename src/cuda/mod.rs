@@ -8,9 +8,9 @@
 //!
 //! - [`probe`]: devices, driver version, PCIe bus ids, dma-buf support.
 //! - `DeviceBuffer`: VRAM as a [`MemoryBacking`](crate::transport::MemoryBacking)
-//!   with `kind: Vram`, usable as a `KvBuffer` shard (SEMANTICS §1.2);
+//!   with `kind: Vram`, usable as a `KvBuffer` shard (MAX `KVCacheMemory`);
 //!   `ExternalDeviceMemory`: the same for VRAM an inference engine allocated.
-//! - [`register`]: the RDMA registration chain of SEMANTICS §6 (dma-buf, then
+//! - [`register`]: the RDMA registration chain (dma-buf, then
 //!   nvidia-peermem, then an error naming both causes), generic over the verbs
 //!   calls; [`dmabuf`]: the export and its page alignment.
 //! - `Stream` / `Event`: ordering GPU work before the NIC reads (see

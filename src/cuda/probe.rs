@@ -15,7 +15,7 @@ pub struct GpuInfo {
     /// `cuDeviceTotalMem`.
     pub total_mem_bytes: u64,
     /// `CU_DEVICE_ATTRIBUTE_DMA_BUF_SUPPORTED`: dma-buf export works (the
-    /// preferred RDMA registration path, SEMANTICS §6).
+    /// preferred RDMA registration path, as NVIDIA's GPUDirect RDMA docs say).
     pub dma_buf_supported: bool,
     /// `CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_SUPPORTED`.
     pub gpudirect_rdma_supported: bool,

@@ -1,4 +1,5 @@
-//! The RDMA registration chain for GPU memory (SEMANTICS §6): (1) dma-buf
+//! The RDMA registration chain for GPU memory (as pplx-garden's `fabric-lib`
+//! and Mooncake's `WITH_NVIDIA_PEERMEM` opt-out do): (1) dma-buf
 //! (`ibv_reg_dmabuf_mr` on the exported fd, iova = the original address),
 //! (2) the plain device pointer (`ibv_reg_mr`, which works only with
 //! nvidia-peermem), (3) [`CudaError::Registration`] naming both causes.
@@ -116,7 +117,9 @@ mod tests {
         log: Arc<Mutex<Vec<String>>>,
     }
 
-    impl MemoryBacking for FakeVram {
+    // SAFETY: test double: the fake device range is only handed to the fake
+    // verbs calls of these tests, which never dereference it.
+    unsafe impl MemoryBacking for FakeVram {
         fn desc(&self) -> MemoryDesc {
             MemoryDesc { addr: 0x7000_0000_1000, len_bytes: 8192, kind: MemoryKind::Vram, device_id: 1 }
         }

@@ -71,6 +71,45 @@ fn find_region(regions: &[RemoteRegion], addr: u64, end: u64, hint: &mut usize) 
     }
 }
 
+/// Check that each descriptor is non-empty and inside one local span.
+///
+/// # Errors
+/// [`EngineError::EmptyDescriptor`], [`EngineError::LocalOutOfBounds`].
+pub fn check_local_descs(descs: &[Desc], spans: &[LocalSpan]) -> Result<(), EngineError> {
+    let mut hint = 0usize;
+    for (index, d) in descs.iter().enumerate() {
+        if d.len_bytes == 0 {
+            return Err(EngineError::EmptyDescriptor { index });
+        }
+        if d.addr.checked_add(d.len_bytes).and_then(|end| find_span(spans, d.addr, end, &mut hint)).is_none() {
+            return Err(EngineError::LocalOutOfBounds { index, addr: d.addr, len_bytes: d.len_bytes });
+        }
+    }
+    Ok(())
+}
+
+/// Check that each descriptor is non-empty and inside one of `agent`'s regions.
+///
+/// # Errors
+/// [`EngineError::EmptyDescriptor`], [`EngineError::RemoteOutOfBounds`].
+pub fn check_remote_descs(descs: &[Desc], regions: &[RemoteRegion], agent: &str) -> Result<(), EngineError> {
+    let mut hint = 0usize;
+    for (index, d) in descs.iter().enumerate() {
+        if d.len_bytes == 0 {
+            return Err(EngineError::EmptyDescriptor { index });
+        }
+        if d.addr.checked_add(d.len_bytes).and_then(|end| find_region(regions, d.addr, end, &mut hint)).is_none() {
+            return Err(EngineError::RemoteOutOfBounds {
+                index,
+                addr: d.addr,
+                len_bytes: d.len_bytes,
+                agent: agent.to_string(),
+            });
+        }
+    }
+    Ok(())
+}
+
 /// Validate `local`/`remote` descriptor pairs and return coalesced segments.
 ///
 /// `spans` are the local registrations sorted by address; `regions` the

@@ -104,6 +104,24 @@ pub enum EngineError {
     /// No such transfer handle (released, or never issued).
     #[error("unknown transfer handle {0}")]
     UnknownHandle(u64),
+    /// An agent name that is empty or longer than
+    /// [`crate::engine::metadata::MAX_NAME_BYTES`] (NIXL's `nixlAgent`
+    /// constructor refuses an empty name with `std::invalid_argument`).
+    #[error("bad agent name {name:?}: {reason}")]
+    BadAgentName {
+        /// The name given (lossy: cut to 64 characters when long).
+        name: String,
+        /// Which rule it broke.
+        reason: String,
+    },
+    /// Metadata of an already-loaded agent whose connection info or transport
+    /// changed: NIXL 1.5's `loadRemoteMD` answers `NIXL_ERR_NOT_ALLOWED`.
+    /// Remove the agent first, then load the new metadata.
+    #[error("agent {0:?} is already loaded with other connection info; remove it before loading new metadata")]
+    MetadataConflict(String),
+    /// A telemetry query for a transfer that has not finished.
+    #[error("transfer {0} has not completed; telemetry is taken at completion")]
+    NotCompleted(u64),
 }
 
 /// Errors decoding or checking [`crate::engine::AgentMetadata`].

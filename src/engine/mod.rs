@@ -17,16 +17,23 @@
 pub mod desc;
 pub mod error;
 pub mod metadata;
+mod peers;
+mod telemetry;
+#[cfg(test)]
+mod tests;
 
 use std::cell::Cell;
 use std::collections::HashMap;
 use std::marker::PhantomData;
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 pub use desc::Desc;
 use desc::{LocalSpan, build_segments};
 pub use error::{EngineError, MetadataError};
 pub use metadata::AgentMetadata;
+pub use peers::LoadOutcome;
+pub use telemetry::{FailureCause, XferTelemetry};
 
 use crate::transport::{
     self, Completion, LocalKey, MemoryBacking, MemoryDesc, Notification, Op, PeerId, PostRequest, Registration,
@@ -68,8 +75,20 @@ struct RemoteAgent {
 struct TransferState {
     status: TransferStatus,
     remote: String,
+    peer: PeerId,
     lkeys: Vec<LocalKey>,
     bytes: u64,
+    /// Descriptors the caller passed (before coalescing).
+    descs: u64,
+    /// Wall clock at post start, µs since the Unix epoch.
+    start_us: u64,
+    posted: Instant,
+    post_duration: Duration,
+    /// Post start to the moment the engine saw the completion.
+    xfer_duration: Option<Duration>,
+    cause: Option<FailureCause>,
+    /// A standalone notification: no user handle, dropped once terminal.
+    internal: bool,
 }
 
 /// One NIXL-style agent. See the module docs.
@@ -84,6 +103,13 @@ pub struct TransferEngine {
     transfers: HashMap<u64, TransferState>,
     next_xfer: u64,
     notifications: HashMap<String, Vec<Vec<u8>>>,
+    /// Transport peers replaced by a metadata update or a loopback refresh,
+    /// disconnected once no transfer of theirs is in progress.
+    retired: Vec<PeerId>,
+    /// This agent connected to itself, for transfers to its own name.
+    loopback: Option<RemoteAgent>,
+    /// Standalone notifications waiting for earlier transfers to that peer.
+    pending_notifs: Vec<peers::PendingNotif>,
     scratch_completions: Vec<Completion>,
     scratch_notifs: Vec<Notification>,
     _not_sync: PhantomData<Cell<()>>,
@@ -104,9 +130,14 @@ impl std::fmt::Debug for TransferEngine {
 impl TransferEngine {
     /// Create agent `name` over a new transport of `kind`.
     ///
+    /// `name` must be 1..=[`metadata::MAX_NAME_BYTES`] (255) bytes, the bound
+    /// [`AgentMetadata`] enforces on the wire (NIXL refuses an empty name).
+    ///
     /// # Errors
-    /// [`EngineError::Transport`] when the backend is unavailable here.
+    /// [`EngineError::BadAgentName`]; [`EngineError::Transport`] when the
+    /// backend is unavailable here.
     pub fn new(name: &str, kind: TransportKind, config: &TransportConfig) -> Result<Self, EngineError> {
+        peers::check_agent_name(name)?;
         let transport = transport::create(kind, name, config)?;
         Ok(Self::with_transport(name, transport))
     }
@@ -124,6 +155,9 @@ impl TransferEngine {
             transfers: HashMap::new(),
             next_xfer: 1,
             notifications: HashMap::new(),
+            retired: Vec::new(),
+            loopback: None,
+            pending_notifs: Vec::new(),
             scratch_completions: Vec::new(),
             scratch_notifs: Vec::new(),
             _not_sync: PhantomData,
@@ -257,9 +291,14 @@ impl TransferEngine {
             .collect();
         for id in ids {
             self.transport.cancel(XferId(id));
-            self.finish(id, Err(TransferFailure::cancelled(format!("peer {name} disconnected by this agent"))));
+            self.finish(
+                id,
+                Err(TransferFailure::cancelled(format!("{}: agent {name} was removed", telemetry::REMOVED))),
+            );
         }
+        self.pending_notifs.retain(|n| n.agent != name);
         self.transport.disconnect(remote.peer);
+        self.disconnect_idle_retired();
         Ok(())
     }
 
@@ -300,8 +339,26 @@ impl TransferEngine {
         notification: Option<Vec<u8>>,
         segments: &mut Vec<Segment>,
     ) -> Result<TransferHandle, EngineError> {
-        let agent =
-            self.remotes.get(remote_agent).ok_or_else(|| EngineError::UnknownAgent(remote_agent.to_string()))?;
+        self.post_inner(op, local, remote_agent, remote, notification, segments, false)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn post_inner(
+        &mut self,
+        op: Op,
+        local: &[Desc],
+        remote_agent: &str,
+        remote: &[Desc],
+        notification: Option<Vec<u8>>,
+        segments: &mut Vec<Segment>,
+        internal: bool,
+    ) -> Result<TransferHandle, EngineError> {
+        let posted = Instant::now();
+        let start_us = telemetry::unix_us();
+        if remote_agent == self.name {
+            self.ensure_loopback()?;
+        }
+        let agent = self.remote_ref(remote_agent)?;
         build_segments(local, remote, &self.spans, &agent.meta.regions, remote_agent, segments)?;
         let peer = agent.peer;
         let id = self.next_xfer;
@@ -313,13 +370,20 @@ impl TransferEngine {
                 lkeys.push(s.lkey);
             }
         }
-        self.transport.post(PostRequest {
+        let posted_ok = self.transport.post(PostRequest {
             xfer: XferId(id),
             op,
             peer,
             segments: std::mem::take(segments),
             notification,
-        })?;
+        });
+        if let Err(e) = posted_ok {
+            if matches!(e, transport::TransportError::PeerDisconnected(_)) {
+                self.drop_dead_peer(remote_agent, peer);
+            }
+            return Err(e.into());
+        }
+        let post_duration = posted.elapsed();
         self.next_xfer += 1;
         for k in &lkeys {
             if let Some(r) = self.regs.iter_mut().find(|r| r.reg.lkey == *k) {
@@ -328,7 +392,20 @@ impl TransferEngine {
         }
         self.transfers.insert(
             id,
-            TransferState { status: TransferStatus::InProgress, remote: remote_agent.to_string(), lkeys, bytes },
+            TransferState {
+                status: TransferStatus::InProgress,
+                remote: remote_agent.to_string(),
+                peer,
+                lkeys,
+                bytes,
+                descs: local.len() as u64,
+                start_us,
+                posted,
+                post_duration,
+                xfer_duration: None,
+                cause: None,
+                internal,
+            },
         );
         Ok(TransferHandle(id))
     }
@@ -338,20 +415,40 @@ impl TransferEngine {
         if t.status != TransferStatus::InProgress {
             return;
         }
+        t.xfer_duration = Some(t.posted.elapsed());
+        let mut lost = None;
         t.status = match result {
             Ok(()) => TransferStatus::Done,
-            Err(reason) => TransferStatus::Failed(reason),
+            Err(reason) => {
+                let cause = telemetry::classify(&reason);
+                if cause == FailureCause::PeerLost {
+                    lost = Some((t.remote.clone(), t.peer));
+                }
+                t.cause = Some(cause);
+                TransferStatus::Failed(reason)
+            }
         };
         for k in &t.lkeys {
             if let Some(r) = self.regs.iter_mut().find(|r| r.reg.lkey == *k) {
                 r.inflight = r.inflight.saturating_sub(1);
             }
         }
+        if let Some((name, peer)) = lost {
+            self.drop_dead_peer(&name, peer);
+        }
     }
 
     /// Drain transport completions and notifications. Called by every status
     /// and notification query; never blocks.
     pub fn progress(&mut self) {
+        self.drain_transport();
+        self.transfers.retain(|_, t| !(t.internal && t.status != TransferStatus::InProgress));
+        self.send_ready_notifs();
+        self.disconnect_idle_retired();
+    }
+
+    /// Take the transport's completions and notifications.
+    fn drain_transport(&mut self) {
         let mut done = std::mem::take(&mut self.scratch_completions);
         self.transport.poll(&mut done);
         for c in done.drain(..) {
@@ -401,7 +498,10 @@ impl TransferEngine {
         };
         if in_progress {
             self.transport.cancel(XferId(handle.0));
-            self.finish(handle.0, Err(TransferFailure::cancelled("released while in progress")));
+            self.finish(
+                handle.0,
+                Err(TransferFailure::cancelled(format!("{}: released while in progress", telemetry::RELEASED))),
+            );
         }
         self.transfers.remove(&handle.0);
         Ok(())

@@ -245,7 +245,7 @@ impl KVTransferEngine {
                 let mut registrations = Vec::with_capacity(num_groups);
                 for m in groups {
                     let b = &m.buffers()[shard];
-                    registrations.push(engine.register(b.registration())?);
+                    registrations.push(engine.register(b.registration()?)?);
                     base_addrs.push(b.addr());
                 }
                 row.push(TensorAgent { engine, base_addrs, device_id, registrations });
@@ -364,7 +364,7 @@ impl KVTransferEngine {
     }
 
     /// Connect to a peer engine, as MAX's `connect`: pick the strategy per
-    /// group (§1.6), check geometry, and wire every agent pair over the full
+    /// group (MAX `transfer_engine.py`), check geometry, and wire every agent pair over the full
     /// DP Cartesian product (diagonal shards for DIRECT, full shard mesh for
     /// BROADCAST). Either every pair is wired or none is.
     ///

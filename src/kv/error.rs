@@ -4,7 +4,8 @@
 //! `KVTransferEngine.__init__`, `connect`, `initiate_*_transfer` and the
 //! completion calls has its own variant, so a caller (or a Python wrapper
 //! mapping them to `ValueError` / `NotImplementedError` / `TimeoutError`)
-//! can branch on it. See SEMANTICS §1.10 for MAX's catalogue.
+//! can branch on it. MAX's catalogue: the exceptions raised in
+//! `max/pipelines/kv_cache/paged_kv_cache/transfer_engine.py`.
 
 use std::time::Duration;
 

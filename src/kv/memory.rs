@@ -2,12 +2,11 @@
 //! quantization scales) as one byte buffer per TP shard, as MAX's
 //! `max.nn.kv_cache.cache_params.KVCacheMemory`.
 
-use std::os::fd::BorrowedFd;
 use std::sync::Arc;
 
 use super::error::KvError;
 use crate::HostBuffer;
-use crate::transport::{MemoryBacking, MemoryDesc, MemoryKind};
+use crate::transport::{MemoryBacking, MemoryKind, View};
 
 /// One TP shard's view of a KV tensor: a 2-D byte array of shape
 /// `[num_pages, bytes_per_page]` (null block included in `num_pages`) that
@@ -104,38 +103,24 @@ impl KvBuffer {
 
     /// The exact range of this view as registrable memory (one NIXL region
     /// per group per shard, as MAX registers `data_ptr .. + nbytes`).
-    pub fn registration(&self) -> Arc<dyn MemoryBacking> {
+    ///
+    /// # Errors
+    /// [`KvError::BufferTooSmall`] when the view does not lie inside its
+    /// backing ([`KVCacheMemory::new`] checks this for its buffers).
+    pub fn registration(&self) -> Result<Arc<dyn MemoryBacking>, KvError> {
         let whole = self.backing.desc();
         if self.offset_bytes == 0 && self.len_bytes() == whole.len_bytes {
-            return self.backing.clone();
+            return Ok(self.backing.clone());
         }
-        Arc::new(ViewBacking {
-            inner: self.backing.clone(),
-            offset_bytes: self.offset_bytes,
-            len_bytes: self.len_bytes(),
-        })
-    }
-}
-
-/// A sub-range of another backing, registered on its own.
-struct ViewBacking {
-    inner: Arc<dyn MemoryBacking>,
-    offset_bytes: u64,
-    len_bytes: u64,
-}
-
-impl MemoryBacking for ViewBacking {
-    fn desc(&self) -> MemoryDesc {
-        let d = self.inner.desc();
-        MemoryDesc { addr: d.addr + self.offset_bytes, len_bytes: self.len_bytes, ..d }
-    }
-
-    fn shared_fd(&self) -> Option<(BorrowedFd<'_>, u64)> {
-        self.inner.shared_fd().map(|(fd, off)| (fd, off + self.offset_bytes))
-    }
-
-    fn dmabuf_fd(&self) -> Option<(BorrowedFd<'_>, u64)> {
-        self.inner.dmabuf_fd().map(|(fd, off)| (fd, off + self.offset_bytes))
+        match View::new(self.backing.clone(), self.offset_bytes, self.len_bytes()) {
+            Some(v) => Ok(Arc::new(v)),
+            None => Err(KvError::BufferTooSmall {
+                shard: 0,
+                offset_bytes: self.offset_bytes,
+                need_bytes: self.len_bytes(),
+                have_bytes: whole.len_bytes,
+            }),
+        }
     }
 }
 
@@ -342,11 +327,11 @@ mod tests {
         let b = host(8192);
         let v = KvBuffer::with_layout(b.clone(), 4096, vec![4, 512], 512);
         let m = KVCacheMemory::new(false, vec![v]).unwrap();
-        let r = m.buffers()[0].registration();
+        let r = m.buffers()[0].registration().unwrap();
         assert_eq!(r.desc().addr, b.desc().addr + 4096);
         assert_eq!(r.desc().len_bytes, 2048);
         assert_eq!(r.shared_fd().unwrap().1, 4096);
-        let whole = KvBuffer::new(b.clone(), 2, 4096).registration();
+        let whole = KvBuffer::new(b.clone(), 2, 4096).registration().unwrap();
         assert_eq!(whole.desc(), b.desc());
     }
 }

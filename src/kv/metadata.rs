@@ -1,5 +1,5 @@
 //! Engine metadata exchanged between processes, as MAX's msgspec structs
-//! `KVTransferEngineMetadata` and `TensorAgentMetadata` (SEMANTICS §1.3):
+//! `KVTransferEngineMetadata` and `TensorAgentMetadata` (MAX `transfer_engine.py`):
 //! JSON objects with a `"type"` tag holding the class name, `bytes` fields
 //! as standard base64 strings, `replicated_per_group` omitted when empty.
 

@@ -127,13 +127,7 @@ fn new_validates_in_max_order() {
 
 #[test]
 fn mixed_device_kinds_are_refused() {
-    use crate::transport::{MemoryBacking, MemoryDesc, MemoryKind};
-    struct FakeVram(Arc<HostBuffer>);
-    impl MemoryBacking for FakeVram {
-        fn desc(&self) -> MemoryDesc {
-            MemoryDesc { kind: MemoryKind::Vram, ..self.0.desc() }
-        }
-    }
+    use crate::transport::memory::RelabelledVram as FakeVram;
     let host = Arc::new(HostBuffer::new(256).unwrap());
     let vram = Arc::new(FakeVram(Arc::new(HostBuffer::new(256).unwrap())));
     let mixed = KVCacheMemory::new(false, vec![KvBuffer::new(host.clone(), 4, 64), KvBuffer::new(vram.clone(), 4, 64)]);

@@ -1,4 +1,4 @@
-//! Topology planning: pure functions, no transport (SEMANTICS §1.6), as
+//! Topology planning: pure functions, no transport, as
 //! MAX's `resolve_transfer_strategy`, `connect_pairing` and
 //! `transfer_shard_pairing`.
 
@@ -52,8 +52,10 @@ pub fn resolve_strategies(
         let s = resolve_transfer_strategy(local_tp, l, remote_tp, r);
         if s == TransferStrategy::GatherScatter {
             return Err(KvError::Unsupported(format!(
-                "sharded tp!=tp' reshard (GATHER_SCATTER) is not implemented (MXSERV-290): group {g} is \
-                 sharded on both sides, local TP {local_tp}, remote TP {remote_tp}"
+                "group {g} is split across TP shards on both sides (local TP {local_tp}, remote TP \
+                 {remote_tp}): moving it between different TP degrees needs a reshard (MAX's GATHER_SCATTER \
+                 strategy), which neither MAX nor kvwire implements; use the same TP on both sides, or a \
+                 replicated (MLA) cache"
             )));
         }
         out.push(s);

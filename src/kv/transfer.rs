@@ -1,4 +1,5 @@
-//! Transfers and completion of [`KVTransferEngine`] (SEMANTICS §1.8–§1.9).
+//! Transfers and completion of [`KVTransferEngine`] (MAX `transfer_engine.py`'s
+//! `initiate_send_transfer`, `is_complete`, `sync_and_release`).
 
 use std::collections::HashSet;
 use std::time::{Duration, Instant};

@@ -2,6 +2,7 @@
 //! owner that keeps it alive while registered.
 
 use std::os::fd::BorrowedFd;
+use std::sync::Arc;
 
 use serde::{Deserialize, Serialize};
 
@@ -48,13 +49,32 @@ impl MemoryDesc {
 ///
 /// The engine keeps an `Arc` of the backing until `deregister`, so the memory
 /// can never be freed while a NIC or peer may still access it.
-pub trait MemoryBacking: Send + Sync {
+///
+/// # Safety
+/// The shm and tcp copy threads and the NIC read and write `desc()`'s range
+/// through raw pointers, trusting it. An implementor promises that
+/// - `desc()` always returns the same range, and for [`MemoryKind::Dram`]
+///   every byte of `[addr, addr + len_bytes)` is mapped, readable and
+///   writable host memory of this process (for [`MemoryKind::Vram`], device
+///   memory of GPU `device_id`), for as long as the value lives;
+/// - nothing frees, unmaps or remaps that range while the value lives;
+/// - [`MemoryBacking::shared_fd`] / [`MemoryBacking::dmabuf_fd`], when they
+///   return a descriptor, return one whose bytes at the given offset are
+///   that same memory.
+///
+/// Transfers write into the range from other threads and processes: an
+/// implementor must not hand out `&`/`&mut` references to it that safe code
+/// could hold while a transfer runs. Safe code wraps a sub-range of another
+/// backing with [`View`], and caller-owned memory with [`RawMemory`] (whose
+/// constructor is `unsafe`).
+pub unsafe trait MemoryBacking: Send + Sync {
     /// The range this backing provides.
     fn desc(&self) -> MemoryDesc;
 
     /// A file descriptor the memory is a shared mapping of, with the offset
     /// (bytes) of `desc().addr` inside that file. The `shm` transport hands it
-    /// to same-host peers so that a transfer is a single `memcpy`.
+    /// to same-host peers so that a transfer is a single `memcpy` (only when
+    /// the file holds exactly this range and is sealed against resizing).
     fn shared_fd(&self) -> Option<(BorrowedFd<'_>, u64)> {
         None
     }
@@ -63,6 +83,65 @@ pub trait MemoryBacking: Send + Sync {
     /// for GPU memory registered with `ibv_reg_dmabuf_mr`.
     fn dmabuf_fd(&self) -> Option<(BorrowedFd<'_>, u64)> {
         None
+    }
+}
+
+/// A sub-range of another backing, registrable on its own (e.g. one KV
+/// group inside a larger host buffer). Built only by [`View::new`], which
+/// checks the range lies inside the backing it keeps alive.
+pub struct View {
+    inner: Arc<dyn MemoryBacking>,
+    offset_bytes: u64,
+    len_bytes: u64,
+}
+
+impl std::fmt::Debug for View {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("View").field("desc", &self.desc()).finish()
+    }
+}
+
+impl View {
+    /// `len_bytes` bytes at `offset_bytes` of `inner`; `None` when that range
+    /// is empty or not inside `inner`.
+    pub fn new(inner: Arc<dyn MemoryBacking>, offset_bytes: u64, len_bytes: u64) -> Option<Self> {
+        let d = inner.desc();
+        let end = offset_bytes.checked_add(len_bytes)?;
+        (len_bytes > 0 && end <= d.len_bytes).then_some(Self { inner, offset_bytes, len_bytes })
+    }
+}
+
+// SAFETY: the range is inside `inner`'s (checked by `View::new`, and
+// `inner.desc()` never changes), and `inner` is kept alive by the `Arc`, so
+// `inner`'s promise covers every byte of it; the descriptors are `inner`'s
+// with the offset moved by the same amount.
+unsafe impl MemoryBacking for View {
+    fn desc(&self) -> MemoryDesc {
+        let d = self.inner.desc();
+        MemoryDesc { addr: d.addr + self.offset_bytes, len_bytes: self.len_bytes, ..d }
+    }
+
+    fn shared_fd(&self) -> Option<(BorrowedFd<'_>, u64)> {
+        self.inner.shared_fd().map(|(fd, off)| (fd, off + self.offset_bytes))
+    }
+
+    fn dmabuf_fd(&self) -> Option<(BorrowedFd<'_>, u64)> {
+        self.inner.dmabuf_fd().map(|(fd, off)| (fd, off + self.offset_bytes))
+    }
+}
+
+/// Host memory relabelled as VRAM, for tests of the kind rules in layers
+/// that forbid `unsafe` (nothing reads it as device memory: the backends
+/// that copy with the CPU refuse VRAM).
+#[cfg(test)]
+pub(crate) struct RelabelledVram(pub Arc<crate::HostBuffer>);
+
+// SAFETY: the range is the HostBuffer's, kept alive by the Arc; only the
+// kind differs, and CPU copiers refuse VRAM so none dereferences it.
+#[cfg(test)]
+unsafe impl MemoryBacking for RelabelledVram {
+    fn desc(&self) -> MemoryDesc {
+        MemoryDesc { kind: MemoryKind::Vram, ..self.0.desc() }
     }
 }
 
@@ -85,7 +164,9 @@ impl RawMemory {
     }
 }
 
-impl MemoryBacking for RawMemory {
+// SAFETY: `RawMemory::new`'s caller promised the range stays valid and
+// unfreed for as long as this value lives; the descriptor never changes.
+unsafe impl MemoryBacking for RawMemory {
     fn desc(&self) -> MemoryDesc {
         self.desc
     }

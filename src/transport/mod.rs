@@ -25,7 +25,7 @@ use std::time::Duration;
 use serde::{Deserialize, Serialize};
 
 pub use failure::{FailureKind, FailureSource, RemoteAccessKind, TransferFailure};
-pub use memory::{MemoryBacking, MemoryDesc, MemoryKind, RawMemory};
+pub use memory::{MemoryBacking, MemoryDesc, MemoryKind, RawMemory, View};
 pub use options::{OptionSet, OptionSpec};
 
 /// Local key of a registration (the `lkey` of a verbs memory region).
@@ -191,6 +191,12 @@ impl Default for TransportConfig {
         Self { peer_timeout: Duration::from_secs(5), copy_threads: 2, options: Vec::new() }
     }
 }
+
+/// Largest notification payload every backend accepts (bytes): 64 KiB.
+/// A longer one is refused by `post` with [`TransportError::Post`] before
+/// anything moves. (NIXL bounds notifications per backend; kvwire keeps one
+/// limit so that an application can switch backends.)
+pub const MAX_NOTIFICATION_BYTES: usize = 64 << 10;
 
 /// Longest accepted [`TransportConfig::peer_timeout`] (one day): longer
 /// values are a typo, and `Instant + Duration` must not overflow.

@@ -29,13 +29,36 @@ const fn spec(key: &'static str, value: &'static str, default: &'static str, hel
 }
 
 /// Options of the `shm` backend.
-pub const SHM_OPTIONS: &[OptionSpec] = &[];
+pub const SHM_OPTIONS: &[OptionSpec] = &[
+    spec(
+        "allow_uids",
+        "comma-separated uids",
+        "none (only the agent's own uid)",
+        "other uids allowed to connect (SO_PEERCRED); they still need the agent's secret",
+    ),
+    spec(
+        "cma",
+        "allow or deny",
+        "allow",
+        "reach memory without a whole sealed memfd by cross-memory attach (the peer can then reach the whole process)",
+    ),
+];
 
 /// Options of the `tcp` backend.
 pub const TCP_OPTIONS: &[OptionSpec] = &[
-    spec("listen", "IP:PORT", "127.0.0.1:0 (or $KVWIRE_TCP_LISTEN)", "address the target listens on"),
-    spec("advertise", "IP:PORT", "the listen address", "address published to peers in the agent metadata"),
-    spec("conns_per_peer", "count 1..=16", "2", "TCP connections (and worker threads) per connected peer"),
+    spec(
+        "listen",
+        "IP:PORT",
+        "$KVWIRE_TCP_LISTEN, else 0.0.0.0:0 (127.0.0.1:0 on a loopback-only host)",
+        "address the target listens on",
+    ),
+    spec(
+        "advertise",
+        "IP or IP:PORT",
+        "the listen address; on 0.0.0.0 the default-route interface's address",
+        "address published to peers in the agent metadata",
+    ),
+    spec("conns_per_peer", "count 1..=64", "2", "TCP connections (and worker threads) per connected peer"),
 ];
 
 /// Options of the `verbs` backend.
@@ -158,7 +181,7 @@ mod tests {
         assert!(matches!(e, TransportError::InvalidOption { ref key, .. } if key == "conn_per_peer"), "{msg}");
         assert!(msg.contains("conns_per_peer") && msg.contains("listen"), "{msg}");
         let c = cfg(&[("anything", "1")]);
-        assert!(OptionSet::parse(TransportKind::Shm, &c).unwrap_err().to_string().contains("none"));
+        assert!(OptionSet::parse(TransportKind::Shm, &c).unwrap_err().to_string().contains("allow_uids"));
     }
 
     #[test]

@@ -106,6 +106,59 @@ int main(void) {
     CHECK(kvw_engine_create(NULL, NULL, &target) == KVW_ERR_INVALID_ARG);
     CHECK(kvw_register(NULL, 0, 1, &rsrc) == KVW_ERR_INVALID_ARG);
 
+    /* a failed transfer's category: the target deregistered the memory the
+       initiator still holds a key for -> KVW_ERR_REMOTE_ACCESS */
+    {
+        KvwEngine *t2 = NULL, *i2 = NULL;
+        uint8_t *buf2 = calloc(1, 65536);
+        uint64_t r2 = 0, r2i = 0;
+        CHECK(kvw_engine_create("c-gone", "shm", &t2) == KVW_OK);
+        CHECK(kvw_engine_create("c-poster", "shm", &i2) == KVW_OK);
+        CHECK(kvw_register(t2, (uint64_t)(uintptr_t)buf2, 65536, &r2) == KVW_OK);
+        CHECK(kvw_register(i2, (uint64_t)(uintptr_t)src, LEN, &r2i) == KVW_OK);
+        size_t l2 = 0;
+        kvw_metadata_get(t2, NULL, 0, &l2);
+        uint8_t *md2 = malloc(l2);
+        CHECK(kvw_metadata_get(t2, md2, l2, &l2) == KVW_OK);
+        CHECK(kvw_metadata_load(i2, md2, l2) == KVW_OK);
+        CHECK(kvw_deregister(t2, r2) == KVW_OK);
+        KvwDesc ls = {(uint64_t)(uintptr_t)src, 4096}, rs = {(uint64_t)(uintptr_t)buf2, 4096};
+        uint64_t h2 = 0;
+        CHECK(kvw_post(i2, KVW_OP_WRITE, &ls, 1, "c-gone", &rs, 1, NULL, 0, &h2) == KVW_OK);
+        KvwXferState s2 = KVW_XFER_IN_PROGRESS;
+        KvwStatus code = KVW_OK;
+        for (long i = 0; i < 50000000L && s2 == KVW_XFER_IN_PROGRESS; i++) {
+            if (kvw_status_code(i2, h2, &s2, &code) != KVW_OK) break;
+        }
+        CHECK(s2 == KVW_XFER_FAILED);
+        CHECK(code == KVW_ERR_REMOTE_ACCESS);
+        CHECK(strlen(kvw_last_error()) > 0);
+        CHECK(kvw_release(i2, h2) == KVW_OK);
+        CHECK(kvw_status_code(i2, h2, &s2, NULL) == KVW_ERR_INVALID_ARG);
+        kvw_engine_destroy(i2);
+        kvw_engine_destroy(t2);
+        free(md2);
+        free(buf2);
+    }
+
+    /* engine options: engine keys, backend keys, refusals naming the key */
+    KvwEngine *opt = NULL;
+    CHECK(kvw_engine_create_with_options("c-opt", "shm", "copy_threads=1, peer_timeout_ms=2000", &opt) == KVW_OK);
+    kvw_engine_destroy(opt);
+    opt = NULL;
+    CHECK(kvw_engine_create_with_options("c-tcp", "tcp", "listen=127.0.0.1:0", &opt) == KVW_OK);
+    kvw_engine_destroy(opt);
+    opt = NULL;
+    CHECK(kvw_engine_create_with_options("c-opt", "shm", NULL, &opt) == KVW_OK);
+    kvw_engine_destroy(opt);
+    opt = NULL;
+    CHECK(kvw_engine_create_with_options("c-bad", "shm", "copy_threads", &opt) == KVW_ERR_INVALID_ARG);
+    CHECK(strstr(kvw_last_error(), "copy_threads") != NULL);
+    CHECK(kvw_engine_create_with_options("c-bad", "shm", "peer_timeout_ms=-1", &opt) == KVW_ERR_INVALID_ARG);
+    CHECK(strstr(kvw_last_error(), "peer_timeout_ms") != NULL);
+    CHECK(kvw_engine_create_with_options("c-bad", "shm", "copy_threads=0", &opt) == KVW_ERR_INVALID_ARG);
+    CHECK(opt == NULL);
+
     CHECK(kvw_disconnect(initiator, "c-decode") == KVW_OK);
     CHECK(kvw_disconnect(initiator, "c-decode") == KVW_ERR_NOT_FOUND);
     CHECK(kvw_deregister(target, rdst) == KVW_OK);

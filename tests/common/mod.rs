@@ -2,6 +2,8 @@
 //! two-process harness for engine integration tests.
 #![allow(dead_code)]
 
+pub mod shm_client;
+
 use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -58,12 +60,18 @@ impl ChildTarget {
     /// are (len_bytes, memfd?) pairs: memfd-backed HostBuffers or plain heap
     /// memory (reached with cross-memory attach).
     pub fn spawn(regions: &[(usize, bool)]) -> Self {
+        Self::spawn_named("target", regions)
+    }
+
+    /// [`ChildTarget::spawn`] with agent name `name`.
+    pub fn spawn_named(name: &str, regions: &[(usize, bool)]) -> Self {
         let (l, addr) = SideChannel::bind("127.0.0.1:0").unwrap();
         let spec = serde_json::to_string(regions).unwrap();
         let child = Command::new(std::env::current_exe().unwrap())
             .args(["--exact", "child_entry", "--ignored", "--nocapture", "--test-threads=1"])
             .env("KVWIRE_CHILD_ADDR", addr.to_string())
             .env("KVWIRE_CHILD_REGIONS", spec)
+            .env("KVWIRE_CHILD_NAME", name)
             .stdout(Stdio::null())
             .spawn()
             .unwrap();
@@ -103,7 +111,8 @@ pub fn child_main() {
         return;
     };
     let spec: Vec<(usize, bool)> = serde_json::from_str(&std::env::var("KVWIRE_CHILD_REGIONS").unwrap()).unwrap();
-    let mut engine = TransferEngine::new("target", TransportKind::Shm, &TransportConfig::default()).unwrap();
+    let name = std::env::var("KVWIRE_CHILD_NAME").unwrap_or_else(|_| "target".into());
+    let mut engine = TransferEngine::new(&name, TransportKind::Shm, &TransportConfig::default()).unwrap();
     let mut host: Vec<Option<Arc<HostBuffer>>> = Vec::new();
     let mut heap: Vec<Option<Arc<Vec<u8>>>> = Vec::new();
     for &(len, memfd) in &spec {

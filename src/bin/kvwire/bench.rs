@@ -8,7 +8,6 @@
 //! `--copy-threads`-thread ceiling: see [`crate::ceiling`]). Every byte is
 //! verified at the end (by the target for WRITE, locally for READ).
 
-use std::process::{Command, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -123,6 +122,8 @@ enum Ctl {
         notifications: usize,
     },
     Exit,
+    /// Target → initiator: the target could not go on (its cause).
+    Failed(String),
 }
 
 /// Key of the contents of source block `i`.
@@ -135,8 +136,10 @@ fn config(copy_threads: usize, options: Vec<(String, String)>) -> TransportConfi
 }
 
 fn fill_blocks(buf: &HostBuffer, block_size: u64, blocks: u64) {
+    let mut page = vec![0u8; block_size as usize];
     for i in 0..blocks {
-        buf.write_with((i * block_size) as usize, block_size as usize, |page| fill_page(page, block_key(i)));
+        fill_page(&mut page, block_key(i));
+        buf.write((i * block_size) as usize, &page);
     }
 }
 
@@ -171,6 +174,15 @@ pub fn run_target(a: TargetArgs) -> Result<()> {
 }
 
 fn serve_target(mut chan: SideChannel) -> Result<()> {
+    let r = target_loop(&mut chan);
+    if let Err(e) = &r {
+        // Tell the initiator why, so that it reports the cause (not "closed").
+        let _ = chan.send(&Ctl::Failed(format!("{e:#}")));
+    }
+    r
+}
+
+fn target_loop(chan: &mut SideChannel) -> Result<()> {
     let Ctl::Setup { transport, op, block_size, blocks, options, copy_threads } = chan.recv()? else {
         bail!("expected Setup from the initiator");
     };
@@ -276,6 +288,19 @@ pub fn run(a: BenchArgs) -> Result<()> {
     }
     let total =
         a.block_size.checked_mul(a.blocks).filter(|&t| t <= 64 << 30).context("block size × blocks exceeds 64 GiB")?;
+    // Buffers on this host: the target's, the initiator's, and the memcpy
+    // baseline's copy (the two-terminal target holds only its own).
+    let (copies, who) = match (&a.listen, &a.connect) {
+        (Some(_), _) => (1, "the target's buffer"),
+        (None, Some(_)) => (2, "the initiator's buffer and the memcpy baseline's"),
+        (None, None) => (3, "target, initiator and memcpy-baseline buffers"),
+    };
+    crate::memcheck::check(
+        "bench",
+        total as u128 * copies,
+        &format!("{copies} x {} = --block-size x --blocks: {who}", human(total)),
+        "use fewer --blocks or a smaller --block-size",
+    )?;
     if let Some(addr) = &a.listen {
         let (l, bound) = SideChannel::bind(addr)?;
         eprintln!("kvwire bench: target waiting for an initiator on {bound}");
@@ -283,26 +308,22 @@ pub fn run(a: BenchArgs) -> Result<()> {
     }
     let mut child = None;
     let mut chan = match &a.connect {
-        Some(addr) => SideChannel::connect(addr, Duration::from_secs(30))?,
+        Some(addr) => SideChannel::connect(addr, Duration::from_secs(30))
+            .with_context(|| format!("connecting to the bench target at {addr}"))?,
         None => {
             let (l, addr) = SideChannel::bind("127.0.0.1:0")?;
-            let exe = std::env::current_exe()?;
-            child = Some(
-                Command::new(exe)
-                    .args(["bench-target", "--connect", &addr.to_string()])
-                    .stdin(Stdio::null())
-                    .spawn()
-                    .context("starting the target process")?,
-            );
+            child = Some(crate::child::Child::spawn("target", &["bench-target", "--connect", &addr.to_string()])?);
             SideChannel::accept(&l)?
         }
     };
     chan.set_read_timeout(Some(Duration::from_secs(120)))?;
     let result = initiate(&a, total, &mut chan);
     let _ = chan.send(&Ctl::Exit);
-    if let Some(mut c) = child {
-        let _ = c.wait();
-    }
+    drop(chan);
+    let result = match child {
+        Some(c) => c.finish(result),
+        None => result,
+    };
     let report = result?;
     print_report(&report, a.json);
     if !report.verified {
@@ -325,7 +346,11 @@ fn initiate(a: &BenchArgs, total: u64, chan: &mut SideChannel) -> Result<Report>
         options: theirs,
         copy_threads: a.copy_threads,
     })?;
-    let Ctl::Meta(bytes) = chan.recv()? else { bail!("expected the target's metadata") };
+    let bytes = match chan.recv()? {
+        Ctl::Meta(bytes) => bytes,
+        Ctl::Failed(cause) => bail!("the target failed: {cause}"),
+        other => bail!("expected the target's metadata, got {other:?}"),
+    };
     let meta = AgentMetadata::from_bytes(&bytes)?;
     let mut engine = TransferEngine::new("bench-initiator", a.transport, &config(a.copy_threads, mine))?;
     let buf = Arc::new(HostBuffer::new(total as usize)?);
@@ -389,7 +414,11 @@ fn initiate(a: &BenchArgs, total: u64, chan: &mut SideChannel) -> Result<Report>
     }
     let notifications = if a.no_notify { 0 } else { a.warmup + a.iters };
     chan.send(&Ctl::Verify { seed: a.seed, scatter: a.scatter, notifications })?;
-    let Ctl::Verified { bad_blocks, notifications: got } = chan.recv()? else { bail!("expected Verified") };
+    let (bad_blocks, got) = match chan.recv()? {
+        Ctl::Verified { bad_blocks, notifications } => (bad_blocks, notifications),
+        Ctl::Failed(cause) => bail!("the target failed: {cause}"),
+        other => bail!("expected Verified, got {other:?}"),
+    };
     let ceil = crate::ceiling::measure(&buf, a.block_size, &dst, op, a.iters, a.copy_threads)?;
     let gb_per_s = (total as f64 * a.iters as f64) / (moved_ns as f64);
     Ok(Report {
@@ -485,5 +514,10 @@ fn print_report(r: &Report, json: bool) {
         r.page_p50_us,
         r.page_p99_us,
         r.verified
+    );
+    println!(
+        "  GB/s = 1e9 bytes/s over the measured transfers; memcpy = one thread copying the same block pattern in \
+         this run; ratio = GB/s / memcpy;\n  p50/p99 = transfer latency (post to completion); post ns/block = \
+         prep + post per block; page p50/p99 = one block posted and waited for"
     );
 }

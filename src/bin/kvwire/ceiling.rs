@@ -61,29 +61,30 @@ pub fn measure(
     iters: usize,
     threads: usize,
 ) -> Result<Ceilings> {
-    let dst = HostBuffer::new(src.len())?;
+    let mut dst = HostBuffer::new(src.len())?;
     let threads = threads.max(1);
     let mut spent = [Duration::ZERO; 3];
     // One unmeasured pass: the destination's pages are populated already,
     // this brings both mappings' TLB and page-table state to what the
     // measured transfers see after their warm-up.
-    pass(src, &dst, block_size, dst_of, op, threads, Routine::Memcpy);
+    pass(src, &mut dst, block_size, dst_of, op, threads, Routine::Memcpy);
     for _ in 0..iters.max(1) {
-        spent[0] += pass(src, &dst, block_size, dst_of, op, 1, Routine::Memcpy);
-        spent[1] += pass(src, &dst, block_size, dst_of, op, threads, Routine::Memcpy);
-        spent[2] += pass(src, &dst, block_size, dst_of, op, threads, Routine::Stream);
+        spent[0] += pass(src, &mut dst, block_size, dst_of, op, 1, Routine::Memcpy);
+        spent[1] += pass(src, &mut dst, block_size, dst_of, op, threads, Routine::Memcpy);
+        spent[2] += pass(src, &mut dst, block_size, dst_of, op, threads, Routine::Stream);
     }
     let bytes = src.len() as f64 * iters.max(1) as f64;
     let rate = |d: Duration| bytes / d.as_nanos().max(1) as f64;
     Ok(Ceilings { memcpy_1: rate(spent[0]), memcpy_n: rate(spent[1]), stream_n: rate(spent[2]) })
 }
 
-/// One pass over every page with `threads` threads (thread `t` copies pages
-/// `[n·t/threads, n·(t+1)/threads)`); wall time from before the first thread
-/// starts until the last one is done.
+/// One pass over every page with `threads` threads (thread `t` copies the
+/// `t`-th contiguous share of the pages); wall time from before the first
+/// thread starts until the last one is done (building the page list is not
+/// timed).
 fn pass(
     src: &HostBuffer,
-    dst: &HostBuffer,
+    dst: &mut HostBuffer,
     block_size: u64,
     dst_of: &[u32],
     op: Op,
@@ -93,28 +94,40 @@ fn pass(
     let bs = block_size as usize;
     let n = dst_of.len();
     let s = src.as_slice();
-    let copy_share = |lo: usize, hi: usize| {
-        for (i, &d) in dst_of.iter().enumerate().take(hi).skip(lo) {
+    let mut pages: Vec<Option<&mut [u8]>> = dst.as_mut_slice().chunks_mut(bs).map(Some).collect();
+    let mut work: Vec<(usize, &mut [u8])> = dst_of
+        .iter()
+        .enumerate()
+        .map(|(i, &d)| {
             let (from, to) = match op {
-                Op::Write => (i * bs, d as usize * bs),
-                Op::Read => (d as usize * bs, i * bs),
+                Op::Write => (i * bs, d as usize),
+                Op::Read => (d as usize * bs, i),
             };
-            dst.write_with(to, bs, |out| match routine {
-                Routine::Memcpy => out.copy_from_slice(&s[from..from + bs]),
-                Routine::Stream => stream_copy(out, &s[from..from + bs]),
-            });
+            (from, pages[to].take().expect("the destinations are a permutation"))
+        })
+        .collect();
+    let copy_share = |share: &mut [(usize, &mut [u8])]| {
+        for (from, out) in share.iter_mut() {
+            match routine {
+                Routine::Memcpy => out.copy_from_slice(&s[*from..*from + bs]),
+                Routine::Stream => stream_copy(out, &s[*from..*from + bs]),
+            }
         }
     };
     let t0 = Instant::now();
     if threads == 1 {
-        copy_share(0, n);
+        copy_share(&mut work);
     } else {
         std::thread::scope(|sc| {
-            for t in 1..threads {
+            let mut shares = work.chunks_mut(n.div_ceil(threads).max(1));
+            let mine = shares.next();
+            for share in shares {
                 let copy_share = &copy_share;
-                sc.spawn(move || copy_share(n * t / threads, n * (t + 1) / threads));
+                sc.spawn(move || copy_share(share));
             }
-            copy_share(0, n / threads);
+            if let Some(share) = mine {
+                copy_share(share);
+            }
         });
     }
     t0.elapsed()
@@ -134,10 +147,10 @@ mod tests {
             src.fill_with(i * bs as usize, bs as usize, |k| (i * 31 + k) as u8);
         }
         let dst_of: Vec<u32> = vec![3, 0, 6, 1, 5, 2, 4];
-        let dst = HostBuffer::new(src.len()).unwrap();
+        let mut dst = HostBuffer::new(src.len()).unwrap();
         for (threads, routine) in [(1, Routine::Memcpy), (3, Routine::Memcpy), (2, Routine::Stream)] {
             dst.fill_with(0, dst.len(), |_| 0);
-            pass(&src, &dst, bs, &dst_of, Op::Write, threads, routine);
+            pass(&src, &mut dst, bs, &dst_of, Op::Write, threads, routine);
             for (i, &d) in dst_of.iter().enumerate() {
                 let at = d as usize * bs as usize;
                 assert_eq!(&dst.as_slice()[at..at + bs as usize], &src.as_slice()[i * bs as usize..][..bs as usize]);

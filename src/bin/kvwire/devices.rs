@@ -1,17 +1,26 @@
 //! `kvwire devices`: RDMA devices, ports, state, active MTU, link layer and
-//! GID tables with their RoCE version (like `ibv_devinfo -v` / `show_gids`).
+//! GID tables with their RoCE version (like `ibv_devinfo -v` / `show_gids`),
+//! then the GPUs the CUDA driver reports (`kvwire::cuda::probe`) with the
+//! PCIe-local RDMA device of each.
 
-use anyhow::Result;
+use anyhow::{Result, bail};
 use clap::Args;
+use kvwire::cuda;
 use kvwire::verbs::ffi::{IBV_LINK_LAYER_ETHERNET, IBV_LINK_LAYER_INFINIBAND};
 use kvwire::verbs::{self, DeviceInfo};
+
+use crate::failure::user_error;
+use crate::units::human;
 
 /// Arguments of `kvwire devices`.
 #[derive(Debug, Args)]
 pub struct DevicesArgs {
-    /// Only this device (e.g. rxe0, mlx5_0).
+    /// Only this RDMA device (e.g. rxe0, mlx5_0); fails when it is not there.
     #[arg(long)]
     pub device: Option<String>,
+    /// Only this GPU (CUDA ordinal); fails when it is not there.
+    #[arg(long)]
+    pub gpu: Option<u32>,
 }
 
 fn port_state(s: u32) -> &'static str {
@@ -69,36 +78,100 @@ fn print_device(d: &DeviceInfo) {
 /// Run `kvwire devices`.
 ///
 /// # Errors
-/// Never for a missing library or device (a message is printed instead).
+/// `--device` names an RDMA device that is not there, or `--gpu` a GPU that
+/// is not there. A machine without RDMA or GPUs is not an error: it says so.
 pub fn run(args: &DevicesArgs) -> Result<()> {
+    let all = args.device.is_none() && args.gpu.is_none();
+    if args.device.is_some() || all {
+        rdma(args.device.as_deref())?;
+    }
+    if args.gpu.is_some() || all {
+        gpus(args.gpu)?;
+    }
+    Ok(())
+}
+
+fn rdma(only: Option<&str>) -> Result<()> {
     let devices = match verbs::list_devices() {
         Ok(d) => d,
         Err(e) => {
-            println!("no RDMA support here: {e}");
+            if let Some(w) = only {
+                return Err(user_error(
+                    format!("no RDMA device {w}: RDMA is not available here ({e})"),
+                    "install rdma-core and a provider (apt-get install rdma-core ibverbs-providers), or use --transport tcp",
+                ));
+            }
+            println!("RDMA: none ({e})");
             return Ok(());
         }
     };
-    if devices.is_empty() {
-        println!(
-            "no RDMA devices found (libibverbs loaded; load a driver or add a Soft-RoCE link: rdma link add rxe0 type rxe netdev eth0)"
-        );
-        return Ok(());
-    }
+    let mut names = Vec::new();
     let mut shown = 0;
     for d in devices {
         match d {
-            Ok(d) if args.device.as_deref().is_none_or(|w| w == d.name) => {
-                print_device(&d);
-                shown += 1;
+            Ok(d) => {
+                if only.is_none_or(|w| w == d.name) {
+                    print_device(&d);
+                    shown += 1;
+                }
+                names.push(d.name);
             }
-            Ok(_) => {}
-            Err(e) => println!("(device failed to open: {e})"),
+            Err(e) => println!("(an RDMA device failed to open: {e})"),
         }
     }
-    if shown == 0
-        && let Some(w) = &args.device
+    match only {
+        Some(w) if shown == 0 => Err(user_error(
+            format!(
+                "no RDMA device named {w} (found: {})",
+                if names.is_empty() { "none".into() } else { names.join(", ") }
+            ),
+            "`kvwire devices` lists them; Soft-RoCE adds one: rdma link add rxe0 type rxe netdev eth0",
+        )),
+        None if names.is_empty() => {
+            println!(
+                "RDMA: no device found (libibverbs loaded; load a driver or add a Soft-RoCE link: rdma link add rxe0 type rxe netdev eth0)"
+            );
+            Ok(())
+        }
+        _ => Ok(()),
+    }
+}
+
+fn gpus(only: Option<u32>) -> Result<()> {
+    let r = cuda::probe();
+    let found: Vec<&cuda::GpuInfo> = r.devices.iter().filter(|g| only.is_none_or(|o| o == g.ordinal)).collect();
+    if let Some(o) = only
+        && found.is_empty()
     {
-        println!("no RDMA device named {w}");
+        let why = r
+            .unavailable
+            .clone()
+            .unwrap_or_else(|| format!("{} GPU(s), ordinals 0..{}", r.devices.len(), r.devices.len()));
+        bail!("no GPU {o} ({why})");
+    }
+    if r.devices.is_empty() {
+        println!("GPU: none ({})", r.unavailable.unwrap_or_else(|| "the driver lists no device".into()));
+        return Ok(());
+    }
+    if let Some((major, minor)) = r.driver_version {
+        println!("CUDA driver {major}.{minor}");
+    }
+    for g in found {
+        let nic = match cuda::nic::nic_for_gpu(&g.pci_bus_id, None) {
+            Ok(Some(n)) => n,
+            Ok(None) => "none".into(),
+            Err(e) => format!("unknown ({e})"),
+        };
+        println!(
+            "GPU {}: {}  pci {}  memory {}  dma-buf {}  GPUDirect RDMA {}  nearest RDMA device {}",
+            g.ordinal,
+            g.name,
+            g.pci_bus_id,
+            human(g.total_mem_bytes),
+            if g.dma_buf_supported { "yes" } else { "no" },
+            if g.gpudirect_rdma_supported { "yes" } else { "no" },
+            nic
+        );
     }
     Ok(())
 }

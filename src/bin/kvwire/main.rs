@@ -3,18 +3,26 @@
 
 mod bench;
 mod ceiling;
+mod child;
 mod devices;
+mod failure;
+mod memcheck;
 mod pattern;
 mod replay;
 mod serve;
 mod units;
 
-use anyhow::Result;
-use clap::{Parser, Subcommand};
+use std::process::ExitCode;
+
+use clap::{CommandFactory, FromArgMatches, Parser, Subcommand};
+use kvwire::transport::{TransportKind, options};
 
 #[derive(Parser)]
 #[command(name = "kvwire", version, about = "Move paged KV caches between inference engines")]
 struct Cli {
+    /// On failure, print every cause on its own line and a backtrace (with RUST_BACKTRACE=1).
+    #[arg(short, long, global = true)]
+    verbose: bool,
     #[command(subcommand)]
     command: Command,
 }
@@ -38,17 +46,53 @@ enum Command {
     Devices(devices::DevicesArgs),
 }
 
-fn main() -> Result<()> {
+/// Every backend's `key=value` options with units and defaults.
+fn options_help() -> String {
+    let mut out =
+        String::from("Transport options (--option key=value, repeatable; a backend refuses keys it does not know):\n");
+    for kind in [TransportKind::Shm, TransportKind::Tcp, TransportKind::Verbs] {
+        let specs = options::specs(kind);
+        if specs.is_empty() {
+            out.push_str(&format!("\n  {kind}: no options\n"));
+            continue;
+        }
+        out.push_str(&format!("\n  {kind}:\n"));
+        for s in specs {
+            out.push_str(&format!("    {:<15} {} (default: {})\n      {}\n", s.key, s.value, s.default, s.help));
+        }
+    }
+    out
+}
+
+fn main() -> ExitCode {
     tracing_subscriber::fmt()
         .with_env_filter(tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "warn".into()))
         .with_writer(std::io::stderr)
         .init();
-    match Cli::parse().command {
+    // `--help` of the commands that take `--option` lists every backend's
+    // options, from the table the backends parse them with.
+    let mut cmd = Cli::command();
+    for name in ["bench", "replay", "serve"] {
+        cmd = cmd.mut_subcommand(name, |c| c.after_long_help(options_help()));
+    }
+    let cli = match Cli::from_arg_matches(&cmd.get_matches()) {
+        Ok(c) => c,
+        Err(e) => e.exit(),
+    };
+    failure::set_verbose(cli.verbose);
+    let result = match cli.command {
         Command::Bench(a) => bench::run(a),
         Command::BenchTarget(a) => bench::run_target(a),
         Command::Replay(a) => replay::run(a),
         Command::ReplayDecode(a) => replay::run_decode(a),
         Command::Serve(a) => serve::run(a),
         Command::Devices(a) => devices::run(&a),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            failure::report(&e);
+            ExitCode::FAILURE
+        }
     }
 }

@@ -36,7 +36,7 @@ pub struct ServeArgs {
     #[arg(long, default_value = "/kvwire/agents/")]
     prefix: String,
     /// Lease TTL in seconds: a killed engine's entry disappears after this.
-    #[arg(long, default_value_t = 5)]
+    #[arg(long, default_value_t = 5, value_parser = clap::value_parser!(u64).range(1..=86_400))]
     ttl: u64,
     /// Transport (tcp across hosts; shm on one host).
     #[arg(long, default_value = "tcp")]
@@ -51,8 +51,8 @@ pub struct ServeArgs {
     #[arg(long, default_value = "64KiB", value_parser = parse_size)]
     page_size: u64,
     /// Seconds after which a dead or silent peer fails its transfers.
-    #[arg(long, default_value_t = 2.0)]
-    peer_timeout: f64,
+    #[arg(long, default_value = "2", value_parser = crate::units::parse_seconds)]
+    peer_timeout: Duration,
     /// Backend option `key=value` (repeatable), e.g. conns_per_peer=4.
     #[arg(long = "option", value_parser = crate::units::parse_kv)]
     options: Vec<(String, String)>,
@@ -66,11 +66,11 @@ pub struct ServeArgs {
     #[arg(long, default_value_t = 64)]
     pages: u64,
     /// How long to wait for a pulled peer to be published (seconds).
-    #[arg(long, default_value_t = 30.0)]
-    lookup_timeout: f64,
+    #[arg(long, default_value = "30", value_parser = crate::units::parse_seconds)]
+    lookup_timeout: Duration,
     /// Stop serving after this many seconds (default: until killed).
-    #[arg(long)]
-    duration: Option<f64>,
+    #[arg(long, value_parser = crate::units::parse_seconds)]
+    duration: Option<Duration>,
 }
 
 /// Pattern key of page `i` of agent `name`.
@@ -90,11 +90,7 @@ pub fn run(a: ServeArgs) -> Result<()> {
     }
     let mut options = vec![("listen".to_string(), a.listen.clone())];
     options.extend(a.options.iter().cloned());
-    let config = TransportConfig {
-        peer_timeout: Duration::from_secs_f64(a.peer_timeout),
-        options,
-        ..TransportConfig::default()
-    };
+    let config = TransportConfig { peer_timeout: a.peer_timeout, options, ..TransportConfig::default() };
     let mut engine = TransferEngine::new(&a.name, a.transport, &config)?;
     let buf = Arc::new(HostBuffer::new(a.buffer as usize)?);
     let half_pages = a.buffer / 2 / a.page_size;
@@ -105,7 +101,7 @@ pub fn run(a: ServeArgs) -> Result<()> {
     }
     engine.register(buf.clone())?;
     let mut store = EtcdStore::connect(&a.etcd, &a.prefix, Duration::from_secs(a.ttl.max(1)))
-        .with_context(|| format!("etcd at {}", a.etcd))?;
+        .with_context(|| format!("connecting to etcd at {}", a.etcd))?;
     store.publish(&engine.metadata())?;
     println!("serving {} ({} pages of {} B) published under {}{}", a.name, half_pages, a.page_size, a.prefix, a.name);
     if !a.pull.is_empty() {
@@ -118,7 +114,7 @@ pub fn run(a: ServeArgs) -> Result<()> {
                 println!("notification from {from}: {}", String::from_utf8_lossy(&m));
             }
         }
-        if a.duration.is_some_and(|d| t0.elapsed().as_secs_f64() >= d) {
+        if a.duration.is_some_and(|d| t0.elapsed() >= d) {
             return Ok(());
         }
         std::thread::sleep(Duration::from_millis(20));
@@ -185,10 +181,13 @@ fn round(a: &ServeArgs, engine: &mut TransferEngine, buf: &HostBuffer, p: &Peer,
 }
 
 fn pull(a: &ServeArgs, engine: &mut TransferEngine, buf: &HostBuffer, store: &EtcdStore) -> Result<()> {
-    let mut lookup = EtcdStore::connect(&a.etcd, &a.prefix, Duration::from_secs(a.ttl.max(1)))?;
+    let mut lookup = EtcdStore::connect(&a.etcd, &a.prefix, Duration::from_secs(a.ttl.max(1)))
+        .with_context(|| format!("connecting to etcd at {}", a.etcd))?;
     let mut peers = Vec::new();
     for name in &a.pull {
-        let meta = lookup.lookup(name, Duration::from_secs_f64(a.lookup_timeout))?;
+        let meta = lookup
+            .lookup(name, a.lookup_timeout)
+            .with_context(|| format!("waiting {:?} for peer {name} in etcd at {}", a.lookup_timeout, a.etcd))?;
         engine.connect(&meta)?;
         let pages = meta.regions.first().map(|r| r.len_bytes / 2 / a.page_size).unwrap_or(0);
         println!("connected to {name} ({pages} pages)");

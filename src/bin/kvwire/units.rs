@@ -16,6 +16,18 @@ pub fn parse_size(s: &str) -> Result<u64, String> {
     n.checked_mul(mul).filter(|&v| v > 0).ok_or_else(|| format!("size {s:?} is zero or too large"))
 }
 
+/// Parse a number of seconds (`2`, `1.5`, `0.25`) into a `Duration`:
+/// finite, greater than zero and at most one day (86400 s), so that
+/// `-1`, `nan`, `inf` or `1e300` are refused instead of panicking in
+/// `Duration::from_secs_f64`.
+pub fn parse_seconds(s: &str) -> Result<std::time::Duration, String> {
+    let v: f64 = s.trim().parse().map_err(|_| format!("bad duration {s:?}: expected seconds, e.g. 2 or 0.5"))?;
+    if !v.is_finite() || v <= 0.0 || v > 86_400.0 {
+        return Err(format!("duration {s:?} must be more than 0 and at most 86400 seconds"));
+    }
+    Ok(std::time::Duration::from_secs_f64(v))
+}
+
 /// `65536` → `64 KiB`.
 pub fn human(bytes: u64) -> String {
     const UNITS: [(&str, u64); 3] = [("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)];
@@ -58,6 +70,14 @@ mod tests {
         assert!(parse_size("99999999999999999999G").is_err());
         assert_eq!(human(65536), "64 KiB");
         assert_eq!(human(1000), "1000 B");
+    }
+
+    #[test]
+    fn seconds() {
+        assert_eq!(parse_seconds("1.5").unwrap(), std::time::Duration::from_millis(1500));
+        for bad in ["-1", "nan", "inf", "1e300", "0", "", "2s"] {
+            assert!(parse_seconds(bad).is_err(), "{bad}");
+        }
     }
 
     #[test]

@@ -40,9 +40,16 @@ impl HostBuffer {
         if len_bytes == 0 {
             return Err(io::Error::new(io::ErrorKind::InvalidInput, "HostBuffer of 0 bytes"));
         }
-        let fd = memfd_create("kvwire-host-buffer", MFdFlags::MFD_CLOEXEC).map_err(io::Error::from)?;
+        let fd = memfd_create("kvwire-host-buffer", MFdFlags::MFD_CLOEXEC | MFdFlags::MFD_ALLOW_SEALING)
+            .map_err(io::Error::from)?;
         let file = File::from(fd);
-        file.set_len(len_bytes as u64)?;
+        // Whole pages, so that the memfd handed to peers holds exactly this
+        // buffer; sealed so that no holder of the fd can shrink it (SIGBUS
+        // at our next access), grow it, or change the seals.
+        file.set_len((len_bytes as u64).div_ceil(4096) * 4096)?;
+        use nix::fcntl::{FcntlArg, SealFlag, fcntl};
+        let seals = SealFlag::F_SEAL_SHRINK | SealFlag::F_SEAL_GROW | SealFlag::F_SEAL_SEAL;
+        fcntl(&file, FcntlArg::F_ADD_SEALS(seals)).map_err(io::Error::from)?;
         let map = MmapOptions::new().len(len_bytes).populate().map_raw(&file)?;
         Ok(Self { file, map, len_bytes })
     }
@@ -83,34 +90,71 @@ impl HostBuffer {
     }
 
     /// Fill `len` bytes at `offset` with `f(i)` for the i-th byte of the range.
+    /// Writes through the raw mapping, one byte at a time; no reference to
+    /// the buffer's bytes is formed (a transfer may run meanwhile: the bytes
+    /// it moves are then unspecified, as with any RDMA buffer).
     ///
     /// # Panics
     /// When the range exceeds the buffer.
     pub fn fill_with(&self, offset: usize, len: usize, mut f: impl FnMut(usize) -> u8) {
-        self.write_with(offset, len, |s| {
-            for (i, b) in s.iter_mut().enumerate() {
-                *b = f(i);
-            }
-        });
+        let end = offset.checked_add(len).expect("offset overflow");
+        assert!(end <= self.len_bytes, "write of {offset}..{end} past a {}-byte HostBuffer", self.len_bytes);
+        let base = self.map.as_mut_ptr();
+        for i in 0..len {
+            // SAFETY: `offset + i < len_bytes` (checked above): inside the
+            // writable mapping, which lives as long as `self`.
+            unsafe { base.add(offset + i).write(f(i)) };
+        }
     }
 
-    /// Let `f` write `len` bytes at `offset` in place (no staging copy).
-    /// No transfer may read or write the range meanwhile.
+    /// The bytes, mutably: `&mut self` proves no other reference exists
+    /// (a registered buffer is shared through an `Arc`; use
+    /// [`HostBuffer::write_with`] or the copying methods there).
+    pub fn as_mut_slice(&mut self) -> &mut [u8] {
+        // SAFETY: the mapping is `len_bytes` long, writable, lives as long as
+        // `self`, and `&mut self` excludes every other reference to it.
+        unsafe { std::slice::from_raw_parts_mut(self.map.as_mut_ptr(), self.len_bytes) }
+    }
+
+    /// A copy of `len` bytes at `offset`.
     ///
     /// # Panics
     /// When the range exceeds the buffer.
-    pub fn write_with<R>(&self, offset: usize, len: usize, f: impl FnOnce(&mut [u8]) -> R) -> R {
+    pub fn to_vec(&self, offset: usize, len: usize) -> Vec<u8> {
+        let end = offset.checked_add(len).expect("offset overflow");
+        assert!(end <= self.len_bytes, "read of {offset}..{end} past a {}-byte HostBuffer", self.len_bytes);
+        let mut out = vec![0u8; len];
+        // SAFETY: bounds checked; the mapping is readable and does not
+        // overlap `out`, a fresh allocation.
+        unsafe { std::ptr::copy_nonoverlapping(self.map.as_ptr().add(offset), out.as_mut_ptr(), len) };
+        out
+    }
+
+    /// Let `f` write `len` bytes at `offset` in place (no staging copy).
+    ///
+    /// # Safety
+    /// While `f` runs, nothing else may read or write the range: no transfer
+    /// that reads or writes it is in progress (local or remote), and no
+    /// other slice of it (from [`HostBuffer::as_slice`] or another
+    /// `write_with`) is alive.
+    ///
+    /// # Panics
+    /// When the range exceeds the buffer.
+    pub unsafe fn write_with<R>(&self, offset: usize, len: usize, f: impl FnOnce(&mut [u8]) -> R) -> R {
         let end = offset.checked_add(len).expect("offset overflow");
         assert!(end <= self.len_bytes, "write of {offset}..{end} past a {}-byte HostBuffer", self.len_bytes);
         // SAFETY: bounds checked; the mapping is writable and lives as long as
-        // `self`. Exclusive use of the range while `f` runs is the caller's
-        // contract (documented): no transfer reading or writing it is in progress.
+        // `self`; exclusive use of the range while `f` runs is the caller's
+        // obligation (this function's contract).
         let s = unsafe { std::slice::from_raw_parts_mut(self.map.as_mut_ptr().add(offset), len) };
         f(s)
     }
 }
 
-impl MemoryBacking for HostBuffer {
+// SAFETY: the mapping `[addr, addr + len_bytes)` is created in `new` and
+// unmapped only when the HostBuffer drops; `map` is never remapped; the
+// memfd is the file it maps, from offset 0, sealed against shrinking.
+unsafe impl MemoryBacking for HostBuffer {
     fn desc(&self) -> MemoryDesc {
         MemoryDesc { addr: self.addr(), len_bytes: self.len_bytes as u64, kind: MemoryKind::Dram, device_id: 0 }
     }

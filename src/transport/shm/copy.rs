@@ -15,9 +15,8 @@ use std::sync::{Mutex, OnceLock};
 use crossbeam_channel::{Receiver, Sender};
 use memmap2::MmapRaw;
 
-use super::wire::Msg;
 use crate::transport::inflight::XferState;
-use crate::transport::{Completion, Op, RemoteAccessKind, Segment, TransferFailure, TransportError};
+use crate::transport::{Completion, Op, RemoteAccessKind, Segment, TransferFailure};
 
 /// How the initiator reaches one region of a peer.
 #[derive(Debug)]
@@ -71,10 +70,34 @@ impl PeerRegion {
         self.active.fetch_sub(1, Ordering::SeqCst);
     }
 
-    /// Revoke: refuse new accesses, then wait for those in progress.
+    /// Revoke: refuse new accesses, wait for those in progress, then drop
+    /// the mapping of the target's memory (issue 18 item 8: a deregistered
+    /// region must not stay mapped, and pinned, in every initiator).
     pub fn revoke(&self) {
         self.revoked.store(true, Ordering::SeqCst);
         crate::transport::wait_until(|| self.active.load(Ordering::SeqCst) == 0);
+        if let PeerMem::Mapped { _map, .. } = &self.mem {
+            // SAFETY: replaces our own mapping of the target's memfd with an
+            // inaccessible anonymous one of the same range (MAP_FIXED over
+            // an existing mapping is atomic), so the target's pages are no
+            // longer referenced and the address range stays reserved until
+            // `_map` unmaps it on drop. Nothing reads the old mapping any
+            // more: `revoked` is set and no access is active (`enter`
+            // refuses new ones).
+            let p = unsafe {
+                libc::mmap(
+                    _map.as_mut_ptr().cast(),
+                    _map.len(),
+                    libc::PROT_NONE,
+                    libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_FIXED | libc::MAP_NORESERVE,
+                    -1,
+                    0,
+                )
+            };
+            if p == libc::MAP_FAILED {
+                tracing::warn!("shm: unmapping a revoked region failed: {}", std::io::Error::last_os_error());
+            }
+        }
     }
 }
 
@@ -89,6 +112,8 @@ pub struct PeerShared {
     pub regions: std::collections::HashMap<u32, PeerRegion>,
     /// Set when the peer closed its socket (it died or disconnected).
     pub dead: AtomicBool,
+    /// Notifications waiting to be sent or acknowledged.
+    pub outbox: super::peer::Outbox,
 }
 
 /// A posted transfer being copied.
@@ -222,31 +247,21 @@ fn run_job(job: Job) {
     }
 }
 
-/// After the last chunk: the peer must still be alive, then the
-/// notification goes out on the side channel.
-fn finish(x: &XferShared, done: &Sender<Completion>) {
+/// After the last chunk: the peer must still be alive; a notification goes
+/// to the peer's outbox, which reports the transfer once the target
+/// acknowledged it (never a blocking send on this shared thread).
+fn finish(x: &Arc<XferShared>, done: &Sender<Completion>) {
+    let dead = x.peer.dead.load(Ordering::Acquire);
+    if x.core.live() && !dead && x.core.notification.is_some() {
+        x.peer.notify(x.clone(), done.clone());
+        return;
+    }
     x.core.complete(done, || {
-        if x.peer.dead.load(Ordering::Acquire) {
+        if dead {
             return Err(TransferFailure::peer_died(format!("peer {} disconnected", x.peer.name)));
         }
-        match &x.core.notification {
-            Some(payload) => x
-                .peer
-                .channel
-                .send(&Msg::Notify { payload: payload.clone() }, None)
-                .map_err(|e| notify_failure(&e, &x.peer.name)),
-            None => Ok(()),
-        }
+        Ok(())
     });
-}
-
-/// A notification that could not be sent: the transfer is not `Done`.
-fn notify_failure(e: &TransportError, peer: &str) -> TransferFailure {
-    let detail = format!("notification to {peer} not delivered");
-    match e {
-        TransportError::Io { source, .. } => TransferFailure::from_io(source, detail),
-        other => TransferFailure::peer_died(format!("{detail}: {other}")),
-    }
 }
 
 fn copy_segments(x: &XferShared, segs: &[Segment], stream: bool) -> Result<(), TransferFailure> {

@@ -1,35 +1,47 @@
 //! `shm`: one-sided READ/WRITE between processes on the same host.
 //!
-//! Each agent listens on an abstract `SOCK_SEQPACKET` Unix socket. A peer
-//! that connects says hello and gets, per registered region, either the
-//! region's memfd ([`HostBuffer`] memory) which it maps, so that a transfer is
-//! one `memcpy` by the initiator's copy threads, or the target's pid for
-//! cross-memory attach (`process_vm_readv/writev`) for any other memory.
-//! The target's CPU copies nothing. Every segment is checked against the
-//! region table the *target* reported (key and bounds), as an HCA checks an
-//! rkey: a bad key or range fails the transfer before any byte moves.
-//! Notifications travel on the socket after the data. A peer whose socket
-//! closes (it died) fails its transfers; socket sends time out after
-//! [`TransportConfig::peer_timeout`].
+//! Each agent listens on an abstract `SOCK_SEQPACKET` Unix socket. A process
+//! that connects must run as an allowed uid (`SO_PEERCRED`) and prove it
+//! knows the agent's secret from the metadata (the target module's docs and
+//! `docs/SECURITY.md`); it then gets, per registered region, either the
+//! region's sealed memfd ([`HostBuffer`] memory) which it maps after checking
+//! its size and seals, so that a transfer is one `memcpy` by the initiator's
+//! copy threads, or the target's pid for cross-memory attach
+//! (`process_vm_readv/writev`) for any other memory (option `cma=deny`
+//! refuses such registrations). The target's CPU copies nothing. Every
+//! segment is checked against the region table the *target* reported (key
+//! and bounds), as an HCA checks an rkey: a bad key or range fails the
+//! transfer before any byte moves.
+//!
+//! Notifications travel on the socket after the data, never with a blocking
+//! send from the shared copy threads (the peer module); a notified transfer is
+//! `Done` once the target acknowledged the notification, `Failed(PeerDied)`
+//! when the target goes away first and `Failed(PeerTimeout)` after
+//! [`TransportConfig::peer_timeout`]. The largest notification is
+//! [`super::MAX_NOTIFICATION_BYTES`]. A deregistered region is revoked and
+//! unmapped in every connected initiator before `deregister` returns.
 
 mod buffer;
 mod copy;
+mod peer;
+mod target;
 pub mod wire;
 
 use std::collections::HashMap;
-use std::os::fd::{AsRawFd, OwnedFd};
-use std::sync::atomic::{AtomicBool, AtomicU32, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex};
+use std::os::fd::{BorrowedFd, OwnedFd};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::thread::JoinHandle;
-use std::time::Duration;
 
 pub use buffer::HostBuffer;
 pub use copy::stream_copy;
-use copy::{CopyPool, Job, PeerMem, PeerRegion, PeerShared, XferShared};
-use serde::{Deserialize, Serialize};
-use wire::{Access, Channel, Listener, Msg};
+use copy::{CopyPool, Job, PeerShared, XferShared};
+use target::{Accepted, AcceptedPeer, Acks, LocalRegion, NotifQueue, RegionTable, Shared};
+use wire::{Listener, Msg, ShmInfo};
 
+use super::auth::AgentSecret;
 use super::inflight::{InFlight, XferState};
+use super::options::OptionSet;
 use super::{
     Completion, LocalKey, MemoryBacking, Notification, PeerId, PostRequest, Registration, RemoteKey, RemoteRegion,
     Transport, TransportConfig, TransportError, TransportKind, XferId,
@@ -39,43 +51,27 @@ use super::{
 /// small enough that two threads share a transfer.
 const CHUNK_BYTES: u64 = 4 << 20;
 
-/// Connection info published in the agent metadata.
-#[derive(Debug, Serialize, Deserialize)]
-struct ShmInfo {
-    /// `/proc/sys/kernel/random/boot_id`: equal only on the same host.
-    boot_id: String,
-    /// Abstract socket name.
-    socket: String,
-}
-
-struct LocalRegion {
-    addr: u64,
-    len_bytes: u64,
-    fd: Option<(OwnedFd, u64)>,
-}
-
-type RegionTable = Arc<Mutex<HashMap<u32, LocalRegion>>>;
-type NotifQueue = Arc<Mutex<Vec<Notification>>>;
-/// An initiator connected to us.
-struct AcceptedPeer {
-    id: u64,
-    channel: Channel,
-    /// False once its connection ended (it can no longer access anything).
-    live: AtomicBool,
-}
-
-/// The initiators connected to us (closed on drop).
-type Accepted = Arc<Mutex<Vec<Arc<AcceptedPeer>>>>;
-
-/// Revocation acknowledgements `(peer id, rkey)`, and a condvar to wait on.
-#[derive(Default)]
-struct Acks {
-    got: Mutex<std::collections::HashSet<(u64, u32)>>,
-    changed: std::sync::Condvar,
-}
-
 fn boot_id() -> String {
     std::fs::read_to_string("/proc/sys/kernel/random/boot_id").map(|s| s.trim().to_string()).unwrap_or_default()
+}
+
+/// A target we connected to, and the thread that talks to it.
+struct Connected {
+    shared: Arc<PeerShared>,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl Connected {
+    /// Stop the peer thread and wait for it (issue 18 item 7: a thread per
+    /// connect/disconnect cycle used to stay until the transport dropped).
+    fn close(&mut self) {
+        self.shared.dead.store(true, Ordering::Release);
+        self.shared.outbox.stop();
+        self.shared.channel.shutdown();
+        if let Some(h) = self.thread.take() {
+            let _ = h.join();
+        }
+    }
 }
 
 /// The shared-memory backend. See the module docs.
@@ -91,22 +87,47 @@ pub struct ShmTransport {
     notifs: NotifQueue,
     accepted: Accepted,
     acks: Arc<Acks>,
-    peers: HashMap<u32, Arc<PeerShared>>,
-    monitors: Vec<JoinHandle<()>>,
+    peers: HashMap<u32, Connected>,
     next_peer: u32,
+    secret: Arc<AgentSecret>,
+    allow_cma: bool,
     inflight: InFlight<XferShared>,
     pool: CopyPool,
 }
 
 static SOCKET_SEQ: AtomicUsize = AtomicUsize::new(0);
-static PTRACER_SET: AtomicU32 = AtomicU32::new(0);
+
+/// The `allow_uids` option: comma-separated uids, besides our own.
+fn parse_uids(opts: &OptionSet<'_>) -> Result<Vec<u32>, TransportError> {
+    // SAFETY: geteuid has no preconditions and cannot fail.
+    let mut uids = vec![unsafe { libc::geteuid() }];
+    if let Some(v) = opts.raw("allow_uids") {
+        for part in v.split(',').map(str::trim).filter(|p| !p.is_empty()) {
+            uids.push(part.parse().map_err(|_| opts.invalid("allow_uids", v, Some("not a uid")))?);
+        }
+    }
+    Ok(uids)
+}
 
 impl ShmTransport {
     /// Create the backend for agent `agent` and start its listener.
+    /// Options (`key=value`, see [`crate::transport::options::SHM_OPTIONS`]):
+    /// `allow_uids` (uids besides our own that may connect) and `cma`
+    /// (`allow`/`deny` cross-memory attach for memory without a memfd).
     ///
     /// # Errors
-    /// [`TransportError::Io`] when the socket cannot be bound.
+    /// [`TransportError::InvalidConfig`] / [`TransportError::InvalidOption`]
+    /// for bad settings, [`TransportError::Io`] when the socket cannot be bound.
     pub fn new(agent: &str, config: &TransportConfig) -> Result<Self, TransportError> {
+        config.validate()?;
+        let opts = OptionSet::parse(TransportKind::Shm, config)?;
+        let allow_uids = Arc::new(parse_uids(&opts)?);
+        let allow_cma = match opts.raw("cma").map(str::trim) {
+            None | Some("allow") => true,
+            Some("deny") => false,
+            Some(v) => return Err(opts.invalid("cma", v, None)),
+        };
+        let secret = Arc::new(AgentSecret::random()?);
         let socket_name = format!(
             "kvwire-shm-{}-{}-{}",
             std::process::id(),
@@ -126,11 +147,13 @@ impl ShmTransport {
                 accepted: accepted.clone(),
                 acks: acks.clone(),
                 timeout: config.peer_timeout,
+                secret: secret.clone(),
+                allow_uids,
             };
             let (listener, stopping) = (listener.clone(), stopping.clone());
             std::thread::Builder::new()
                 .name("kvwire-shm-listen".into())
-                .spawn(move || accept_loop(&listener, &stopping, &shared))
+                .spawn(move || target::accept_loop(&listener, &stopping, &shared))
                 .map_err(|e| TransportError::io("spawn", e))?
         };
         Ok(Self {
@@ -146,136 +169,42 @@ impl ShmTransport {
             accepted,
             acks,
             peers: HashMap::new(),
-            monitors: Vec::new(),
             next_peer: 1,
+            secret,
+            allow_cma,
             inflight: InFlight::default(),
             pool: CopyPool::new(config.copy_threads).map_err(|e| TransportError::io("spawn", e))?,
         })
     }
 }
 
-/// What the listener and its per-peer threads share with the transport.
-#[derive(Clone)]
-struct Shared {
-    regions: RegionTable,
-    notifs: NotifQueue,
-    accepted: Accepted,
-    acks: Arc<Acks>,
-    timeout: Duration,
-}
+/// Seals every exported memfd carries (issue 18 item 5): a peer holding
+/// the fd can neither shrink it (the target would die of SIGBUS at its
+/// next access) nor grow it, nor change the seals.
+const EXPORT_SEALS: libc::c_int = libc::F_SEAL_SHRINK | libc::F_SEAL_GROW;
 
-fn accept_loop(listener: &Listener, stopping: &AtomicBool, shared: &Shared) {
-    let mut next_id = 0u64;
-    while let Ok(channel) = listener.accept() {
-        if stopping.load(Ordering::Acquire) {
-            break;
-        }
-        next_id += 1;
-        let peer = Arc::new(AcceptedPeer { id: next_id, channel, live: AtomicBool::new(true) });
-        let mut list = shared.accepted.lock().unwrap_or_else(|p| p.into_inner());
-        list.retain(|p| p.live.load(Ordering::Acquire)); // forget peers that left
-        list.push(peer.clone());
-        drop(list);
-        let shared = shared.clone();
-        let spawned = std::thread::Builder::new().name("kvwire-shm-peer".into()).spawn(move || {
-            serve_peer(&peer, &shared);
-            peer.live.store(false, Ordering::Release);
-            // A deregister waiting for this peer's acknowledgement stops waiting.
-            shared.acks.changed.notify_all();
-        });
-        if let Err(e) = spawned {
-            tracing::warn!("shm: cannot serve a peer: {e}");
-        }
-    }
-}
-
-fn serve_peer(peer: &AcceptedPeer, shared: &Shared) {
-    let ch = &peer.channel;
-    if ch.set_timeouts(shared.timeout).is_err() {
-        return;
-    }
-    let agent = match ch.recv() {
-        Ok(Some((Msg::Hello { agent, rkeys }, _))) => {
-            if let Err(e) = answer_hello(ch, &shared.regions, &rkeys) {
-                tracing::warn!("shm: hello from {agent} failed: {e}");
-                return;
-            }
-            agent
-        }
-        Ok(Some((other, _))) => {
-            tracing::warn!("shm: expected hello, got {other:?}; dropping connection");
-            return;
-        }
-        Ok(None) => return,
-        Err(e) => {
-            tracing::warn!("shm: bad hello: {e}");
-            return;
-        }
-    };
-    let _ = ch.block_receives();
-    loop {
-        match ch.recv() {
-            Ok(Some((Msg::Notify { payload }, _))) => {
-                shared
-                    .notifs
-                    .lock()
-                    .unwrap_or_else(|p| p.into_inner())
-                    .push(Notification { from_agent: agent.clone(), payload });
-            }
-            Ok(Some((Msg::RevokeAck { rkey }, _))) => {
-                shared.acks.got.lock().unwrap_or_else(|p| p.into_inner()).insert((peer.id, rkey));
-                shared.acks.changed.notify_all();
-            }
-            Ok(Some((other, _))) => tracing::warn!("shm: unexpected message from {agent}: {other:?}"),
-            Ok(None) => return,
-            Err(e) => {
-                tracing::warn!("shm: connection from {agent} failed: {e}");
-                return;
-            }
-        }
-    }
-}
-
-fn answer_hello(ch: &Channel, regions: &RegionTable, rkeys: &[u32]) -> Result<(), TransportError> {
-    for &rkey in rkeys {
-        let (msg, fd) = {
-            let table = regions.lock().unwrap_or_else(|p| p.into_inner());
-            match table.get(&rkey) {
-                None => (Msg::Region { rkey, addr: 0, len_bytes: 0, access: Access::Unknown }, None),
-                Some(r) => match &r.fd {
-                    Some((fd, offset)) => (
-                        Msg::Region {
-                            rkey,
-                            addr: r.addr,
-                            len_bytes: r.len_bytes,
-                            access: Access::Fd { offset: *offset },
-                        },
-                        Some(fd.as_raw_fd()),
-                    ),
-                    None => (Msg::Region { rkey, addr: r.addr, len_bytes: r.len_bytes, access: Access::Cma }, None),
-                },
-            }
-        };
-        // The fd stays open while we send: regions are only removed from the
-        // table by deregister, and the kernel duplicates it in sendmsg. Hold
-        // the table lock across the send instead if that ever changes.
-        ch.send(&msg, fd)?;
-    }
-    ch.send(&Msg::Ready { pid: std::process::id() }, None)
-}
-
-fn map_region(fd: OwnedFd, offset: u64, len_bytes: u64) -> Result<PeerMem, TransportError> {
+/// The memfd to hand to peers for a registration of `len_bytes` at `offset`
+/// of `fd`, or `None` when handing it out would expose more than the
+/// registered bytes: the file must hold exactly the region (rounded up to
+/// whole pages) and carry [`EXPORT_SEALS`] (added here if the file allows).
+fn export_fd(fd: BorrowedFd<'_>, offset: u64, len_bytes: u64) -> Result<Option<(OwnedFd, u64)>, TransportError> {
+    let st = nix::sys::stat::fstat(fd).map_err(|e| TransportError::io("fstat", std::io::Error::from(e)))?;
+    let size = st.st_size as u64;
     let page = 4096u64;
-    let aligned = offset / page * page;
-    let delta = (offset - aligned) as usize;
-    let file = std::fs::File::from(fd);
-    let map = memmap2::MmapOptions::new()
-        .offset(aligned)
-        .len(len_bytes as usize + delta)
-        .map_raw(&file)
-        .map_err(|e| TransportError::io("mmap(peer region)", e))?;
-    let base = map.as_ptr() as usize + delta;
-    Ok(PeerMem::Mapped { base, _map: Arc::new(map) })
+    if offset != 0 || len_bytes > size || size > len_bytes.div_ceil(page) * page {
+        return Ok(None); // a view inside a larger file
+    }
+    use nix::fcntl::{FcntlArg, SealFlag, fcntl};
+    let mut seals = fcntl(fd, FcntlArg::F_GET_SEALS).unwrap_or(-1);
+    if seals >= 0 && seals & EXPORT_SEALS != EXPORT_SEALS {
+        let want = SealFlag::F_SEAL_SHRINK | SealFlag::F_SEAL_GROW;
+        let _ = fcntl(fd, FcntlArg::F_ADD_SEALS(want));
+        seals = fcntl(fd, FcntlArg::F_GET_SEALS).unwrap_or(-1);
+    }
+    if seals < 0 || seals & EXPORT_SEALS != EXPORT_SEALS {
+        return Ok(None);
+    }
+    Ok(Some((fd.try_clone_to_owned().map_err(|e| TransportError::io("dup", e))?, 0)))
 }
 
 impl Transport for ShmTransport {
@@ -289,16 +218,16 @@ impl Transport for ShmTransport {
             return Err(TransportError::Unsupported("the shm transport moves host (DRAM) memory only".into()));
         }
         let fd = match backing.shared_fd() {
-            Some((fd, off)) => Some((fd.try_clone_to_owned().map_err(|e| TransportError::io("dup", e))?, off)),
-            None => {
-                if PTRACER_SET.swap(1, Ordering::AcqRel) == 0 {
-                    // Let same-uid peers attach under Yama ptrace_scope=1.
-                    // SAFETY: prctl with integer arguments; no memory is passed.
-                    unsafe { libc::prctl(libc::PR_SET_PTRACER, libc::PR_SET_PTRACER_ANY, 0, 0, 0) };
-                }
-                None
-            }
+            Some((fd, off)) => export_fd(fd, off, desc.len_bytes)?,
+            None => None,
         };
+        if fd.is_none() && !self.allow_cma {
+            return Err(TransportError::Registration(format!(
+                "{:#x}+{} is not a whole sealed memfd (plain memory, or a view inside a larger buffer) and \
+                 cross-memory attach is disabled (cma=deny); register a HostBuffer of exactly this range",
+                desc.addr, desc.len_bytes
+            )));
+        }
         let key = self.next_key;
         self.next_key += 1;
         self.regions
@@ -329,7 +258,7 @@ impl Transport for ShmTransport {
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .iter()
-            .filter(|p| p.live.load(Ordering::Acquire))
+            .filter(|p| p.live.load(Ordering::Acquire) && p.admitted.load(Ordering::Acquire))
             .cloned()
             .collect();
         for p in &peers {
@@ -366,98 +295,49 @@ impl Transport for ShmTransport {
     }
 
     fn connection_info(&self) -> Vec<u8> {
-        postcard::to_allocvec(&ShmInfo { boot_id: boot_id(), socket: self.socket_name.clone() })
-            .expect("plain data encodes")
+        ShmInfo { boot_id: boot_id(), socket: self.socket_name.clone(), secret: (*self.secret).clone() }.encode()
     }
 
+    /// Connect: prove the target's secret (from `info`), receive its regions
+    /// and map the memfds (after checking their size and seals). The whole
+    /// handshake is bounded by `peer_timeout`.
     fn connect(&mut self, peer_name: &str, info: &[u8], regions: &[RemoteRegion]) -> Result<PeerId, TransportError> {
-        let info: ShmInfo = postcard::from_bytes(info).map_err(|e| TransportError::BadConnectionInfo(e.to_string()))?;
+        let info = ShmInfo::decode(info)?;
         if info.boot_id != boot_id() {
             return Err(TransportError::Unsupported(format!(
                 "peer {peer_name} runs on another host; the shm transport is same-host only (use verbs or tcp)"
             )));
         }
-        let cerr = |reason: String| TransportError::Connect { peer: peer_name.to_string(), reason };
-        let ch = Channel::connect(&info.socket, self.config.peer_timeout).map_err(|e| cerr(e.to_string()))?;
-        let rkeys: Vec<u32> = regions.iter().map(|r| r.rkey.0).collect();
-        ch.send(&Msg::Hello { agent: self.agent.clone(), rkeys }, None).map_err(|e| cerr(e.to_string()))?;
-        let mut table = HashMap::new();
-        let mut fds = HashMap::new();
-        let mut revoked_early = Vec::new();
-        let pid = loop {
-            match ch.recv().map_err(|e| cerr(e.to_string()))? {
-                None => return Err(cerr("peer closed the connection during the handshake".into())),
-                Some((Msg::Region { rkey, addr, len_bytes, access }, fd)) => {
-                    if access == Access::Unknown {
-                        return Err(cerr(format!("peer has no region with rkey {rkey} (stale metadata?)")));
-                    }
-                    if let (Access::Fd { offset }, Some(fd)) = (access, fd) {
-                        fds.insert(rkey, (fd, offset));
-                    }
-                    table.insert(rkey, (addr, len_bytes));
-                }
-                Some((Msg::Ready { pid }, _)) => break pid as i32,
-                Some((Msg::Revoke { rkey }, _)) => {
-                    // Deregistered while we were connecting: never use it.
-                    revoked_early.push(rkey);
-                    ch.send(&Msg::RevokeAck { rkey }, None).map_err(|e| cerr(e.to_string()))?;
-                }
-                Some((other, _)) => return Err(cerr(format!("unexpected handshake message {other:?}"))),
-            }
-        };
-        let mut peer_regions = HashMap::with_capacity(table.len());
-        for (rkey, (addr, len_bytes)) in table {
-            let mem = match fds.remove(&rkey) {
-                Some((fd, offset)) => map_region(fd, offset, len_bytes)?,
-                None => PeerMem::Cma { pid },
-            };
-            let revoked = AtomicBool::new(revoked_early.contains(&rkey));
-            peer_regions.insert(rkey, PeerRegion { addr, len_bytes, mem, revoked, active: AtomicUsize::new(0) });
-        }
-        let peer = Arc::new(PeerShared {
+        let (channel, peer_regions) =
+            peer::handshake(&self.agent, peer_name, &info, regions, self.config.peer_timeout)?;
+        let shared = Arc::new(PeerShared {
             name: peer_name.to_string(),
-            channel: ch,
+            channel,
             regions: peer_regions,
             dead: AtomicBool::new(false),
+            outbox: peer::Outbox::new(self.config.peer_timeout)?,
         });
-        // After `Ready` the target only sends revocations; an end of stream
-        // or an error means it closed the socket (died or disconnected).
-        let _ = peer.channel.block_receives();
-        let watched = peer.clone();
-        let monitor = std::thread::Builder::new()
+        let watched = shared.clone();
+        let thread = std::thread::Builder::new()
             .name("kvwire-shm-monitor".into())
-            .spawn(move || {
-                loop {
-                    match watched.channel.recv() {
-                        Ok(Some((Msg::Revoke { rkey }, _))) => {
-                            if let Some(r) = watched.regions.get(&rkey) {
-                                r.revoke();
-                            }
-                            let _ = watched.channel.send(&Msg::RevokeAck { rkey }, None);
-                        }
-                        Ok(Some((other, _))) => tracing::warn!("shm: unexpected message {other:?}"),
-                        Ok(None) | Err(_) => break,
-                    }
-                }
-                watched.dead.store(true, Ordering::Release);
-            })
+            .spawn(move || peer::peer_thread(&watched))
             .map_err(|e| TransportError::io("spawn", e))?;
-        self.monitors.push(monitor);
         let id = self.next_peer;
         self.next_peer += 1;
-        self.peers.insert(id, peer);
+        self.peers.insert(id, Connected { shared, thread: Some(thread) });
         Ok(PeerId(id))
     }
 
+    /// Drop a peer: its thread is stopped and joined, its mappings go with
+    /// the last transfer that refers to it.
     fn disconnect(&mut self, peer: PeerId) {
-        if let Some(p) = self.peers.remove(&peer.0) {
-            p.dead.store(true, Ordering::Release);
-            p.channel.shutdown();
+        if let Some(mut p) = self.peers.remove(&peer.0) {
+            p.close();
         }
     }
 
     fn post(&mut self, req: PostRequest) -> Result<(), TransportError> {
-        let peer = self.peers.get(&req.peer.0).ok_or(TransportError::NotConnected(req.peer))?;
+        let peer = &self.peers.get(&req.peer.0).ok_or(TransportError::NotConnected(req.peer))?.shared;
         if peer.dead.load(Ordering::Acquire) {
             return Err(TransportError::PeerDisconnected(peer.name.clone()));
         }
@@ -520,15 +400,12 @@ impl Drop for ShmTransport {
         if let Some(h) = self.service.take() {
             let _ = h.join();
         }
-        for p in self.peers.values() {
-            p.channel.shutdown();
+        for p in self.peers.values_mut() {
+            p.close();
         }
         // Close the channels of peers connected to us: they see us gone.
         for p in self.accepted.lock().unwrap_or_else(|p| p.into_inner()).drain(..) {
             p.channel.shutdown();
-        }
-        for m in self.monitors.drain(..) {
-            let _ = m.join();
         }
     }
 }

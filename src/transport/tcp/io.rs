@@ -4,10 +4,12 @@
 //! the only `unsafe` of the `tcp` backend: the two system calls that touch
 //! memory by raw address.
 
+use std::cell::Cell;
 use std::io::{self, Read};
 use std::net::TcpStream;
 use std::os::fd::AsRawFd;
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
 
 use super::wire;
 
@@ -48,8 +50,61 @@ fn timed_out(e: io::Error) -> io::Error {
     }
 }
 
+/// A bound on the whole duration of one request, on top of the socket's
+/// per-call timeouts: before each system call the socket's timeouts are cut
+/// to what is left, and past the deadline the call fails with `TimedOut`.
+/// So a peer that trickles bytes (each gap below `peer_timeout`) cannot
+/// stretch a request, or anything it holds, beyond the deadline.
+#[derive(Debug)]
+pub struct Deadline {
+    at: Instant,
+    base: Duration,
+    cut: Cell<bool>,
+}
+
+impl Deadline {
+    /// A deadline `limit` from now on a socket whose timeouts are `base`.
+    pub fn new(limit: Duration, base: Duration) -> Self {
+        Self { at: Instant::now() + limit, base, cut: Cell::new(false) }
+    }
+
+    /// Check before a system call on `sock`.
+    ///
+    /// # Errors
+    /// `TimedOut` once the deadline passed; `setsockopt` errors.
+    pub fn check(&self, sock: &TcpStream) -> io::Result<()> {
+        let left = self.at.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(io::Error::new(io::ErrorKind::TimedOut, "request exceeded its deadline"));
+        }
+        if left < self.base {
+            let left = left.max(Duration::from_millis(1));
+            sock.set_read_timeout(Some(left))?;
+            sock.set_write_timeout(Some(left))?;
+            self.cut.set(true);
+        }
+        Ok(())
+    }
+
+    /// Put the socket's timeouts back to `base` if [`Deadline::check`] cut them.
+    ///
+    /// # Errors
+    /// `setsockopt` errors.
+    pub fn restore(&self, sock: &TcpStream) -> io::Result<()> {
+        if self.cut.replace(false) {
+            sock.set_read_timeout(Some(self.base))?;
+            sock.set_write_timeout(Some(self.base))?;
+        }
+        Ok(())
+    }
+}
+
+fn check(deadline: Option<&Deadline>, sock: &TcpStream) -> io::Result<()> {
+    deadline.map_or(Ok(()), |d| d.check(sock))
+}
+
 /// Send `head`, then the bytes of `ranges`, in as few `writev` calls as the
-/// socket allows.
+/// socket allows, within `deadline` when one is given.
 ///
 /// # Errors
 /// The socket error; `TimedOut` when the peer stops reading for longer than
@@ -58,11 +113,17 @@ fn timed_out(e: io::Error) -> io::Error {
 /// # Safety
 /// Every range must be readable memory for the whole call (a live
 /// registration that nothing frees meanwhile).
-pub unsafe fn write_ranges(sock: &TcpStream, head: &[u8], ranges: &[Range]) -> io::Result<()> {
+pub unsafe fn write_ranges(
+    sock: &TcpStream,
+    head: &[u8],
+    ranges: &[Range],
+    deadline: Option<&Deadline>,
+) -> io::Result<()> {
     let mut iov = iovecs(Some(head), ranges);
     let mut at = 0;
     advance(&mut iov, &mut at, 0);
     while at < iov.len() {
+        check(deadline, sock)?;
         let n_iov = (iov.len() - at).min(wire::MAX_SEGMENTS as usize);
         // SAFETY: the iovecs point into `head` (borrowed for the call) and
         // into ranges the caller guarantees readable; writev only reads them.
@@ -79,7 +140,8 @@ pub unsafe fn write_ranges(sock: &TcpStream, head: &[u8], ranges: &[Range]) -> i
     Ok(())
 }
 
-/// Receive exactly the bytes of `ranges` into them with `readv`.
+/// Receive exactly the bytes of `ranges` into them with `readv`, within
+/// `deadline` when one is given.
 ///
 /// When `cancelled` becomes true between two calls, the rest of the bytes
 /// are read into a scratch buffer instead, so the stream stays in step while
@@ -92,16 +154,22 @@ pub unsafe fn write_ranges(sock: &TcpStream, head: &[u8], ranges: &[Range]) -> i
 /// # Safety
 /// Every range must be writable memory that no Rust reference aliases, for
 /// the whole call (or until `cancelled` is seen set).
-pub unsafe fn read_ranges(sock: &TcpStream, ranges: &[Range], cancelled: &AtomicBool) -> io::Result<bool> {
+pub unsafe fn read_ranges(
+    sock: &TcpStream,
+    ranges: &[Range],
+    cancelled: &AtomicBool,
+    deadline: Option<&Deadline>,
+) -> io::Result<bool> {
     let mut iov = iovecs(None, ranges);
     let mut at = 0;
     advance(&mut iov, &mut at, 0);
     while at < iov.len() {
         if cancelled.load(Ordering::Acquire) {
             let rest: u64 = iov[at..].iter().map(|v| v.iov_len as u64).sum();
-            drain(sock, rest)?;
+            drain(sock, rest, deadline)?;
             return Ok(false);
         }
+        check(deadline, sock)?;
         let n_iov = (iov.len() - at).min(wire::MAX_SEGMENTS as usize);
         // SAFETY: the iovecs point into ranges the caller guarantees writable
         // and unaliased; readv writes at most their lengths.
@@ -121,13 +189,15 @@ pub unsafe fn read_ranges(sock: &TcpStream, ranges: &[Range], cancelled: &Atomic
     Ok(true)
 }
 
-/// Read and discard `n` bytes (keeps the stream in step after a refusal).
+/// Read and discard `n` bytes (keeps the stream in step after a refusal),
+/// within `deadline` when one is given.
 ///
 /// # Errors
 /// As [`read_exact`].
-pub fn drain(mut sock: &TcpStream, mut n: u64) -> io::Result<()> {
+pub fn drain(mut sock: &TcpStream, mut n: u64, deadline: Option<&Deadline>) -> io::Result<()> {
     let mut scratch = [0u8; 64 << 10];
     while n > 0 {
+        check(deadline, sock)?;
         let want = n.min(scratch.len() as u64) as usize;
         let got = sock.read(&mut scratch[..want]).map_err(timed_out)?;
         if got == 0 {
@@ -144,6 +214,23 @@ pub fn drain(mut sock: &TcpStream, mut n: u64) -> io::Result<()> {
 /// `UnexpectedEof` when the peer closed; `TimedOut`; other socket errors.
 pub fn read_exact(mut sock: &TcpStream, buf: &mut [u8]) -> io::Result<()> {
     sock.read_exact(buf).map_err(timed_out)
+}
+
+/// [`read_exact`] within `deadline`.
+///
+/// # Errors
+/// As [`read_exact`]; `TimedOut` past the deadline.
+pub fn read_exact_by(mut sock: &TcpStream, mut buf: &mut [u8], deadline: &Deadline) -> io::Result<()> {
+    while !buf.is_empty() {
+        deadline.check(sock)?;
+        match sock.read(buf) {
+            Ok(0) => return Err(io::Error::new(io::ErrorKind::UnexpectedEof, "peer closed the connection")),
+            Ok(n) => buf = &mut buf[n..],
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(timed_out(e)),
+        }
+    }
+    Ok(())
 }
 
 #[cfg(test)]

@@ -2,11 +2,25 @@
 //!
 //! Each agent listens on a TCP port ([`TransportConfig`] option
 //! `listen=IP:PORT`, else the `KVWIRE_TCP_LISTEN` environment variable, else
-//! `127.0.0.1:0`; option `advertise=IP:PORT` when peers must use another
-//! address). A service thread per accepted connection answers requests
-//! against registered regions only (`service.rs`): a bad key or range is
-//! refused and logged, nothing is accessed, and the initiator's transfer
-//! turns `Failed("remote access error: …")`.
+//! `0.0.0.0:0` — or `127.0.0.1:0` on a host with no non-loopback address)
+//! and publishes the address peers connect to in its
+//! connection info ([`TcpConnectionInfo`]): option `advertise=IP[:PORT]`,
+//! else the listen address, else — listening on `0.0.0.0`/`::` — the address
+//! of the interface that routes to the default gateway, else the first
+//! non-loopback address of an interface that is up ([`reachable_ip`]).
+//! Loopback is advertised only when the listener listens only there; with no
+//! reachable address creation fails, naming the fix.
+//!
+//! Every connection is authenticated: the transport draws an
+//! [`AgentSecret`] at creation and publishes it in the connection info (the
+//! agent metadata is the trust channel); the target sends a nonce on each
+//! new connection and serves nothing until the initiator answers
+//! [`auth::prove`] (wire v2, [`wire`]). A service thread per accepted
+//! connection then answers requests against registered regions only
+//! (`service.rs`): a bad key or range is refused with a typed status and
+//! logged, nothing is accessed, and the initiator's transfer turns `Failed`
+//! with [`FailureKind::RemoteAccess`](super::FailureKind) `UnknownKey`,
+//! `OutOfBounds` or `Denied`.
 //!
 //! An initiator opens `conns_per_peer` connections to each peer (option,
 //! default [`DEFAULT_CONNS_PER_PEER`]) with one worker thread each
@@ -16,7 +30,11 @@
 //! follows once every chunk is acknowledged. Sockets carry send and receive
 //! timeouts of [`TransportConfig::peer_timeout`]: a dead peer (closed or
 //! reset connection) or a silent one (no progress for that long) fails every
-//! transfer to it, and later posts to it fail at once.
+//! transfer to it, and later posts to it fail at once: `post` also checks
+//! the peer's connections without blocking (a peer whose connections were
+//! closed is dead) and refuses with [`TransportError::PeerDisconnected`].
+//! A post with no segments moves nothing and delivers only its
+//! notification (at most [`super::MAX_NOTIFICATION_BYTES`]).
 //!
 //! The wire format is in [`wire`]; every length is bounded.
 
@@ -26,7 +44,7 @@ pub mod wire;
 mod worker;
 
 use std::collections::HashMap;
-use std::net::{SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
+use std::net::{IpAddr, SocketAddr, TcpListener, TcpStream, ToSocketAddrs, UdpSocket};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
@@ -36,10 +54,12 @@ use serde::{Deserialize, Serialize};
 use service::{LocalRegion, NotifQueue, RegionTable, Service};
 use worker::{Job, PeerShared, XferShared};
 
+use super::auth::{self, AgentSecret, Nonce};
 use super::inflight::{InFlight, XferState};
 use super::{
-    Completion, LocalKey, MemoryBacking, MemoryKind, Notification, PeerId, PostRequest, Registration, RemoteKey,
-    RemoteRegion, Segment, TransferFailure, Transport, TransportConfig, TransportError, TransportKind, XferId,
+    Completion, LocalKey, MAX_NOTIFICATION_BYTES, MemoryBacking, MemoryKind, Notification, OptionSet, PeerId,
+    PostRequest, Registration, RemoteKey, RemoteRegion, Segment, TransferFailure, Transport, TransportConfig,
+    TransportError, TransportKind, XferId,
 };
 
 /// Connections per peer unless option `conns_per_peer` says otherwise.
@@ -51,13 +71,94 @@ pub const CHUNK_BYTES: u64 = 4 << 20;
 /// Most connections per peer accepted from the option.
 pub const MAX_CONNS_PER_PEER: usize = 64;
 
-/// Connection info published in the agent metadata.
-#[derive(Debug, Serialize, Deserialize)]
-struct TcpInfo {
+/// Connection info published in the agent metadata (postcard-encoded).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct TcpConnectionInfo {
     /// Wire protocol version the agent speaks.
-    version: u16,
-    /// Address peers connect to.
-    addr: String,
+    pub version: u16,
+    /// Address peers connect to (`IP:PORT`).
+    pub addr: String,
+    /// The secret a connecting peer must prove it knows.
+    pub secret: AgentSecret,
+}
+
+impl TcpConnectionInfo {
+    /// Decode what [`Transport::connection_info`] of a tcp agent returned.
+    ///
+    /// # Errors
+    /// [`TransportError::BadConnectionInfo`].
+    pub fn decode(info: &[u8]) -> Result<Self, TransportError> {
+        postcard::from_bytes(info).map_err(|e| TransportError::BadConnectionInfo(format!("tcp: {e}")))
+    }
+
+    /// The bytes [`Transport::connection_info`] publishes.
+    pub fn encode(&self) -> Vec<u8> {
+        postcard::to_allocvec(self).expect("plain data encodes")
+    }
+}
+
+/// An address of this host that a peer on another host can reach, for a
+/// listener bound to the unspecified address of `family` (`0.0.0.0`/`::`):
+/// the source address the kernel picks towards a public destination (the
+/// interface of the default route; no packet is sent), else the first
+/// non-loopback address of an interface that is up. `None` when the host
+/// has only loopback.
+pub fn reachable_ip(v6: bool) -> Option<IpAddr> {
+    let (bind, probe) = if v6 { ("[::]:0", "[2001:db8::1]:9") } else { ("0.0.0.0:0", "192.0.2.1:9") };
+    let routed = UdpSocket::bind(bind)
+        .and_then(|s| s.connect(probe).and_then(|()| s.local_addr()))
+        .ok()
+        .map(|a| a.ip())
+        .filter(|ip| !ip.is_loopback() && !ip.is_unspecified());
+    routed.or_else(|| {
+        let addrs = nix::ifaddrs::getifaddrs().ok()?;
+        addrs
+            .filter(|i| {
+                i.flags.contains(nix::net::if_::InterfaceFlags::IFF_UP)
+                    && !i.flags.contains(nix::net::if_::InterfaceFlags::IFF_LOOPBACK)
+            })
+            .filter_map(|i| {
+                let a = i.address?;
+                if v6 {
+                    a.as_sockaddr_in6().map(|s| IpAddr::V6(s.ip()))
+                } else {
+                    a.as_sockaddr_in().map(|s| IpAddr::V4(s.ip()))
+                }
+            })
+            .find(|ip| !ip.is_loopback() && !ip.is_unspecified() && !is_link_local(ip))
+    })
+}
+
+fn is_link_local(ip: &IpAddr) -> bool {
+    match ip {
+        IpAddr::V4(a) => a.is_link_local(),
+        IpAddr::V6(a) => (a.segments()[0] & 0xffc0) == 0xfe80,
+    }
+}
+
+/// The address to publish for a listener bound to `local`, given option
+/// `advertise` (`IP` or `IP:PORT`; a bare IP takes the listener's port).
+fn advertised(local: SocketAddr, advertise: Option<&str>, opts: &OptionSet<'_>) -> Result<String, TransportError> {
+    if let Some(a) = advertise {
+        if let Ok(ip) = a.trim().parse::<IpAddr>() {
+            return Ok(SocketAddr::new(ip, local.port()).to_string());
+        }
+        let ok = a.rsplit_once(':').is_some_and(|(h, p)| !h.is_empty() && p.parse::<u16>().is_ok_and(|p| p != 0));
+        if !ok {
+            return Err(opts.invalid("advertise", a, Some("needs a host and a nonzero port")));
+        }
+        return Ok(a.trim().to_string());
+    }
+    if !local.ip().is_unspecified() {
+        return Ok(local.to_string());
+    }
+    match reachable_ip(local.is_ipv6()) {
+        Some(ip) => Ok(SocketAddr::new(ip, local.port()).to_string()),
+        None => Err(TransportError::InvalidConfig(format!(
+            "tcp listens on {local} but this host has no non-loopback address a peer could reach; \
+             listen on 127.0.0.1 for one host, or set option advertise=IP"
+        ))),
+    }
 }
 
 struct PeerConn {
@@ -82,6 +183,7 @@ pub struct TcpTransport {
     config: TransportConfig,
     conns_per_peer: usize,
     advertise: String,
+    secret: AgentSecret,
     regions: RegionTable,
     next_key: u32,
     notifs: NotifQueue,
@@ -91,48 +193,46 @@ pub struct TcpTransport {
     inflight: InFlight<XferShared>,
 }
 
-fn bad_option(key: &str, value: &str) -> TransportError {
-    TransportError::Unsupported(format!("bad tcp option {key}={value:?}"))
-}
-
 impl TcpTransport {
-    /// Create the backend for agent `agent`: bind the listener and start the
-    /// service thread.
+    /// Create the backend for agent `agent`: check the configuration, bind
+    /// the listener, draw the agent secret and start the service thread.
     ///
     /// # Errors
-    /// [`TransportError::Unsupported`] for a bad option (`listen`,
-    /// `advertise`, `conns_per_peer`); [`TransportError::Io`] when the
-    /// socket cannot be bound.
+    /// [`TransportError::InvalidConfig`] for a bad shared setting
+    /// ([`TransportConfig::validate`]) or a listener on `0.0.0.0` with no
+    /// reachable address to advertise; [`TransportError::InvalidOption`]
+    /// for an unknown option or a bad `listen`, `advertise` or
+    /// `conns_per_peer`; [`TransportError::Io`] when the socket cannot be
+    /// bound; [`TransportError::Unsupported`] without OS randomness.
     pub fn new(agent: &str, config: &TransportConfig) -> Result<Self, TransportError> {
-        let conns_per_peer = match config.option("conns_per_peer") {
-            None => DEFAULT_CONNS_PER_PEER,
-            Some(v) => v
-                .parse::<usize>()
-                .ok()
-                .filter(|n| (1..=MAX_CONNS_PER_PEER).contains(n))
-                .ok_or_else(|| bad_option("conns_per_peer", v))?,
-        };
+        config.validate()?;
+        let opts = OptionSet::parse(TransportKind::Tcp, config)?;
+        let conns_per_peer =
+            opts.get_checked("conns_per_peer", DEFAULT_CONNS_PER_PEER, |n| (1..=MAX_CONNS_PER_PEER).contains(n))?;
         let env_listen = std::env::var("KVWIRE_TCP_LISTEN").ok();
-        let listen = config.option("listen").or(env_listen.as_deref()).unwrap_or("127.0.0.1:0").to_string();
-        let listener = TcpListener::bind(&listen).map_err(|e| TransportError::io("bind", e))?;
-        let local = listener.local_addr().map_err(|e| TransportError::io("getsockname", e))?;
-        let advertise = match config.option("advertise") {
-            Some(a) => a.to_string(),
-            None if local.ip().is_unspecified() => {
-                return Err(TransportError::Unsupported(format!(
-                    "listening on {local}: set option advertise=IP:PORT so peers know where to connect"
-                )));
-            }
-            None => local.to_string(),
+        let listen_addr: SocketAddr = match opts.raw("listen").or(env_listen.as_deref()) {
+            Some(listen) => listen.trim().parse().map_err(|_| {
+                let from_env = opts.raw("listen").is_none();
+                opts.invalid("listen", listen, from_env.then_some("from $KVWIRE_TCP_LISTEN"))
+            })?,
+            // Cross-host by default: every interface, advertising the
+            // reachable one; loopback only on a host that has nothing else.
+            None if reachable_ip(false).is_some() => SocketAddr::from(([0, 0, 0, 0], 0)),
+            None => SocketAddr::from(([127, 0, 0, 1], 0)),
         };
+        let listener = TcpListener::bind(listen_addr).map_err(|e| TransportError::io("bind", e))?;
+        let local = listener.local_addr().map_err(|e| TransportError::io("getsockname", e))?;
+        let advertise = advertised(local, opts.raw("advertise"), &opts)?;
+        let secret = AgentSecret::random()?;
         let regions: RegionTable = Arc::default();
         let notifs: NotifQueue = Arc::default();
-        let service = Service::start(listener, regions.clone(), notifs.clone(), config.peer_timeout)?;
+        let service = Service::start(listener, secret.clone(), regions.clone(), notifs.clone(), config.peer_timeout)?;
         Ok(Self {
             agent: agent.to_string(),
             config: config.clone(),
             conns_per_peer,
             advertise,
+            secret,
             regions,
             next_key: 1,
             notifs,
@@ -153,12 +253,23 @@ impl TcpTransport {
         self.conns_per_peer
     }
 
-    fn open(&self, addr: &SocketAddr, index: usize) -> std::io::Result<TcpStream> {
+    /// Open connection `index` to the peer at `addr` and answer its
+    /// challenge with a proof of `secret` (the peer's, from its info).
+    fn open(&self, addr: &SocketAddr, index: usize, secret: &AgentSecret) -> std::io::Result<TcpStream> {
         let timeout = self.config.peer_timeout;
         let sock = TcpStream::connect_timeout(addr, timeout)?;
         sock.set_nodelay(true)?;
         sock.set_read_timeout(Some(timeout))?;
         sock.set_write_timeout(Some(timeout))?;
+        let bad = |what: String| std::io::Error::new(std::io::ErrorKind::InvalidData, what);
+        let mut b = [0u8; wire::HEADER_BYTES];
+        io::read_exact(&sock, &mut b)?;
+        let ch = wire::Header::decode(&b).map_err(|e| bad(e.to_string()))?;
+        if ch.kind != wire::Kind::Challenge {
+            return Err(bad(format!("expected a challenge, got {:?}", ch.kind)));
+        }
+        let mut nonce = Nonce([0; auth::NONCE_BYTES]);
+        io::read_exact(&sock, &mut nonce.0)?;
         let name = self.agent.as_bytes();
         let name = &name[..name.len().min(wire::MAX_NAME_BYTES as usize)];
         let h = wire::Header {
@@ -169,13 +280,21 @@ impl TcpTransport {
         };
         let mut frame = h.encode().to_vec();
         frame.extend_from_slice(name);
+        frame.extend_from_slice(&auth::prove(secret, &nonce, &wire::proof_context(name)));
         std::io::Write::write_all(&mut &sock, &frame)?;
-        let mut b = [0u8; wire::HEADER_BYTES];
         io::read_exact(&sock, &mut b)?;
         match wire::Header::decode(&b) {
             Ok(a) if a.kind == wire::Kind::HelloAck => Ok(sock),
-            Ok(a) => Err(std::io::Error::other(format!("expected a hello ack, got {:?}", a.kind))),
-            Err(e) => Err(std::io::Error::other(e)),
+            Ok(a) if a.kind == wire::Kind::Resp => {
+                let mut reason = vec![0u8; a.body_bytes()];
+                io::read_exact(&sock, &mut reason)?;
+                Err(std::io::Error::new(
+                    std::io::ErrorKind::PermissionDenied,
+                    format!("refused ({:?}): {}", a.status(), String::from_utf8_lossy(&reason)),
+                ))
+            }
+            Ok(a) => Err(bad(format!("expected a hello ack, got {:?}", a.kind))),
+            Err(e) => Err(bad(e.to_string())),
         }
     }
 }
@@ -223,27 +342,31 @@ impl Transport for TcpTransport {
         self.regions
             .write()
             .unwrap_or_else(|p| p.into_inner())
-            .insert(key, LocalRegion { addr: desc.addr, len_bytes: desc.len_bytes });
+            .insert(key, Arc::new(LocalRegion::new(desc.addr, desc.len_bytes)));
         Ok(Registration { lkey: LocalKey(key), rkey: RemoteKey(key) })
     }
 
     fn deregister(&mut self, lkey: LocalKey) -> Result<(), TransportError> {
-        // The write lock waits for service threads inside this region.
-        self.regions
+        // Out of the table first (new requests then fail with UnknownKey),
+        // then wait for the requests inside the region: bounded by their
+        // deadline (`service::request_limit`), never by a peer's pace.
+        let region = self
+            .regions
             .write()
             .unwrap_or_else(|p| p.into_inner())
             .remove(&lkey.0)
-            .map(|_| ())
-            .ok_or(TransportError::UnknownLocalKey(lkey))
+            .ok_or(TransportError::UnknownLocalKey(lkey))?;
+        region.wait_idle();
+        Ok(())
     }
 
     fn connection_info(&self) -> Vec<u8> {
-        postcard::to_allocvec(&TcpInfo { version: wire::PROTOCOL_VERSION, addr: self.advertise.clone() })
-            .expect("plain data encodes")
+        TcpConnectionInfo { version: wire::PROTOCOL_VERSION, addr: self.advertise.clone(), secret: self.secret.clone() }
+            .encode()
     }
 
     fn connect(&mut self, peer_name: &str, info: &[u8], _regions: &[RemoteRegion]) -> Result<PeerId, TransportError> {
-        let info: TcpInfo = postcard::from_bytes(info).map_err(|e| TransportError::BadConnectionInfo(e.to_string()))?;
+        let info = TcpConnectionInfo::decode(info)?;
         let cerr = |reason: String| TransportError::Connect { peer: peer_name.to_string(), reason };
         if info.version != wire::PROTOCOL_VERSION {
             return Err(cerr(format!(
@@ -260,7 +383,7 @@ impl Transport for TcpTransport {
             .ok_or_else(|| TransportError::BadConnectionInfo(format!("{} resolves to nothing", info.addr)))?;
         let mut socks = Vec::with_capacity(self.conns_per_peer);
         for i in 0..self.conns_per_peer {
-            socks.push(self.open(&addr, i).map_err(|e| cerr(format!("{addr}: {e}")))?);
+            socks.push(self.open(&addr, i, &info.secret).map_err(|e| cerr(format!("{addr}: {e}")))?);
         }
         let clones = socks.iter().map(TcpStream::try_clone).collect::<Result<Vec<_>, _>>();
         let shared = Arc::new(PeerShared {
@@ -299,14 +422,16 @@ impl Transport for TcpTransport {
 
     fn post(&mut self, req: PostRequest) -> Result<(), TransportError> {
         let peer = self.peers.get(&req.peer.0).ok_or(TransportError::NotConnected(req.peer))?;
+        if !peer.shared.dead.load(Ordering::Acquire)
+            && let Some(why) = peer.shared.probe()
+        {
+            peer.shared.kill(why);
+        }
         if peer.shared.dead.load(Ordering::Acquire) {
             return Err(TransportError::PeerDisconnected(peer.shared.failure().to_string()));
         }
-        if req.notification.as_ref().is_some_and(|n| n.len() > wire::MAX_NOTIFICATION_BYTES as usize) {
-            return Err(TransportError::Post(format!(
-                "notification larger than {} bytes",
-                wire::MAX_NOTIFICATION_BYTES
-            )));
+        if req.notification.as_ref().is_some_and(|n| n.len() > MAX_NOTIFICATION_BYTES) {
+            return Err(TransportError::Post(format!("notification larger than {MAX_NOTIFICATION_BYTES} bytes")));
         }
         let Some(jobs) = &peer.jobs else {
             return Err(TransportError::NotConnected(req.peer));

@@ -1,38 +1,77 @@
 //! The target side: a listener thread and one service thread per accepted
-//! connection. A service thread answers READ/WRITE requests against the
-//! registered regions only (key and bounds checked, under the region
-//! table's read lock so a region cannot be deregistered mid-access) and
-//! queues notifications. Anything else is refused and logged.
+//! connection. Every connection starts with a challenge: the target sends a
+//! random nonce and serves nothing until the initiator proves it knows the
+//! agent secret published in the connection info (`auth::prove`); a missing
+//! or wrong proof is refused (status `DENIED`), logged and the connection
+//! closed. A service thread then answers READ/WRITE requests against the
+//! registered regions only (key and bounds checked) and queues
+//! notifications. Anything else is refused and logged.
+//!
+//! No lock is held across socket I/O of the region table: a request looks its
+//! regions up under the table's read lock for a moment and holds only those
+//! regions' own `busy` read locks while it moves data; `deregister` removes the
+//! region from the table first, then waits for the region's `busy` write lock.
+//! Every request has a deadline ([`request_limit`]), so a peer that trickles
+//! bytes cannot make `deregister`, or anyone else, wait without bound.
 
 use std::collections::HashMap;
 use std::io::{self, Read, Write};
-use std::net::{TcpListener, TcpStream};
+use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::os::fd::AsRawFd;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex, RwLock};
+use std::sync::{Arc, Mutex, RwLock, RwLockReadGuard};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
-use super::io::{self as tio, Range};
+use super::io::{self as tio, Deadline, Range};
 use super::wire::{self, Header, Kind, SegmentDesc, Status};
+use crate::transport::auth::{self, AgentSecret, Nonce};
 use crate::transport::{Notification, TransportError};
 
+/// Slowest data rate a request may have before its deadline cuts it off
+/// (bytes per second): see [`request_limit`].
+pub const MIN_REQUEST_RATE: u64 = 16 << 20;
+
+/// The longest a request carrying `len` data bytes may take, from its header
+/// to its response: `peer_timeout` + `len` / [`MIN_REQUEST_RATE`] (a 4 MiB
+/// chunk: `peer_timeout` + 0.25 s). Past it the connection is dropped.
+pub fn request_limit(peer_timeout: Duration, len: u64) -> Duration {
+    peer_timeout + Duration::from_secs_f64(len as f64 / MIN_REQUEST_RATE as f64)
+}
+
 /// A registered local region, as the service checks requests against it.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug)]
 pub struct LocalRegion {
     /// Start address (bytes).
     pub addr: u64,
     /// Length (bytes).
     pub len_bytes: u64,
+    /// Read-held by each request that moves data in the region.
+    busy: RwLock<()>,
 }
 
-/// Regions by remote key. Service threads hold the read lock while they
-/// touch a region's memory; `deregister` takes the write lock.
-pub type RegionTable = Arc<RwLock<HashMap<u32, LocalRegion>>>;
+impl LocalRegion {
+    /// A region of `len_bytes` at `addr`.
+    pub fn new(addr: u64, len_bytes: u64) -> Self {
+        Self { addr, len_bytes, busy: RwLock::new(()) }
+    }
+
+    /// Wait until no request touches the region (call after removing it
+    /// from the table, so no new request can find it). Bounded by the
+    /// deadline of the requests in progress.
+    pub fn wait_idle(&self) {
+        drop(self.busy.write().unwrap_or_else(|p| p.into_inner()));
+    }
+}
+
+/// Regions by remote key. Looked up under the read lock for a moment; see
+/// the module docs.
+pub type RegionTable = Arc<RwLock<HashMap<u32, Arc<LocalRegion>>>>;
 /// Notifications received, drained by `take_notifications`.
 pub type NotifQueue = Arc<Mutex<Vec<Notification>>>;
 
 struct Shared {
+    secret: AgentSecret,
     regions: RegionTable,
     notifs: NotifQueue,
     stopping: AtomicBool,
@@ -54,12 +93,14 @@ impl Service {
     /// [`TransportError::Io`] when the thread cannot be spawned.
     pub fn start(
         listener: TcpListener,
+        secret: AgentSecret,
         regions: RegionTable,
         notifs: NotifQueue,
         timeout: Duration,
     ) -> Result<Self, TransportError> {
         let listener = Arc::new(listener);
         let shared = Arc::new(Shared {
+            secret,
             regions,
             notifs,
             stopping: AtomicBool::new(false),
@@ -105,7 +146,7 @@ fn accept_loop(listener: &TcpListener, shared: &Arc<Shared>) {
         };
         let s = shared.clone();
         let spawned = std::thread::Builder::new().name("kvwire-tcp-serve".into()).spawn(move || {
-            if let Err(e) = serve_conn(&stream, &s) {
+            if let Err(e) = serve_conn(&stream, &s, from) {
                 tracing::debug!("tcp: connection from {from} ended: {e}");
             }
             // `conns` holds a clone: close explicitly so the peer sees it now.
@@ -120,16 +161,6 @@ fn accept_loop(listener: &TcpListener, shared: &Arc<Shared>) {
             Err(e) => tracing::warn!("tcp: cannot serve {from}: {e}"),
         }
     }
-}
-
-fn protocol(e: wire::WireError) -> io::Error {
-    io::Error::new(io::ErrorKind::InvalidData, e)
-}
-
-fn read_header(sock: &TcpStream) -> io::Result<Header> {
-    let mut b = [0u8; wire::HEADER_BYTES];
-    tio::read_exact(sock, &mut b)?;
-    Header::decode(&b).map_err(protocol)
 }
 
 /// Wait for the first byte of the next request; idle time is not a failure.
@@ -159,21 +190,59 @@ fn respond(mut sock: &TcpStream, id: u64, status: Status, reason: &str) -> io::R
     sock.write_all(&frame)
 }
 
-fn serve_conn(sock: &TcpStream, shared: &Shared) -> io::Result<()> {
+/// The challenge/response: send a nonce, check the hello's proof. The
+/// connecting agent's name once it proved it knows the secret, `None` when
+/// it was refused (logged; the caller closes the connection).
+fn handshake(sock: &TcpStream, shared: &Shared, from: SocketAddr) -> io::Result<Option<String>> {
+    let nonce = Nonce::random().map_err(io::Error::other)?;
+    let ch = Header { kind: Kind::Challenge, count: wire::NONCE_BYTES, id: wire::MAGIC_VERSION, len: 0 };
+    let mut frame = ch.encode().to_vec();
+    frame.extend_from_slice(&nonce.0);
+    (&*sock).write_all(&frame)?;
+    // The whole handshake within one peer_timeout.
+    let deadline = Deadline::new(shared.timeout, shared.timeout);
+    let mut b = [0u8; wire::HEADER_BYTES];
+    tio::read_exact_by(sock, &mut b, &deadline)?;
+    let hello = match Header::decode(&b) {
+        Ok(h) if h.kind == Kind::Hello => h,
+        Ok(h) => {
+            tracing::warn!("tcp: refused {from}: sent {:?} before proving it knows the agent secret", h.kind);
+            let _ = respond(sock, h.id, Status::Denied, "authentication required: answer the challenge first");
+            return Ok(None);
+        }
+        Err(e) => {
+            tracing::warn!("tcp: refused {from}: bad hello ({e})");
+            let _ = respond(sock, 0, Status::Denied, &format!("bad hello: {e}"));
+            return Ok(None);
+        }
+    };
+    let mut body = vec![0u8; hello.body_bytes()];
+    tio::read_exact_by(sock, &mut body, &deadline)?;
+    let (name, proof) = body.split_at(hello.count as usize);
+    if !auth::verify(&shared.secret, &nonce, &wire::proof_context(name), proof) {
+        let claimed = String::from_utf8_lossy(name);
+        tracing::warn!("tcp: refused {from} (says it is agent {claimed:?}): wrong proof of the agent secret");
+        let _ = respond(sock, 0, Status::Denied, "wrong proof of the agent secret");
+        return Ok(None);
+    }
+    deadline.restore(sock)?;
+    let Ok(agent) = String::from_utf8(name.to_vec()) else {
+        tracing::warn!("tcp: refused {from}: agent name not UTF-8");
+        let _ = respond(sock, 0, Status::Protocol, "agent name not UTF-8");
+        return Ok(None);
+    };
+    let ack = Header { kind: Kind::HelloAck, count: 0, id: wire::MAGIC_VERSION, len: 0 };
+    (&*sock).write_all(&ack.encode())?;
+    Ok(Some(agent))
+}
+
+fn serve_conn(sock: &TcpStream, shared: &Shared, from: SocketAddr) -> io::Result<()> {
     sock.set_nodelay(true)?;
     sock.set_read_timeout(Some(shared.timeout))?;
     sock.set_write_timeout(Some(shared.timeout))?;
-    let hello = read_header(sock)?;
-    if hello.kind != Kind::Hello {
-        tracing::warn!("tcp: expected a hello, got {:?}; dropping the connection", hello.kind);
+    let Some(agent) = handshake(sock, shared, from)? else {
         return Ok(());
-    }
-    let mut name = vec![0u8; hello.body_bytes()];
-    tio::read_exact(sock, &mut name)?;
-    let agent =
-        String::from_utf8(name).map_err(|_| io::Error::new(io::ErrorKind::InvalidData, "agent name not UTF-8"))?;
-    let ack = Header { kind: Kind::HelloAck, count: 0, id: wire::MAGIC_VERSION, len: 0 };
-    (&*sock).write_all(&ack.encode())?;
+    };
 
     let mut body = Vec::new();
     let mut segs: Vec<SegmentDesc> = Vec::new();
@@ -185,7 +254,9 @@ fn serve_conn(sock: &TcpStream, shared: &Shared) -> io::Result<()> {
             return Ok(());
         }
         hdr[0] = first[0];
-        tio::read_exact(sock, &mut hdr[1..])?;
+        let head_deadline = Deadline::new(shared.timeout, shared.timeout);
+        tio::read_exact_by(sock, &mut hdr[1..], &head_deadline)?;
+        head_deadline.restore(sock)?;
         let h = match Header::decode(&hdr) {
             Ok(h) => h,
             Err(e) => {
@@ -194,8 +265,9 @@ fn serve_conn(sock: &TcpStream, shared: &Shared) -> io::Result<()> {
                 return Ok(());
             }
         };
+        let deadline = Deadline::new(request_limit(shared.timeout, h.len), shared.timeout);
         body.resize(h.body_bytes(), 0);
-        tio::read_exact(sock, &mut body)?;
+        tio::read_exact_by(sock, &mut body, &deadline)?;
         match h.kind {
             Kind::Write | Kind::Read => {
                 if let Err(e) = wire::decode_segments(&h, &body, &mut segs) {
@@ -203,7 +275,7 @@ fn serve_conn(sock: &TcpStream, shared: &Shared) -> io::Result<()> {
                     let _ = respond(sock, h.id, Status::Protocol, &e.to_string());
                     return Ok(());
                 }
-                serve_data(sock, shared, &agent, &h, &segs, &mut ranges)?;
+                serve_data(sock, shared, &agent, &h, &segs, &mut ranges, &deadline)?;
             }
             Kind::Notify => {
                 shared
@@ -219,27 +291,41 @@ fn serve_conn(sock: &TcpStream, shared: &Shared) -> io::Result<()> {
                 return Ok(());
             }
         }
+        deadline.restore(sock)?;
     }
 }
 
-/// Check every segment against the region table; the reason for the first
+/// Check every segment against the region table and collect the regions
+/// the request touches (each once); the status and reason for the first
 /// violation, if any.
-fn check(table: &HashMap<u32, LocalRegion>, segs: &[SegmentDesc], ranges: &mut Vec<Range>) -> Option<String> {
+fn check(
+    table: &HashMap<u32, Arc<LocalRegion>>,
+    segs: &[SegmentDesc],
+    ranges: &mut Vec<Range>,
+    held: &mut Vec<(u32, Arc<LocalRegion>)>,
+) -> Result<(), (Status, String)> {
     ranges.clear();
+    held.clear();
     for s in segs {
         let Some(r) = table.get(&s.rkey) else {
-            return Some(format!("remote access error: unknown rkey {}", s.rkey));
+            return Err((Status::UnknownKey, format!("remote access error: unknown rkey {}", s.rkey)));
         };
         let inside = s.addr >= r.addr && s.addr.checked_add(s.len_bytes).is_some_and(|e| e <= r.addr + r.len_bytes);
         if !inside {
-            return Some(format!(
-                "remote access error: {:#x}+{} outside rkey {} ({:#x}+{})",
-                s.addr, s.len_bytes, s.rkey, r.addr, r.len_bytes
+            return Err((
+                Status::OutOfBounds,
+                format!(
+                    "remote access error: {:#x}+{} outside rkey {} ({:#x}+{})",
+                    s.addr, s.len_bytes, s.rkey, r.addr, r.len_bytes
+                ),
             ));
+        }
+        if !held.iter().any(|(k, _)| *k == s.rkey) {
+            held.push((s.rkey, r.clone()));
         }
         ranges.push((s.addr, s.len_bytes));
     }
-    None
+    Ok(())
 }
 
 fn serve_data(
@@ -249,34 +335,46 @@ fn serve_data(
     h: &Header,
     segs: &[SegmentDesc],
     ranges: &mut Vec<Range>,
+    deadline: &Deadline,
 ) -> io::Result<()> {
+    let mut held = Vec::new();
     let table = shared.regions.read().unwrap_or_else(|p| p.into_inner());
-    if let Some(why) = check(&table, segs, ranges) {
+    if let Err((status, why)) = check(&table, segs, ranges, &mut held) {
         drop(table);
         tracing::warn!("tcp: refused a {:?} from {agent}: {why}", h.kind);
         if h.kind == Kind::Write {
-            tio::drain(sock, h.len)?;
+            tio::drain(sock, h.len, Some(deadline))?;
         }
-        return respond(sock, h.id, Status::RemoteAccess, &why);
+        return respond(sock, h.id, status, &why);
     }
+    // Taken while the table is read-locked, so `deregister` (which removes
+    // the region under the write lock before it waits for `busy`) either
+    // sees these guards or the request never found the region.
+    let guards: Vec<RwLockReadGuard<'_, ()>> =
+        held.iter().map(|(_, r)| r.busy.read().unwrap_or_else(|p| p.into_inner())).collect();
+    drop(table);
     let never = AtomicBool::new(false);
-    match h.kind {
+    let r = match h.kind {
         Kind::Write => {
             // SAFETY: every range lies inside a registered region (checked
             // above) whose memory its owner keeps alive until deregister,
-            // which waits for the read lock we hold. No Rust reference here
-            // aliases it; concurrent access by the application follows the
-            // one-sided contract (it must not touch a transfer's target).
-            unsafe { tio::read_ranges(sock, ranges, &never)? };
-            drop(table);
-            respond(sock, h.id, Status::Ok, "")
+            // which waits for the `busy` guards we hold. No Rust reference
+            // here aliases it; concurrent access by the application follows
+            // the one-sided contract (it must not touch a transfer's target).
+            unsafe { tio::read_ranges(sock, ranges, &never, Some(deadline)) }.map(|_| ())
         }
         _ => {
             let resp = Header { kind: Kind::Resp, count: Status::Ok as u32, id: h.id, len: h.len };
             // SAFETY: as above; writev only reads the ranges.
-            let r = unsafe { tio::write_ranges(sock, &resp.encode(), ranges) };
-            drop(table);
-            r
+            unsafe { tio::write_ranges(sock, &resp.encode(), ranges, Some(deadline)) }
         }
+    };
+    drop(guards);
+    if let Err(e) = &r
+        && e.kind() == io::ErrorKind::TimedOut
+    {
+        tracing::warn!("tcp: a {:?} from {agent} ran past its deadline; dropping the connection", h.kind);
     }
+    r?;
+    if h.kind == Kind::Write { respond(sock, h.id, Status::Ok, "") } else { Ok(()) }
 }

@@ -1,10 +1,13 @@
 //! The `tcp` wire format: fixed 24-byte little-endian frame headers, then a
-//! bounded body. Version 1.
+//! bounded body. Version 2.
 //!
 //! ```text
 //! header  = kind:u8 flags:u8 reserved:u16 count:u32 id:u64 len:u64   (24 bytes)
-//! HELLO     c→s  count = name bytes (1..=255), id = MAGIC_VERSION, len = connection index; body: name
-//! HELLO_ACK s→c  id = MAGIC_VERSION
+//! CHALLENGE s→c  first frame of every connection: count = NONCE_BYTES, id = MAGIC_VERSION; body: nonce
+//! HELLO     c→s  count = name bytes (1..=255), id = MAGIC_VERSION, len = connection index;
+//!                body: name, then PROOF_BYTES of `auth::prove(target secret, nonce, proof_context(name))`
+//! HELLO_ACK s→c  id = MAGIC_VERSION (the proof was right; anything else is refused
+//!                with RESP status DENIED and the connection closed)
 //! WRITE     c→s  count = segments (1..=MAX_SEGMENTS), id = request id, len = data bytes
 //!                body: count × SegmentDesc (20 bytes), then `len` data bytes
 //! READ      c→s  as WRITE without the data
@@ -13,14 +16,17 @@
 //!                status OK: READ data (`len` = the request's `len`), else nothing;
 //!                status ≠ OK: a UTF-8 reason of at most MAX_REASON_BYTES
 //! ```
+//! Statuses are typed ([`Status`]): unknown key, out of bounds, denied and
+//! protocol errors map one to one onto [`crate::transport::FailureKind`]s,
+//! so no side parses the reason text.
 //! Every length a peer sends is checked against a limit before anything is
 //! allocated or read, so a hostile or buggy peer cannot make either side
 //! allocate more than [`MAX_SEGMENTS`] × 20 bytes per request.
 
 /// `b"KVWT"` in the high 32 bits, the protocol version in the low 16.
 pub const MAGIC_VERSION: u64 = (0x4B56_5754u64 << 32) | PROTOCOL_VERSION as u64;
-/// Wire protocol version.
-pub const PROTOCOL_VERSION: u16 = 1;
+/// Wire protocol version (2: challenge/response authentication, typed statuses).
+pub const PROTOCOL_VERSION: u16 = 2;
 /// Size of a frame header (bytes).
 pub const HEADER_BYTES: usize = 24;
 /// Size of one segment descriptor on the wire (bytes).
@@ -30,8 +36,12 @@ pub const SEGMENT_DESC_BYTES: usize = 20;
 pub const MAX_SEGMENTS: u32 = 1024;
 /// Most data bytes in one request (64 MiB).
 pub const MAX_REQUEST_BYTES: u64 = 64 << 20;
-/// Largest notification payload (bytes).
-pub const MAX_NOTIFICATION_BYTES: u32 = 64 << 10;
+/// Largest notification payload (bytes): the same on every backend.
+pub const MAX_NOTIFICATION_BYTES: u32 = crate::transport::MAX_NOTIFICATION_BYTES as u32;
+/// Bytes of the challenge nonce.
+pub const NONCE_BYTES: u32 = crate::transport::auth::NONCE_BYTES as u32;
+/// Bytes of the proof that follows the name in a hello.
+pub const PROOF_BYTES: usize = crate::transport::auth::PROOF_BYTES;
 /// Longest agent name in a hello (bytes).
 pub const MAX_NAME_BYTES: u32 = 255;
 /// Longest error reason in a response (bytes).
@@ -53,6 +63,16 @@ pub enum Kind {
     Notify = 5,
     /// The target's answer to any request.
     Resp = 6,
+    /// The target's nonce, first frame of every connection.
+    Challenge = 7,
+}
+
+/// The context a hello's proof is bound to: the backend and the connecting
+/// agent's name, so a proof for one agent cannot be replayed for another.
+pub fn proof_context(name: &[u8]) -> Vec<u8> {
+    let mut c = b"tcp/".to_vec();
+    c.extend_from_slice(name);
+    c
 }
 
 /// Response status codes.
@@ -61,18 +81,28 @@ pub enum Kind {
 pub enum Status {
     /// Done.
     Ok = 0,
-    /// A segment named an unknown key or left its region; nothing was accessed.
-    RemoteAccess = 1,
+    /// A segment named a key the target has not registered (or no longer);
+    /// nothing was accessed.
+    UnknownKey = 1,
     /// The request broke the protocol.
     Protocol = 2,
+    /// A segment left the region its key names; nothing was accessed.
+    OutOfBounds = 3,
+    /// The hello's proof was missing or wrong; nothing is served.
+    Denied = 4,
 }
 
 impl Status {
+    /// The largest status value.
+    pub const MAX: u32 = Status::Denied as u32;
+
     fn from_u32(v: u32) -> Option<Self> {
         match v {
             0 => Some(Self::Ok),
-            1 => Some(Self::RemoteAccess),
+            1 => Some(Self::UnknownKey),
             2 => Some(Self::Protocol),
+            3 => Some(Self::OutOfBounds),
+            4 => Some(Self::Denied),
             _ => None,
         }
     }
@@ -155,6 +185,7 @@ impl Header {
             4 => Kind::Read,
             5 => Kind::Notify,
             6 => Kind::Resp,
+            7 => Kind::Challenge,
             k => return Err(WireError::UnknownKind(k)),
         };
         if b[1..4] != [0, 0, 0] {
@@ -173,6 +204,19 @@ impl Header {
                 }
                 limit("name bytes", count as u64, MAX_NAME_BYTES as u64)?;
                 limit("connection index", len, 1 << 16)?;
+            }
+            Kind::Challenge => {
+                if id != MAGIC_VERSION {
+                    return Err(WireError::Version(id));
+                }
+                if count != NONCE_BYTES {
+                    return Err(WireError::Limit {
+                        what: "nonce bytes",
+                        value: count as u64,
+                        limit: NONCE_BYTES as u64,
+                    });
+                }
+                limit("challenge length", len, 0)?;
             }
             Kind::HelloAck => {
                 if id != MAGIC_VERSION {
@@ -196,7 +240,7 @@ impl Header {
                 let status = Status::from_u32(count).ok_or(WireError::Limit {
                     what: "status",
                     value: count as u64,
-                    limit: Status::Protocol as u64,
+                    limit: Status::MAX as u64,
                 })?;
                 let max = if status == Status::Ok { MAX_REQUEST_BYTES } else { MAX_REASON_BYTES };
                 limit("response bytes", len, max)?;
@@ -211,11 +255,12 @@ impl Header {
     }
 
     /// Bytes of body that follow this header before any data: segment
-    /// descriptors, a name, a payload or a reason.
+    /// descriptors, a name and proof, a nonce, a payload or a reason.
     pub fn body_bytes(&self) -> usize {
         match self.kind {
             Kind::Write | Kind::Read => self.count as usize * SEGMENT_DESC_BYTES,
-            Kind::Hello | Kind::Notify => self.count as usize,
+            Kind::Hello => self.count as usize + PROOF_BYTES,
+            Kind::Notify | Kind::Challenge => self.count as usize,
             Kind::HelloAck => 0,
             Kind::Resp if self.status() != Status::Ok => self.len as usize,
             Kind::Resp => 0,

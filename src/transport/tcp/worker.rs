@@ -9,6 +9,7 @@
 
 use std::io::{self, Write};
 use std::net::TcpStream;
+use std::os::fd::AsRawFd;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 
@@ -46,6 +47,26 @@ impl PeerShared {
         for s in self.streams.lock().unwrap_or_else(|p| p.into_inner()).iter() {
             let _ = s.shutdown(std::net::Shutdown::Both);
         }
+    }
+
+    /// Check the connections without blocking: a connection the peer closed
+    /// (end of stream with nothing left to read) or reset means the peer is
+    /// dead. `MSG_PEEK` leaves any bytes for the worker reading them.
+    pub fn probe(&self) -> Option<TransferFailure> {
+        use nix::sys::socket::{MsgFlags, recv};
+        let streams = self.streams.lock().unwrap_or_else(|p| p.into_inner());
+        let mut b = [0u8; 1];
+        for s in streams.iter() {
+            match recv(s.as_raw_fd(), &mut b, MsgFlags::MSG_PEEK | MsgFlags::MSG_DONTWAIT) {
+                Ok(0) => return Some(TransferFailure::peer_died(format!("peer {} closed its connection", self.name))),
+                Ok(_) | Err(nix::errno::Errno::EAGAIN | nix::errno::Errno::EINTR) => {}
+                Err(e) => {
+                    let e = io::Error::from(e);
+                    return Some(TransferFailure::from_io(&e, format!("peer {}", self.name)));
+                }
+            }
+        }
+        None
     }
 
     /// The failure message for transfers to a dead peer.
@@ -95,15 +116,16 @@ impl From<io::Error> for ReqError {
     }
 }
 
-/// The typed failure for a target's `RemoteAccess` refusal (its text names
-/// the rule: "unknown rkey …" or "… outside rkey …").
-fn remote_refusal(reason: String) -> TransferFailure {
-    let why = if reason.contains("unknown") || reason.contains("deregistered") {
-        RemoteAccessKind::UnknownKey
-    } else {
-        RemoteAccessKind::OutOfBounds
-    };
-    TransferFailure::remote_access(why, reason)
+/// The typed failure for a target's refusal, from its wire status alone
+/// (the reason text is only the detail).
+fn refusal(status: Status, reason: String) -> ReqError {
+    let access = |k| ReqError::Remote(TransferFailure::remote_access(k, reason.clone()));
+    match status {
+        Status::UnknownKey => access(RemoteAccessKind::UnknownKey),
+        Status::OutOfBounds => access(RemoteAccessKind::OutOfBounds),
+        Status::Denied => access(RemoteAccessKind::Denied),
+        _ => ReqError::Conn(io::Error::new(io::ErrorKind::InvalidData, format!("peer refused: {reason}"))),
+    }
 }
 
 /// State a worker keeps across requests.
@@ -130,15 +152,17 @@ impl Conn {
             let mut reason = vec![0u8; h.body_bytes()];
             tio::read_exact(&self.sock, &mut reason)?;
             let reason = String::from_utf8_lossy(&reason).into_owned();
-            return Err(match h.status() {
-                Status::RemoteAccess => ReqError::Remote(remote_refusal(reason)),
-                _ => ReqError::Conn(io::Error::new(io::ErrorKind::InvalidData, format!("peer refused: {reason}"))),
-            });
+            return Err(refusal(h.status(), reason));
         }
         Ok(h)
     }
 
     fn transfer(&mut self, x: &XferShared, segs: &[Segment]) -> Result<(), ReqError> {
+        if segs.is_empty() {
+            // An empty descriptor list moves nothing: only its notification
+            // goes out (as shm and NIXL's notification-only transfers).
+            return Ok(());
+        }
         self.next_id += 1;
         let id = self.next_id;
         let len: u64 = segs.iter().map(|s| s.len_bytes).sum();
@@ -157,7 +181,7 @@ impl Conn {
                 // SAFETY: the engine checked every local range against a live
                 // registration and keeps it registered until this transfer is
                 // terminal or cancelled; cancel waits for this chunk.
-                unsafe { tio::write_ranges(&self.sock, &self.head, &self.ranges)? };
+                unsafe { tio::write_ranges(&self.sock, &self.head, &self.ranges, None)? };
                 self.response(id)?;
             }
             Op::Read => {
@@ -173,7 +197,7 @@ impl Conn {
                 // the application does not touch while the READ is in
                 // progress, and `read_ranges` stops writing into them once
                 // `cancelled` is set (cancel waits for this call to return).
-                unsafe { tio::read_ranges(&self.sock, &self.ranges, &x.core.cancelled)? };
+                unsafe { tio::read_ranges(&self.sock, &self.ranges, &x.core.cancelled, None)? };
             }
         }
         Ok(())

@@ -334,7 +334,7 @@ impl Transport for VerbsTransport {
         let pd = &self.inner.pd;
         let mr = match d.kind {
             // GPU memory: dma-buf, then the plain pointer (nvidia-peermem),
-            // else an error naming both causes (SEMANTICS §6).
+            // else an error naming both causes (the chain of `cuda::register`).
             MemoryKind::Vram => {
                 let dmabuf = backing.dmabuf_fd().ok_or_else(|| "the memory exports no dma-buf".to_string());
                 crate::cuda::register_with_fallback(

@@ -19,7 +19,6 @@ mod report;
 pub mod trace;
 
 use std::path::PathBuf;
-use std::process::{Command, Stdio};
 use std::time::Duration;
 
 use anyhow::{Context, Result};
@@ -242,13 +241,16 @@ pub fn exchange_metadata(
 ) -> Result<(kvwire::kv::KVTransferEngineMetadata, Option<kvwire::discovery::EtcdStore>)> {
     use kvwire::kv::KVTransferEngineMetadata as Md;
     let mut store = match etcd {
-        Some((url, prefix)) => Some(kvwire::discovery::EtcdStore::connect(url, prefix, Duration::from_secs(10))?),
+        Some((url, prefix)) => Some(
+            kvwire::discovery::EtcdStore::connect(url, prefix, Duration::from_secs(10))
+                .with_context(|| format!("connecting to etcd at {url}"))?,
+        ),
         None => None,
     };
     let send = |chan: &mut SideChannel, store: &mut Option<kvwire::discovery::EtcdStore>| -> Result<()> {
         match store {
             Some(s) => {
-                s.publish_bytes(&mine.name, &mine.to_bytes())?;
+                s.publish_bytes(&mine.name, &mine.to_bytes()).context("publishing the engine's metadata in etcd")?;
                 chan.send(&Msg::Meta(Vec::new()))?;
             }
             None => chan.send(&Msg::Meta(mine.to_bytes()))?,
@@ -258,7 +260,9 @@ pub fn exchange_metadata(
     let recv = |chan: &mut SideChannel, store: &mut Option<kvwire::discovery::EtcdStore>| -> Result<Md> {
         let Msg::Meta(bytes) = chan.recv()? else { anyhow::bail!("expected the {their_name} engine's metadata") };
         let bytes = match store {
-            Some(s) if bytes.is_empty() => s.lookup_bytes(their_name, Duration::from_secs(30))?,
+            Some(s) if bytes.is_empty() => s
+                .lookup_bytes(their_name, Duration::from_secs(30))
+                .with_context(|| format!("waiting up to 30 s for the {their_name} engine's entry in etcd"))?,
             _ => bytes,
         };
         Ok(Md::from_bytes(&bytes)?)
@@ -287,18 +291,10 @@ pub fn default_trace() -> PathBuf {
 /// `kvwire replay`.
 pub fn run(a: ReplayArgs) -> Result<()> {
     let (l, addr) = SideChannel::bind("127.0.0.1:0")?;
-    let exe = std::env::current_exe()?;
-    let mut child = Command::new(exe)
-        .args(["replay-decode", "--connect", &addr.to_string()])
-        .stdin(Stdio::null())
-        .spawn()
-        .context("starting the decode process")?;
+    let child = crate::child::Child::spawn("decode", &["replay-decode", "--connect", &addr.to_string()])?;
     let chan = SideChannel::accept(&l)?;
     chan.set_read_timeout(Some(Duration::from_secs(300)))?;
-    let result = prefill::run(&a, chan);
-    let status = child.wait();
-    let report = result?;
-    status.context("waiting for the decode process")?;
+    let report = child.finish(prefill::run(&a, chan))?;
     report::print(&report, a.json);
     if !report.verified {
         anyhow::bail!("replay failed: {} bad pages, {} failed transfers", report.bad_pages, report.failed);

@@ -117,6 +117,9 @@ pub fn run(a: &ReplayArgs, mut chan: SideChannel) -> Result<Report> {
     if a.layers == 0 || a.layers > model.layers {
         bail!("--layers must be 1..={} for {}", model.layers, model.name);
     }
+    if a.requests == Some(0) {
+        bail!("--requests must be at least 1 (it replays the first N requests of the trace)");
+    }
     if a.page_tokens == 0 || a.tp == 0 || a.dp == 0 || a.inflight == 0 || a.decode_tp == Some(0) {
         bail!("--page-tokens, --tp, --decode-tp, --dp and --inflight must be at least 1");
     }
@@ -144,6 +147,21 @@ pub fn run(a: &ReplayArgs, mut chan: SideChannel) -> Result<Report> {
     if largest >= prefill_pages || largest >= a.decode_pages {
         bail!("the largest request needs {largest} pages: raise --prefill-pages/--decode-pages or --page-tokens");
     }
+    let pool = |pages: u64, bpp: u64, tp: usize| pages as u128 * bpp as u128 * tp as u128 * a.dp as u128;
+    let (prefill_bytes, decode_bytes) =
+        (pool(prefill_pages, prefill_bpp, a.tp), pool(a.decode_pages, decode_bpp, decode_tp));
+    let tier_bytes = if a.connector == "host" { (a.host_tier_gib * (1u64 << 30) as f64) as u128 } else { 0 };
+    crate::memcheck::check(
+        "replay",
+        prefill_bytes + decode_bytes + tier_bytes,
+        &format!(
+            "prefill pool {:.1} GiB + decode pool {:.1} GiB + host tier {:.1} GiB",
+            prefill_bytes as f64 / (1u64 << 30) as f64,
+            decode_bytes as f64 / (1u64 << 30) as f64,
+            tier_bytes as f64 / (1u64 << 30) as f64
+        ),
+        "use fewer --decode-pages/--prefill-pages, fewer --layers, or a smaller --host-tier-gib",
+    )?;
     let geometry = Geometry { bytes_per_page: decode_bpp, decode_tp, prefill_tp: a.tp, dp: a.dp, mla: model.mla };
     chan.send(&Msg::Setup {
         geometry: geometry.clone(),
@@ -202,7 +220,29 @@ pub fn run(a: &ReplayArgs, mut chan: SideChannel) -> Result<Report> {
     };
     let mut all_hashes: Vec<Vec<u64>> = Vec::new();
     let mut pinned: Vec<(usize, Vec<u64>, kvwire::connector::KVConnectorTransfer)> = Vec::new();
+    // Where the bar is not drawn (stderr not a terminal: CI, a log file),
+    // one line every 5 s instead, so a long run is never silent.
+    let lines = !a.json && !std::io::IsTerminal::is_terminal(&std::io::stderr());
+    if !a.json {
+        eprintln!(
+            "replay: {} requests from {}; progress: requests verified, GB moved (1 GB = 1e9 bytes), GB/s since the start",
+            reqs.len(),
+            path.display()
+        );
+    }
+    let mut last_line = Instant::now();
     while verified < reqs.len() {
+        if lines && last_line.elapsed() >= Duration::from_secs(5) {
+            last_line = Instant::now();
+            let secs = started.elapsed().as_secs_f64();
+            eprintln!(
+                "replay: {:>6.0} s  {verified}/{} requests  {:.1} GB  {:.2} GB/s",
+                secs,
+                reqs.len(),
+                r.bytes as f64 / 1e9,
+                r.bytes as f64 / 1e9 / secs.max(1e-9)
+            );
+        }
         let mut progressed = false;
         // 1. admit arrivals
         while next < reqs.len() && open < a.inflight {
@@ -259,7 +299,9 @@ pub fn run(a: &ReplayArgs, mut chan: SideChannel) -> Result<Report> {
                 for (j, &p) in src.iter().enumerate().skip(hit) {
                     let corrupt = j == 0 && a.inject_bad_page == Some(id);
                     let key = shard_key(keys[j], s) ^ u64::from(corrupt);
-                    host.write_with((p * prefill_bpp) as usize, prefill_bpp as usize, |page| fill_page(page, key));
+                    let mut page = vec![0u8; prefill_bpp as usize];
+                    fill_page(&mut page, key);
+                    host.write((p * prefill_bpp) as usize, &page);
                 }
             }
             let offload = match tier.as_mut() {

@@ -116,6 +116,11 @@ pub fn print(r: &Report, json: bool) {
         r.decode_pool_capacity,
         r.verified
     );
+    println!(
+        "  GB = 1e9 bytes moved and verified (all shards); GB/s = GB / wall time; wire GB/s = GB / time with a \
+         transfer in flight;\n  p50/p99/max = transfer latency from post to completion; decode pool hw = most \
+         decode pages in use at once / pool size"
+    );
     if let Some(p) = &r.prefix {
         println!(
             "prefix reuse ({}): hit rate {:.1}% of {} full prefix pages (unlimited tier: {:.1}%; trace block repeats: {:.1}%), loaded {:.2} GB, computed {:.2} GB",

@@ -13,6 +13,7 @@ fn kind_strategy() -> impl Strategy<Value = Kind> {
         Just(Kind::Read),
         Just(Kind::Notify),
         Just(Kind::Resp),
+        Just(Kind::Challenge),
     ]
 }
 
@@ -30,6 +31,7 @@ proptest! {
                 Kind::Notify => prop_assert!(h.count <= MAX_NOTIFICATION_BYTES),
                 Kind::Resp => prop_assert!(h.len <= MAX_REQUEST_BYTES),
                 Kind::HelloAck => prop_assert!(h.count == 0 && h.len == 0),
+                Kind::Challenge => prop_assert!(h.count == NONCE_BYTES && h.len == 0),
             }
             prop_assert_eq!(Header::decode(&h.encode()), Ok(h));
         }
@@ -37,7 +39,7 @@ proptest! {
 
     #[test]
     fn headers_round_trip(kind in kind_strategy(), count in 0u32..2000, id: u64, len in 0u64..(1 << 27)) {
-        let id = if matches!(kind, Kind::Hello | Kind::HelloAck) { MAGIC_VERSION } else { id };
+        let id = if matches!(kind, Kind::Hello | Kind::HelloAck | Kind::Challenge) { MAGIC_VERSION } else { id };
         let h = Header { kind, count, id, len };
         // Either it decodes to itself or it is refused; never anything else.
         if let Ok(d) = Header::decode(&h.encode()) {
@@ -93,4 +95,11 @@ fn hostile_headers_are_refused() {
     assert!(matches!(h(6, 9, 1, 0), Err(WireError::Limit { .. })));
     assert!(matches!(h(0, 0, 0, 0), Err(WireError::UnknownKind(0))));
     assert!(h(4, 3, 9, 4096).is_ok());
+    assert!(matches!(h(7, 15, MAGIC_VERSION, 0), Err(WireError::Limit { .. })), "short nonce");
+    assert!(matches!(h(7, NONCE_BYTES, 1, 0), Err(WireError::Version(1))));
+    assert_eq!(h(1, 4, MAGIC_VERSION, 0).unwrap().body_bytes(), 4 + PROOF_BYTES, "a hello carries its proof");
+    for (v, st) in [(1, Status::UnknownKey), (2, Status::Protocol), (3, Status::OutOfBounds), (4, Status::Denied)] {
+        assert_eq!(h(6, v, 1, 0).unwrap().status(), st, "typed status {v}");
+    }
+    assert!(h(6, Status::MAX + 1, 1, 0).is_err());
 }

@@ -1,0 +1,358 @@
+"""`nixl._bindings.nixlAgent` over kvwire's `NixlCore`: NIXL's C++ agent
+surface (ai-dynamo/nixl `src/api/cpp/nixl.h`) as its pybind layer shows it
+to Python: methods return status codes or handles, and every status other
+than SUCCESS/IN_PROG raises its `nixl*Error`.
+
+One kvwire transport per agent. The plugins and the transport each picks:
+  KVWIRE_SHM -> shm, KVWIRE_TCP -> tcp, KVWIRE_VERBS -> verbs;
+  KVWIRE     -> $KVWIRE_TRANSPORT (shm|tcp|verbs), default shm;
+  UCX        -> $KVWIRE_NIXL_UCX (shm|tcp|verbs) when set; else verbs when an
+                RDMA port is ACTIVE (/sys/class/infiniband/*/ports/*/state);
+                else shm (one host). Across hosts without RDMA set
+                KVWIRE_NIXL_UCX=tcp.
+"""
+
+import glob
+import os
+
+import numpy as np
+
+from kvwire._kvwire import NixlCore, NixlCoreError
+
+from . import _bindings as B
+from ._errors import error_for, not_supported
+from ._listener import MetadataListener, fetch_metadata, send_frame
+from .logging import get_logger
+
+logger = get_logger(__name__)
+
+PLUGINS = ["UCX", "KVWIRE", "KVWIRE_SHM", "KVWIRE_TCP", "KVWIRE_VERBS"]
+_PLUGIN_PARAMS = {"num_threads": "0", "device_list": "", "peer_timeout_ms": "5000"}
+_MEMS = {B.DRAM_SEG: "DRAM", B.VRAM_SEG: "VRAM"}
+_ON = {"y", "yes", "1", "true", "on", "enable", "enabled"}
+
+
+def _active_rdma_port() -> bool:
+    for state in glob.glob("/sys/class/infiniband/*/ports/*/state"):
+        try:
+            with open(state) as f:
+                if "ACTIVE" in f.read():
+                    return True
+        except OSError:
+            pass
+    return False
+
+
+def transport_for(plugin: str) -> str:
+    """The kvwire transport that backs `plugin` (see the module docs)."""
+    if plugin == "KVWIRE_SHM":
+        return "shm"
+    if plugin == "KVWIRE_TCP":
+        return "tcp"
+    if plugin == "KVWIRE_VERBS":
+        return "verbs"
+    if plugin == "KVWIRE":
+        return os.environ.get("KVWIRE_TRANSPORT", "shm").strip().lower() or "shm"
+    forced = os.environ.get("KVWIRE_NIXL_UCX", "").strip().lower()
+    if forced:
+        return forced
+    return "verbs" if _active_rdma_port() else "shm"
+
+
+def telemetry_enabled(capture: bool) -> bool:
+    """`NIXL_TELEMETRY_ENABLE` wins both ways when set; else `capture`
+    (ai-dynamo/nixl `src/core/nixl_agent.cpp`)."""
+    env = os.environ.get("NIXL_TELEMETRY_ENABLE")
+    if env is None:
+        return bool(capture)
+    return env.strip().lower() in _ON
+
+
+def _err(e: NixlCoreError):
+    status, msg = e.args
+    return error_for(status, msg)
+
+
+def _bytes(msg) -> bytes:
+    return msg.encode() if isinstance(msg, str) else bytes(msg)
+
+
+def _op(op) -> str:
+    op = B.nixl_xfer_op_t(int(op))
+    return "READ" if op == B.NIXL_READ else "WRITE"
+
+
+def _idx(x) -> bytes:
+    return np.ascontiguousarray(np.asarray(x, dtype=np.int64).reshape(-1), dtype="<i8").tobytes()
+
+
+class nixlAgent:
+    """One agent. See the module docs for plugins and transports."""
+
+    def __init__(self, name, config=None):
+        if not isinstance(name, str) or not name:
+            raise ValueError("agent name must be a non-empty string")
+        if len(name.encode()) > 255:
+            raise ValueError("agent name must be at most 255 bytes")
+        self.name = name
+        self.config = config if config is not None else B.nixlAgentConfig()
+        self._telemetry = telemetry_enabled(self.config.captureTelemetry)
+        self._core = None
+        self._backends = {}  # handle -> plugin name
+        self._next_backend = 0
+        self._listener = None
+        if self.config.useListenThread:
+            self._listener = MetadataListener(self, int(self.config.listenPort))
+
+    # -- plugins and backends --
+    def getAvailPlugins(self):
+        return list(PLUGINS)
+
+    def getPluginParams(self, plugin):
+        if plugin not in PLUGINS:
+            raise error_for(B.NIXL_ERR_NOT_FOUND, f"no plugin {plugin!r}")
+        return dict(_PLUGIN_PARAMS), ["DRAM_SEG", "VRAM_SEG"] if transport_for(plugin) == "verbs" else ["DRAM_SEG"]
+
+    def getBackendParams(self, backend):
+        if backend not in self._backends:
+            raise error_for(B.NIXL_ERR_NOT_FOUND, "unknown backend handle")
+        return self.getPluginParams(self._backends[backend])
+
+    def createBackend(self, plugin, params=None):
+        if plugin not in PLUGINS:
+            raise error_for(B.NIXL_ERR_NOT_FOUND, f"no plugin {plugin!r} (kvwire offers {', '.join(PLUGINS)})")
+        params = dict(params or {})
+        transport = transport_for(plugin)
+        if self._core is None:
+            threads = int(params.pop("num_threads", 0) or 0)
+            timeout = int(params.pop("peer_timeout_ms", 5000) or 5000)
+            options = []
+            devices = str(params.pop("device_list", "") or "")
+            if devices and transport == "verbs":
+                options.append(("device", devices.split(",")[0].split(":")[0]))
+            for k in list(params):
+                if k.startswith("kvwire."):
+                    options.append((k[len("kvwire."):], str(params.pop(k))))
+            if params:
+                logger.debug("backend %s: ignoring UCX-only parameters %s", plugin, sorted(params))
+            try:
+                self._core = NixlCore(self.name, transport, max(threads, 2) if threads else 2, timeout, options)
+            except NixlCoreError as e:
+                raise _err(e) from None
+        elif self._core.transport != transport:
+            raise not_supported(
+                f"backend {plugin} ({transport}) next to {self._core.transport}",
+                "one kvwire transport per agent",
+            )
+        self._next_backend += 1
+        self._backends[self._next_backend] = plugin
+        return self._next_backend
+
+    def _c(self):
+        if self._core is None:
+            raise error_for(B.NIXL_ERR_NOT_FOUND, "the agent has no backend; create one first")
+        return self._core
+
+    # -- memory --
+    def registerMem(self, descs, backends=()):
+        mem = descs.getType()
+        if mem not in _MEMS:
+            raise not_supported(f"memory type {B.nixl_mem_t(mem).name}", "FILE/OBJ/BLOCK storage backends")
+        core, done = self._c(), []
+        try:
+            for i in range(descs.descCount()):
+                addr, length, dev = (int(v) for v in descs._a[i])
+                core.register(addr, length, _MEMS[mem], dev)
+                done.append((addr, length))
+        except NixlCoreError as e:
+            for a, n in done:
+                core.deregister(a, n)
+            raise _err(e) from None
+        return B.NIXL_SUCCESS
+
+    def deregisterMem(self, descs, backends=()):
+        core = self._c()
+        try:
+            for i in range(descs.descCount()):
+                addr, length, _ = (int(v) for v in descs._a[i])
+                core.deregister(addr, length)
+        except NixlCoreError as e:
+            raise _err(e) from None
+        return B.NIXL_SUCCESS
+
+    def queryMem(self, descs, backend):
+        raise not_supported("queryMem", "FILE/OBJ/BLOCK storage backends are out of scope")
+
+    # -- descriptor lists and requests --
+    def prepXferDlist(self, *args):
+        if isinstance(args[0], B.nixlXferDList):
+            agent, rest = B.NIXL_INIT_AGENT, args
+        else:
+            agent, rest = args[0], args[1:]
+        if isinstance(rest[0], B.nixlXferDList):
+            data, ncols = rest[0]._rows(), 3
+        else:
+            arr = rest[1]
+            if not isinstance(arr, np.ndarray) or arr.ndim != 2 or arr.shape[1] not in (3, 5):
+                raise TypeError("prepXferDlist(agent, mem_type, ndarray) needs an Nx3 or Nx5 array")
+            data, ncols = np.ascontiguousarray(arr, dtype="<u8").tobytes(), arr.shape[1]
+        if agent == "NIXL_INIT_AGENT":
+            agent = ""
+        try:
+            handle, _count = self._c().prep(agent, data, ncols)
+        except NixlCoreError as e:
+            raise _err(e) from None
+        return handle
+
+    def makeXferReq(self, op, local_side, local_indices, remote_side, remote_indices, notif_msg="",
+                    backends=(), skip_desc_merge=False):
+        notif = _bytes(notif_msg) or None
+        try:
+            return self._c().make(_op(op), int(local_side), _idx(local_indices), int(remote_side),
+                                  _idx(remote_indices), notif)
+        except NixlCoreError as e:
+            raise _err(e) from None
+
+    def createXferReq(self, op, local_descs, remote_descs, remote_agent, notif_msg="", backends=()):
+        notif = _bytes(notif_msg) or None
+        try:
+            return self._c().create(_op(op), local_descs._rows(), remote_agent, remote_descs._rows(), 3, notif)
+        except NixlCoreError as e:
+            raise _err(e) from None
+
+    def estimateXferCost(self, req):
+        raise not_supported("estimateXferCost", "kvwire has no cost model")
+
+    def postXferReq(self, req, notif_msg=""):
+        notif = _bytes(notif_msg) or None
+        try:
+            return B.nixl_status_t(self._c().post(int(req), notif))
+        except NixlCoreError as e:
+            raise _err(e) from None
+
+    def getXferStatus(self, req):
+        try:
+            return B.nixl_status_t(self._c().state(int(req)))
+        except NixlCoreError as e:
+            raise _err(e) from None
+
+    def getXferTelemetry(self, req):
+        if not self._telemetry:
+            raise error_for(B.NIXL_ERR_NO_TELEMETRY, "telemetry is off (capture_telemetry / NIXL_TELEMETRY_ENABLE)")
+        try:
+            start, post, xfer, nbytes, count = self._c().telemetry(int(req))
+        except NixlCoreError as e:
+            raise _err(e) from None
+        backend = next(iter(self._backends.values()), "")
+        return B.nixlXferTelemetry(start, post, xfer, nbytes, count, backend)
+
+    def queryXferBackend(self, req):
+        self._c()
+        return next(iter(self._backends))
+
+    def releaseXferReq(self, req):
+        try:
+            self._c().release(int(req))
+        except NixlCoreError as e:
+            raise _err(e) from None
+        return B.NIXL_SUCCESS
+
+    def releasedDlistH(self, handle):
+        try:
+            self._c().release_dlist(int(handle))
+        except NixlCoreError as e:
+            raise _err(e) from None
+        return B.NIXL_SUCCESS
+
+    def prepMemView(self, *args, **kwargs):
+        raise not_supported("prepMemView", "the UCX GPU device API is out of scope")
+
+    def releaseMemView(self, *args, **kwargs):
+        raise not_supported("releaseMemView", "the UCX GPU device API is out of scope")
+
+    def makeConnection(self, remote_agent, backends=()):
+        if not self._c().is_loaded(remote_agent) and remote_agent != self.name:
+            raise error_for(B.NIXL_ERR_NOT_FOUND, f"no metadata loaded for agent {remote_agent!r}")
+        return B.NIXL_SUCCESS
+
+    # -- notifications --
+    def getNotifs(self, notif_map, backends=()):
+        out = {k: list(v) for k, v in dict(notif_map).items()}
+        if self._core is not None:
+            for agent, msgs in self._core.notifs().items():
+                out.setdefault(agent, []).extend(msgs)
+        return out
+
+    def genNotif(self, remote_agent, msg, backends=()):
+        try:
+            self._c().notify(remote_agent, _bytes(msg))
+        except NixlCoreError as e:
+            raise _err(e) from None
+        return B.NIXL_SUCCESS
+
+    # -- metadata --
+    def getLocalMD(self):
+        return bytes(self._c().metadata())
+
+    def getLocalPartialMD(self, descs, inc_conn_info=False, backends=()):
+        raise not_supported("partial metadata", "kvwire metadata is always the full snapshot; use getLocalMD")
+
+    def loadRemoteMD(self, metadata):
+        try:
+            return self._c().load(bytes(metadata)).encode()
+        except NixlCoreError as e:
+            raise _err(e) from None
+
+    def invalidateRemoteMD(self, remote_agent):
+        try:
+            self._c().forget(_str(remote_agent))
+        except NixlCoreError as e:
+            raise _err(e) from None
+        return B.NIXL_SUCCESS
+
+    def checkRemoteMD(self, remote_agent, descs):
+        remote_agent = _str(remote_agent)
+        if self._core is None or not self._core.is_loaded(remote_agent):
+            return B.NIXL_ERR_NOT_FOUND
+        if descs is not None and descs.descCount() > 0:
+            try:
+                self._core.check(remote_agent, descs._rows(), 3)
+            except NixlCoreError:
+                return B.NIXL_ERR_NOT_FOUND
+        return B.NIXL_SUCCESS
+
+    def sendLocalMD(self, ip_addr="", port=B.DEFAULT_COMM_PORT):
+        if not ip_addr:
+            raise not_supported("etcd metadata", "give ip_addr and port of a peer's listener")
+        send_frame(ip_addr, int(port), b"S" + self.getLocalMD())
+        return B.NIXL_SUCCESS
+
+    def sendLocalPartialMD(self, *args, **kwargs):
+        raise not_supported("partial metadata", "kvwire metadata is always the full snapshot")
+
+    def fetchRemoteMD(self, remote_agent, ip_addr="", port=B.DEFAULT_COMM_PORT, label=""):
+        if not ip_addr:
+            raise not_supported("etcd metadata", "give ip_addr and port of the peer's listener")
+        fetch_metadata(self, _str(remote_agent), ip_addr, int(port))
+        return B.NIXL_SUCCESS
+
+    def invalidateLocalMD(self, ip_addr="", port=B.DEFAULT_COMM_PORT):
+        if not ip_addr:
+            raise not_supported("etcd metadata", "give ip_addr and port of a peer's listener")
+        send_frame(ip_addr, int(port), b"I" + self.name.encode())
+        return B.NIXL_SUCCESS
+
+    def _close(self):
+        if self._listener is not None:
+            self._listener.close()
+            self._listener = None
+
+    def __del__(self):
+        try:
+            self._close()
+        except Exception:
+            pass
+
+
+def _str(x) -> str:
+    return x.decode() if isinstance(x, (bytes, bytearray)) else str(x)

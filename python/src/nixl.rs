@@ -1,0 +1,445 @@
+//! `kvwire._kvwire.NixlCore`: the Rust core of the `nixl` compatibility
+//! package (`python/nixl-compat`), one kvwire [`TransferEngine`] with NIXL's
+//! request model on top: prepared descriptor lists, repostable transfer
+//! requests, standalone notifications, telemetry.
+//!
+//! Same locking as `KVTransferEngine`: calls are serialized by a `Mutex` that
+//! is taken with the GIL released. Descriptor lists cross as `bytes` of
+//! little-endian `u64` rows (see `nixl_descs`). Errors raise
+//! `NixlCoreError(status, message)` with NIXL's status code
+//! (ai-dynamo/nixl `src/api/cpp/nixl_types.h`, `nixl_status_t`); the package
+//! turns each code into the matching `nixl*Error` class.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use kvwire::engine::{
+    AgentMetadata, Desc, EngineError, FailureCause, RegistrationHandle, TransferEngine, TransferHandle, TransferStatus,
+};
+use kvwire::transport::{
+    MemoryBacking, MemoryDesc, MemoryKind, Op, Segment, TransportConfig, TransportError, TransportKind,
+};
+use pyo3::create_exception;
+use pyo3::exceptions::{PyRuntimeError, PyValueError};
+use pyo3::prelude::*;
+use pyo3::types::{PyBytes, PyDict, PyList};
+
+#[path = "nixl_descs.rs"]
+mod descs;
+
+use descs::{gather, parse_indices, parse_rows};
+
+create_exception!(kvwire, NixlCoreError, PyRuntimeError, "A NIXL-core call failed: args are (status, message).");
+
+/// NIXL status codes (`nixl_status_t`).
+mod status {
+    pub const IN_PROG: i32 = 1;
+    pub const SUCCESS: i32 = 0;
+    pub const NOT_POSTED: i32 = -1;
+    pub const INVALID_PARAM: i32 = -2;
+    pub const BACKEND: i32 = -3;
+    pub const NOT_FOUND: i32 = -4;
+    pub const MISMATCH: i32 = -5;
+    pub const NOT_ALLOWED: i32 = -6;
+    pub const REPOST_ACTIVE: i32 = -7;
+    pub const NOT_SUPPORTED: i32 = -9;
+    pub const REMOTE_DISCONNECT: i32 = -10;
+    pub const CANCELED: i32 = -11;
+}
+
+fn err(code: i32, msg: impl Into<String>) -> PyErr {
+    NixlCoreError::new_err((code, msg.into()))
+}
+
+/// NIXL's status for an engine error.
+fn engine_err(e: EngineError) -> PyErr {
+    let code = match &e {
+        EngineError::UnknownAgent(_)
+        | EngineError::UnknownRegistration
+        | EngineError::LocalOutOfBounds { .. }
+        | EngineError::RemoteOutOfBounds { .. } => status::NOT_FOUND,
+        EngineError::MetadataConflict(_)
+        | EngineError::OverlappingRegistration { .. }
+        | EngineError::RegistrationInUse { .. } => status::NOT_ALLOWED,
+        EngineError::LengthMismatch { .. } | EngineError::TransportMismatch { .. } => status::MISMATCH,
+        EngineError::Transport(TransportError::PeerDisconnected(_)) => status::REMOTE_DISCONNECT,
+        EngineError::Transport(TransportError::Unsupported(_)) => status::NOT_SUPPORTED,
+        EngineError::Transport(_) => status::BACKEND,
+        EngineError::NotCompleted(_) => status::IN_PROG,
+        _ => status::INVALID_PARAM,
+    };
+    err(code, e.to_string())
+}
+
+/// Caller-owned memory described by address and length, as NIXL's
+/// `registerMem` takes it: the caller keeps it valid until it deregisters
+/// (NIXL's contract; `nixl._utils.malloc_passthru` memory, numpy arrays and
+/// torch tensors the caller holds).
+struct CallerMemory(MemoryDesc);
+
+impl MemoryBacking for CallerMemory {
+    fn desc(&self) -> MemoryDesc {
+        self.0
+    }
+}
+
+/// A repostable transfer request (NIXL `nixlXferReqH`).
+struct Request {
+    op: Op,
+    agent: String,
+    local: Vec<Desc>,
+    remote: Vec<Desc>,
+    notif: Option<Vec<u8>>,
+    /// The latest post, until the next post or release.
+    handle: Option<TransferHandle>,
+}
+
+struct Core {
+    engine: TransferEngine,
+    regs: HashMap<(u64, u64), RegistrationHandle>,
+    dlists: HashMap<u64, (String, Vec<Desc>)>,
+    reqs: HashMap<u64, Request>,
+    next_id: u64,
+    segments: Vec<Segment>,
+}
+
+impl Core {
+    fn id(&mut self) -> u64 {
+        self.next_id += 1;
+        self.next_id
+    }
+
+    fn check(&self, agent: &str, descs: &[Desc]) -> Result<(), EngineError> {
+        if agent.is_empty() { self.engine.check_local(descs) } else { self.engine.check_remote(agent, descs) }
+    }
+
+    fn req(&mut self, id: u64) -> PyResult<&mut Request> {
+        self.reqs.get_mut(&id).ok_or_else(|| err(status::INVALID_PARAM, format!("unknown transfer request {id}")))
+    }
+
+    /// NIXL status of request `id`: SUCCESS, IN_PROG, or a raise.
+    fn state(&mut self, id: u64) -> PyResult<i32> {
+        let h = self.req(id)?.handle.ok_or_else(|| err(status::NOT_POSTED, "transfer request was never posted"))?;
+        match self.engine.status(h).map_err(engine_err)? {
+            TransferStatus::Done => Ok(status::SUCCESS),
+            TransferStatus::InProgress => Ok(status::IN_PROG),
+            TransferStatus::Failed(why) => {
+                let code = match self.engine.failure_cause(h).ok().flatten() {
+                    Some(FailureCause::PeerLost) => status::REMOTE_DISCONNECT,
+                    Some(FailureCause::Removed) => status::NOT_FOUND,
+                    Some(FailureCause::Released) => status::CANCELED,
+                    _ => status::BACKEND,
+                };
+                Err(err(code, why.to_string()))
+            }
+        }
+    }
+}
+
+/// See the module docs. `transport`: `"shm"`, `"tcp"` or `"verbs"`.
+#[pyclass(module = "kvwire._kvwire", name = "NixlCore", frozen)]
+pub struct PyNixlCore {
+    inner: Mutex<Core>,
+    name: String,
+    transport: TransportKind,
+}
+
+impl PyNixlCore {
+    fn run<T: Send>(&self, py: Python<'_>, f: impl FnOnce(&mut Core) -> PyResult<T> + Send) -> PyResult<T> {
+        py.allow_threads(|| {
+            let mut core = self.inner.lock().map_err(|_| PyRuntimeError::new_err("NIXL core poisoned by a panic"))?;
+            f(&mut core)
+        })
+    }
+}
+
+fn op_of(op: &str) -> PyResult<Op> {
+    match op {
+        "READ" => Ok(Op::Read),
+        "WRITE" => Ok(Op::Write),
+        other => Err(err(status::INVALID_PARAM, format!("unknown op {other:?} (READ or WRITE)"))),
+    }
+}
+
+fn rows(bytes: &[u8], ncols: usize) -> PyResult<Vec<Desc>> {
+    parse_rows(bytes, ncols).map_err(|m| err(status::INVALID_PARAM, m))
+}
+
+#[pymethods]
+impl PyNixlCore {
+    /// Create agent `name` over `transport`. `options` are kvwire transport
+    /// options (`key=value` pairs). Raises `ValueError` on a bad name and
+    /// `NixlCoreError` when the transport cannot start here.
+    #[new]
+    #[pyo3(signature = (name, transport, copy_threads=2, peer_timeout_ms=5000, options=Vec::new()))]
+    fn new(
+        py: Python<'_>,
+        name: String,
+        transport: &str,
+        copy_threads: usize,
+        peer_timeout_ms: u64,
+        options: Vec<(String, String)>,
+    ) -> PyResult<Self> {
+        let kind: TransportKind =
+            transport.parse().map_err(|e: TransportError| PyValueError::new_err(e.to_string()))?;
+        let cfg = TransportConfig {
+            peer_timeout: Duration::from_millis(peer_timeout_ms.max(1)),
+            copy_threads: copy_threads.max(1),
+            options,
+        };
+        let engine = py.allow_threads(|| TransferEngine::new(&name, kind, &cfg)).map_err(|e| match e {
+            EngineError::BadAgentName { .. } => PyValueError::new_err(e.to_string()),
+            other => engine_err(other),
+        })?;
+        let core = Core {
+            engine,
+            regs: HashMap::new(),
+            dlists: HashMap::new(),
+            reqs: HashMap::new(),
+            next_id: 0,
+            segments: Vec::new(),
+        };
+        Ok(Self { inner: Mutex::new(core), name, transport: kind })
+    }
+
+    /// The agent name.
+    #[getter]
+    fn name(&self) -> &str {
+        &self.name
+    }
+    /// `"shm"`, `"tcp"` or `"verbs"`.
+    #[getter]
+    fn transport(&self) -> String {
+        self.transport.to_string()
+    }
+
+    /// Register `[addr, addr + length)` of `mem` (`"DRAM"`/`"VRAM"`) on `dev`.
+    /// The caller keeps the memory valid until `deregister`.
+    fn register(&self, py: Python<'_>, addr: u64, length: u64, mem: &str, dev: u32) -> PyResult<()> {
+        let kind = match mem {
+            "DRAM" => MemoryKind::Dram,
+            "VRAM" => MemoryKind::Vram,
+            other => return Err(err(status::NOT_SUPPORTED, format!("memory type {other} is not supported by kvwire"))),
+        };
+        let desc =
+            MemoryDesc { addr, len_bytes: length, kind, device_id: if kind == MemoryKind::Dram { 0 } else { dev } };
+        self.run(py, |c| {
+            let h = c.engine.register(Arc::new(CallerMemory(desc))).map_err(engine_err)?;
+            c.regs.insert((addr, length), h);
+            Ok(())
+        })
+    }
+
+    /// Deregister what `register(addr, length, ...)` registered.
+    fn deregister(&self, py: Python<'_>, addr: u64, length: u64) -> PyResult<()> {
+        self.run(py, |c| {
+            let h = *c
+                .regs
+                .get(&(addr, length))
+                .ok_or_else(|| err(status::NOT_FOUND, format!("{addr:#x}+{length} is not registered")))?;
+            c.engine.deregister(h).map_err(engine_err)?;
+            c.regs.remove(&(addr, length));
+            Ok(())
+        })
+    }
+
+    /// This agent's metadata (kvwire's binary form).
+    fn metadata<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyBytes>> {
+        let md = self.run(py, |c| Ok(c.engine.metadata().to_bytes()))?;
+        Ok(PyBytes::new(py, &md))
+    }
+
+    /// Load a peer's metadata (connect, or update a known peer); returns its name.
+    fn load(&self, py: Python<'_>, md: &[u8]) -> PyResult<String> {
+        let meta = AgentMetadata::from_bytes(md).map_err(|e| err(status::INVALID_PARAM, e.to_string()))?;
+        self.run(py, |c| {
+            c.engine.load_remote(&meta).map_err(engine_err)?;
+            Ok(meta.name.clone())
+        })
+    }
+
+    /// Disconnect a peer and drop its metadata.
+    fn forget(&self, py: Python<'_>, name: String) -> PyResult<()> {
+        self.run(py, |c| c.engine.disconnect(&name).map_err(engine_err))
+    }
+
+    /// True when `name`'s metadata is loaded (false once it was found dead).
+    fn is_loaded(&self, py: Python<'_>, name: String) -> PyResult<bool> {
+        self.run(py, |c| {
+            c.engine.progress();
+            Ok(c.engine.is_remote_loaded(&name))
+        })
+    }
+
+    /// Check `descs` (`ncols`-column rows) against `agent`'s registrations
+    /// (`""`: this agent's own, for the local side) without storing them.
+    fn check(&self, py: Python<'_>, agent: String, descs: &[u8], ncols: usize) -> PyResult<()> {
+        let d = rows(descs, ncols)?;
+        self.run(py, |c| c.check(&agent, &d).map_err(engine_err))
+    }
+
+    /// Prepare a descriptor list for `agent` (`""` = local side, own name =
+    /// loopback): checked now (NIXL raises NOT_FOUND at prep time), kept
+    /// for `make`. Returns `(dlist id, descriptor count after expansion)`.
+    fn prep(&self, py: Python<'_>, agent: String, descs: &[u8], ncols: usize) -> PyResult<(u64, usize)> {
+        let d = rows(descs, ncols)?;
+        self.run(py, |c| {
+            c.check(&agent, &d).map_err(engine_err)?;
+            let id = c.id();
+            let n = d.len();
+            c.dlists.insert(id, (agent, d));
+            Ok((id, n))
+        })
+    }
+
+    /// Forget a prepared list.
+    fn release_dlist(&self, py: Python<'_>, id: u64) -> PyResult<()> {
+        self.run(py, |c| {
+            c.dlists.remove(&id).map(|_| ()).ok_or_else(|| err(status::INVALID_PARAM, format!("unknown dlist {id}")))
+        })
+    }
+
+    /// A request from two prepared lists and `int64` index lists into them
+    /// (NIXL `makeXferReq`). Returns the request id.
+    #[pyo3(signature = (op, local_id, local_idx, remote_id, remote_idx, notif=None))]
+    fn make(
+        &self,
+        py: Python<'_>,
+        op: &str,
+        local_id: u64,
+        local_idx: &[u8],
+        remote_id: u64,
+        remote_idx: &[u8],
+        notif: Option<Vec<u8>>,
+    ) -> PyResult<u64> {
+        let op = op_of(op)?;
+        let li = parse_indices(local_idx).map_err(|m| err(status::INVALID_PARAM, m))?;
+        let ri = parse_indices(remote_idx).map_err(|m| err(status::INVALID_PARAM, m))?;
+        if li.len() != ri.len() {
+            return Err(err(status::INVALID_PARAM, format!("{} local vs {} remote indices", li.len(), ri.len())));
+        }
+        self.run(py, |c| {
+            let unknown = |id| err(status::INVALID_PARAM, format!("unknown dlist {id}"));
+            let (la, ld) = c.dlists.get(&local_id).ok_or_else(|| unknown(local_id))?;
+            let (agent, rd) = c.dlists.get(&remote_id).ok_or_else(|| unknown(remote_id))?;
+            if !la.is_empty() {
+                return Err(err(status::INVALID_PARAM, "the local dlist was prepared for a remote agent"));
+            }
+            if agent.is_empty() {
+                return Err(err(status::INVALID_PARAM, "the remote dlist was prepared for the local side"));
+            }
+            let (mut local, mut remote) = (Vec::new(), Vec::new());
+            gather(ld, &li, &mut local).map_err(|m| err(status::INVALID_PARAM, m))?;
+            gather(rd, &ri, &mut remote).map_err(|m| err(status::INVALID_PARAM, m))?;
+            let agent = agent.clone();
+            let id = c.id();
+            c.reqs.insert(id, Request { op, agent, local, remote, notif, handle: None });
+            Ok(id)
+        })
+    }
+
+    /// A request from descriptor rows directly (NIXL `createXferReq`),
+    /// checked now. Returns the request id.
+    #[pyo3(signature = (op, local, agent, remote, ncols, notif=None))]
+    fn create(
+        &self,
+        py: Python<'_>,
+        op: &str,
+        local: &[u8],
+        agent: String,
+        remote: &[u8],
+        ncols: usize,
+        notif: Option<Vec<u8>>,
+    ) -> PyResult<u64> {
+        let op = op_of(op)?;
+        let (l, r) = (rows(local, ncols)?, rows(remote, ncols)?);
+        self.run(py, |c| {
+            c.engine.check_local(&l).map_err(engine_err)?;
+            c.engine.check_remote(&agent, &r).map_err(engine_err)?;
+            let id = c.id();
+            c.reqs.insert(id, Request { op, agent, local: l, remote: r, notif, handle: None });
+            Ok(id)
+        })
+    }
+
+    /// Post request `id` (NIXL `postXferReq`): again after its last post
+    /// finished; `notif` replaces the request's notification when given.
+    /// Returns SUCCESS or IN_PROG; raises REPOST_ACTIVE while the last post
+    /// is still moving.
+    #[pyo3(signature = (id, notif=None))]
+    fn post(&self, py: Python<'_>, id: u64, notif: Option<Vec<u8>>) -> PyResult<i32> {
+        self.run(py, |c| {
+            if c.req(id)?.handle.is_some() && c.state(id).unwrap_or(status::SUCCESS) == status::IN_PROG {
+                return Err(err(status::REPOST_ACTIVE, "the request's previous post is still in progress"));
+            }
+            let Core { engine, reqs, segments, .. } = c;
+            let r = reqs.get_mut(&id).ok_or_else(|| err(status::INVALID_PARAM, "unknown request"))?;
+            if let Some(n) = notif {
+                r.notif = Some(n);
+            }
+            if let Some(old) = r.handle.take() {
+                let _ = engine.release(old);
+            }
+            let h =
+                engine.post_with(r.op, &r.local, &r.agent, &r.remote, r.notif.clone(), segments).map_err(engine_err)?;
+            r.handle = Some(h);
+            c.state(id)
+        })
+    }
+
+    /// NIXL status of request `id`: SUCCESS or IN_PROG; raises NOT_POSTED
+    /// before the first post, REMOTE_DISCONNECT when the peer died, NOT_FOUND
+    /// when it was removed, BACKEND otherwise.
+    fn state(&self, py: Python<'_>, id: u64) -> PyResult<i32> {
+        self.run(py, |c| c.state(id))
+    }
+
+    /// `(start_us, post_us, xfer_us, bytes, desc_count)` of the last post.
+    fn telemetry(&self, py: Python<'_>, id: u64) -> PyResult<(u64, u64, u64, u64, u64)> {
+        self.run(py, |c| {
+            let h = c.req(id)?.handle.ok_or_else(|| err(status::NOT_POSTED, "transfer request was never posted"))?;
+            let t = c.engine.telemetry(h).map_err(engine_err)?;
+            Ok((t.start_us, t.post_us, t.xfer_us, t.bytes, t.desc_count))
+        })
+    }
+
+    /// Release request `id`: an active post is cancelled, and this returns
+    /// once no byte of it can still move.
+    fn release(&self, py: Python<'_>, id: u64) -> PyResult<()> {
+        self.run(py, |c| {
+            let r = c.reqs.remove(&id).ok_or_else(|| err(status::INVALID_PARAM, format!("unknown request {id}")))?;
+            if let Some(h) = r.handle {
+                c.engine.release(h).map_err(engine_err)?;
+            }
+            Ok(())
+        })
+    }
+
+    /// Notifications received so far, `{agent: [bytes, ...]}`, taken.
+    fn notifs<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let got = self.run(py, |c| Ok(c.engine.get_notifs()))?;
+        let d = PyDict::new(py);
+        for (agent, msgs) in got {
+            let l = PyList::new(py, msgs.iter().map(|m| PyBytes::new(py, m)))?;
+            d.set_item(agent, l)?;
+        }
+        Ok(d)
+    }
+
+    /// A standalone notification to `agent` (NIXL `genNotif`).
+    fn notify(&self, py: Python<'_>, agent: String, payload: Vec<u8>) -> PyResult<()> {
+        self.run(py, |c| c.engine.notify(&agent, payload).map_err(engine_err))
+    }
+
+    fn __repr__(&self) -> String {
+        format!("NixlCore(name={:?}, transport={})", self.name, self.transport)
+    }
+}
+
+/// Add `NixlCore` and `NixlCoreError` to the extension module.
+pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<PyNixlCore>()?;
+    m.add("NixlCoreError", m.py().get_type::<NixlCoreError>())?;
+    Ok(())
+}

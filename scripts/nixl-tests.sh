@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# Build kvwire's Python extension and the `nixl` compatibility package
+# (python/nixl-compat, distribution `nixl-kvwire`), install both into a venv
+# under target/, and run the nixl contract, two-process and vLLM-shaped flow
+# tests (python/nixl-compat/tests) on the shm and tcp transports.
+#
+# Needs python3 with venv and cargo. Without python3/venv it prints
+# `skipped: <reason>` and exits 0, unless KVWIRE_REQUIRE_PYTHON=1 (then it fails).
+# From PyPI (into the venv, ignored by git): maturin, numpy, pytest, pytest-timeout.
+#
+# Env: KVWIRE_NIXL_VENV (default target/nixl-venv), PYTEST_ARGS (extra args).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+root=$(pwd)
+venv=${KVWIRE_NIXL_VENV:-$root/target/nixl-venv}
+
+skip() {
+    if [ "${KVWIRE_REQUIRE_PYTHON:-0}" = 1 ]; then
+        echo "nixl-tests: FAILED: $1 (KVWIRE_REQUIRE_PYTHON=1)" >&2
+        exit 1
+    fi
+    echo "skipped: $1"
+    exit 0
+}
+command -v python3 >/dev/null || skip "python3 not found"
+python3 -c "import venv, ensurepip" 2>/dev/null || skip "python3 venv/ensurepip missing (apt-get install python3-venv)"
+
+if [ ! -x "$venv/bin/python" ]; then
+    python3 -m venv "$venv"
+fi
+export PATH="$venv/bin:$PATH"
+"$venv/bin/python" -m pip install -q "maturin>=1.5,<2" numpy pytest pytest-timeout
+
+start=$(date +%s)
+# The extension, built in place (python/target keeps the build between runs).
+wheels="$root/target/nixl-wheels"
+rm -rf "$wheels"
+(cd "$root/python" && CARGO_TARGET_DIR="$root/python/target" maturin build --release -q -o "$wheels")
+"$venv/bin/python" -m pip install -q --force-reinstall --no-deps "$wheels"/kvwire-*.whl
+"$venv/bin/python" -m pip install -q --force-reinstall --no-deps "$root/python/nixl-compat"
+echo "nixl-tests: build and install took $(( $(date +%s) - start )) s"
+
+# From outside the source tree, so the installed packages are what is tested.
+cd "$root/python/nixl-compat/tests"
+# shellcheck disable=SC2086
+"$venv/bin/python" -m pytest -q -p no:cacheprovider --timeout=120 ${PYTEST_ARGS:-} .

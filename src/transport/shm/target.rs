@@ -1,0 +1,239 @@
+//! The target's side: the listener, access control for each connecting
+//! process, and the per-initiator thread that hands out regions and
+//! receives notifications.
+//!
+//! Before anything is sent, a connecting process must (1) run as a uid
+//! this agent allows (`SO_PEERCRED`; its own uid unless the `allow_uids`
+//! option adds others) and (2) prove it knows this agent's secret, which
+//! travels only in the agent metadata: the target sends a random
+//! [`Nonce`], the initiator answers `auth::prove(secret, nonce, "shm:" ‖ agent)`.
+//! Either failing gets a [`Msg::Refused`] and the connection is closed; no
+//! descriptor was sent. NIXL's and Mooncake's shared-memory paths check
+//! neither.
+
+use std::collections::{HashMap, HashSet};
+use std::os::fd::{AsRawFd, OwnedFd};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::Duration;
+
+use super::wire::{self, Access, Channel, Listener, Msg, PeerCred};
+use crate::transport::Notification;
+use crate::transport::auth::{self, AgentSecret, Nonce};
+
+/// One registered region as the target keeps it.
+pub struct LocalRegion {
+    /// Start address (bytes).
+    pub addr: u64,
+    /// Length (bytes).
+    pub len_bytes: u64,
+    /// The sealed memfd holding exactly this region, and the region's
+    /// offset in it; `None` for memory reached with cross-memory attach.
+    pub fd: Option<(OwnedFd, u64)>,
+}
+
+/// Regions by key.
+pub type RegionTable = Arc<Mutex<HashMap<u32, LocalRegion>>>;
+/// Notifications received, for `take_notifications`.
+pub type NotifQueue = Arc<Mutex<Vec<Notification>>>;
+
+/// An initiator connected to us.
+pub struct AcceptedPeer {
+    /// Our number for it.
+    pub id: u64,
+    /// Its socket.
+    pub channel: Channel,
+    /// False once its connection ended (it can no longer access anything).
+    pub live: AtomicBool,
+    /// Set once it proved the secret and got its regions: only these are
+    /// sent revocations and waited for.
+    pub admitted: AtomicBool,
+}
+
+/// The initiators connected to us (closed on drop).
+pub type Accepted = Arc<Mutex<Vec<Arc<AcceptedPeer>>>>;
+
+/// Revocation acknowledgements `(peer id, rkey)`, and a condvar to wait on.
+#[derive(Default)]
+pub struct Acks {
+    /// Acknowledgements received.
+    pub got: Mutex<HashSet<(u64, u32)>>,
+    /// Signalled on each acknowledgement and when a peer leaves.
+    pub changed: Condvar,
+}
+
+/// What the listener and its per-peer threads share with the transport.
+#[derive(Clone)]
+pub struct Shared {
+    /// Registered regions.
+    pub regions: RegionTable,
+    /// Received notifications.
+    pub notifs: NotifQueue,
+    /// Connected initiators.
+    pub accepted: Accepted,
+    /// Revocation acknowledgements.
+    pub acks: Arc<Acks>,
+    /// `peer_timeout`.
+    pub timeout: Duration,
+    /// This agent's secret.
+    pub secret: Arc<AgentSecret>,
+    /// Uids allowed to connect.
+    pub allow_uids: Arc<Vec<u32>>,
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// Accept connections until the listener is shut down.
+pub fn accept_loop(listener: &Listener, stopping: &AtomicBool, shared: &Shared) {
+    let mut next_id = 0u64;
+    while let Ok(channel) = listener.accept() {
+        if stopping.load(Ordering::Acquire) {
+            break;
+        }
+        next_id += 1;
+        let peer = Arc::new(AcceptedPeer {
+            id: next_id,
+            channel,
+            live: AtomicBool::new(true),
+            admitted: AtomicBool::new(false),
+        });
+        let mut list = lock(&shared.accepted);
+        list.retain(|p| p.live.load(Ordering::Acquire)); // forget peers that left
+        list.push(peer.clone());
+        drop(list);
+        let shared = shared.clone();
+        let spawned = std::thread::Builder::new().name("kvwire-shm-peer".into()).spawn(move || {
+            serve_peer(&peer, &shared);
+            peer.live.store(false, Ordering::Release);
+            peer.channel.shutdown();
+            // A deregister waiting for this peer's acknowledgement stops waiting.
+            shared.acks.changed.notify_all();
+        });
+        if let Err(e) = spawned {
+            tracing::warn!("shm: cannot serve a peer: {e}");
+        }
+    }
+}
+
+fn refuse(ch: &Channel, cred: &PeerCred, reason: String) {
+    tracing::warn!("shm: refused a connection from pid {} uid {}: {reason}", cred.pid, cred.uid);
+    let _ = ch.send(&Msg::Refused { reason }, None);
+}
+
+/// Check who connected (uid, secret), answer its hello, then receive its
+/// notifications and revocation acknowledgements until it leaves.
+fn serve_peer(peer: &AcceptedPeer, shared: &Shared) {
+    let ch = &peer.channel;
+    if ch.set_timeouts(shared.timeout).is_err() {
+        return;
+    }
+    let Ok(cred) = ch.peer_cred() else { return };
+    if !shared.allow_uids.contains(&cred.uid) {
+        return refuse(ch, &cred, format!("uid {} is not allowed to connect (allow_uids)", cred.uid));
+    }
+    let Ok(nonce) = Nonce::random() else { return };
+    if ch.send(&Msg::Challenge { nonce }, None).is_err() {
+        return;
+    }
+    let agent = match ch.recv() {
+        Ok(Some((Msg::Hello { agent, rkeys, proof }, _))) => {
+            if !auth::verify(&shared.secret, &nonce, &wire::proof_context(&agent), &proof) {
+                return refuse(ch, &cred, format!("agent {agent:?} did not prove the target's secret"));
+            }
+            peer.admitted.store(true, Ordering::Release);
+            if let Err(e) = answer_hello(ch, &shared.regions, &rkeys, cred.pid) {
+                tracing::warn!("shm: hello from {agent} failed: {e}");
+                return;
+            }
+            agent
+        }
+        Ok(Some((other, _))) => {
+            return refuse(ch, &cred, format!("expected hello, got {other:?}"));
+        }
+        Ok(None) => return,
+        Err(e) => {
+            tracing::warn!("shm: bad hello from pid {}: {e}", cred.pid);
+            return;
+        }
+    };
+    let _ = ch.block_receives();
+    loop {
+        match ch.recv() {
+            Ok(Some((Msg::Notify { payload }, _))) => {
+                lock(&shared.notifs).push(Notification { from_agent: agent.clone(), payload });
+                // Waits at most peer_timeout for room; an initiator that
+                // does not read loses its connection.
+                if let Err(e) = ch.send(&Msg::NotifyAck, None) {
+                    tracing::warn!("shm: acknowledging a notification to {agent} failed: {e}");
+                    return;
+                }
+            }
+            Ok(Some((Msg::RevokeAck { rkey }, _))) => {
+                lock(&shared.acks.got).insert((peer.id, rkey));
+                shared.acks.changed.notify_all();
+            }
+            Ok(Some((other, _))) => tracing::warn!("shm: unexpected message from {agent}: {other:?}"),
+            Ok(None) => return,
+            Err(e) => {
+                tracing::warn!("shm: connection from {agent} failed: {e}");
+                return;
+            }
+        }
+    }
+}
+
+/// Allow `pid` (and only it) to attach with `process_vm_readv/writev`
+/// under Yama `ptrace_scope=1`; each call replaces the previous pid, so
+/// with several peers reaching cross-memory-attach regions only the last
+/// one connected may attach there (documented in docs/SECURITY.md).
+fn allow_ptracer(pid: i32) {
+    // SAFETY: prctl with integer arguments; no memory is passed.
+    let r = unsafe { libc::prctl(libc::PR_SET_PTRACER, pid as libc::c_ulong, 0, 0, 0) };
+    if r != 0 {
+        // EINVAL without Yama: nothing to do, ordinary ptrace rules apply.
+        tracing::debug!("shm: PR_SET_PTRACER({pid}): {}", std::io::Error::last_os_error());
+    }
+}
+
+fn answer_hello(
+    ch: &Channel,
+    regions: &RegionTable,
+    rkeys: &[u32],
+    pid: i32,
+) -> Result<(), crate::transport::TransportError> {
+    let mut cma = false;
+    for &rkey in rkeys {
+        let (msg, fd) = {
+            let table = lock(regions);
+            match table.get(&rkey) {
+                None => (Msg::Region { rkey, addr: 0, len_bytes: 0, access: Access::Unknown }, None),
+                Some(r) => match &r.fd {
+                    // A duplicate, so that neither a concurrent deregister
+                    // closing the original nor a slow peer holding up the
+                    // send involves the table lock.
+                    Some((fd, offset)) => (
+                        Msg::Region {
+                            rkey,
+                            addr: r.addr,
+                            len_bytes: r.len_bytes,
+                            access: Access::Fd { offset: *offset },
+                        },
+                        Some(fd.try_clone().map_err(|e| crate::transport::TransportError::io("dup", e))?),
+                    ),
+                    None => {
+                        cma = true;
+                        (Msg::Region { rkey, addr: r.addr, len_bytes: r.len_bytes, access: Access::Cma }, None)
+                    }
+                },
+            }
+        };
+        ch.send(&msg, fd.as_ref().map(|f| f.as_raw_fd()))?;
+    }
+    if cma {
+        // Only where cross-memory attach is used, and only for this peer.
+        allow_ptracer(pid);
+    }
+    ch.send(&Msg::Ready { pid: std::process::id() }, None)
+}

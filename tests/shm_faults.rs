@@ -1,0 +1,270 @@
+//! Faults of the shm backend (issue 18): a hung or killed target, a lying
+//! target, and hostile packets. Targets are child processes (`common`) or
+//! hand-driven fake targets speaking the wire protocol.
+
+mod common;
+
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use common::{ChildTarget, Cmd, Reply, fnv};
+use kvwire::HostBuffer;
+use kvwire::engine::{Desc, TransferEngine, TransferHandle, TransferStatus};
+use kvwire::transport::auth::AgentSecret;
+use kvwire::transport::shm::ShmTransport;
+use kvwire::transport::shm::wire::{Access, Listener, Msg, ShmInfo};
+use kvwire::transport::{
+    FailureKind, MemoryKind, Op, RemoteKey, RemoteRegion, Transport, TransportConfig, TransportError, TransportKind,
+};
+
+#[test]
+#[ignore = "child process entry point, started by the other tests"]
+fn child_entry() {
+    common::child_main();
+}
+
+fn config(peer_timeout: Duration) -> TransportConfig {
+    TransportConfig { peer_timeout, ..TransportConfig::default() }
+}
+
+fn wait(e: &mut TransferEngine, h: TransferHandle, limit: Duration) -> TransferStatus {
+    let deadline = Instant::now() + limit;
+    loop {
+        let s = e.status(h).unwrap();
+        if s != TransferStatus::InProgress || Instant::now() > deadline {
+            return s;
+        }
+        std::thread::sleep(Duration::from_millis(1));
+    }
+}
+
+fn signal(child: &ChildTarget, sig: libc::c_int) {
+    let pid = child.child.id();
+    // SAFETY: kill with integer arguments on our own child's pid.
+    assert_eq!(unsafe { libc::kill(pid as i32, sig) }, 0);
+    if sig == libc::SIGSTOP {
+        // kill returns before every thread has stopped: wait until all are.
+        let stopped = || {
+            std::fs::read_dir(format!("/proc/{pid}/task")).unwrap().all(|t| {
+                let stat = std::fs::read_to_string(t.unwrap().path().join("stat")).unwrap_or_default();
+                stat.rsplit(')').next().is_some_and(|rest| rest.trim_start().starts_with('T'))
+            })
+        };
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while !stopped() {
+            assert!(Instant::now() < deadline, "child {pid} did not stop");
+            std::thread::sleep(Duration::from_millis(1));
+        }
+    }
+}
+
+/// Issue 18 item 2: notifications to a SIGSTOPped target used to be sent by
+/// the process-wide copy threads with a blocking sendmsg; once its socket
+/// buffer was full every copy thread waited `peer_timeout` per notification
+/// and a transfer to a healthy target stayed `InProgress`.
+#[test]
+fn a_hung_target_does_not_stall_transfers_to_another() {
+    let mut a = ChildTarget::spawn_named("target-a", &[(1 << 20, true)]);
+    let mut b = ChildTarget::spawn_named("target-b", &[(1 << 20, true)]);
+    let mut e = TransferEngine::new("initiator", TransportKind::Shm, &config(Duration::from_secs(30))).unwrap();
+    let buf = Arc::new(HostBuffer::new(1 << 20).unwrap());
+    e.register(buf.clone()).unwrap();
+    e.connect(&a.meta).unwrap();
+    e.connect(&b.meta).unwrap();
+    let (a_addr, b_addr) = (a.meta.regions[0].addr, b.meta.regions[0].addr);
+    signal(&a, libc::SIGSTOP);
+    // Far more notification bytes than a socket buffer holds (~200 KiB).
+    let hung: Vec<TransferHandle> = (0..200u32)
+        .map(|i| {
+            let mut note = vec![b'a'; 4096];
+            note[..4].copy_from_slice(&i.to_le_bytes());
+            e.post(Op::Write, &[Desc::new(buf.addr(), 64)], "target-a", &[Desc::new(a_addr, 64)], Some(note)).unwrap()
+        })
+        .collect();
+    // Let the copy threads reach A's notifications.
+    std::thread::sleep(Duration::from_millis(300));
+    let h = e
+        .post(Op::Write, &[Desc::new(buf.addr(), 64)], "target-b", &[Desc::new(b_addr, 64)], Some(b"to-b".to_vec()))
+        .unwrap();
+    // Well below A's 30 s peer_timeout: B must not wait behind A.
+    assert_eq!(wait(&mut e, h, Duration::from_secs(10)), TransferStatus::Done);
+    let reply = b.call(&Cmd::WaitNotif { payload: b"to-b".to_vec(), region: 0, offset: 0, len: 64 });
+    assert_eq!(reply, Reply::Hash(fnv(&[0u8; 64]), Some("initiator".into())));
+    // A's transfers wait for A (their notifications are not delivered)...
+    assert_eq!(e.status(hung[199]).unwrap(), TransferStatus::InProgress);
+    // ...and all complete once it runs again, every notification delivered.
+    signal(&a, libc::SIGCONT);
+    for h in &hung {
+        assert_eq!(wait(&mut e, *h, Duration::from_secs(20)), TransferStatus::Done);
+    }
+    let mut last = vec![b'a'; 4096];
+    last[..4].copy_from_slice(&199u32.to_le_bytes());
+    let reply = a.call(&Cmd::WaitNotif { payload: last, region: 0, offset: 0, len: 64 });
+    assert!(matches!(reply, Reply::Hash(_, Some(ref who)) if who == "initiator"), "{reply:?}");
+}
+
+/// Issue 18 item 13: a notification sent into a target's socket buffer
+/// used to count as delivered (`Done`) even when the target died before
+/// reading it. Now `Done` waits for the target's acknowledgement, and a
+/// target killed first fails the transfer with `PeerDied`.
+#[test]
+fn notified_transfers_to_a_killed_target_fail_with_peer_died() {
+    let mut t = ChildTarget::spawn(&[(1 << 20, true)]);
+    let mut e = TransferEngine::new("initiator", TransportKind::Shm, &config(Duration::from_secs(30))).unwrap();
+    let buf = Arc::new(HostBuffer::new(1 << 20).unwrap());
+    e.register(buf.clone()).unwrap();
+    e.connect(&t.meta).unwrap();
+    let addr = t.meta.regions[0].addr;
+    signal(&t, libc::SIGSTOP);
+    let hs: Vec<TransferHandle> = (0..5u8)
+        .map(|i| {
+            e.post(Op::Write, &[Desc::new(buf.addr(), 64)], "target", &[Desc::new(addr, 64)], Some(vec![i; 16]))
+                .unwrap()
+        })
+        .collect();
+    std::thread::sleep(Duration::from_millis(300));
+    for h in &hs {
+        assert_eq!(e.status(*h).unwrap(), TransferStatus::InProgress, "not acknowledged: not Done");
+    }
+    t.child.kill().unwrap();
+    t.child.wait().unwrap();
+    for h in hs {
+        match wait(&mut e, h, Duration::from_secs(10)) {
+            TransferStatus::Failed(why) => assert_eq!(why.kind, FailureKind::PeerDied, "{why}"),
+            other => panic!("a notification the dead target never read: {other:?}"),
+        }
+    }
+}
+
+/// Notifications of a stopped target fail with `PeerTimeout` after
+/// `peer_timeout`, not before and not never.
+#[test]
+fn notifications_to_a_stopped_target_time_out() {
+    let t = ChildTarget::spawn(&[(1 << 20, true)]);
+    let mut e = TransferEngine::new("initiator", TransportKind::Shm, &config(Duration::from_millis(500))).unwrap();
+    let buf = Arc::new(HostBuffer::new(1 << 20).unwrap());
+    e.register(buf.clone()).unwrap();
+    e.connect(&t.meta).unwrap();
+    let addr = t.meta.regions[0].addr;
+    signal(&t, libc::SIGSTOP);
+    let h =
+        e.post(Op::Write, &[Desc::new(buf.addr(), 64)], "target", &[Desc::new(addr, 64)], Some(vec![1; 8])).unwrap();
+    match wait(&mut e, h, Duration::from_secs(20)) {
+        TransferStatus::Failed(why) => assert_eq!(why.kind, FailureKind::PeerTimeout, "{why}"),
+        other => panic!("{other:?}"),
+    }
+    signal(&t, libc::SIGCONT);
+}
+
+fn memfd(len: u64, seal: bool) -> OwnedFd {
+    let flags = libc::MFD_CLOEXEC | if seal { libc::MFD_ALLOW_SEALING } else { 0 };
+    // SAFETY: memfd_create with a NUL-terminated name; returns a new fd or -1.
+    let fd = unsafe { libc::memfd_create(c"fake-target".as_ptr(), flags) };
+    assert!(fd >= 0);
+    // SAFETY: a fresh descriptor nobody else owns.
+    let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+    // SAFETY: plain syscalls on our fd.
+    unsafe {
+        assert_eq!(libc::ftruncate(fd.as_raw_fd(), len as i64), 0);
+        if seal {
+            assert_eq!(libc::fcntl(fd.as_raw_fd(), libc::F_ADD_SEALS, libc::F_SEAL_SHRINK | libc::F_SEAL_GROW), 0);
+        }
+    }
+    fd
+}
+
+/// A fake target that answers one connection with a region of `claim`
+/// bytes backed by `fd`.
+fn lying_target(fd: OwnedFd, claim: u64) -> (Vec<u8>, std::thread::JoinHandle<()>) {
+    let name = format!("kvwire-fake-target-{}-{claim}", std::process::id());
+    let l = Listener::bind(&name).unwrap();
+    let boot = std::fs::read_to_string("/proc/sys/kernel/random/boot_id").unwrap().trim().to_string();
+    let info = ShmInfo { boot_id: boot, socket: name, secret: AgentSecret::from_bytes([1; 16]) };
+    let t = std::thread::spawn(move || {
+        let ch = l.accept().unwrap();
+        ch.set_timeouts(Duration::from_secs(5)).unwrap();
+        ch.send(&Msg::Challenge { nonce: kvwire::transport::auth::Nonce([0; 16]) }, None).unwrap();
+        let _hello = ch.recv().unwrap();
+        let region = Msg::Region { rkey: 1, addr: 1 << 30, len_bytes: claim, access: Access::Fd { offset: 0 } };
+        ch.send(&region, Some(fd.as_raw_fd())).unwrap();
+        ch.send(&Msg::Ready { pid: std::process::id() }, None).unwrap();
+        let _ = ch.recv(); // until the initiator leaves
+    });
+    (info.encode(), t)
+}
+
+fn connect_to(info: &[u8], len: u64) -> Result<(), TransportError> {
+    let mut init = ShmTransport::new("initiator", &TransportConfig::default()).unwrap();
+    let region =
+        RemoteRegion { addr: 1 << 30, len_bytes: len, rkey: RemoteKey(1), kind: MemoryKind::Dram, device_id: 0 };
+    init.connect("fake", info, &[region]).map(|_| ())
+}
+
+/// Issue 18 item 6: a region reply claiming more bytes than the memfd holds
+/// used to be mapped as claimed; the first access past the file's end then
+/// killed the initiator with SIGBUS. An unsealed memfd (a third party may
+/// shrink it later) is refused as well.
+#[test]
+fn lying_region_replies_are_refused_before_mapping() {
+    let (info, t) = lying_target(memfd(4096, true), 1 << 20);
+    let err = connect_to(&info, 1 << 20).unwrap_err();
+    assert!(matches!(err, TransportError::Connect { .. }) && err.to_string().contains("memfd holds 4096"), "{err}");
+    t.join().unwrap();
+    let (info, t) = lying_target(memfd(1 << 20, false), 1 << 20);
+    let err = connect_to(&info, 1 << 20).unwrap_err();
+    assert!(err.to_string().contains("not sealed"), "{err}");
+    t.join().unwrap();
+    // The honest answer connects.
+    let (info, t) = lying_target(memfd(1 << 20, true), 1 << 20);
+    connect_to(&info, 1 << 20).unwrap();
+    t.join().unwrap();
+}
+
+/// Issue 18 item 4, end to end: a local process that sends packets with
+/// many descriptors to a target's socket leaks none into the target.
+#[test]
+fn packets_with_many_descriptors_leak_none_into_the_target() {
+    let target = ShmTransport::new("target", &TransportConfig::default()).unwrap();
+    let info = ShmInfo::decode(&target.connection_info()).unwrap();
+    let files: Vec<std::fs::File> = (0..16).map(|_| std::fs::File::open("/dev/null").unwrap()).collect();
+    let raw: Vec<i32> = files.iter().map(|f| f.as_raw_fd()).collect();
+    let count = || std::fs::read_dir("/proc/self/fd").unwrap().count();
+    // One warm-up connection (threads, lazily opened files), then measure.
+    let _ = common::shm_client::hello(&info, &AgentSecret::from_bytes([0; 16]), "x", &[]);
+    std::thread::sleep(Duration::from_millis(100));
+    let before = count();
+    for _ in 0..30 {
+        let ch = kvwire::transport::shm::wire::Channel::connect(&info.socket, Duration::from_secs(5)).unwrap();
+        let _challenge = ch.recv().unwrap();
+        let body = b"\x01garbage";
+        common::shm_client::send_with_fds(&ch, body, &raw);
+        while let Ok(Some(_)) = ch.recv() {} // the target closes the connection
+    }
+    std::thread::sleep(Duration::from_millis(200));
+    let after = count();
+    assert!(after <= before + 2, "target leaked descriptors: {before} -> {after}");
+}
+
+/// Issue 18 item 9: `peer_timeout = 0` made a connect to a silent peer
+/// block forever (a zero socket timeout means "none"). It is refused now,
+/// and a connect to a target that accepts but never answers fails after
+/// `peer_timeout` (the whole handshake is bounded).
+#[test]
+fn zero_peer_timeout_is_refused_and_a_silent_target_fails_connect() {
+    let zero = config(Duration::ZERO);
+    assert!(matches!(ShmTransport::new("x", &zero), Err(TransportError::InvalidConfig(_))));
+    let name = format!("kvwire-silent-target-{}", std::process::id());
+    let l = Listener::bind(&name).unwrap();
+    let boot = std::fs::read_to_string("/proc/sys/kernel/random/boot_id").unwrap().trim().to_string();
+    let info = ShmInfo { boot_id: boot, socket: name, secret: AgentSecret::from_bytes([1; 16]) };
+    let silent = std::thread::spawn(move || {
+        let ch = l.accept().unwrap();
+        std::thread::sleep(Duration::from_secs(3));
+        drop(ch);
+    });
+    let mut init = ShmTransport::new("initiator", &config(Duration::from_millis(300))).unwrap();
+    let err = init.connect("silent", &info.encode(), &[]).unwrap_err();
+    assert!(matches!(err, TransportError::Connect { .. }), "{err}");
+    silent.join().unwrap();
+}
