@@ -22,8 +22,20 @@ fn write_and_read_report_every_documented_key_and_verify() {
             .unwrap();
         assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
         let j = json_of(&out);
-        for key in ["gb_per_s", "memcpy_gb_per_s", "memcpy_ratio", "p50_us", "p99_us", "post_ns_per_block", "verified"]
-        {
+        for key in [
+            "gb_per_s",
+            "memcpy_gb_per_s",
+            "memcpy_ratio",
+            "memcpy_n_gb_per_s",
+            "stream_n_gb_per_s",
+            "ceiling_gb_per_s",
+            "ceiling_ratio",
+            "p50_us",
+            "p99_us",
+            "post_ns_per_block",
+            "post_cpu_ns_per_block",
+            "verified",
+        ] {
             assert!(j.get(key).is_some(), "{op}: missing {key} in {j}");
         }
         assert_eq!(j["verified"], true, "{op}");

@@ -2,17 +2,21 @@
 """kvwire vs NIXL on the same KV-shaped workload, one table with ratios.
 
 For every (page size, op) row it runs `kvwire bench --transport shm --scatter
---json` and `nixl_bench.py` (NIXL's Python API over UCX, once per UCX
-transport), interleaved run by run (kvwire, NIXL shm, NIXL cma, NIXL tcp,
-kvwire, ...) so machine noise hits all of them, and reports the median of the
-runs. Both sides move `--total` bytes per transfer between two processes,
-destination pages a seeded random permutation (the same permutation), and
-verify every byte.
+--json` (which also measures, in the same process right after its transfers,
+the copy ceilings of the same page pattern: 1-thread memcpy and the
+`--copy-threads`-thread ceiling) and `nixl_bench.py` (NIXL's Python API over
+UCX) once per NIXL configuration (`--nixl`, default: NIXL's best same-host
+configuration and its defaults, see NIXL_CONFIGS), interleaved run by run
+(kvwire, NIXL best, NIXL default, kvwire, ...) so machine noise hits all of
+them, and reports medians and run-by-run ratios. Both sides move `--total`
+bytes per transfer between two processes, destination pages a seeded random
+permutation (the same permutation), and verify every byte.
 
   python bench/compare/compare.py --quick          # smoke test, ~1 minute
-  python bench/compare/compare.py                  # the published table
+  python bench/compare/compare.py --md docs/perf-shm.md   # the published table
 
-Writes the raw runs as JSON (`--out`) and prints Markdown tables.
+Writes the raw runs as JSON (`--out`) and prints Markdown tables (`--md`:
+also into that file).
 """
 
 from __future__ import annotations
@@ -30,16 +34,25 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
 
-# label -> (UCX_TLS, ucx_error_handling_mode or "" for NIXL's default "peer")
-NIXL_TRANSPORTS = {
-    # UCX's shared-memory transports have no peer-failure handler, so NIXL's
-    # default error mode refuses them ("no active messages transport");
-    # error mode "none" is what makes them usable at all.
-    "shm": ("sysv,posix,self", "none"),
+# label -> how NIXL runs: UCX_TLS (None: unset, UCX picks), the UCX
+# backend's ucx_error_handling_mode ("" for NIXL's default "peer"), and
+# whether nixl_agent_config's progress thread is on (NIXL's default).
+NIXL_CONFIGS = {
+    # NIXL's best same-host configuration: UCX's shared-memory transports
+    # only (they have no peer-failure handler, so error mode "none" is what
+    # makes them usable at all), no progress thread, and the target spinning
+    # on get_new_notifs (nixl_bench.py does that whenever the progress
+    # thread is off).
+    "best": {"tls": "sysv,posix,self", "err": "none", "prog_thread": False},
+    # NIXL's defaults: UCX chooses its transports, error mode "peer",
+    # progress thread on.
+    "default": {"tls": None, "err": "", "prog_thread": True},
+    # Single-transport variants (issue 8's table), not run unless asked.
+    "shm": {"tls": "sysv,posix,self", "err": "none", "prog_thread": True},
     # cma (process_vm_writev/readv) carries RMA only; UCX needs an
     # active-message lane for wireup and NIXL's notifications: tcp.
-    "cma": ("cma,tcp,self", ""),
-    "tcp": ("tcp", ""),
+    "cma": {"tls": "cma,tcp,self", "err": "", "prog_thread": True},
+    "tcp": {"tls": "tcp", "err": "", "prog_thread": True},
 }
 
 SIZES = {"4KiB": 4 << 10, "64KiB": 64 << 10, "1MiB": 1 << 20}
@@ -142,13 +155,14 @@ def main() -> int:
     ap.add_argument("--total", default=None, help="bytes per transfer (default 256MiB, quick 16MiB)")
     ap.add_argument("--sizes", default="4KiB,64KiB,1MiB")
     ap.add_argument("--ops", default="write,read")
-    ap.add_argument("--nixl", default=",".join(NIXL_TRANSPORTS), help="NIXL UCX transports to run (shm,cma,tcp)")
+    ap.add_argument(
+        "--nixl", default="best,default", help=f"NIXL configurations to run ({','.join(NIXL_CONFIGS)})"
+    )
     ap.add_argument("--no-nixl", action="store_true", help="kvwire + memcpy only")
     ap.add_argument("--iters", type=int, help="measured transfers per run (default 5, quick 2)")
     ap.add_argument("--warmup", type=int, help="unmeasured transfers per run (default 2, quick 1)")
     ap.add_argument("--lat-iters", type=int, help="one-page transfers per run (default 200, quick 20)")
     ap.add_argument("--copy-threads", type=int, default=2, help="kvwire --copy-threads")
-    ap.add_argument("--nixl-no-prog-thread", action="store_true", help="NIXL agents without the progress thread")
     ap.add_argument("--kvwire", help="path of the kvwire binary (default: $CARGO_TARGET_DIR or target/release)")
     ap.add_argument("--python", default=sys.executable, help="interpreter that has nixl-cu12 (default: this one)")
     ap.add_argument("--timeout", type=float, default=300, help="seconds per single run")
@@ -159,6 +173,12 @@ def main() -> int:
         help="before each run wait up to this many seconds until no compiler/test runner is running",
     )
     ap.add_argument("--out", default=None, help="raw results JSON (default bench/compare/results[-quick].json)")
+    ap.add_argument(
+        "--md",
+        default=None,
+        help="also write the tables into this Markdown file, between the lines "
+        f"{MD_BEGIN!r} and {MD_END!r} (the whole file when it has no such lines)",
+    )
     ap.add_argument(
         "--report",
         nargs="+",
@@ -171,8 +191,11 @@ def main() -> int:
         c = raw["cells"]
         sizes = sorted({x["block_size"] for x in c})
         ops = [o for o in ("write", "read") if any(x["op"] == o for x in c)]
-        labels = [t for t in NIXL_TRANSPORTS if any(x["system"] == f"nixl-{t}" for x in c)]
-        print(report(raw, sizes, ops, labels))
+        labels = [t for t in NIXL_CONFIGS if any(x["system"] == f"nixl-{t}" for x in c)]
+        text = report(raw, sizes, ops, labels)
+        print(text)
+        if a.md:
+            write_md(a.md, text, a.report)
         return 0
 
     runs = a.runs or (1 if a.quick else 3)
@@ -184,8 +207,8 @@ def main() -> int:
     ops = [o for o in a.ops.split(",") if o]
     nixl_labels = [] if a.no_nixl else [t for t in a.nixl.split(",") if t]
     for t in nixl_labels:
-        if t not in NIXL_TRANSPORTS:
-            sys.exit(f"unknown NIXL transport {t!r}; known: {', '.join(NIXL_TRANSPORTS)}")
+        if t not in NIXL_CONFIGS:
+            sys.exit(f"unknown NIXL configuration {t!r}; known: {', '.join(NIXL_CONFIGS)}")
     kvwire = find_kvwire(a.kvwire)
     out_path = a.out or os.path.join(HERE, "results-quick.json" if a.quick else "results.json")
 
@@ -206,12 +229,14 @@ def main() -> int:
                     if sysname == "kvwire":
                         cmd = [kvwire, "bench", "--transport", "shm", "--copy-threads", str(a.copy_threads)] + common
                     else:
-                        tls, err_mode = NIXL_TRANSPORTS[sysname.split("-", 1)[1]]
-                        env["UCX_TLS"] = tls
+                        nc = NIXL_CONFIGS[sysname.split("-", 1)[1]]
+                        env.pop("UCX_TLS", None)
+                        if nc["tls"] is not None:
+                            env["UCX_TLS"] = nc["tls"]
                         cmd = [a.python, os.path.join(HERE, "nixl_bench.py")] + common
-                        if err_mode:
-                            cmd += ["--ucx-err-mode", err_mode]
-                        if a.nixl_no_prog_thread:
+                        if nc["err"]:
+                            cmd += ["--ucx-err-mode", nc["err"]]
+                        if not nc["prog_thread"]:
                             cmd.append("--no-prog-thread")
                     quiet, waited = wait_quiet(a.wait_quiet) if a.wait_quiet else (not busy_procs(), 0.0)
                     r = run_one(cmd, env, a.timeout)
@@ -219,15 +244,31 @@ def main() -> int:
                     r["waited_quiet_s"] = round(waited, 1)
                     r["busy_after"] = sorted(set(busy_procs()))
                     r["load1"] = os.getloadavg()[0]
-                    r["cmd"] = ("UCX_TLS=" + env["UCX_TLS"] + " " if "UCX_TLS" in env and sysname != "kvwire" else "") + " ".join(
-                        cmd
-                    )
+                    tls = env.get("UCX_TLS") if sysname != "kvwire" else None
+                    r["cmd"] = (f"UCX_TLS={tls} " if tls else "") + " ".join(cmd)
                     cells.setdefault((bs, op, sysname), []).append(r)
                     status = r.get("error") or f"{r.get('gb_per_s', 0):.2f} GB/s verified={r.get('verified')}"
                     status += f" load={r['load1']:.2f} quiet={quiet}"
                     print(f"[run {run + 1}/{runs}] {human(bs):>7} {op:5} {sysname:9} {status}", file=sys.stderr, flush=True)
+                    raw = snapshot(a, cells, started, load0, runs, total, iters, warmup, lat_iters, nixl_labels, kvwire)
+                    with open(out_path, "w") as f:
+                        json.dump(raw, f, indent=1)
 
-    raw = {
+    raw = snapshot(a, cells, started, load0, runs, total, iters, warmup, lat_iters, nixl_labels, kvwire)
+    with open(out_path, "w") as f:
+        json.dump(raw, f, indent=1)
+    text = report(raw, sizes, ops, nixl_labels)
+    print(text)
+    if a.md:
+        write_md(a.md, text, [out_path])
+    print(f"\nraw runs: {os.path.relpath(out_path)}", file=sys.stderr)
+    bad = [c for c in raw["cells"] for r in c["runs"] if "error" in r or not r.get("verified")]
+    return 1 if bad else 0
+
+
+def snapshot(a, cells, started, load0, runs, total, iters, warmup, lat_iters, nixl_labels, kvwire) -> dict:
+    """The raw results so far (written after every run, so an interrupted run keeps them)."""
+    return {
         "machine": machine(),
         "started": time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(started)),
         "duration_s": round(time.time() - started, 1),
@@ -235,19 +276,12 @@ def main() -> int:
         "loadavg_after": os.getloadavg(),
         "config": {
             "runs": runs, "total": total, "iters": iters, "warmup": warmup, "lat_iters": lat_iters,
-            "copy_threads": a.copy_threads, "nixl_transports": {t: NIXL_TRANSPORTS[t] for t in nixl_labels},
-            "nixl_prog_thread": not a.nixl_no_prog_thread,
+            "copy_threads": a.copy_threads, "nixl_configs": {t: NIXL_CONFIGS[t] for t in nixl_labels},
         },  # fmt: skip
         "kvwire_binary": kvwire,
         "kvwire_git": git_rev(),
         "cells": [{"block_size": bs, "op": op, "system": s, "runs": rs} for (bs, op, s), rs in cells.items()],
     }
-    with open(out_path, "w") as f:
-        json.dump(raw, f, indent=1)
-    print(report(raw, sizes, ops, nixl_labels))
-    print(f"\nraw runs: {os.path.relpath(out_path)}", file=sys.stderr)
-    bad = [c for c in raw["cells"] for r in c["runs"] if "error" in r or not r.get("verified")]
-    return 1 if bad else 0
 
 
 def report(raw: dict, sizes: list[int], ops: list[str], nixl_labels: list[str]) -> str:
@@ -256,41 +290,55 @@ def report(raw: dict, sizes: list[int], ops: list[str], nixl_labels: list[str]) 
     m = raw["machine"]
     lines = [
         f"{human(cfg['total'])} per transfer, destination pages a random permutation, two processes, "
-        f"median of {cfg['runs']} interleaved run(s) x {cfg['iters']} transfers; "
+        f"median of {cfg['runs']} interleaved run(s) x {cfg['iters']} transfers "
+        f"({min(len(c['runs']) for c in raw['cells'])}–{max(len(c['runs']) for c in raw['cells'])} runs per cell present); "
         f"load average {raw['loadavg_before'][0]:.2f} before, {raw['loadavg_after'][0]:.2f} after; "
         f"{sum(1 for c in raw['cells'] for r in c['runs'] if r.get('quiet_at_start'))}/"
         f"{sum(len(c['runs']) for c in raw['cells'])} runs started with no compiler running; "
         f"{m['cpu']} x{m['nproc']}, kernel {m['kernel']}",
         "",
     ]
-    hdr = ["page", "op", "memcpy GB/s", "kvwire GB/s", "kvwire min–max", "kvwire/memcpy"]
+    hdr = ["page", "op", "memcpy 1 thread GB/s", f"ceiling {cfg['copy_threads']} threads GB/s", "kvwire GB/s"]
+    hdr += ["kvwire min–max", "kvwire / ceiling"]
     hdr += [f"NIXL {t} GB/s" for t in nixl_labels]
-    if nixl_labels:
-        hdr += ["best NIXL", "kvwire/best NIXL"]
+    hdr += [f"kvwire / NIXL {t}" for t in nixl_labels]
     hdr += ["verified"]
     lines += ["| " + " | ".join(hdr) + " |", "|" + "---|" * len(hdr)]
     for bs in sizes:
         for op in ops:
             k = cells.get((bs, op, "kvwire"), [])
             kv = med(k, "gb_per_s")
-            mc = med(k, "memcpy_gb_per_s")
             ks = [r["gb_per_s"] for r in k if "error" not in r]
-            spread = f"{min(ks):.1f}–{max(ks):.1f}" if ks else "—"
-            row = [human(bs), op.upper(), fmt(mc), fmt(kv), spread, fmt(kv / mc if kv and mc else None, ".0%")]
-            best, best_t = None, None
+            spread = f"{min(ks):.2f}–{max(ks):.2f}" if ks else "—"
+            row = [human(bs), op.upper(), fmt(med(k, "memcpy_gb_per_s")), fmt(med(k, "ceiling_gb_per_s")), fmt(kv), spread]
+            row.append(ratio_cell([r.get("ceiling_ratio") for r in k if "error" not in r], "%"))
             ver = all(r.get("verified") for r in k) and bool(k)
+            ratios = []
             for t in nixl_labels:
                 rs = cells.get((bs, op, f"nixl-{t}"), [])
                 g = med(rs, "gb_per_s")
                 err = next((r["error"] for r in rs if "error" in r), None)
                 row.append(fmt(g) if g is not None else ("failed" if err else "—"))
                 ver = ver and all(r.get("verified") for r in rs)
-                if g is not None and (best is None or g > best):
-                    best, best_t = g, t
-            if nixl_labels:
-                row += [f"{fmt(best)} ({best_t})" if best else "—", fmt(kv / best if kv and best else None, ".2f") + "×"]
+                # Ratios run by run (kvwire run i against NIXL run i, which ran next to it).
+                ratios.append(
+                    ratio_cell(
+                        [
+                            kr["gb_per_s"] / nr["gb_per_s"]
+                            for kr, nr in zip(k, rs)
+                            if "error" not in kr and "error" not in nr and nr.get("gb_per_s")
+                        ],
+                        "×",
+                    )
+                )
+            row += ratios
             row.append("yes" if ver else "NO")
             lines.append("| " + " | ".join(row) + " |")
+    lines += [
+        "",
+        "Ratios are taken run by run (kvwire's run i against the ceiling measured in that same process, and "
+        "against NIXL's run i, which ran right after it): median, and min–max over the runs.",
+    ]
 
     lines += ["", "Per-page cost and one-page latency (medians):", ""]
     hdr = ["page", "op", "kvwire prep+post ns/page"]
@@ -330,6 +378,38 @@ def report(raw: dict, sizes: list[int], ops: list[str], nixl_labels: list[str]) 
     if unverified:
         lines += ["", "Runs whose verification failed (see docs/PERFORMANCE.md):"] + [f"- {u}" for u in unverified]
     return "\n".join(lines)
+
+
+def ratio_cell(xs: list, unit: str) -> str:
+    xs = [x for x in xs if isinstance(x, (int, float))]
+    if not xs:
+        return "—"
+    if unit == "%":
+        return f"{statistics.median(xs):.0%} ({min(xs):.0%}–{max(xs):.0%})"
+    return f"{statistics.median(xs):.2f}× ({min(xs):.2f}–{max(xs):.2f})"
+
+
+MD_BEGIN = "<!-- compare.py tables: begin -->"
+MD_END = "<!-- compare.py tables: end -->"
+
+
+def write_md(path: str, tables: str, raw_paths: list[str]) -> None:
+    """Put the tables into `path` between MD_BEGIN and MD_END (or make the file)."""
+    rel = " ".join(os.path.relpath(p, ROOT) for p in raw_paths)
+    block = f"{MD_BEGIN}\n\nRaw runs: `{rel}`.\n\n{tables}\n\n{MD_END}"
+    try:
+        with open(path) as f:
+            old = f.read()
+    except FileNotFoundError:
+        old = ""
+    if MD_BEGIN in old and MD_END in old:
+        head, rest = old.split(MD_BEGIN, 1)
+        text = head + block + rest.split(MD_END, 1)[1]
+    else:
+        text = old + ("\n" if old else "") + block + "\n"
+    with open(path, "w") as f:
+        f.write(text)
+    print(f"tables written into {os.path.relpath(path)}", file=sys.stderr)
 
 
 def pool_results(paths: list[str]) -> dict:

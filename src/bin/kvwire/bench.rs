@@ -3,8 +3,9 @@
 //! The initiator posts `--blocks` blocks of `--block-size` bytes per
 //! transfer (destination pages a seeded random permutation with `--scatter`),
 //! `--iters` times, and reports GB/s, transfer latency p50/p99, the prep+post
-//! cost per block, single-block latency, and the single-thread `memcpy`
-//! bandwidth of the same pattern measured in the same run. Every byte is
+//! cost per block, single-block latency, and the copy ceilings of the same
+//! pattern measured in the same run (1-thread `memcpy`, and the
+//! `--copy-threads`-thread ceiling: see [`crate::ceiling`]). Every byte is
 //! verified at the end (by the target for WRITE, locally for READ).
 
 use std::sync::Arc;
@@ -254,8 +255,18 @@ struct Report {
     pipeline: usize,
     segments_after_coalescing: usize,
     gb_per_s: f64,
+    /// One thread `memcpy` of the same page pattern (GB/s).
     memcpy_gb_per_s: f64,
+    /// `gb_per_s / memcpy_gb_per_s`.
     memcpy_ratio: f64,
+    /// `copy_threads` threads `memcpy` of the same pattern (GB/s).
+    memcpy_n_gb_per_s: f64,
+    /// `copy_threads` threads, the copy core's streaming-store copy (GB/s).
+    stream_n_gb_per_s: f64,
+    /// The N-thread ceiling: the faster of the two N-thread copies (GB/s).
+    ceiling_gb_per_s: f64,
+    /// `gb_per_s / ceiling_gb_per_s`.
+    ceiling_ratio: f64,
     p50_us: f64,
     p99_us: f64,
     post_ns_per_block: f64,
@@ -417,7 +428,7 @@ fn initiate(a: &BenchArgs, total: u64, chan: &mut SideChannel) -> Result<Report>
         Ctl::Failed(cause) => bail!("the target failed: {cause}"),
         other => bail!("expected Verified, got {other:?}"),
     };
-    let memcpy_gb_per_s = memcpy_baseline(&buf, a.block_size, &dst, op, a.iters)?;
+    let ceil = crate::ceiling::measure(&buf, a.block_size, &dst, op, a.iters, a.copy_threads)?;
     let gb_per_s = (total as f64 * a.iters as f64) / (moved_ns as f64);
     Ok(Report {
         transport: a.transport.to_string(),
@@ -431,8 +442,12 @@ fn initiate(a: &BenchArgs, total: u64, chan: &mut SideChannel) -> Result<Report>
         pipeline: a.pipeline.max(1),
         segments_after_coalescing: segment_count,
         gb_per_s,
-        memcpy_gb_per_s,
-        memcpy_ratio: gb_per_s / memcpy_gb_per_s,
+        memcpy_gb_per_s: ceil.memcpy_1,
+        memcpy_ratio: gb_per_s / ceil.memcpy_1,
+        memcpy_n_gb_per_s: ceil.memcpy_n,
+        stream_n_gb_per_s: ceil.stream_n,
+        ceiling_gb_per_s: ceil.ceiling(),
+        ceiling_ratio: gb_per_s / ceil.ceiling(),
         p50_us: percentile(&mut lat_us.clone(), 0.5),
         p99_us: percentile(&mut lat_us, 0.99),
         post_ns_per_block: percentile(&mut post_ns, 0.5),
@@ -467,26 +482,6 @@ fn count_segments(local: &[Desc], remote: &[Desc]) -> usize {
         .count()
 }
 
-/// One thread copying the same block pattern between two shared mappings.
-fn memcpy_baseline(src: &HostBuffer, block_size: u64, dst_of: &[u32], op: Op, iters: usize) -> Result<f64> {
-    let dst = HostBuffer::new(src.len())?;
-    let bs = block_size as usize;
-    let s = src.as_slice();
-    let mut total = Duration::ZERO;
-    for _ in 0..iters.max(1) {
-        let t0 = Instant::now();
-        for (i, &d) in dst_of.iter().enumerate() {
-            let (from, to) = match op {
-                Op::Write => (i * bs, d as usize * bs),
-                Op::Read => (d as usize * bs, i * bs),
-            };
-            dst.write(to, &s[from..from + bs]);
-        }
-        total += t0.elapsed();
-    }
-    Ok((src.len() as f64 * iters.max(1) as f64) / total.as_nanos() as f64)
-}
-
 fn print_report(r: &Report, json: bool) {
     if json {
         println!("{}", serde_json::to_string(r).expect("plain data"));
@@ -505,11 +500,13 @@ fn print_report(r: &Report, json: bool) {
         r.segments_after_coalescing
     );
     println!(
-        "{:>10} {:>7} {:>8} {:>11} {:>6} {:>9} {:>9} {:>13} {:>11} {:>11} {:>9}",
+        "{:>10} {:>7} {:>8} {:>11} {:>6} {:>12} {:>6} {:>9} {:>9} {:>13} {:>11} {:>11} {:>9}",
         "block",
         "blocks",
         "GB/s",
         "memcpy GB/s",
+        "ratio",
+        "ceiling GB/s",
         "ratio",
         "p50 us",
         "p99 us",
@@ -519,12 +516,14 @@ fn print_report(r: &Report, json: bool) {
         "verified"
     );
     println!(
-        "{:>10} {:>7} {:>8.2} {:>11.2} {:>6.2} {:>9.1} {:>9.1} {:>13.1} {:>11.1} {:>11.1} {:>9}",
+        "{:>10} {:>7} {:>8.2} {:>11.2} {:>6.2} {:>12.2} {:>6.2} {:>9.1} {:>9.1} {:>13.1} {:>11.1} {:>11.1} {:>9}",
         human(r.block_size),
         r.blocks,
         r.gb_per_s,
         r.memcpy_gb_per_s,
         r.memcpy_ratio,
+        r.ceiling_gb_per_s,
+        r.ceiling_ratio,
         r.p50_us,
         r.p99_us,
         r.post_ns_per_block,

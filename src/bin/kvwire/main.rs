@@ -2,6 +2,7 @@
 //! Each subcommand lives in its own module file next to this one.
 
 mod bench;
+mod ceiling;
 mod child;
 mod devices;
 mod failure;

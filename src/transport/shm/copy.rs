@@ -1,10 +1,16 @@
 //! The copy core of the `shm` backend: worker threads that move segments
 //! with `memcpy` through peer mappings, or with cross-memory attach
 //! (`process_vm_readv`/`writev`) where the peer's memory is not shareable.
+//!
+//! Transfers larger than the last-level cache are copied with non-temporal
+//! (streaming) stores ([`stream_copy`]): the destination cannot stay cached
+//! anyway, and streaming stores skip the read-for-ownership of every
+//! destination line that a cached store pays (3 memory passes become 2).
 
+use std::ops::Range;
 use std::sync::Arc;
-use std::sync::Mutex;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Mutex, OnceLock};
 
 use crossbeam_channel::{Receiver, Sender};
 use memmap2::MmapRaw;
@@ -133,8 +139,8 @@ impl AsRef<XferState> for XferShared {
 }
 
 /// A transfer for a worker to help with: it claims chunks until none are left.
-/// At most one job per worker is queued per transfer, so posting wakes at
-/// most `copy_threads` threads whatever the transfer's size.
+/// At most one job per worker is queued per transfer, so a transfer wakes
+/// at most `copy_threads` threads whatever its size.
 pub struct Job {
     /// The transfer.
     pub xfer: Arc<XferShared>,
@@ -148,16 +154,23 @@ pub struct Job {
 /// preempt the poster. It grows to the largest `copy_threads` any transport
 /// asked for; its threads sleep on the job queue when idle.
 struct SharedPool {
-    jobs: Sender<Job>,
-    queue: Receiver<Job>,
+    jobs: Sender<Queued>,
+    queue: Receiver<Queued>,
     threads: Mutex<usize>,
+}
+
+/// A job in the pool's queue, with how many more workers the one that
+/// takes it should wake for the same transfer.
+struct Queued {
+    job: Job,
+    more: usize,
 }
 
 static POOL: std::sync::OnceLock<SharedPool> = std::sync::OnceLock::new();
 
 /// A handle on the shared pool, making sure it has at least `threads` workers.
 pub struct CopyPool {
-    jobs: Sender<Job>,
+    jobs: Sender<Queued>,
 }
 
 impl CopyPool {
@@ -167,14 +180,19 @@ impl CopyPool {
     /// Spawning a worker failed.
     pub fn new(threads: usize) -> std::io::Result<Self> {
         let pool = POOL.get_or_init(|| {
-            let (jobs, queue) = crossbeam_channel::unbounded::<Job>();
+            let (jobs, queue) = crossbeam_channel::unbounded::<Queued>();
             SharedPool { jobs, queue, threads: Mutex::new(0) }
         });
         let mut have = pool.threads.lock().unwrap_or_else(|p| p.into_inner());
         while *have < threads.max(1) {
-            let queue = pool.queue.clone();
+            let (queue, jobs) = (pool.queue.clone(), pool.jobs.clone());
             std::thread::Builder::new().name(format!("kvwire-shm-copy-{have}")).spawn(move || {
-                for job in queue.iter() {
+                for Queued { job, more } in queue.iter() {
+                    if more > 0 {
+                        // Wake the next helper from here, not from `post`.
+                        let next = Job { xfer: job.xfer.clone(), done: job.done.clone() };
+                        let _ = jobs.send(Queued { job: next, more: more - 1 });
+                    }
                     run_job(job);
                 }
             })?;
@@ -185,21 +203,41 @@ impl CopyPool {
 
     /// Queue a job.
     pub fn submit(&self, job: Job) {
+        self.submit_helpers(job, 1);
+    }
+
+    /// Queue `job` for `helpers` workers (at least 1). The posting thread
+    /// wakes one, which lands on an idle core; each woken worker wakes the
+    /// next before it starts copying. Waking them all from `post` lets the
+    /// last wake-up preempt the poster where there are no more cores than
+    /// copy threads, and `post` then returns only after the woken worker's
+    /// time slice: the bench's wall prep+post exceeded its CPU time by a
+    /// median 3.0 ns/page at 65,536 4 KiB pages (0–7.5, 4 runs), 0.5 with
+    /// this chained wake-up (0.1–1.3, the same 4 interleaved runs; machine
+    /// under load 12–16, where other processes preempt the poster too).
+    pub fn submit_helpers(&self, job: Job, helpers: usize) {
         // The shared pool's workers never stop, so the queue stays open.
-        let _ = self.jobs.send(job);
+        let _ = self.jobs.send(Queued { job, more: helpers.max(1) - 1 });
     }
 }
 
 fn run_job(job: Job) {
     let (x, done) = (&job.xfer, &job.done);
+    let stream = streams(x.chunks.len());
     loop {
         let idx = x.next_chunk.fetch_add(1, Ordering::AcqRel);
         let Some(range) = x.chunks.get(idx) else { return };
         if x.core.live() {
             if x.peer.dead.load(Ordering::Acquire) {
                 x.core.fail(TransferFailure::peer_died(format!("peer {} disconnected", x.peer.name)));
-            } else if let Err(why) = copy_segments(x, &x.segments[range.clone()]) {
+            } else if let Err(why) = copy_segments(x, &x.segments[range.clone()], stream) {
                 x.core.fail(why);
+            }
+            if stream {
+                // Streaming stores are weakly ordered: make them globally
+                // visible before the chunk counts as done (the completion and
+                // the notification are published after `chunk_done`).
+                store_fence();
             }
         }
         if x.core.chunk_done() {
@@ -226,9 +264,9 @@ fn finish(x: &Arc<XferShared>, done: &Sender<Completion>) {
     });
 }
 
-fn copy_segments(x: &XferShared, segs: &[Segment]) -> Result<(), TransferFailure> {
+fn copy_segments(x: &XferShared, segs: &[Segment], stream: bool) -> Result<(), TransferFailure> {
     let mut held: Option<(u32, &PeerRegion)> = None;
-    let result = copy_held(x, segs, &mut held);
+    let result = copy_held(x, segs, stream, &mut held);
     if let Some((_, r)) = held {
         r.exit();
     }
@@ -240,6 +278,7 @@ fn copy_segments(x: &XferShared, segs: &[Segment]) -> Result<(), TransferFailure
 fn copy_held<'a>(
     x: &'a XferShared,
     segs: &[Segment],
+    stream: bool,
     held: &mut Option<(u32, &'a PeerRegion)>,
 ) -> Result<(), TransferFailure> {
     let mut cma: Vec<(libc::iovec, libc::iovec)> = Vec::new();
@@ -287,7 +326,7 @@ fn copy_held<'a>(
                 // access keeps the target's deregister waiting until we are
                 // done. The ranges are in different registrations' memory or
                 // different mappings, so they do not overlap.
-                unsafe { std::ptr::copy_nonoverlapping(src, dst, s.len_bytes as usize) };
+                unsafe { copy_bytes(src, dst, s.len_bytes as usize, stream) };
             }
             PeerMem::Cma { pid } => {
                 cma_pid = *pid;
@@ -352,4 +391,271 @@ fn cma_flush(op: Op, pid: i32, batch: &mut Vec<(libc::iovec, libc::iovec)>) -> R
         ));
     }
     Ok(())
+}
+
+/// Check a transfer's segments against the target's regions, as an HCA
+/// checks an rkey (known key, not revoked, every byte inside the region the
+/// target reported), and cut them into chunks of about
+/// [`super::CHUNK_BYTES`], in one pass over the segments. `post` pays this
+/// per page: with three passes (check, any-too-large, chunking) it was a
+/// third of the engine's prep+post CPU time at 65,536 scattered 4 KiB pages
+/// (`perf record` of `kvwire bench`); one pass took the bench's
+/// prep+post CPU time from 25.0–26.8 to 17.3–19.2 ns/page (3 interleaved
+/// pairs, 2-vCPU EPYC guest). Segments longer than a chunk are
+/// split (a second pass, only for transfers that have one).
+///
+/// # Errors
+/// The first violation, as the remote-access failure the transfer fails with.
+pub fn plan(peer: &PeerShared, segments: Vec<Segment>) -> Result<(Vec<Segment>, Vec<Range<usize>>), TransferFailure> {
+    let mut last: Option<(u32, u64, u64)> = None;
+    let mut chunks = Vec::with_capacity(segments.len() / 64 + 1);
+    let (mut start, mut acc, mut large) = (0usize, 0u64, false);
+    for (i, s) in segments.iter().enumerate() {
+        let (addr, len) = match last {
+            Some((k, a, l)) if k == s.rkey.0 => (a, l),
+            _ => match peer.regions.get(&s.rkey.0) {
+                Some(r) if r.revoked.load(Ordering::Acquire) => {
+                    return Err(TransferFailure::remote_access(
+                        RemoteAccessKind::UnknownKey,
+                        format!("rkey {} was deregistered by the target", s.rkey.0),
+                    ));
+                }
+                Some(r) => {
+                    last = Some((s.rkey.0, r.addr, r.len_bytes));
+                    (r.addr, r.len_bytes)
+                }
+                None => {
+                    return Err(TransferFailure::remote_access(
+                        RemoteAccessKind::UnknownKey,
+                        format!("unknown rkey {}", s.rkey.0),
+                    ));
+                }
+            },
+        };
+        let inside = s.remote_addr >= addr && s.remote_addr.checked_add(s.len_bytes).is_some_and(|e| e <= addr + len);
+        if !inside {
+            return Err(TransferFailure::remote_access(
+                RemoteAccessKind::OutOfBounds,
+                format!("{:#x}+{} outside rkey {} ({:#x}+{len})", s.remote_addr, s.len_bytes, s.rkey.0, addr),
+            ));
+        }
+        large |= s.len_bytes > super::CHUNK_BYTES;
+        acc += s.len_bytes;
+        if acc >= super::CHUNK_BYTES {
+            chunks.push(start..i + 1);
+            start = i + 1;
+            acc = 0;
+        }
+    }
+    if large {
+        let segments = split_large(segments);
+        let chunks = chunk_ranges(&segments);
+        return Ok((segments, chunks));
+    }
+    if start < segments.len() || chunks.is_empty() {
+        chunks.push(start..segments.len());
+    }
+    Ok((segments, chunks))
+}
+
+/// Split segments longer than [`super::CHUNK_BYTES`] so that threads can share them.
+fn split_large(segments: Vec<Segment>) -> Vec<Segment> {
+    let mut out = Vec::with_capacity(segments.len() + 16);
+    for s in segments {
+        let mut off = 0;
+        while off < s.len_bytes {
+            let n = (s.len_bytes - off).min(super::CHUNK_BYTES);
+            out.push(Segment { local_addr: s.local_addr + off, remote_addr: s.remote_addr + off, len_bytes: n, ..s });
+            off += n;
+        }
+    }
+    out
+}
+
+/// Group consecutive segments into chunks of about [`super::CHUNK_BYTES`].
+fn chunk_ranges(segments: &[Segment]) -> Vec<Range<usize>> {
+    let mut ranges = Vec::new();
+    let (mut start, mut acc) = (0usize, 0u64);
+    for (i, s) in segments.iter().enumerate() {
+        acc += s.len_bytes;
+        if acc >= super::CHUNK_BYTES {
+            ranges.push(start..i + 1);
+            start = i + 1;
+            acc = 0;
+        }
+    }
+    if start < segments.len() || ranges.is_empty() {
+        ranges.push(start..segments.len());
+    }
+    ranges
+}
+
+/// Transfers cut into more than this many chunks ([`super::CHUNK_BYTES`]
+/// each, so at least `threshold` bytes) are copied with streaming stores.
+fn streams(chunks: usize) -> bool {
+    static CHUNKS: OnceLock<usize> = OnceLock::new();
+    let limit = *CHUNKS.get_or_init(|| stream_threshold_bytes().div_ceil(super::CHUNK_BYTES) as usize);
+    cfg!(target_arch = "x86_64") && chunks > limit
+}
+
+/// Bytes per transfer from which streaming stores pay: the size of the
+/// largest CPU cache (sysfs), else [`FALLBACK_LLC_BYTES`].
+///
+/// Measured on the 2-vCPU EPYC guest (32 MiB L3, glibc 2.36, whose
+/// `memcpy` streams only single copies of several MiB, never a 4 KiB–1 MiB
+/// page), `kvwire bench --scatter`, 2 copy threads, streaming forced on or
+/// off, interleaved runs on a machine under load 12–20 (docs/PERFORMANCE.md):
+/// 2-thread copy of 256 MiB of scattered 4 KiB / 64 KiB pages, streaming
+/// 1.0–1.6× `memcpy` (median 1.24×, 10 same-process pairs); kvwire with
+/// streaming forced on / off, 3 pairs each: 1 MiB pages WRITE 1.4–1.85×,
+/// READ 0.99–1.15×; 64 KiB WRITE 0.91–1.37×, READ 1.09–1.80×; 64 KiB pages
+/// at 32 MiB per transfer (the L3) 1.1–1.3×; at 8 MiB (fits the L3) 0.88–2.9×,
+/// i.e. noise — there cached stores keep the pages in the L3 for their reader.
+fn stream_threshold_bytes() -> u64 {
+    largest_cache_bytes().unwrap_or(FALLBACK_LLC_BYTES)
+}
+
+/// Last-level cache size assumed where sysfs does not say (bytes).
+const FALLBACK_LLC_BYTES: u64 = 32 << 20;
+
+fn largest_cache_bytes() -> Option<u64> {
+    (0..8)
+        .filter_map(|i| std::fs::read_to_string(format!("/sys/devices/system/cpu/cpu0/cache/index{i}/size")).ok())
+        .filter_map(|s| parse_cache_size(&s))
+        .max()
+}
+
+/// `"32768K"` → 32 MiB, as sysfs writes cache sizes.
+fn parse_cache_size(s: &str) -> Option<u64> {
+    let s = s.trim();
+    let (digits, mul) = match s.as_bytes().last()? {
+        b'K' => (&s[..s.len() - 1], 1 << 10),
+        b'M' => (&s[..s.len() - 1], 1 << 20),
+        b'G' => (&s[..s.len() - 1], 1 << 30),
+        _ => (s, 1),
+    };
+    digits.parse::<u64>().ok()?.checked_mul(mul).filter(|&n| n > 0)
+}
+
+/// Copy `len` bytes, with streaming stores when `stream` (x86-64; elsewhere
+/// a plain `memcpy`). After streaming, the caller fences ([`store_fence`])
+/// before publishing that the bytes arrived.
+///
+/// # Safety
+/// `src` is readable and `dst` writable for `len` bytes, and the two ranges
+/// do not overlap.
+unsafe fn copy_bytes(src: *const u8, dst: *mut u8, len: usize, stream: bool) {
+    #[cfg(target_arch = "x86_64")]
+    if stream {
+        // SAFETY: forwarded from the caller.
+        unsafe { stream_raw(src, dst, len) };
+        return;
+    }
+    let _ = stream;
+    // SAFETY: forwarded from the caller.
+    unsafe { std::ptr::copy_nonoverlapping(src, dst, len) }
+}
+
+/// Copy `src` into `dst` (equal lengths) with non-temporal stores, then
+/// fence, as the copy threads move transfers larger than the last-level
+/// cache; a plain copy off x86-64. Public so that `kvwire bench` can measure
+/// the same routine's N-thread ceiling.
+///
+/// # Panics
+/// When the lengths differ.
+pub fn stream_copy(dst: &mut [u8], src: &[u8]) {
+    assert_eq!(dst.len(), src.len(), "stream_copy of slices of different lengths");
+    // SAFETY: both slices are valid for their (equal) length, and a `&mut`
+    // slice never overlaps a shared one.
+    unsafe { copy_bytes(src.as_ptr(), dst.as_mut_ptr(), src.len(), true) };
+    store_fence();
+}
+
+/// Make this thread's streaming stores visible to other threads before
+/// the stores (and atomics) that follow.
+fn store_fence() {
+    #[cfg(target_arch = "x86_64")]
+    // SAFETY: `sfence` is part of SSE, which every x86-64 CPU has.
+    unsafe {
+        std::arch::x86_64::_mm_sfence()
+    };
+}
+
+/// The x86-64 streaming copy: the head up to a 64-byte aligned destination
+/// and the tail with `memcpy`, the rest in 64-byte lines with unaligned
+/// 16-byte loads and `movntdq` stores (SSE2, every x86-64 CPU; 32-byte AVX
+/// stores were within the noise of it on this memory-bound loop).
+///
+/// # Safety
+/// As [`copy_bytes`].
+#[cfg(target_arch = "x86_64")]
+unsafe fn stream_raw(src: *const u8, dst: *mut u8, len: usize) {
+    use std::arch::x86_64::{__m128i, _mm_loadu_si128, _mm_stream_si128};
+    let head = dst.align_offset(64).min(len);
+    // SAFETY: (the whole loop) every access is at an offset below `len`,
+    // inside the caller's non-overlapping ranges; `dst + head` is 64-byte
+    // aligned, so each `_mm_stream_si128` target is 16-byte aligned.
+    unsafe {
+        std::ptr::copy_nonoverlapping(src, dst, head);
+        let mut i = head;
+        while i + 64 <= len {
+            let s = src.add(i).cast::<__m128i>();
+            let d = dst.add(i).cast::<__m128i>();
+            let (a, b, c, e) =
+                (_mm_loadu_si128(s), _mm_loadu_si128(s.add(1)), _mm_loadu_si128(s.add(2)), _mm_loadu_si128(s.add(3)));
+            _mm_stream_si128(d, a);
+            _mm_stream_si128(d.add(1), b);
+            _mm_stream_si128(d.add(2), c);
+            _mm_stream_si128(d.add(3), e);
+            i += 64;
+        }
+        std::ptr::copy_nonoverlapping(src.add(i), dst.add(i), len - i);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn cache_sizes_parse_as_sysfs_writes_them() {
+        assert_eq!(parse_cache_size("32768K\n"), Some(32 << 20));
+        assert_eq!(parse_cache_size("1M"), Some(1 << 20));
+        assert_eq!(parse_cache_size("512"), Some(512));
+        assert_eq!(parse_cache_size("0K"), None);
+        assert_eq!(parse_cache_size("lots"), None);
+        assert_eq!(parse_cache_size(""), None);
+    }
+
+    /// Every alignment of source and destination and lengths around the
+    /// 64-byte line: the streaming copy moves exactly the bytes asked for.
+    #[test]
+    fn stream_copy_moves_every_byte_at_every_alignment() {
+        let src: Vec<u8> = (0..1024u32).map(|i| (i * 7 + 3) as u8).collect();
+        for len in [0usize, 1, 15, 16, 63, 64, 65, 127, 128, 129, 300, 700] {
+            for so in 0..17 {
+                for d_off in [0usize, 1, 8, 16, 33, 63] {
+                    let mut dst = vec![0xEEu8; 1024];
+                    stream_copy(&mut dst[d_off..d_off + len], &src[so..so + len]);
+                    assert_eq!(&dst[d_off..d_off + len], &src[so..so + len], "len {len} src+{so} dst+{d_off}");
+                    assert!(dst[..d_off].iter().all(|&b| b == 0xEE), "wrote before the range");
+                    assert!(dst[d_off + len..].iter().all(|&b| b == 0xEE), "wrote past the range");
+                }
+            }
+        }
+    }
+
+    #[test]
+    #[should_panic(expected = "different lengths")]
+    fn stream_copy_refuses_unequal_lengths() {
+        stream_copy(&mut [0u8; 4], &[0u8; 5]);
+    }
+
+    #[test]
+    fn only_transfers_past_the_threshold_stream() {
+        let limit = stream_threshold_bytes().div_ceil(super::super::CHUNK_BYTES) as usize;
+        assert!(!streams(1));
+        assert!(!streams(limit));
+        assert_eq!(streams(limit + 1), cfg!(target_arch = "x86_64"));
+    }
 }

@@ -34,6 +34,7 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::thread::JoinHandle;
 
 pub use buffer::HostBuffer;
+pub use copy::stream_copy;
 use copy::{CopyPool, Job, PeerShared, XferShared};
 use target::{Accepted, AcceptedPeer, Acks, LocalRegion, NotifQueue, RegionTable, Shared};
 use wire::{Listener, Msg, ShmInfo};
@@ -42,8 +43,8 @@ use super::auth::AgentSecret;
 use super::inflight::{InFlight, XferState};
 use super::options::OptionSet;
 use super::{
-    Completion, LocalKey, MemoryBacking, Notification, PeerId, PostRequest, Registration, RemoteAccessKind, RemoteKey,
-    RemoteRegion, TransferFailure, Transport, TransportConfig, TransportError, TransportKind, XferId,
+    Completion, LocalKey, MemoryBacking, Notification, PeerId, PostRequest, Registration, RemoteKey, RemoteRegion,
+    Transport, TransportConfig, TransportError, TransportKind, XferId,
 };
 
 /// Bytes of work per copy job: large enough that queueing costs nothing,
@@ -343,44 +344,13 @@ impl Transport for ShmTransport {
         if req.notification.as_ref().is_some_and(|n| n.len() > wire::MAX_NOTIFICATION) {
             return Err(TransportError::Post(format!("notification larger than {} bytes", wire::MAX_NOTIFICATION)));
         }
-        // The HCA-style check: every segment inside a region the target
-        // reported, by key and bounds, before a single byte moves.
-        let mut last: Option<(u32, u64, u64)> = None;
-        let mut violation = None;
-        for s in &req.segments {
-            let (addr, len) = match last {
-                Some((k, a, l)) if k == s.rkey.0 => (a, l),
-                _ => match peer.regions.get(&s.rkey.0) {
-                    Some(r) if r.revoked.load(Ordering::Acquire) => {
-                        violation = Some(TransferFailure::remote_access(
-                            RemoteAccessKind::UnknownKey,
-                            format!("rkey {} was deregistered by the target", s.rkey.0),
-                        ));
-                        break;
-                    }
-                    Some(r) => {
-                        last = Some((s.rkey.0, r.addr, r.len_bytes));
-                        (r.addr, r.len_bytes)
-                    }
-                    None => {
-                        violation = Some(TransferFailure::remote_access(
-                            RemoteAccessKind::UnknownKey,
-                            format!("unknown rkey {}", s.rkey.0),
-                        ));
-                        break;
-                    }
-                },
-            };
-            let inside =
-                s.remote_addr >= addr && s.remote_addr.checked_add(s.len_bytes).is_some_and(|e| e <= addr + len);
-            if !inside {
-                violation = Some(TransferFailure::remote_access(
-                    RemoteAccessKind::OutOfBounds,
-                    format!("{:#x}+{} outside rkey {} ({:#x}+{len})", s.remote_addr, s.len_bytes, s.rkey.0, addr),
-                ));
-                break;
-            }
-        }
+        // The HCA-style check (every segment inside a region the target
+        // reported, by key and bounds, before a single byte moves) and the
+        // cut into chunks, in one pass over the segments.
+        let (segments, chunks, violation) = match copy::plan(peer, req.segments) {
+            Ok((segments, chunks)) => (segments, chunks, None),
+            Err(why) => (Vec::new(), Vec::new(), Some(why)),
+        };
         if let Some(why) = violation {
             let core = XferState::new(req.xfer, req.op, None, 1);
             core.fail(why);
@@ -395,8 +365,6 @@ impl Transport for ShmTransport {
             self.pool.submit(Job { xfer: x, done: self.inflight.sender() });
             return Ok(());
         }
-        let segments = split_large(req.segments);
-        let chunks = chunk_ranges(&segments);
         let helpers = chunks.len().min(self.config.copy_threads.max(1));
         let x = Arc::new(XferShared {
             core: XferState::new(req.xfer, req.op, req.notification, chunks.len()),
@@ -406,9 +374,7 @@ impl Transport for ShmTransport {
             chunks,
         });
         self.inflight.insert(x.clone());
-        for _ in 0..helpers {
-            self.pool.submit(Job { xfer: x.clone(), done: self.inflight.sender() });
-        }
+        self.pool.submit_helpers(Job { xfer: x, done: self.inflight.sender() }, helpers);
         Ok(())
     }
 
@@ -424,46 +390,6 @@ impl Transport for ShmTransport {
         let mut q = self.notifs.lock().unwrap_or_else(|p| p.into_inner());
         out.append(&mut q);
     }
-}
-
-/// Split segments longer than [`CHUNK_BYTES`] so that threads can share them.
-fn split_large(segments: Vec<super::Segment>) -> Vec<super::Segment> {
-    if segments.iter().all(|s| s.len_bytes <= CHUNK_BYTES) {
-        return segments;
-    }
-    let mut out = Vec::with_capacity(segments.len() + 16);
-    for s in segments {
-        let mut off = 0;
-        while off < s.len_bytes {
-            let n = (s.len_bytes - off).min(CHUNK_BYTES);
-            out.push(super::Segment {
-                local_addr: s.local_addr + off,
-                remote_addr: s.remote_addr + off,
-                len_bytes: n,
-                ..s
-            });
-            off += n;
-        }
-    }
-    out
-}
-
-/// Group consecutive segments into jobs of about [`CHUNK_BYTES`].
-fn chunk_ranges(segments: &[super::Segment]) -> Vec<std::ops::Range<usize>> {
-    let mut ranges = Vec::new();
-    let (mut start, mut acc) = (0usize, 0u64);
-    for (i, s) in segments.iter().enumerate() {
-        acc += s.len_bytes;
-        if acc >= CHUNK_BYTES {
-            ranges.push(start..i + 1);
-            start = i + 1;
-            acc = 0;
-        }
-    }
-    if start < segments.len() || ranges.is_empty() {
-        ranges.push(start..segments.len());
-    }
-    ranges
 }
 
 impl Drop for ShmTransport {
