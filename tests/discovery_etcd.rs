@@ -3,9 +3,11 @@
 //! whose entry disappears when its lease expires.
 //!
 //! etcd comes from `KVWIRE_ETCD` (an `http://host:port` URL) or, failing
-//! that, an `etcd` binary on `PATH` started on a free loopback port. With
-//! neither, the tests say "skipped" — unless `KVWIRE_REQUIRE_ETCD=1`, where
-//! they fail (CI sets it).
+//! that, an `etcd` binary on `PATH` started on a free loopback port. The
+//! tests that need etcd are `#[ignore]`d with that reason, so a plain
+//! `cargo test` reports them as ignored, never as passed; `scripts/test.sh`
+//! runs them with `--ignored` where etcd exists (and fails without it when
+//! `KVWIRE_REQUIRE_ETCD=1`, as CI sets). Asked to run without etcd, they fail.
 
 use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
@@ -42,17 +44,15 @@ fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
 }
 
+const NEEDS_ETCD: &str = "needs etcd (apt-get install etcd-server, or set KVWIRE_ETCD=http://HOST:PORT)";
+
 fn etcd() -> Option<Etcd> {
     if let Ok(url) = std::env::var("KVWIRE_ETCD") {
         return Some(Etcd { url, child: None, _dir: None });
     }
     let found =
         std::env::var_os("PATH").map(|p| std::env::split_paths(&p).any(|d| d.join("etcd").is_file())).unwrap_or(false);
-    if !found {
-        assert!(std::env::var("KVWIRE_REQUIRE_ETCD").is_err(), "KVWIRE_REQUIRE_ETCD set but no etcd available");
-        eprintln!("skipped: no etcd (set KVWIRE_ETCD or install etcd-server)");
-        return None;
-    }
+    assert!(found, "{NEEDS_ETCD}: no etcd binary on PATH");
     let (cport, pport) = (free_port(), free_port());
     let dir = std::env::temp_dir().join(format!("kvwire-etcd-{}-{cport}", std::process::id()));
     let curl = format!("http://127.0.0.1:{cport}");
@@ -92,6 +92,7 @@ fn engine(name: &str) -> (TransferEngine, Arc<HostBuffer>) {
 }
 
 #[test]
+#[ignore = "needs etcd (scripts/test.sh runs it where etcd exists)"]
 fn publish_lookup_list_and_revoke_on_drop() {
     let Some(etcd) = etcd() else { return };
     let prefix = unique_prefix("basic");
@@ -117,6 +118,7 @@ fn publish_lookup_list_and_revoke_on_drop() {
 }
 
 #[test]
+#[ignore = "needs etcd (scripts/test.sh runs it where etcd exists)"]
 fn lookup_waits_for_a_late_publisher_and_watch_sees_it() {
     let Some(etcd) = etcd() else { return };
     let prefix = unique_prefix("late");
@@ -144,6 +146,7 @@ fn lookup_waits_for_a_late_publisher_and_watch_sees_it() {
 }
 
 #[test]
+#[ignore = "needs etcd (scripts/test.sh runs it where etcd exists)"]
 fn crashed_publisher_disappears_when_its_lease_expires() {
     let Some(etcd) = etcd() else { return };
     let prefix = unique_prefix("crash");
@@ -210,6 +213,7 @@ fn direct_store_exchanges_metadata_over_the_side_channel() {
 }
 
 #[test]
+#[ignore = "needs etcd (scripts/test.sh runs it where etcd exists)"]
 fn a_name_published_by_another_live_engine_is_refused() {
     let Some(etcd) = etcd() else { return };
     let prefix = unique_prefix("dupe");
@@ -233,6 +237,7 @@ fn a_name_published_by_another_live_engine_is_refused() {
 }
 
 #[test]
+#[ignore = "needs etcd (scripts/test.sh runs it where etcd exists)"]
 fn replay_discovers_the_decode_engine_through_etcd() {
     let Some(etcd) = etcd() else { return };
     let prefix = unique_prefix("replay");
