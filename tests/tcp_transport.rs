@@ -1,6 +1,8 @@
 //! The `tcp` transport on loopback: WRITE, READ, notifications, refused
 //! accesses, dead and silent peers, hostile frames, cancel.
 
+mod tcp_util;
+
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
 use std::sync::Arc;
@@ -11,13 +13,10 @@ use kvwire::engine::{Desc, TransferEngine, TransferStatus};
 use kvwire::transport::auth::{self, Nonce};
 use kvwire::transport::tcp::{TcpConnectionInfo, TcpTransport, wire};
 use kvwire::transport::{
-    Completion, FailureKind, LocalKey, MemoryBacking, Op, PeerId, PostRequest, RemoteAccessKind, RemoteKey, Segment,
-    Transport, TransportConfig, TransportKind, XferId,
+    FailureKind, LocalKey, MemoryBacking, Op, PeerId, PostRequest, RemoteAccessKind, RemoteKey, Segment, Transport,
+    TransportConfig, TransportKind, XferId,
 };
-
-fn cfg(timeout_ms: u64) -> TransportConfig {
-    TransportConfig { peer_timeout: Duration::from_millis(timeout_ms), ..Default::default() }
-}
+use tcp_util::{cfg, completion};
 
 fn wait(e: &mut TransferEngine, h: kvwire::engine::TransferHandle, limit: Duration) -> TransferStatus {
     let t0 = Instant::now();
@@ -129,19 +128,6 @@ fn post_one(id: u64, op: Op, remote_addr: u64, rkey: RemoteKey, len: u64, p: &mu
             notification: Some(b"n".to_vec()),
         })
         .unwrap();
-}
-
-fn completion(t: &mut dyn Transport, limit: Duration) -> Option<Completion> {
-    let t0 = Instant::now();
-    let mut out = Vec::new();
-    while t0.elapsed() < limit {
-        t.poll(&mut out);
-        if let Some(c) = out.pop() {
-            return Some(c);
-        }
-        std::thread::sleep(Duration::from_micros(200));
-    }
-    None
 }
 
 #[test]

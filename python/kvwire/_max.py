@@ -217,8 +217,8 @@ def _pct(part: int, total: int) -> float:
 
 
 @dataclass(frozen=True)
-class BlockCount:
-    """Occupancy of a device block pool (blocks)."""
+class _Occupancy:
+    """`free` of `total` units, with MAX's derived `used` and percentages."""
 
     free: int
     total: int
@@ -237,23 +237,13 @@ class BlockCount:
 
 
 @dataclass(frozen=True)
-class ByteCount:
+class BlockCount(_Occupancy):
+    """Occupancy of a device block pool (blocks)."""
+
+
+@dataclass(frozen=True)
+class ByteCount(_Occupancy):
     """Occupancy of a connector's host or disk tier (bytes)."""
-
-    free: int
-    total: int
-
-    @property
-    def used(self) -> int:
-        return self.total - self.free
-
-    @property
-    def used_pct(self) -> float:
-        return _pct(self.used, self.total)
-
-    @property
-    def free_pct(self) -> float:
-        return _pct(self.free, self.total)
 
 
 class CompletedTransfer:
