@@ -78,6 +78,35 @@ fn two_terminal_mode_listen_and_connect() {
 }
 
 #[test]
+fn a_listening_target_drops_foreign_connections_and_still_serves() {
+    use std::io::Write;
+    let port = {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        l.local_addr().unwrap().port()
+    };
+    let addr = format!("127.0.0.1:{port}");
+    let mut target = kvwire().args(["bench", "--listen", &addr]).stderr(Stdio::piped()).spawn().unwrap();
+    std::thread::sleep(Duration::from_millis(300));
+    // A port scan (connect + close) and an HTTP client: neither may end the target.
+    drop(std::net::TcpStream::connect(&addr).unwrap());
+    let mut http = std::net::TcpStream::connect(&addr).unwrap();
+    http.write_all(b"GET / HTTP/1.0\r\n\r\n").unwrap();
+    std::thread::sleep(Duration::from_millis(300));
+    drop(http);
+    let out = kvwire()
+        .args(["bench", "--connect", &addr, "--block-size", "64KiB", "--blocks", "16", "--iters", "1"])
+        .args(["--lat-iters", "2", "--json"])
+        .output()
+        .unwrap();
+    let t = target.wait_with_output().unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(t.status.success(), "the target must serve the real initiator after the foreign ones");
+    let t_err = String::from_utf8_lossy(&t.stderr);
+    assert_eq!(t_err.matches("dropped a connection").count(), 2, "{t_err}");
+    assert_eq!(json_of(&out)["verified"], true);
+}
+
+#[test]
 fn bad_arguments_are_refused_with_a_message() {
     for args in
         [&["--block-size", "0"][..], &["--block-size", "12XB"], &["--blocks", "0"], &["--transport", "carrier-pigeon"]]

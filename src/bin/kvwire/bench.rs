@@ -169,12 +169,36 @@ fn count_bad(buf: &HostBuffer, block_size: u64, dst: &[u32], op: Op) -> u64 {
 
 /// `kvwire bench-target`: the child started by `kvwire bench`.
 pub fn run_target(a: TargetArgs) -> Result<()> {
-    let chan = SideChannel::connect(&a.connect, Duration::from_secs(10))?;
-    serve_target(chan)
+    let mut chan = SideChannel::connect(&a.connect, Duration::from_secs(10))?;
+    let setup = chan.recv()?;
+    serve_target(chan, setup)
 }
 
-fn serve_target(mut chan: SideChannel) -> Result<()> {
-    let r = target_loop(&mut chan);
+/// How long a `--listen` target waits for a new connection's Setup message
+/// before it drops that connection and waits for the next one.
+const SETUP_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// `bench --listen`: accept connections until one is a kvwire bench
+/// initiator (its first message is a Setup within [`SETUP_TIMEOUT`]);
+/// silent or foreign connections (a port scan, an HTTP client) are dropped
+/// with a warning instead of stalling or ending the target.
+fn listen_target(l: &std::net::TcpListener) -> Result<()> {
+    loop {
+        let mut chan = SideChannel::accept(l)?;
+        chan.set_read_timeout(Some(SETUP_TIMEOUT))?;
+        match chan.recv::<Ctl>() {
+            Ok(setup @ Ctl::Setup { .. }) => {
+                chan.set_read_timeout(None)?;
+                return serve_target(chan, setup);
+            }
+            Ok(other) => eprintln!("kvwire bench: dropped a connection that sent {other:?} instead of a Setup"),
+            Err(e) => eprintln!("kvwire bench: dropped a connection that is not a kvwire bench initiator ({e})"),
+        }
+    }
+}
+
+fn serve_target(mut chan: SideChannel, setup: Ctl) -> Result<()> {
+    let r = target_loop(&mut chan, setup);
     if let Err(e) = &r {
         // Tell the initiator why, so that it reports the cause (not "closed").
         let _ = chan.send(&Ctl::Failed(format!("{e:#}")));
@@ -182,8 +206,8 @@ fn serve_target(mut chan: SideChannel) -> Result<()> {
     r
 }
 
-fn target_loop(chan: &mut SideChannel) -> Result<()> {
-    let Ctl::Setup { transport, op, block_size, blocks, options, copy_threads } = chan.recv()? else {
+fn target_loop(chan: &mut SideChannel, setup: Ctl) -> Result<()> {
+    let Ctl::Setup { transport, op, block_size, blocks, options, copy_threads } = setup else {
         bail!("expected Setup from the initiator");
     };
     let mut engine = TransferEngine::new("bench-target", transport, &config(copy_threads, options))?;
@@ -304,7 +328,7 @@ pub fn run(a: BenchArgs) -> Result<()> {
     if let Some(addr) = &a.listen {
         let (l, bound) = SideChannel::bind(addr)?;
         eprintln!("kvwire bench: target waiting for an initiator on {bound}");
-        return serve_target(SideChannel::accept(&l)?);
+        return listen_target(&l);
     }
     let mut child = None;
     let mut chan = match &a.connect {
