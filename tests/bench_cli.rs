@@ -85,7 +85,7 @@ fn a_listening_target_drops_foreign_connections_and_still_serves() {
         l.local_addr().unwrap().port()
     };
     let addr = format!("127.0.0.1:{port}");
-    let mut target = kvwire().args(["bench", "--listen", &addr]).stderr(Stdio::piped()).spawn().unwrap();
+    let target = kvwire().args(["bench", "--listen", &addr]).stderr(Stdio::piped()).spawn().unwrap();
     std::thread::sleep(Duration::from_millis(300));
     // A port scan (connect + close) and an HTTP client: neither may end the target.
     drop(std::net::TcpStream::connect(&addr).unwrap());
