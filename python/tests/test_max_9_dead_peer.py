@@ -58,7 +58,6 @@ def test_send_to_a_peer_that_died_after_connect_is_peer_died():
 
 # Item 9 is the tcp helper's (the transport must report the dead peer at the
 # call); this kv-level test is ready for it and is expected to fail until then.
-@pytest.mark.xfail(reason="issue 14 item 9 (tcp helper): tcp accepts the post and fails it ~10 ms later", strict=False)
 def test_tcp_send_to_a_dead_peer_raises_at_the_call():
     p, conn, md = start_peer("e9-tcp", "tcp")
     a = kvwire.KVTransferEngine("e9-c", mem(), transport="tcp", peer_timeout_s=1.0)
