@@ -56,8 +56,8 @@ def test_send_to_a_peer_that_died_after_connect_is_peer_died():
         a.cleanup()
 
 
-# Item 9 is the tcp helper's (the transport must report the dead peer at the
-# call); this kv-level test is ready for it and is expected to fail until then.
+# tcp: once the peer is known dead, the post raises at the call (MAX's
+# behaviour), instead of an accepted transfer that fails a moment later.
 def test_tcp_send_to_a_dead_peer_raises_at_the_call():
     p, conn, md = start_peer("e9-tcp", "tcp")
     a = kvwire.KVTransferEngine("e9-c", mem(), transport="tcp", peer_timeout_s=1.0)
