@@ -428,7 +428,11 @@ impl Transport for TcpTransport {
             peer.shared.kill(why);
         }
         if peer.shared.dead.load(Ordering::Acquire) {
-            return Err(TransportError::PeerDisconnected(peer.shared.failure().to_string()));
+            return Err(TransportError::PeerDisconnected(format!(
+                "{} ({})",
+                peer.shared.name,
+                peer.shared.failure().kind
+            )));
         }
         if req.notification.as_ref().is_some_and(|n| n.len() > MAX_NOTIFICATION_BYTES) {
             return Err(TransportError::Post(format!("notification larger than {MAX_NOTIFICATION_BYTES} bytes")));
