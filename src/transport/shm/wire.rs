@@ -472,6 +472,10 @@ mod tests {
                 }
             }
         }
-        assert_eq!(open_fds(), before, "received descriptors leaked");
+        // Other unit tests of this binary open and close descriptors at the
+        // same time, so the count moves by a few either way; the old receive
+        // path leaked 4 per truncated packet (240 here).
+        let after = open_fds();
+        assert!(after <= before + 16, "received descriptors leaked: {before} open before, {after} after");
     }
 }
