@@ -6,9 +6,9 @@ mod common;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use common::{ChildTarget, Cmd, Reply, fnv, pattern};
+use common::{ChildTarget, Cmd, Reply, fnv, pattern, wait};
 use kvwire::HostBuffer;
-use kvwire::engine::{Desc, EngineError, TransferEngine, TransferHandle, TransferStatus};
+use kvwire::engine::{Desc, EngineError, TransferEngine, TransferStatus};
 use kvwire::transport::{FailureKind, Op, RemoteAccessKind, TransportConfig, TransportKind};
 
 const PAGE: u64 = 4096;
@@ -24,17 +24,6 @@ fn initiator(len: usize) -> (TransferEngine, Arc<HostBuffer>) {
     let b = Arc::new(HostBuffer::new(len).unwrap());
     e.register(b.clone()).unwrap();
     (e, b)
-}
-
-fn wait(e: &mut TransferEngine, h: TransferHandle, limit: Duration) -> TransferStatus {
-    let deadline = Instant::now() + limit;
-    loop {
-        let s = e.status(h).unwrap();
-        if s != TransferStatus::InProgress || Instant::now() > deadline {
-            return s;
-        }
-        std::thread::yield_now();
-    }
 }
 
 /// Page `i` of the local buffer goes to page `perm(i)` of the remote one.

@@ -8,7 +8,7 @@ use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use common::{ChildTarget, Cmd, Reply, fnv};
+use common::{ChildTarget, Cmd, Reply, fnv, wait};
 use kvwire::HostBuffer;
 use kvwire::engine::{Desc, TransferEngine, TransferHandle, TransferStatus};
 use kvwire::transport::auth::AgentSecret;
@@ -26,17 +26,6 @@ fn child_entry() {
 
 fn config(peer_timeout: Duration) -> TransportConfig {
     TransportConfig { peer_timeout, ..TransportConfig::default() }
-}
-
-fn wait(e: &mut TransferEngine, h: TransferHandle, limit: Duration) -> TransferStatus {
-    let deadline = Instant::now() + limit;
-    loop {
-        let s = e.status(h).unwrap();
-        if s != TransferStatus::InProgress || Instant::now() > deadline {
-            return s;
-        }
-        std::thread::sleep(Duration::from_millis(1));
-    }
 }
 
 fn signal(child: &ChildTarget, sig: libc::c_int) {

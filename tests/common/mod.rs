@@ -9,7 +9,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use kvwire::HostBuffer;
-use kvwire::engine::{AgentMetadata, TransferEngine};
+use kvwire::engine::{AgentMetadata, TransferEngine, TransferHandle, TransferStatus};
 use kvwire::sidechannel::SideChannel;
 use kvwire::transport::{MemoryDesc, MemoryKind, RawMemory, TransportConfig, TransportKind};
 use serde::{Deserialize, Serialize};
@@ -183,5 +183,17 @@ pub fn child_main() {
         if chan.send(&reply).is_err() {
             return;
         }
+    }
+}
+
+/// Poll `h` until it leaves `InProgress` or `limit` passes; its last status.
+pub fn wait(e: &mut TransferEngine, h: TransferHandle, limit: Duration) -> TransferStatus {
+    let deadline = Instant::now() + limit;
+    loop {
+        let s = e.status(h).unwrap();
+        if s != TransferStatus::InProgress || Instant::now() > deadline {
+            return s;
+        }
+        std::thread::yield_now();
     }
 }
