@@ -3,6 +3,7 @@
 //! completion (`ibv_req_notify_cq` + `ibv_get_cq_event`).
 
 use std::ffi::c_void;
+use std::os::fd::{AsRawFd, BorrowedFd};
 use std::ptr::NonNull;
 use std::sync::Arc;
 
@@ -105,6 +106,16 @@ impl CompletionQueue {
     /// [`VerbsError::Call`] for `poll(2)` or `ibv_get_cq_event`;
     /// `Unsupported` without a channel.
     pub fn wait_event(&self, timeout_ms: i32) -> Result<bool, VerbsError> {
+        self.wait_event_or(None, timeout_ms)
+    }
+
+    /// [`wait_event`](Self::wait_event), also returning (with `false`) as
+    /// soon as `wake` is readable: a thread blocked on completions can be
+    /// woken for other work. `wake` is not read here.
+    ///
+    /// # Errors
+    /// As [`wait_event`](Self::wait_event).
+    pub fn wait_event_or(&self, wake: Option<BorrowedFd<'_>>, timeout_ms: i32) -> Result<bool, VerbsError> {
         let (ch, _) = self.events.ok_or_else(|| VerbsError::Unsupported("CQ has no completion channel".into()))?;
         let lib = &self.ctx.lib;
         let (Some(get), Some(ack)) = (lib.get_cq_event, lib.ack_cq_events) else {
@@ -112,9 +123,12 @@ impl CompletionQueue {
         };
         // SAFETY: live channel.
         let fd = unsafe { (*ch.as_ptr()).fd };
-        let mut pfd = libc::pollfd { fd, events: libc::POLLIN, revents: 0 };
-        // SAFETY: one valid pollfd.
-        let rc = unsafe { libc::poll(&mut pfd, 1, timeout_ms) };
+        let mut pfds = [
+            libc::pollfd { fd, events: libc::POLLIN, revents: 0 },
+            libc::pollfd { fd: wake.map_or(-1, |w| w.as_raw_fd()), events: libc::POLLIN, revents: 0 },
+        ];
+        // SAFETY: two valid pollfds (poll ignores a negative fd).
+        let rc = unsafe { libc::poll(pfds.as_mut_ptr(), 2, timeout_ms) };
         if rc < 0 {
             let e = std::io::Error::last_os_error();
             if e.kind() == std::io::ErrorKind::Interrupted {
@@ -122,7 +136,7 @@ impl CompletionQueue {
             }
             return Err(VerbsError::call("poll(completion channel)", e.raw_os_error().unwrap_or(0)));
         }
-        if rc == 0 || pfd.revents & libc::POLLIN == 0 {
+        if rc == 0 || pfds[0].revents & libc::POLLIN == 0 {
             return Ok(false);
         }
         let mut cq: *mut ibv_cq = std::ptr::null_mut();

@@ -15,7 +15,9 @@
 //!
 //! Every thread here is owned: the listener joins the peer threads it
 //! started (each looks at `stopping` at least every [`WATCH_MS`]), the
-//! transport joins the listener and its watchers on drop.
+//! transport joins the listener and its watchers on drop. None of them
+//! touches the QP state: they hand QPs to the engine and tell it what
+//! happened with commands (`engine::Cmd`).
 
 use std::net::TcpListener;
 use std::sync::Arc;
@@ -26,6 +28,8 @@ use std::time::{Duration, Instant};
 use serde::{Deserialize, Serialize};
 
 use super::Inner;
+use super::engine::Cmd;
+use super::nic::Nic;
 use super::state::{NOTIF_SLOT_BYTES, RECV_BIT, RecvQp};
 use crate::sidechannel::{SideChannel, SideChannelError};
 use crate::transport::auth::{self, AgentSecret, Nonce};
@@ -173,10 +177,11 @@ fn serve(inner: &Inner, mut ch: SideChannel) {
     // close: give them a moment before refusing.
     let cqes = RECVS_PER_QP * remote.len() as u32;
     let patience = Instant::now() + inner.config.peer_timeout.min(Duration::from_secs(2));
-    let mut reserved = inner.lock().reserve_recv_cqes(cqes);
+    let reserve = || inner.cmds.call(|reply| Cmd::ReserveRecv { cqes, reply }).unwrap_or(false);
+    let mut reserved = reserve();
     while !reserved && Instant::now() < patience {
         std::thread::sleep(Duration::from_millis(10));
-        reserved = inner.lock().reserve_recv_cqes(cqes);
+        reserved = reserve();
     }
     if !reserved {
         let reason = format!(
@@ -196,23 +201,25 @@ fn serve(inner: &Inner, mut ch: SideChannel) {
         Ok(())
     })();
     if let Err(e) = result {
-        inner.lock().release_recv_cqes(cqes, &inner.limits);
+        drop(built);
+        inner.cmds.send(Cmd::ReleaseRecv { cqes });
         let _ = ch.send(&Handshake::Refuse { reason: e.to_string() });
         return;
     }
-    {
-        let mut st = inner.lock();
-        for (mut qp, slab) in built {
-            for slot in 0..RECVS_PER_QP {
-                let (wr_id, len) = (RECV_BIT | u64::from(slot), NOTIF_SLOT_BYTES as u32);
-                if let Err(e) = qp.post_recv_owned(wr_id, &slab, slot as usize * NOTIF_SLOT_BYTES, len) {
-                    tracing::warn!("verbs: post_recv for {agent}: {e}");
-                }
+    // Receives are posted here, before the QPs go to the engine (which
+    // reposts each after its completion).
+    let mut recv = Vec::new();
+    for (mut qp, slab) in built {
+        for slot in 0..RECVS_PER_QP {
+            let (wr_id, len) = (RECV_BIT | u64::from(slot), NOTIF_SLOT_BYTES as u32);
+            if let Err(e) = qp.post_recv_owned(wr_id, &slab, slot as usize * NOTIF_SLOT_BYTES, len) {
+                tracing::warn!("verbs: post_recv for {agent}: {e}");
             }
-            qpns.push(qp.qp_num());
-            st.recv_qps.insert(qp.qp_num(), RecvQp { qp, agent: agent.clone(), slab });
         }
+        qpns.push(qp.qp_num());
+        recv.push(RecvQp { qp, agent: agent.clone(), slab });
     }
+    inner.cmds.send(Cmd::AddRecv { qps: recv });
     if ch.send(&Handshake::Accept { qps: mine }).is_ok() {
         // Wait until the initiator goes away (or this transport stops).
         let _ = ch.set_read_timeout(Some(Duration::from_millis(WATCH_MS)));
@@ -224,11 +231,7 @@ fn serve(inner: &Inner, mut ch: SideChannel) {
             }
         }
     }
-    let mut st = inner.lock();
-    for q in qpns {
-        st.recv_qps.remove(&q);
-    }
-    st.release_recv_cqes(cqes, &inner.limits);
+    inner.cmds.send(Cmd::RemoveRecv { qpns, cqes });
 }
 
 fn verbs_err(e: crate::verbs::VerbsError) -> TransportError {
@@ -268,7 +271,7 @@ pub(super) fn handshake(
 
 /// The initiator's watch over one peer's liveness channel: a thread that
 /// blocks on it and, when the target's side closes (its process died),
-/// fails that peer's QPs at once ([`super::state::State::fail_peer`]) instead of waiting
+/// fails that peer's QPs at once ([`Cmd::FailPeer`]) instead of waiting
 /// for the QPs' retries or the progress deadline. Dropping it stops the
 /// watch (within [`WATCH_MS`]) and closes the channel; [`Liveness::join`]
 /// waits for the thread.
@@ -301,7 +304,7 @@ impl Liveness {
                 }
                 tracing::warn!("verbs: liveness channel to {name} closed ({why}): failing its QPs");
                 let f = TransferFailure::peer_died(format!("{name}: liveness channel closed ({why})"));
-                inner.lock().fail_peer(peer, &f, &inner.limits);
+                inner.cmds.send(Cmd::FailPeer { peer, why: f });
             })
             .map_err(|e| e.to_string())?;
         Ok(Self { stop, thread: Some(thread) })
@@ -331,9 +334,11 @@ impl Drop for Liveness {
 
 impl Inner {
     fn new_recv_qp(&self) -> Result<(QueuePair, QpEndpoint, Arc<MemoryRegion>), TransportError> {
-        let qp = QueuePair::new(&self.pd, &self.cq, &self.cq, 4, RECVS_PER_QP).map_err(verbs_err)?;
+        let qp = self.nic.create_qp(4, RECVS_PER_QP).map_err(verbs_err)?;
         let ep = qp.endpoint(&self.qp_options).map_err(verbs_err)?;
-        let slab = MemoryRegion::alloc(&self.pd, RECVS_PER_QP as usize * NOTIF_SLOT_BYTES)
+        let slab = self
+            .nic
+            .alloc_slab(RECVS_PER_QP as usize * NOTIF_SLOT_BYTES)
             .map_err(|e| TransportError::Registration(e.to_string()))?;
         Ok((qp, ep, Arc::new(slab)))
     }

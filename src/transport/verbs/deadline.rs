@@ -56,6 +56,8 @@ impl<Q: NicQp> State<Q> {
             }
         }
         sq.expired_at.get_or_insert(now);
+        let peer = sq.peer;
+        self.mark_broken(peer);
         self.fail_queue(qpn, limits);
     }
 

@@ -52,11 +52,14 @@
 
 mod conn;
 mod deadline;
+#[doc(hidden)]
+pub mod engine;
 pub mod nic;
 mod ops;
 mod progress;
 #[doc(hidden)]
 pub mod sim;
+mod sim_bench;
 mod state;
 #[cfg(test)]
 mod tests;
@@ -64,12 +67,11 @@ mod wc;
 
 use std::collections::HashMap;
 use std::net::{SocketAddr, TcpListener};
-use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use crossbeam_channel::Receiver;
 use serde::{Deserialize, Serialize};
 
 use super::auth::AgentSecret;
@@ -82,8 +84,10 @@ use crate::sidechannel::SideChannel;
 use crate::verbs::ffi::IBV_LINK_LAYER_INFINIBAND;
 use crate::verbs::{CompletionQueue, Context, MemoryRegion, ProtectionDomain, QpOptions, QueuePair, VerbsError};
 use conn::Liveness;
+use engine::{Cmd, Core, Handle, PeerHealth, PeerLink};
+use nic::{Nic, RealNic};
 use ops::NOTIF_SLOTS;
-use state::{NOTIF_SLOT_BYTES, NotifSlab, PostLimits, SendQp, State};
+use state::{NOTIF_SLOT_BYTES, PostLimits};
 
 /// Default `retry_cnt`: finite (7 means "forever" on rxe).
 pub const DEFAULT_RETRY_CNT: u8 = 6;
@@ -97,31 +101,21 @@ struct VerbsInfo {
     secret: AgentSecret,
 }
 
+/// What the transport shares with its connection threads (listener, peer
+/// servers, liveness watchers): configuration, the device, and a handle
+/// to send the engine commands. No QP or transfer state: the progress
+/// thread's engine owns all of that.
 pub(crate) struct Inner {
-    pub(crate) pd: Arc<ProtectionDomain>,
-    pub(crate) cq: Arc<CompletionQueue>,
+    /// The device (PD + shared CQ), to create QPs and memory; the engine
+    /// owns a clone of it.
+    pub(crate) nic: RealNic,
     pub(crate) config: TransportConfig,
     pub(crate) qp_options: QpOptions,
-    limits: PostLimits,
-    /// A QP with WRs in flight and no completion for this long fails.
-    progress_timeout: Duration,
     /// This transport's connection secret (published in its info).
     secret: AgentSecret,
-    state: Mutex<State<QueuePair>>,
     pub(crate) stopping: AtomicBool,
-    /// Threads other than the progress thread waiting for `state`.
-    waiting: AtomicU32,
-}
-
-impl Inner {
-    /// The shared state, for any thread but the progress thread.
-    pub(crate) fn lock(&self) -> MutexGuard<'_, State<QueuePair>> {
-        self.waiting.fetch_add(1, Ordering::AcqRel);
-        let mut guard = self.state.lock().unwrap_or_else(|p| p.into_inner());
-        self.waiting.fetch_sub(1, Ordering::AcqRel);
-        guard.now = Instant::now();
-        guard
-    }
+    /// Commands to the engine.
+    pub(crate) cmds: Handle<QueuePair>,
 }
 
 struct Peer {
@@ -129,7 +123,10 @@ struct Peer {
     addr: String,
     /// The target's connection secret (from its connection info).
     secret: AgentSecret,
-    qpns: Vec<u32>,
+    /// Slots in use and a broken flag, shared with the engine (atomics).
+    link: Arc<PeerLink>,
+    /// False after a failed reconnect: the next post tries again.
+    has_qps: bool,
     /// Watch over the control connection, which it owns: closing it tells
     /// the target to drop its QPs; the target's side closing fails ours.
     live: Option<Liveness>,
@@ -144,15 +141,18 @@ pub struct VerbsTransport {
     peers: HashMap<u32, Peer>,
     next_peer: u32,
     qps_per_peer: u32,
+    /// Send queue depth of the initiator QPs.
+    max_send_wr: u32,
+    /// The listener thread.
     threads: Vec<JoinHandle<()>>,
     /// Liveness watchers of peers disconnected or reconnected (each ends
     /// within `conn::WATCH_MS`); reaped on connect, joined on drop.
     retired: Vec<JoinHandle<()>>,
-    /// Finished transfers from the progress thread (see `State::done`).
-    done_rx: Receiver<Completion>,
-    /// Drained from `done_rx` by `cancel` and not yet polled.
+    /// The engine: its progress thread (joined on drop), its command
+    /// handle, and the channels of finished transfers and notifications.
+    core: Core<QueuePair>,
+    /// Drained from `core.done` by `cancel` and not yet polled.
     done_held: Vec<Completion>,
-    notif_rx: Receiver<Notification>,
 }
 
 /// `key` of `o` as `T`, or `default`.
@@ -234,35 +234,28 @@ impl VerbsTransport {
         let pd = ProtectionDomain::new(&ctx).map_err(unsupported)?;
         let cq_events = opt::<u8>(config_o, "cq_events", 1)? != 0;
         let cq = CompletionQueue::create(&ctx, num_cqe, cq_events).map_err(unsupported)?;
-        let (done_tx, done_rx) = crossbeam_channel::unbounded();
-        let (notif_tx, notif_rx) = crossbeam_channel::unbounded();
+        let nic = RealNic { pd, cq };
+        let peer_timeout = config.peer_timeout;
+        let core = Core::start(nic.clone(), num_cqe as u32, limits, |e| {
+            e.progress_timeout = progress_timeout;
+            e.peer_timeout = peer_timeout;
+        })
+        .map_err(|e| TransportError::io("spawn(verbs progress)", e))?;
         let inner = Arc::new(Inner {
-            pd,
-            cq,
+            nic,
             config: config.clone(),
             qp_options,
-            limits,
-            progress_timeout,
             secret,
-            state: Mutex::new(State::new(num_cqe as u32, done_tx, notif_tx)),
             stopping: AtomicBool::new(false),
-            waiting: AtomicU32::new(0),
+            cmds: core.handle.clone(),
         });
-        let mut threads = Vec::new();
         let i2 = inner.clone();
-        threads.push(
+        let threads = vec![
             std::thread::Builder::new()
                 .name("kvwire-verbs-listen".into())
                 .spawn(move || conn::accept_loop(i2, listener))
                 .map_err(|e| TransportError::io("spawn", e))?,
-        );
-        let i3 = inner.clone();
-        threads.push(
-            std::thread::Builder::new()
-                .name("kvwire-verbs-progress".into())
-                .spawn(move || progress::progress_loop(&i3))
-                .map_err(|e| TransportError::io("spawn", e))?,
-        );
+        ];
         Ok(Self {
             agent: agent.to_string(),
             inner,
@@ -271,11 +264,11 @@ impl VerbsTransport {
             peers: HashMap::new(),
             next_peer: 1,
             qps_per_peer,
+            max_send_wr,
             threads,
             retired: Vec::new(),
-            done_rx,
+            core,
             done_held: Vec::new(),
-            notif_rx,
         })
     }
 
@@ -285,8 +278,7 @@ impl VerbsTransport {
         let mut qps = Vec::new();
         let mut eps = Vec::new();
         for _ in 0..n {
-            let qp = QueuePair::new(&self.inner.pd, &self.inner.cq, &self.inner.cq, self.inner.limits.max_send_wr, 1)
-                .map_err(|e| e.to_string())?;
+            let qp = self.inner.nic.create_qp(self.max_send_wr, 1).map_err(|e| e.to_string())?;
             eps.push(qp.endpoint(o).map_err(|e| e.to_string())?);
             qps.push(qp);
         }
@@ -297,26 +289,25 @@ impl VerbsTransport {
         Ok((qps, ch))
     }
 
-    /// Reset and reconnect a peer whose QP hit an error, once its work drained.
+    /// Reset and reconnect a peer whose QP hit an error, once its work
+    /// drained. Costs nothing while the peer's [`PeerLink::broken`] is
+    /// clear; otherwise it asks the engine ([`Cmd::Query`]) until the QPs
+    /// drained, has them destroyed ([`Cmd::Unplug`]), connects new ones on
+    /// this thread and hands them over ([`Cmd::Install`]).
     fn recover(&mut self, peer: PeerId) -> Result<(), TransportError> {
         let p = self.peers.get(&peer.0).ok_or(TransportError::NotConnected(peer))?;
+        if p.has_qps && !p.link.broken.load(Ordering::Acquire) {
+            return Ok(());
+        }
         let budget = self.inner.config.peer_timeout + Duration::from_secs(10);
         let deadline = Instant::now() + budget;
         loop {
-            let st = self.inner.lock();
-            // A QP of this peer may have been destroyed (a failed
-            // `post_send`, `cancel`) while `qpns` still names it, and its
-            // number may since belong to another peer's QP: only a QP of
-            // this peer counts as one.
-            let own = |q: &u32| st.send_qps.get(q).filter(|s| s.peer == peer.0);
-            let busy = p.qpns.iter().any(|q| own(q).is_some_and(|s| s.outstanding > 0));
-            // No QPs: an earlier reconnect failed; try again.
-            let broken = p.qpns.is_empty() || p.qpns.iter().any(|q| own(q).is_none_or(|s| s.error.is_some()));
-            drop(st);
-            if !broken {
+            let gone = PeerHealth { busy: false, broken: true };
+            let h = self.core.handle.call(|reply| Cmd::Query { peer: peer.0, reply }).unwrap_or(gone);
+            if !h.broken && p.has_qps {
                 return Ok(());
             }
-            if !busy {
+            if !h.busy {
                 break;
             }
             if Instant::now() > deadline {
@@ -324,40 +315,23 @@ impl VerbsTransport {
             }
             std::thread::sleep(Duration::from_millis(1));
         }
-        let (name, addr, old, secret) = (p.name.clone(), p.addr.clone(), p.qpns.clone(), p.secret.clone());
-        {
-            let mut st = self.inner.lock();
-            for q in &old {
-                st.remove_peer_qp(*q, peer.0, &self.inner.limits);
-            }
-        }
+        let (name, addr, secret) = (p.name.clone(), p.addr.clone(), p.secret.clone());
+        self.core.handle.call::<()>(|done| Cmd::Unplug { peer: peer.0, done });
         if let Some(p) = self.peers.get_mut(&peer.0) {
             let old = p.live.take();
-            p.qpns.clear();
+            p.has_qps = false;
             self.retired.extend(old.and_then(Liveness::retire));
         }
         let failed = |why: String| TransportError::PeerDisconnected(format!("{name} (reconnect failed: {why})"));
         let (qps, ch) = self.open_qps(&addr, &secret, self.qps_per_peer).map_err(failed)?;
-        tracing::info!("verbs: reconnected to {name}");
-        let qpns = self.install(peer.0, qps);
         let live = Liveness::watch(&self.inner, peer.0, &name, ch).map_err(failed)?;
+        tracing::info!("verbs: reconnected to {name}");
+        self.core.handle.send(Cmd::Install { peer: peer.0, name, qps, slab: None, link: None });
         if let Some(p) = self.peers.get_mut(&peer.0) {
-            p.qpns = qpns;
+            p.has_qps = true;
             p.live = Some(live);
         }
         Ok(())
-    }
-
-    fn install(&self, peer: u32, qps: Vec<QueuePair>) -> Vec<u32> {
-        let mut st = self.inner.lock();
-        let now = st.now;
-        qps.into_iter()
-            .map(|qp| {
-                let qpn = qp.qp_num();
-                st.send_qps.insert(qpn, SendQp::new(qp, peer, now));
-                qpn
-            })
-            .collect()
     }
 }
 
@@ -370,7 +344,7 @@ impl Transport for VerbsTransport {
         let d = backing.desc();
         let len = usize::try_from(d.len_bytes).map_err(|_| TransportError::Registration("range too large".into()))?;
         let reg = |e: VerbsError| TransportError::Registration(e.to_string());
-        let pd = &self.inner.pd;
+        let pd = &self.inner.nic.pd;
         let mr = match d.kind {
             // GPU memory: dma-buf, then the plain pointer (nvidia-peermem),
             // else an error naming both causes (the chain of `cuda::register`).
@@ -411,7 +385,10 @@ impl Transport for VerbsTransport {
         let info: VerbsInfo =
             postcard::from_bytes(info).map_err(|e| TransportError::BadConnectionInfo(e.to_string()))?;
         let cerr = |reason: String| TransportError::Connect { peer: peer_name.to_string(), reason };
-        let slab = MemoryRegion::alloc(&self.inner.pd, NOTIF_SLOTS as usize * NOTIF_SLOT_BYTES)
+        let slab = self
+            .inner
+            .nic
+            .alloc_slab(NOTIF_SLOTS as usize * NOTIF_SLOT_BYTES)
             .map_err(|e| TransportError::Registration(e.to_string()))?;
         let (done, live): (Vec<_>, Vec<_>) = self.retired.drain(..).partition(|t| t.is_finished());
         self.retired = live;
@@ -420,9 +397,17 @@ impl Transport for VerbsTransport {
         let id = self.next_peer;
         self.next_peer += 1;
         let live = Liveness::watch(&self.inner, id, peer_name, ch).map_err(cerr)?;
-        let qpns = self.install(id, qps);
-        self.inner.lock().slabs.insert(id, NotifSlab { mr: slab, free: (0..NOTIF_SLOTS).rev().collect() });
-        let peer = Peer { name: peer_name.to_string(), addr: info.addr, secret: info.secret, qpns, live: Some(live) };
+        let link = Arc::new(PeerLink::default());
+        let name = peer_name.to_string();
+        self.core.handle.send(Cmd::Install { peer: id, name, qps, slab: Some(slab), link: Some(link.clone()) });
+        let peer = Peer {
+            name: peer_name.to_string(),
+            addr: info.addr,
+            secret: info.secret,
+            link,
+            has_qps: true,
+            live: Some(live),
+        };
         self.peers.insert(id, peer);
         Ok(PeerId(id))
     }
@@ -433,64 +418,60 @@ impl Transport for VerbsTransport {
         };
         // Stop the watch first: the QPs go away on purpose.
         self.retired.extend(p.live.take().and_then(Liveness::retire));
-        let mut st = self.inner.lock();
-        for q in &p.qpns {
-            st.remove_peer_qp(*q, peer.0, &self.inner.limits);
-        }
-        st.slabs.remove(&peer.0);
+        // Returns once the engine destroyed the peer's QPs.
+        self.core.handle.call::<()>(|done| Cmd::Disconnect { peer: peer.0, done });
     }
 
+    /// Refuses here, on the caller's thread, what must be refused at once:
+    /// an unknown peer, a notification over a slot, more than
+    /// [`NOTIF_SLOTS`] notifications in flight, a peer that cannot be
+    /// reconnected. Then the request goes to the engine without waiting for
+    /// an answer; whatever else goes wrong fails the transfer in `poll`.
     fn post(&mut self, req: PostRequest) -> Result<(), TransportError> {
         if !self.peers.contains_key(&req.peer.0) {
             return Err(TransportError::NotConnected(req.peer));
         }
+        if req.notification.as_ref().is_some_and(|n| n.len() > NOTIF_SLOT_BYTES) {
+            return Err(TransportError::Post(format!("notification larger than {NOTIF_SLOT_BYTES} bytes")));
+        }
         self.recover(req.peer)?;
         let p = &self.peers[&req.peer.0];
-        self.inner.lock().post(&req, &p.qpns, &p.name, &self.inner.limits)
+        if req.notification.is_some() && !p.link.take_slot() {
+            return Err(TransportError::Post(format!("more than {NOTIF_SLOTS} notifications in flight to {}", p.name)));
+        }
+        self.core.handle.send(Cmd::Post(req));
+        Ok(())
     }
 
     fn poll(&mut self, out: &mut Vec<Completion>) {
         out.append(&mut self.done_held);
-        out.extend(self.done_rx.try_iter());
+        out.extend(self.core.done.try_iter());
     }
 
+    /// Returns once the NIC can no longer touch the transfer's buffers: the
+    /// engine drops its queued work and closes the reply once its posted
+    /// WRs completed or flushed (it moves the QPs carrying them to the
+    /// error state after `peer_timeout`, and destroys any that still hold
+    /// it another `peer_timeout` later).
     fn cancel(&mut self, xfer: XferId) {
-        let limits = self.inner.limits;
-        if !self.inner.lock().cancel_start(xfer.0, &limits) {
-            // Finished already: its completion is not to be reported.
-            self.done_held.extend(self.done_rx.try_iter());
-            self.done_held.retain(|c| c.xfer != xfer);
-            return;
-        }
-        // Posted WRs finish (or fail after the QP's retry budget, or flush):
-        // only then can the NIC no longer touch the buffers. Past
-        // `peer_timeout`, move the QPs carrying them to the error state,
-        // which flushes them at once (the next post reconnects); if one
-        // still holds the transfer another `peer_timeout` later, destroy
-        // it (after `ibv_destroy_qp` the NIC no longer touches its buffers).
-        let flush_at = Instant::now() + self.inner.config.peer_timeout;
-        let destroy_at = flush_at + self.inner.config.peer_timeout;
-        let mut flushed = false;
-        loop {
-            let now = Instant::now();
-            if self.inner.lock().cancel_step(xfer.0, now > flush_at, now > destroy_at, &mut flushed, &limits) {
-                break;
-            }
-            std::thread::sleep(Duration::from_micros(200));
-        }
+        self.core.handle.call::<()>(|done| Cmd::Cancel { xfer: Some(xfer.0), done });
+        // Finished before the cancel reached the engine: its completion is
+        // not to be reported.
+        self.done_held.extend(self.core.done.try_iter());
+        self.done_held.retain(|c| c.xfer != xfer);
     }
 
     fn take_notifications(&mut self, out: &mut Vec<Notification>) {
-        out.extend(self.notif_rx.try_iter());
+        out.extend(self.core.notifs.try_iter());
     }
 }
 
 impl Drop for VerbsTransport {
+    /// Cancels every transfer, ends every thread (listener and its peer
+    /// threads, liveness watchers, then the progress thread, which destroys
+    /// every QP); the device context goes with the last of them.
     fn drop(&mut self) {
-        let ids: Vec<u64> = self.inner.lock().xfers.keys().copied().collect();
-        for id in ids {
-            self.cancel(XferId(id));
-        }
+        self.core.handle.call::<()>(|done| Cmd::Cancel { xfer: None, done });
         self.inner.stopping.store(true, Ordering::Release);
         // Wake the listener.
         let _ = std::net::TcpStream::connect_timeout(&self.listen_addr, Duration::from_millis(200));
@@ -505,9 +486,6 @@ impl Drop for VerbsTransport {
         for t in self.retired.drain(..) {
             let _ = t.join();
         }
-        let mut st = self.inner.lock();
-        st.send_qps.clear();
-        st.slabs.clear();
-        st.recv_qps.clear();
+        self.core.stop();
     }
 }

@@ -9,6 +9,7 @@
 //! state-machine test without RDMA hardware (as quinn-proto tests its
 //! I/O-free core through an in-process pair).
 
+use std::os::fd::BorrowedFd;
 use std::sync::Arc;
 
 use crate::verbs::{CompletionQueue, MemoryRegion, ProtectionDomain, QueuePair, VerbsError, WorkCompletion, WrBatch};
@@ -83,6 +84,15 @@ pub trait Nic: Send + Sync {
     /// # Errors
     /// The call's error, or no completion channel.
     fn req_notify(&self) -> Result<(), VerbsError>;
+    /// True when [`req_notify`](Self::req_notify) and
+    /// [`wait_event`](Self::wait_event) work (a completion channel).
+    fn has_events(&self) -> bool;
+    /// Block until the armed CQ raises its event (consumed: true), `wake`
+    /// is readable or `timeout_ms` passed (false).
+    ///
+    /// # Errors
+    /// `poll(2)`'s or `ibv_get_cq_event`'s error, or no completion channel.
+    fn wait_event(&self, wake: BorrowedFd<'_>, timeout_ms: i32) -> Result<bool, VerbsError>;
     /// A new RC QP on the shared CQ, `max_send_wr` deep, `max_recv_wr` receives.
     ///
     /// # Errors
@@ -137,7 +147,9 @@ impl NicQp for QueuePair {
 }
 
 /// The real device: a protection domain and the completion queue every QP
-/// of the transport shares.
+/// of the transport shares. The progress thread owns one (its engine runs
+/// on it); the transport keeps a clone to create QPs and register memory.
+#[derive(Clone)]
 pub struct RealNic {
     /// Protection domain of every QP and MR.
     pub pd: Arc<ProtectionDomain>,
@@ -153,6 +165,12 @@ impl Nic for RealNic {
     }
     fn req_notify(&self) -> Result<(), VerbsError> {
         self.cq.arm()
+    }
+    fn has_events(&self) -> bool {
+        self.cq.has_events()
+    }
+    fn wait_event(&self, wake: BorrowedFd<'_>, timeout_ms: i32) -> Result<bool, VerbsError> {
+        self.cq.wait_event_or(Some(wake), timeout_ms)
     }
     fn create_qp(&self, max_send_wr: u32, max_recv_wr: u32) -> Result<QueuePair, VerbsError> {
         QueuePair::new(&self.pd, &self.cq, &self.cq, max_send_wr, max_recv_wr)

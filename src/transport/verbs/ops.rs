@@ -1,7 +1,8 @@
-//! The transport's commands as steps of the state machine: accept a post
+//! The engine's commands as steps of the state machine: accept a post
 //! (notification slot, transfer record, queued work) and cancel a transfer
 //! (drop its queued work, flush and finally destroy the QPs that still carry
-//! it). `VerbsTransport` and the simulated tests call these same functions.
+//! it). The engine (`engine.rs`) and the simulated tests call these same
+//! functions.
 
 use super::nic::{NicQp, NicSlab};
 use super::state::{NOTIF_SLOT_BYTES, PostLimits, State, Xfer};
@@ -64,6 +65,14 @@ impl<Q: NicQp> State<Q> {
         }
         self.try_finish(req.xfer.0, limits);
         Ok(())
+    }
+
+    /// A QP of `peer` failed or went away: tell the caller (its next post
+    /// reconnects).
+    pub fn mark_broken(&self, peer: u32) {
+        if let Some(l) = self.links.get(&peer) {
+            l.broken.store(true, std::sync::atomic::Ordering::Release);
+        }
     }
 
     /// Start cancelling `xfer`: drop its queued work and its deferred

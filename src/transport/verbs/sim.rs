@@ -19,11 +19,24 @@
 //! [`World::infinite_retry`], as rxe at `retry_cnt=7`). Faults are
 //! injected per QP ([`SimFabric::fail_next`]).
 //!
-//! Not modelled: READ depth (`max_rd_atomic`), timing (steps are the
-//! clock), partial WRs.
+//! READ depth: a QP has at most its negotiated `max_rd_atomic` RDMA READs
+//! outstanding ([`SimFabric::connect_with_read_depth`]); a READ past it
+//! waits at the head of the send queue, and so does any WR behind it.
+//! Outstanding READs complete in order; a WRITE or SEND behind them starts
+//! once they did, so completions stay in order per QP.
+//!
+//! Threads: with [`World::auto_step`] each `poll_cq` first runs that many
+//! steps, so a progress thread drives the fabric by itself; with
+//! [`World::events`] the NIC has a completion channel ([`Nic::wait_event`]
+//! blocks on the wake fd, or returns at once when the CQ has entries).
+//!
+//! Not modelled: timing (steps are the clock), partial WRs.
 
 use std::collections::{BTreeSet, HashMap, HashSet, VecDeque};
+use std::os::fd::BorrowedFd;
 use std::sync::{Arc, Mutex, MutexGuard};
+
+use nix::poll::{PollFd, PollFlags, PollTimeout, poll};
 
 use super::nic::{Nic, NicQp, NicSlab};
 use crate::verbs::ffi::{IBV_WC_RECV, IBV_WC_SUCCESS, IBV_WC_WR_FLUSH_ERR, IBV_WR_RDMA_READ, IBV_WR_SEND};
@@ -50,6 +63,10 @@ struct SimQpState {
     error: bool,
     max_send_wr: u32,
     sq: VecDeque<WrView>,
+    /// Negotiated READ depth (`max_rd_atomic`).
+    rd_atomic: u32,
+    /// RDMA READs issued and not yet answered, oldest first.
+    reads: VecDeque<WrView>,
     /// Posted receives: (wr_id, slab key, offset, len).
     rq: VecDeque<(u64, u32, usize, u32)>,
     /// Status the next executed WR completes with (fault injection).
@@ -78,7 +95,18 @@ pub struct World {
     pub steps: u64,
     /// `post_send` fails with `EINVAL` at this WR index of the next call.
     pub fail_post_at: Option<usize>,
+    /// Most READs seen outstanding at once, per QP.
+    pub max_reads: HashMap<u32, usize>,
+    /// Steps at which a QP's head READ waited because its READ depth was full.
+    pub read_waits: u64,
+    /// Fabric steps each `poll_cq` runs first (0: the test steps the fabric).
+    pub auto_step: u32,
+    /// The NICs have a completion channel (`Nic::has_events`).
+    pub events: bool,
 }
+
+/// READ depth of QPs connected with [`SimFabric::connect`].
+pub const DEFAULT_READ_DEPTH: u32 = 16;
 
 /// A shared simulated fabric: devices, memory, QPs.
 #[derive(Clone)]
@@ -102,6 +130,10 @@ impl SimFabric {
             touches: Vec::new(),
             steps: 0,
             fail_post_at: None,
+            max_reads: HashMap::new(),
+            read_waits: 0,
+            auto_step: 0,
+            events: false,
         })))
     }
 
@@ -148,14 +180,22 @@ impl SimFabric {
         }
     }
 
-    /// Connect QP `a` and QP `b` (RTS both ways).
+    /// Connect QP `a` and QP `b` (RTS both ways), READ depth
+    /// [`DEFAULT_READ_DEPTH`].
     pub fn connect(&self, a: u32, b: u32) {
+        self.connect_with_read_depth(a, b, DEFAULT_READ_DEPTH);
+    }
+
+    /// Connect QP `a` and QP `b` with READ depth `depth` both ways (the
+    /// negotiated `max_rd_atomic`: the initiator's depth lowered to the
+    /// responder's `max_dest_rd_atomic`).
+    pub fn connect_with_read_depth(&self, a: u32, b: u32, depth: u32) {
         let mut w = self.world();
-        if let Some(q) = w.qps.get_mut(&a) {
-            q.peer = Some(b);
-        }
-        if let Some(q) = w.qps.get_mut(&b) {
-            q.peer = Some(a);
+        for (x, y) in [(a, b), (b, a)] {
+            if let Some(q) = w.qps.get_mut(&x) {
+                q.peer = Some(y);
+                q.rd_atomic = depth.max(1);
+            }
         }
     }
 
@@ -227,12 +267,14 @@ impl World {
         q.push_back(wc);
     }
 
-    fn step(&mut self) -> bool {
+    pub(super) fn step(&mut self) -> bool {
         let live: Vec<u32> = {
             let mut v: Vec<u32> = self
                 .qps
                 .iter()
-                .filter(|(_, q)| !q.sq.is_empty() && !self.dead.contains(&q.dev) && !self.stuck(q))
+                .filter(|(_, q)| {
+                    (!q.sq.is_empty() || !q.reads.is_empty()) && !self.dead.contains(&q.dev) && !self.stuck(q)
+                })
                 .map(|(&n, _)| n)
                 .collect();
             v.sort_unstable();
@@ -256,20 +298,47 @@ impl World {
         let peer = q.peer.and_then(|p| self.qps.get(&p).filter(|_| !self.dead.contains(&self.qps[&p].dev)));
         match peer {
             None => true,
-            Some(p) => q.sq.front().is_some_and(|w| w.opcode == IBV_WR_SEND && p.rq.is_empty()),
+            Some(p) => q.reads.is_empty() && q.sq.front().is_some_and(|w| w.opcode == IBV_WR_SEND && p.rq.is_empty()),
         }
     }
 
     fn exec(&mut self, qpn: u32) {
+        let q = &self.qps[&qpn];
+        let head_read = q.sq.front().map(|w| w.opcode == IBV_WR_RDMA_READ);
+        let can_issue = match head_read {
+            Some(true) => q.reads.len() < q.rd_atomic as usize,
+            Some(false) => q.reads.is_empty(),
+            None => false,
+        };
+        let (error, reading) = (q.error, !q.reads.is_empty());
+        if head_read == Some(true) && !can_issue && !error {
+            self.read_waits += 1;
+        }
+        // Answer a READ or start the next WR, when both could happen.
+        let coin = reading && can_issue && !error && self.rand() % 2 == 0;
         let q = self.qps.get_mut(&qpn).expect("live QP");
-        let w = q.sq.pop_front().expect("has work");
-        let dev = q.dev;
+        // Answer the oldest outstanding READ, or start the head WR: a READ
+        // starts within the READ depth and completes on a later step.
+        let w = if !q.reads.is_empty() && (q.error || !can_issue || coin) {
+            q.reads.pop_front().expect("a READ outstanding")
+        } else if head_read == Some(true) && !q.error {
+            let w = q.sq.pop_front().expect("has work");
+            q.reads.push_back(w);
+            let n = q.reads.len();
+            let m = self.max_reads.entry(qpn).or_default();
+            *m = (*m).max(n);
+            return;
+        } else {
+            q.sq.pop_front().expect("has work")
+        };
+        let (dev, error) = (q.dev, q.error);
         let cqe = |status: u32| WorkCompletion { wr_id: w.wr_id, status, qp_num: qpn, ..Default::default() };
-        if q.error {
+        if error {
             self.push_cqe(dev, cqe(IBV_WC_WR_FLUSH_ERR));
             return;
         }
-        let status = q.fail_next.pop_front().unwrap_or_else(|| self.perform(qpn, &w));
+        let injected = q.fail_next.pop_front();
+        let status = injected.unwrap_or_else(|| self.perform(qpn, &w));
         if status != IBV_WC_SUCCESS {
             if let Some(q) = self.qps.get_mut(&qpn) {
                 q.error = true;
@@ -323,7 +392,7 @@ impl World {
 
     /// WRs queued on QP `qpn` and not executed yet.
     pub fn queued(&self, qpn: u32) -> usize {
-        self.qps.get(&qpn).map_or(0, |q| q.sq.len())
+        self.qps.get(&qpn).map_or(0, |q| q.sq.len() + q.reads.len())
     }
 
     /// True when QP `qpn` exists (is not destroyed).
@@ -434,6 +503,7 @@ impl NicQp for SimQp {
         let mut w = self.fabric.world();
         let q = w.qps.get_mut(&self.qpn).ok_or_else(|| einval("ibv_modify_qp (destroyed QP)"))?;
         q.error = true;
+        // Outstanding READs are flushed first (step order), then the queue.
         // Posted receives are flushed too.
         let dev = q.dev;
         let flushed: Vec<u64> = q.rq.drain(..).map(|r| r.0).collect();
@@ -450,6 +520,11 @@ impl Nic for SimNic {
     type Slab = SimSlab;
     fn poll_cq(&self, out: &mut [WorkCompletion]) -> Result<usize, VerbsError> {
         let mut w = self.fabric.world();
+        for _ in 0..w.auto_step {
+            if !w.step() {
+                break;
+            }
+        }
         let Some((q, _)) = w.cqs.get_mut(&self.dev) else { return Ok(0) };
         let n = out.len().min(q.len());
         for (slot, wc) in out.iter_mut().zip(q.drain(..n)) {
@@ -459,6 +534,21 @@ impl Nic for SimNic {
     }
     fn req_notify(&self) -> Result<(), VerbsError> {
         Ok(())
+    }
+    fn has_events(&self) -> bool {
+        self.fabric.world().events
+    }
+    fn wait_event(&self, wake: BorrowedFd<'_>, timeout_ms: i32) -> Result<bool, VerbsError> {
+        let ready = |w: &World| w.cqs.get(&self.dev).is_some_and(|(q, _)| !q.is_empty());
+        if ready(&self.fabric.world()) {
+            return Ok(true);
+        }
+        let mut fds = [PollFd::new(wake, PollFlags::POLLIN)];
+        let timeout = PollTimeout::try_from(timeout_ms.max(0)).unwrap_or(PollTimeout::MAX);
+        match poll(&mut fds, timeout) {
+            Ok(_) | Err(nix::errno::Errno::EINTR) => Ok(ready(&self.fabric.world())),
+            Err(e) => Err(VerbsError::call("poll(sim wake)", e as i32)),
+        }
     }
     fn create_qp(&self, max_send_wr: u32, _max_recv_wr: u32) -> Result<SimQp, VerbsError> {
         let mut w = self.fabric.world();
@@ -475,6 +565,8 @@ impl Nic for SimNic {
             error: false,
             max_send_wr: max_send_wr.max(1),
             sq: VecDeque::new(),
+            rd_atomic: DEFAULT_READ_DEPTH,
+            reads: VecDeque::new(),
             rq: VecDeque::new(),
             fail_next: VecDeque::new(),
         };
@@ -487,93 +579,4 @@ impl Nic for SimNic {
     }
 }
 
-/// The command path on the simulated NIC, for the criterion bench
-/// `verbs_command`: one initiator state machine with one QP to a simulated
-/// target; [`post_pages`](Self::post_pages) runs a post (transfer record,
-/// queueing, WR building, `post_send`), [`finish`](Self::finish) lets the
-/// fabric complete it.
-#[doc(hidden)]
-pub struct CommandBench {
-    fabric: SimFabric,
-    nic: SimNic,
-    st: super::state::State<SimQp>,
-    done: crossbeam_channel::Receiver<crate::transport::Completion>,
-    _target: SimQp,
-    qpn: u32,
-    src: (u64, u32),
-    dst: (u64, u32),
-    limits: super::state::PostLimits,
-    next: u64,
-    wcs: Vec<WorkCompletion>,
-}
-
-impl Default for CommandBench {
-    fn default() -> Self {
-        let fabric = SimFabric::new(0);
-        let nic = fabric.device(0, 4096);
-        let target = fabric.device(1, 4096);
-        let (dtx, done) = crossbeam_channel::unbounded();
-        let (ntx, _) = crossbeam_channel::unbounded();
-        let mut st = super::state::State::new(4096, dtx, ntx);
-        let qp = nic.create_qp(1024, 1).expect("sim QP");
-        let t = target.create_qp(4, 64).expect("sim QP");
-        let qpn = qp.qp_num();
-        fabric.connect(qpn, t.qp_num());
-        st.send_qps.insert(qpn, super::state::SendQp::new(qp, 1, std::time::Instant::now()));
-        let src = fabric.alloc(0, 1 << 20);
-        let dst = fabric.alloc(1, 1 << 20);
-        let limits = super::state::PostLimits {
-            max_send_wr: 1024,
-            signal_every: 32,
-            max_batch: 64,
-            batch_bytes: 0,
-            poll_sleep_us: 50,
-            idle_yields: 0,
-        };
-        let wcs = vec![WorkCompletion::default(); 64];
-        Self { fabric, nic, st, done, _target: t, qpn, src, dst, limits, next: 0, wcs }
-    }
-}
-
-impl CommandBench {
-    /// Post one WRITE of `pages` 4 KiB pages (descending, so none
-    /// coalesce); the number of WRs the NIC then holds.
-    pub fn post_pages(&mut self, pages: u64) -> usize {
-        use crate::transport::{LocalKey, Op, PeerId, PostRequest, RemoteKey, Segment, XferId};
-        self.next += 1;
-        let segments = (0..pages)
-            .rev()
-            .map(|i| Segment {
-                local_addr: self.src.0 + (i % 256) * 4096,
-                lkey: LocalKey(self.src.1),
-                remote_addr: self.dst.0 + (i % 256) * 4096,
-                rkey: RemoteKey(self.dst.1),
-                len_bytes: 4096,
-            })
-            .collect();
-        let req = PostRequest { xfer: XferId(self.next), op: Op::Write, peer: PeerId(1), segments, notification: None };
-        self.st.post(&req, &[self.qpn], "bench", &self.limits).expect("post");
-        self.fabric.world().queued(self.qpn)
-    }
-
-    /// Complete everything posted and retire it (outside the measured
-    /// command path).
-    pub fn finish(&mut self) {
-        {
-            let mut w = self.fabric.world();
-            // Drop the moved bytes' log: the bench never reads it.
-            w.touches.clear();
-            while w.step() {}
-        }
-        loop {
-            let n = self.nic.poll_cq(&mut self.wcs).unwrap_or(0);
-            if n == 0 {
-                break;
-            }
-            for wc in &self.wcs[..n] {
-                self.st.on_completion(wc, &self.limits);
-            }
-        }
-        while self.done.try_recv().is_ok() {}
-    }
-}
+pub use super::sim_bench::CommandBench;

@@ -1,6 +1,7 @@
-//! The verbs transport's shared state, driven by the user thread (posting)
-//! and the progress thread (completions): send QPs with their queues of work,
-//! transfers, target-side receive QPs and the notifications they produced.
+//! The verbs state machine, owned by the engine on the progress thread
+//! (`engine.rs`) and driven by its commands and by work completions: send
+//! QPs with their queues of work, transfers, target-side receive QPs and the
+//! notifications they produced. I/O-free but for the [`NicQp`] calls.
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
@@ -8,6 +9,7 @@ use std::time::Instant;
 
 use crossbeam_channel::Sender;
 
+use super::engine::PeerLink;
 use super::nic::{NicQp, NicSlab};
 use super::wc::{post_failure, wc_failure};
 use crate::transport::{Completion, Notification, Op, Segment, TransferFailure, XferId};
@@ -105,11 +107,14 @@ pub struct NotifSlab<S> {
     pub free: Vec<u32>,
 }
 
-/// Everything the user thread and the progress thread share.
+/// Everything the engine owns.
 pub struct State<Q: NicQp> {
     pub send_qps: HashMap<u32, SendQp<Q>>,
     pub xfers: HashMap<u64, Xfer>,
     pub slabs: HashMap<u32, NotifSlab<Q::Slab>>,
+    /// Per peer, what the caller sees of it ([`PeerLink`]): slots in use,
+    /// QPs broken. Absent in tests that drive the state directly.
+    pub links: HashMap<u32, Arc<PeerLink>>,
     /// Finished transfers, to the transport's `poll` without this state's
     /// lock, so a scheduler polling `status` never waits for the progress
     /// thread.
@@ -187,6 +192,7 @@ impl<Q: NicQp> State<Q> {
             send_qps: HashMap::new(),
             xfers: HashMap::new(),
             slabs: HashMap::new(),
+            links: HashMap::new(),
             done,
             recv_qps: HashMap::new(),
             notifs,
@@ -324,6 +330,7 @@ impl<Q: NicQp> State<Q> {
         let Some(sq) = self.send_qps.remove(&qpn) else {
             return;
         };
+        self.mark_broken(sq.peer);
         self.release_cqes(sq.outstanding + sq.flush_reserved);
         let in_flight: Vec<u64> = sq.chunks.values().map(|&(x, _)| x).collect();
         drop(sq);
@@ -355,10 +362,13 @@ impl<Q: NicQp> State<Q> {
     /// Remove transfer `x`'s record, giving its notification slot back.
     fn take_xfer(&mut self, x: u64) -> Option<Xfer> {
         let xf = self.xfers.remove(&x)?;
-        if let Some((peer, slot)) = xf.slot
-            && let Some(s) = self.slabs.get_mut(&peer)
-        {
-            s.free.push(slot);
+        if let Some((peer, slot)) = xf.slot {
+            if let Some(s) = self.slabs.get_mut(&peer) {
+                s.free.push(slot);
+            }
+            if let Some(l) = self.links.get(&peer) {
+                l.give_slot();
+            }
         }
         Some(xf)
     }
@@ -523,6 +533,8 @@ impl<Q: NicQp> State<Q> {
                 tracing::warn!("verbs: {why}");
                 sq.error = Some(why.clone());
                 let _ = sq.qp.set_error();
+                let peer = sq.peer;
+                self.mark_broken(peer);
             }
             if let Some(xf) = self.xfers.get_mut(&x) {
                 xf.error.get_or_insert(why);

@@ -1,0 +1,420 @@
+//! The verbs progress engine: the one owner of every queue pair, the CQE
+//! budget, the transfers and the notification slots ([`State`]). It runs on
+//! the progress thread ([`super::progress::run`]); every other thread talks
+//! to it with [`Cmd`]s over a channel ([`Handle`]), and it reports finished
+//! transfers and received notifications over the `done` / `notifs`
+//! channels, so nothing is shared under a lock.
+//!
+//! Which commands answer (the caller waits on a reply channel):
+//! - `Post`: none. Everything `post` must refuse synchronously is decided on
+//!   the caller's side without the engine: an unknown peer, a notification
+//!   over a slot, more than [`NOTIF_SLOTS`] notifications in flight (an
+//!   atomic count in [`PeerLink`], given back by the engine when a slot
+//!   frees) and a peer that cannot be reconnected (the caller reconnects
+//!   before posting when [`PeerLink::broken`] says so). Anything else the
+//!   engine finds fails the transfer through `done`, as a NIC error does.
+//! - `Cancel`, `Disconnect`, `Unplug`: the reply channel closes when the NIC
+//!   can no longer touch the buffers involved (QPs drained or destroyed).
+//! - `Query`, `ReserveRecv`: the answer.
+//! - `Install`, `AddRecv`, `RemoveRecv`, `FailPeer`, `Stop`: none (the
+//!   channel keeps their order ahead of any later command).
+
+use std::collections::HashMap;
+use std::os::fd::{AsFd, BorrowedFd};
+use std::os::unix::net::UnixStream;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering, fence};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use crossbeam_channel::{Receiver, Sender};
+
+use super::nic::{Nic, NicQp};
+use super::ops::NOTIF_SLOTS;
+use super::state::{NotifSlab, PostLimits, RecvQp, SendQp, State};
+use crate::transport::{Completion, Notification, PostRequest, TransferFailure, XferId};
+
+/// What the user thread and the engine both see of one connected peer:
+/// two atomics, no lock.
+#[derive(Debug, Default)]
+pub struct PeerLink {
+    /// Notification slots taken or about to be: the caller adds one before
+    /// it posts a notification (at most [`NOTIF_SLOTS`]), the engine takes
+    /// one off when the slot is free again.
+    pub slots: AtomicU32,
+    /// A QP of the peer failed or was removed: the next post reconnects.
+    /// Set by the engine, cleared when it installs new QPs.
+    pub broken: AtomicBool,
+}
+
+impl PeerLink {
+    /// Take a notification slot; false when all [`NOTIF_SLOTS`] are taken.
+    pub fn take_slot(&self) -> bool {
+        self.slots.fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| (n < NOTIF_SLOTS).then_some(n + 1)).is_ok()
+    }
+
+    /// Give a slot back.
+    pub fn give_slot(&self) {
+        let _ = self.slots.fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| n.checked_sub(1));
+    }
+}
+
+/// Whether a peer's QPs can take work ([`Cmd::Query`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PeerHealth {
+    /// A QP of the peer still has WRs posted.
+    pub busy: bool,
+    /// No QPs, or one missing or in error: the peer needs a reconnect.
+    pub broken: bool,
+}
+
+/// A command to the engine (see the module docs for which ones answer).
+pub enum Cmd<Q: NicQp> {
+    /// Queue a transfer and post what fits.
+    Post(PostRequest),
+    /// Cancel one transfer (`Some`) or every transfer (`None`, on drop).
+    Cancel { xfer: Option<u64>, done: Sender<()> },
+    /// Hand over a peer's connected QPs: a new peer with its name,
+    /// notification slab and link, or new QPs of a known peer (reconnect).
+    Install { peer: u32, name: String, qps: Vec<Q>, slab: Option<Q::Slab>, link: Option<Arc<PeerLink>> },
+    /// How the peer's QPs stand.
+    Query { peer: u32, reply: Sender<PeerHealth> },
+    /// Destroy the peer's QPs (before a reconnect), failing what they carried.
+    Unplug { peer: u32, done: Sender<()> },
+    /// Forget the peer: its QPs, slab and link.
+    Disconnect { peer: u32, done: Sender<()> },
+    /// The peer's liveness channel closed: fail its QPs now.
+    FailPeer { peer: u32, why: TransferFailure },
+    /// Hold CQEs for the receives of a new initiator (target side).
+    ReserveRecv { cqes: u32, reply: Sender<bool> },
+    /// Give back CQEs held by `ReserveRecv` that were not used.
+    ReleaseRecv { cqes: u32 },
+    /// Receive QPs of an initiator, receives posted.
+    AddRecv { qps: Vec<RecvQp<Q>> },
+    /// The initiator left: destroy its receive QPs and give back their CQEs.
+    RemoveRecv { qpns: Vec<u32>, cqes: u32 },
+    /// Cancel nothing, destroy everything, end the progress thread.
+    Stop,
+}
+
+/// The engine's record of a peer.
+struct EnginePeer {
+    name: String,
+    qpns: Vec<u32>,
+}
+
+/// A cancel waiting for the NIC to let go of a transfer.
+struct PendingCancel {
+    xfer: u64,
+    flush_at: Instant,
+    destroy_at: Instant,
+    flushed: bool,
+    /// Closed (dropped) when the cancel is done; the caller waits for that.
+    _done: Sender<()>,
+}
+
+/// The one owner: a NIC, the state machine over its QPs, and the commands
+/// in progress.
+pub struct Engine<N: Nic> {
+    pub nic: N,
+    pub st: State<N::Qp>,
+    pub limits: PostLimits,
+    /// A QP with WRs in flight and no completion for this long fails.
+    pub progress_timeout: Duration,
+    /// A cancel flushes the QPs still carrying its transfer after this long,
+    /// and destroys them another `peer_timeout` later.
+    pub peer_timeout: Duration,
+    /// How long the progress thread blocks on the completion channel at a
+    /// time (a command wakes it at once).
+    pub event_wait_ms: i32,
+    peers: HashMap<u32, EnginePeer>,
+    cancels: Vec<PendingCancel>,
+}
+
+impl<N: Nic> Engine<N> {
+    /// An engine over `nic` whose shared CQ has `cqes` entries.
+    pub fn new(nic: N, cqes: u32, limits: PostLimits, done: Sender<Completion>, notifs: Sender<Notification>) -> Self {
+        Self {
+            nic,
+            st: State::new(cqes, done, notifs),
+            limits,
+            progress_timeout: Duration::from_secs(10),
+            peer_timeout: Duration::from_secs(5),
+            event_wait_ms: 20,
+            peers: HashMap::new(),
+            cancels: Vec::new(),
+        }
+    }
+
+    /// True while a cancel waits (the loop then looks at its deadlines).
+    pub fn cancelling(&self) -> bool {
+        !self.cancels.is_empty()
+    }
+
+    /// Carry out `cmd` at time `now`; false for [`Cmd::Stop`].
+    pub fn command(&mut self, cmd: Cmd<N::Qp>, now: Instant) -> bool {
+        self.st.now = now;
+        let limits = self.limits;
+        match cmd {
+            Cmd::Post(req) => self.post(req),
+            Cmd::Cancel { xfer, done } => {
+                let ids: Vec<u64> = match xfer {
+                    Some(x) => vec![x],
+                    None => self.st.xfers.keys().copied().collect(),
+                };
+                let flush_at = now + self.peer_timeout;
+                for x in ids {
+                    if self.st.cancel_start(x, &limits) {
+                        let destroy_at = flush_at + self.peer_timeout;
+                        let _done = done.clone();
+                        self.cancels.push(PendingCancel { xfer: x, flush_at, destroy_at, flushed: false, _done });
+                    }
+                }
+                self.check_cancels(now);
+            }
+            Cmd::Install { peer, name, qps, slab, link } => {
+                let qpns: Vec<u32> = qps.iter().map(NicQp::qp_num).collect();
+                for qp in qps {
+                    self.st.send_qps.insert(qp.qp_num(), SendQp::new(qp, peer, now));
+                }
+                if let Some(mr) = slab {
+                    self.st.slabs.insert(peer, NotifSlab { mr, free: (0..NOTIF_SLOTS).rev().collect() });
+                }
+                if let Some(l) = link {
+                    self.st.links.insert(peer, l);
+                }
+                if let Some(l) = self.st.links.get(&peer) {
+                    l.broken.store(qpns.is_empty(), Ordering::Release);
+                }
+                let p = self.peers.entry(peer).or_insert_with(|| EnginePeer { name, qpns: Vec::new() });
+                p.qpns = qpns;
+            }
+            Cmd::Query { peer, reply } => {
+                let _ = reply.send(self.health(peer));
+            }
+            Cmd::Unplug { peer, done: _done } => {
+                let qpns = self.peers.get_mut(&peer).map(|p| std::mem::take(&mut p.qpns)).unwrap_or_default();
+                for q in qpns {
+                    self.st.remove_peer_qp(q, peer, &limits);
+                }
+            }
+            Cmd::Disconnect { peer, done: _done } => {
+                if let Some(p) = self.peers.remove(&peer) {
+                    for q in p.qpns {
+                        self.st.remove_peer_qp(q, peer, &limits);
+                    }
+                }
+                self.st.slabs.remove(&peer);
+                self.st.links.remove(&peer);
+            }
+            Cmd::FailPeer { peer, why } => self.st.fail_peer(peer, &why, &limits),
+            Cmd::ReserveRecv { cqes, reply } => {
+                let _ = reply.send(self.st.reserve_recv_cqes(cqes));
+            }
+            Cmd::ReleaseRecv { cqes } => self.st.release_recv_cqes(cqes, &limits),
+            Cmd::AddRecv { qps } => {
+                for r in qps {
+                    self.st.recv_qps.insert(r.qp.qp_num(), r);
+                }
+            }
+            Cmd::RemoveRecv { qpns, cqes } => {
+                for q in qpns {
+                    self.st.recv_qps.remove(&q);
+                }
+                self.st.release_recv_cqes(cqes, &limits);
+            }
+            Cmd::Stop => return false,
+        }
+        true
+    }
+
+    fn post(&mut self, req: PostRequest) {
+        let (xfer, notified, peer) = (req.xfer, req.notification.is_some(), req.peer.0);
+        let result = match self.peers.get(&peer) {
+            Some(p) => self.st.post(&req, &p.qpns, &p.name, &self.limits),
+            None => Err(crate::transport::TransportError::NotConnected(req.peer)),
+        };
+        if let Err(e) = result {
+            // The caller checked what it could; the peer went away since.
+            if notified && let Some(l) = self.st.links.get(&peer) {
+                l.give_slot();
+            }
+            let _ = self
+                .st
+                .done
+                .send(Completion { xfer: XferId(xfer.0), result: Err(TransferFailure::peer_died(e.to_string())) });
+        }
+    }
+
+    /// `peer`'s QPs as `VerbsTransport::post` needs to know them before a
+    /// reconnect. A QP number the peer kept may since name another peer's
+    /// QP (reused): only a QP of this peer counts.
+    pub fn health(&self, peer: u32) -> PeerHealth {
+        let qpns = self.peers.get(&peer).map(|p| p.qpns.as_slice()).unwrap_or_default();
+        let own = |q: &u32| self.st.send_qps.get(q).filter(|s| s.peer == peer);
+        PeerHealth {
+            busy: qpns.iter().any(|q| own(q).is_some_and(|s| s.outstanding > 0)),
+            broken: qpns.is_empty() || qpns.iter().any(|q| own(q).is_none_or(|s| s.error.is_some())),
+        }
+    }
+
+    /// Hand completions to the state machine.
+    pub fn on_completions(&mut self, wcs: &[crate::verbs::WorkCompletion], now: Instant) {
+        self.st.now = now;
+        for wc in wcs {
+            self.st.on_completion(wc, &self.limits);
+        }
+        self.check_cancels(now);
+    }
+
+    /// The progress deadlines (every few ms) and the cancels' deadlines.
+    pub fn tick(&mut self, now: Instant) {
+        self.st.now = now;
+        self.st.expire(self.progress_timeout, &self.limits);
+        self.check_cancels(now);
+    }
+
+    /// Close the reply of every cancel whose transfer the NIC let go of.
+    fn check_cancels(&mut self, now: Instant) {
+        if self.cancels.is_empty() {
+            return;
+        }
+        let mut cancels = std::mem::take(&mut self.cancels);
+        cancels.retain_mut(|c| {
+            let (flush, destroy) = (now > c.flush_at, now > c.destroy_at);
+            !self.st.cancel_step(c.xfer, flush, destroy, &mut c.flushed, &self.limits)
+        });
+        self.cancels = cancels;
+    }
+}
+
+/// Wakes the progress thread when it blocks on the completion channel: a
+/// socket pair polled together with the channel's fd. A byte is written
+/// only when the thread said it is about to block (`sleeping`), so a post
+/// to a busy engine costs no system call.
+pub struct Wake {
+    sleeping: AtomicBool,
+    tx: UnixStream,
+    rx: UnixStream,
+}
+
+impl Wake {
+    fn new() -> std::io::Result<Self> {
+        let (tx, rx) = UnixStream::pair()?;
+        tx.set_nonblocking(true)?;
+        rx.set_nonblocking(true)?;
+        Ok(Self { sleeping: AtomicBool::new(false), tx, rx })
+    }
+
+    /// Called after sending a command: wake the thread if it blocks.
+    fn after_send(&self) {
+        fence(Ordering::SeqCst);
+        if self.sleeping.swap(false, Ordering::SeqCst) {
+            let _ = std::io::Write::write(&mut &self.tx, &[1]);
+        }
+    }
+
+    /// The progress thread is about to block: true when `rx` is still
+    /// empty (it may block; a later command will write a byte).
+    pub(super) fn prepare_sleep<T>(&self, rx: &Receiver<T>) -> bool {
+        self.sleeping.store(true, Ordering::SeqCst);
+        fence(Ordering::SeqCst);
+        if rx.is_empty() {
+            return true;
+        }
+        self.sleeping.store(false, Ordering::SeqCst);
+        false
+    }
+
+    /// The progress thread woke: clear the flag and the bytes written.
+    pub(super) fn woke(&self) {
+        self.sleeping.store(false, Ordering::SeqCst);
+        let mut buf = [0u8; 64];
+        while matches!(std::io::Read::read(&mut &self.rx, &mut buf), Ok(n) if n > 0) {}
+    }
+
+    /// The fd polled with the completion channel.
+    pub(super) fn fd(&self) -> BorrowedFd<'_> {
+        self.rx.as_fd()
+    }
+}
+
+/// A sender of commands to the engine (cloned for the connection threads).
+pub struct Handle<Q: NicQp> {
+    tx: Sender<Cmd<Q>>,
+    wake: Arc<Wake>,
+}
+
+impl<Q: NicQp> Clone for Handle<Q> {
+    fn clone(&self) -> Self {
+        Self { tx: self.tx.clone(), wake: self.wake.clone() }
+    }
+}
+
+impl<Q: NicQp> Handle<Q> {
+    /// Send `cmd` (dropped if the engine has stopped).
+    pub fn send(&self, cmd: Cmd<Q>) {
+        if self.tx.send(cmd).is_ok() {
+            self.wake.after_send();
+        }
+    }
+
+    /// Send the command `make` builds around a reply channel and wait for
+    /// its answer: `None` when the engine closed the channel without one
+    /// (its way of saying "done") or has stopped.
+    pub fn call<T>(&self, make: impl FnOnce(Sender<T>) -> Cmd<Q>) -> Option<T> {
+        let (tx, rx) = crossbeam_channel::bounded(1);
+        self.send(make(tx));
+        rx.recv().ok()
+    }
+}
+
+/// The caller's side of a running engine: its command handle, its
+/// progress thread (joined on [`stop`](Self::stop) or drop) and the
+/// channels it reports on.
+pub struct Core<Q: NicQp> {
+    pub handle: Handle<Q>,
+    thread: Option<JoinHandle<()>>,
+    pub done: Receiver<Completion>,
+    pub notifs: Receiver<Notification>,
+}
+
+impl<Q: NicQp> Core<Q> {
+    /// Start the progress thread over `nic`, which owns it from now on.
+    /// `set_up` adjusts the engine (timeouts) before it starts.
+    ///
+    /// # Errors
+    /// The socket pair or thread could not be created.
+    pub fn start<N: Nic<Qp = Q> + 'static>(
+        nic: N,
+        cqes: u32,
+        limits: PostLimits,
+        set_up: impl FnOnce(&mut Engine<N>),
+    ) -> std::io::Result<Self> {
+        let (done_tx, done) = crossbeam_channel::unbounded();
+        let (notif_tx, notifs) = crossbeam_channel::unbounded();
+        let (tx, rx) = crossbeam_channel::unbounded();
+        let wake = Arc::new(Wake::new()?);
+        let mut engine = Engine::new(nic, cqes, limits, done_tx, notif_tx);
+        set_up(&mut engine);
+        let w2 = wake.clone();
+        let thread = std::thread::Builder::new()
+            .name("kvwire-verbs-progress".into())
+            .spawn(move || super::progress::run(engine, &rx, &w2))?;
+        Ok(Self { handle: Handle { tx, wake }, thread: Some(thread), done, notifs })
+    }
+
+    /// Stop the engine (it destroys every QP and its NIC) and join its thread.
+    pub fn stop(&mut self) {
+        if let Some(t) = self.thread.take() {
+            self.handle.send(Cmd::Stop);
+            let _ = t.join();
+        }
+    }
+}
+
+impl<Q: NicQp> Drop for Core<Q> {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
