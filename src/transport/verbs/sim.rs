@@ -137,6 +137,12 @@ impl SimFabric {
         })))
     }
 
+    /// Live handles on the fabric (devices, QPs, memory and clones of this):
+    /// 1 once only this one is left.
+    pub fn handles(&self) -> usize {
+        Arc::strong_count(&self.0)
+    }
+
     /// The world, locked.
     pub fn world(&self) -> MutexGuard<'_, World> {
         self.0.lock().unwrap_or_else(|p| p.into_inner())

@@ -356,4 +356,43 @@ fn liveness_close_fails_the_peers_qps_at_once() {
     p.invariants();
 }
 
+#[test]
+fn reads_beyond_the_read_depth_wait_in_the_send_queue() {
+    // max_rd_atomic 2: at most two READs outstanding per QP; the rest wait
+    // in the send queue (a WRITE behind them too) and every byte arrives.
+    for seed in 0..4 {
+        let mut p = Pair::new(seed, Opts { qps: 2, max_send_wr: 64, rd_atomic: 2, ..Opts::default() });
+        let dst: Vec<u8> = (0..p.dst_len as usize).map(|i| (i * 7 + i / 4096) as u8).collect();
+        assert!(p.fabric.write(p.dst.1, p.dst.0, &dst));
+        let segs: Vec<(u64, u64)> = (0..200).rev().map(|i| (i * PAGE, PAGE)).collect();
+        p.post(1, Op::Read, &segs, None).unwrap();
+        p.post(2, Op::Write, &[(300 * PAGE, PAGE)], Some(b"after")).unwrap();
+        p.run();
+        assert!(ok(&p, 1) && ok(&p, 2), "{:?} {:?}", p.result(1), p.result(2));
+        p.assert_same(&segs);
+        let w = p.fabric.world();
+        for q in &p.qpns {
+            assert_eq!(w.max_reads.get(q), Some(&2), "QP {q}: READs outstanding at once");
+        }
+        assert!(w.read_waits > 0, "no READ waited for the depth");
+        drop(w);
+        p.invariants();
+    }
+}
+
+#[test]
+fn a_read_depth_of_one_still_fails_and_flushes_like_any_other_depth() {
+    let mut p = Pair::new(9, Opts { max_send_wr: 16, rd_atomic: 1, ..Opts::default() });
+    let segs: Vec<(u64, u64)> = (0..40).map(|i| (i * PAGE, PAGE)).collect();
+    p.post(1, Op::Read, &segs, None).unwrap();
+    p.steps(5);
+    p.fabric.fail_next(p.qpns[0], WC_REM_ACCESS_ERR);
+    p.run();
+    let f = p.result(1).expect("reported").unwrap_err();
+    assert_eq!(f.kind, FailureKind::RemoteAccess(RemoteAccessKind::OutOfBounds), "{f}");
+    assert_eq!(p.fabric.world().max_reads.get(&p.qpns[0]), Some(&1));
+    p.invariants();
+}
+
+mod engine;
 mod prop;

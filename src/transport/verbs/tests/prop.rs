@@ -39,14 +39,21 @@ fn cmd() -> impl Strategy<Value = Cmd> {
 }
 
 fn opts() -> impl Strategy<Value = Opts> {
-    (1u32..4, prop_oneof![Just(1u32), Just(4), Just(16), Just(256)], 1u32..40, prop_oneof![Just(128usize), Just(256)])
-        .prop_map(|(qps, max_send_wr, signal_every, cq)| Opts {
+    (
+        1u32..4,
+        prop_oneof![Just(1u32), Just(4), Just(16), Just(256)],
+        1u32..40,
+        prop_oneof![Just(128usize), Just(256)],
+        prop_oneof![Just(1u32), Just(2), Just(16)],
+    )
+        .prop_map(|(qps, max_send_wr, signal_every, cq, rd_atomic)| Opts {
             qps,
             max_send_wr,
             signal_every,
             post_list: 8,
             cq,
             cq_target: 1024,
+            rd_atomic,
         })
 }
 

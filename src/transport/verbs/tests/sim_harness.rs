@@ -12,7 +12,7 @@ use crossbeam_channel::{Receiver, unbounded};
 use crate::transport::verbs::conn::RECVS_PER_QP;
 use crate::transport::verbs::nic::{Nic, NicQp};
 use crate::transport::verbs::ops::NOTIF_SLOTS;
-use crate::transport::verbs::sim::{SimFabric, SimNic, SimQp};
+use crate::transport::verbs::sim::{DEFAULT_READ_DEPTH, SimFabric, SimNic, SimQp};
 use crate::transport::verbs::state::{NOTIF_SLOT_BYTES, NotifSlab, PostLimits, RECV_BIT, RecvQp, SendQp, State};
 use crate::transport::{
     Completion, LocalKey, Notification, Op, PeerId, PostRequest, RemoteKey, Segment, TransferFailure, TransportError,
@@ -36,11 +36,13 @@ pub struct Opts {
     pub cq: usize,
     /// Target CQ entries.
     pub cq_target: usize,
+    /// Negotiated READ depth (`max_rd_atomic`) of each QP pair.
+    pub rd_atomic: u32,
 }
 
 impl Default for Opts {
     fn default() -> Self {
-        Self { qps: 1, max_send_wr: 256, post_list: 64, signal_every: 32, cq: 1024, cq_target: 1024 }
+        Self { qps: 1, max_send_wr: 256, post_list: 64, signal_every: 32, cq: 1024, cq_target: 1024, rd_atomic: DEFAULT_READ_DEPTH }
     }
 }
 
@@ -399,7 +401,7 @@ fn connect(fabric: &SimFabric, i: &mut Side, t: &mut Side, peer: u32, opts: Opts
     for _ in 0..opts.qps {
         let iq = i.nic.create_qp(opts.max_send_wr.max(1), 1).unwrap();
         let mut tq = t.nic.create_qp(4, RECVS_PER_QP).unwrap();
-        fabric.connect(iq.qp_num(), tq.qp_num());
+        fabric.connect_with_read_depth(iq.qp_num(), tq.qp_num(), opts.rd_atomic);
         assert!(t.st.reserve_recv_cqes(RECVS_PER_QP), "target CQ full");
         let slab = Arc::new(t.nic.alloc_slab(RECVS_PER_QP as usize * NOTIF_SLOT_BYTES).unwrap());
         for slot in 0..RECVS_PER_QP {
