@@ -449,3 +449,53 @@ fn verbs_missing_device_is_a_clear_error() {
 fn _backing_is_object_safe(b: &dyn MemoryBacking) -> u64 {
     b.desc().addr
 }
+
+/// Names (`comm`, at most 15 bytes) of this process's threads.
+fn thread_names() -> Vec<String> {
+    std::fs::read_dir("/proc/self/task")
+        .map(|d| {
+            d.filter_map(|t| std::fs::read_to_string(t.ok()?.path().join("comm")).ok())
+                .map(|s| s.trim().to_string())
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+fn open_fds() -> usize {
+    std::fs::read_dir("/proc/self/fd").map(|d| d.count()).unwrap_or(0)
+}
+
+#[test]
+#[ignore = "needs an RDMA device (Soft-RoCE guest: scripts/softroce-tests.sh)"]
+fn verbs_dropping_the_transport_ends_every_thread_and_closes_the_device() {
+    let (tdev, idev) = need_devices!();
+    // A first open and drop, so that what libibverbs keeps for the process
+    // (loaded providers) is in the baseline.
+    drop(engine("t-warm", &tdev));
+    let fds = open_fds();
+    assert!(!thread_names().iter().any(|n| n.starts_with("kvwire-verbs")), "{:?}", thread_names());
+    {
+        let mut target = engine("t-drop", &tdev);
+        let mut init = engine("i-drop", &idev);
+        let dst = Arc::new(HostBuffer::new(1 << 16).unwrap());
+        let src = Arc::new(HostBuffer::new(1 << 16).unwrap());
+        target.register(dst.clone()).unwrap();
+        init.register(src.clone()).unwrap();
+        init.connect(&target.metadata()).unwrap();
+        let post = |init: &mut TransferEngine, n: &str| {
+            let (s, d) = ([Desc::new(src.addr(), 1 << 16)], [Desc::new(dst.addr(), 1 << 16)]);
+            init.post(Op::Write, &s, "t-drop", &d, Some(n.as_bytes().to_vec())).unwrap()
+        };
+        let h = post(&mut init, "one");
+        assert_eq!(wait(&mut init, h), TransferStatus::Done);
+        assert_eq!(wait_notifs(&mut target, "i-drop", 1), vec![b"one".to_vec()]);
+        // Progress, listener, one peer server (target), one liveness watcher.
+        let names = thread_names();
+        assert!(names.iter().filter(|n| n.starts_with("kvwire-verbs")).count() >= 5, "{names:?}");
+        // Dropped with a transfer possibly still in flight.
+        let _ = post(&mut init, "two");
+    }
+    let names = thread_names();
+    assert!(!names.iter().any(|n| n.starts_with("kvwire-verbs")), "threads left: {names:?}");
+    assert_eq!(open_fds(), fds, "descriptors left open (device context, sockets, completion channels)");
+}

@@ -14,7 +14,11 @@
 //! - Notifications: a SEND after the data on the same QP (RC ordering makes
 //!   the data visible first); with several QPs, after all data completed.
 //!   The target takes them from its receive completions by itself.
-//! - Completion: a progress thread polls the CQ. An error completion fails
+//! - One owner: the progress thread's engine (`engine.rs`) owns every QP,
+//!   the CQE budget and the transfers; `post`, `cancel`, `connect`,
+//!   `disconnect` and the connection threads send it commands over a
+//!   channel (see docs/VERBS.md, "Structure").
+//! - Completion: the progress thread polls the CQ. An error completion fails
 //!   its transfer with the status name (e.g. `IBV_WC_REM_ACCESS_ERR`) and
 //!   puts the QP in error; once drained, the next post to that peer resets
 //!   and reconnects it.
@@ -42,8 +46,10 @@
 //! is a system call that runs the requester on the posting thread, so
 //! shorter batches spread that work over the CPUs; 0 = no limit on
 //! hardware, see docs/PERFORMANCE.md), `cq_events=0|1` (1: when the CQ is
-//! idle the progress thread blocks on a completion channel; 0: it sleep-polls), `poll_sleep_us=N` (50: the
-//! progress thread's sleep on an idle CQ without completion events),
+//! idle the progress thread blocks on a completion channel and its wake fd; 0: it polls
+//! every `poll_sleep_us`), `poll_sleep_us=N` (50: how long the progress
+//! thread waits on its command channel between polls of an idle CQ without
+//! completion events),
 //! `idle_yields=N` (192: yields on an idle CQ, after 64 spins, before
 //! blocking or sleeping),
 //! `cq_size=N` (entries of the completion queue shared by every QP, at

@@ -321,7 +321,7 @@ impl World {
             self.read_waits += 1;
         }
         // Answer a READ or start the next WR, when both could happen.
-        let coin = reading && can_issue && !error && self.rand() % 2 == 0;
+        let coin = reading && can_issue && !error && self.rand().is_multiple_of(2);
         let q = self.qps.get_mut(&qpn).expect("live QP");
         // Answer the oldest outstanding READ, or start the head WR: a READ
         // starts within the READ depth and completes on a later step.
@@ -585,4 +585,4 @@ impl Nic for SimNic {
     }
 }
 
-pub use super::sim_bench::CommandBench;
+pub use super::sim_bench::{ChannelBench, CommandBench};

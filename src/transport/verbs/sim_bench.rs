@@ -94,3 +94,82 @@ impl CommandBench {
         while self.done.try_recv().is_ok() {}
     }
 }
+
+/// The whole command path on the simulated NIC, for the criterion bench
+/// `verbs_command/channel_to_nic`: the caller's [`Cmd::Post`](super::engine::Cmd)
+/// over the channel to the engine on its progress thread, which queues the
+/// work and hands the WRs to the NIC. [`post_pages`](Self::post_pages)
+/// returns once all of them are on the simulated send queue;
+/// [`finish`](Self::finish) completes them (the engine retires them).
+#[doc(hidden)]
+pub struct ChannelBench {
+    fabric: SimFabric,
+    core: super::engine::Core<SimQp>,
+    _target: SimQp,
+    qpn: u32,
+    src: (u64, u32),
+    dst: (u64, u32),
+    next: u64,
+}
+
+impl Default for ChannelBench {
+    fn default() -> Self {
+        let fabric = SimFabric::new(0);
+        let nic = fabric.device(0, 4096);
+        let target = fabric.device(1, 4096);
+        let qp = nic.create_qp(1024, 1).expect("sim QP");
+        let t = target.create_qp(4, 64).expect("sim QP");
+        let qpn = qp.qp_num();
+        fabric.connect(qpn, t.qp_num());
+        let src = fabric.alloc(0, 1 << 20);
+        let dst = fabric.alloc(1, 1 << 20);
+        let limits = super::state::PostLimits {
+            max_send_wr: 1024,
+            signal_every: 32,
+            max_batch: 64,
+            batch_bytes: 0,
+            poll_sleep_us: 50,
+            idle_yields: 192,
+        };
+        let core = super::engine::Core::start(nic, 4096, limits, |_| {}).expect("progress thread");
+        let cmd = super::engine::Cmd::Install { peer: 1, name: "bench".into(), qps: vec![qp], slab: None, link: None };
+        core.handle.send(cmd);
+        Self { fabric, core, _target: t, qpn, src, dst, next: 0 }
+    }
+}
+
+impl ChannelBench {
+    /// Send one WRITE of `pages` (≤ 1024) 4 KiB pages to the engine and wait
+    /// until the NIC holds all its WRs.
+    pub fn post_pages(&mut self, pages: u64) {
+        use crate::transport::{LocalKey, Op, PeerId, PostRequest, RemoteKey, Segment, XferId};
+        self.next += 1;
+        let segments = (0..pages)
+            .rev()
+            .map(|i| Segment {
+                local_addr: self.src.0 + (i % 256) * 4096,
+                lkey: LocalKey(self.src.1),
+                remote_addr: self.dst.0 + (i % 256) * 4096,
+                rkey: RemoteKey(self.dst.1),
+                len_bytes: 4096,
+            })
+            .collect();
+        let req = PostRequest { xfer: XferId(self.next), op: Op::Write, peer: PeerId(1), segments, notification: None };
+        self.core.handle.send(super::engine::Cmd::Post(req));
+        // Yield while waiting: on a machine with fewer cores than busy
+        // threads, spinning here would keep the progress thread off a CPU.
+        while (self.fabric.world().queued(self.qpn) as u64) < pages {
+            std::thread::yield_now();
+        }
+    }
+
+    /// Complete what was posted and wait for the engine to report it.
+    pub fn finish(&mut self) {
+        {
+            let mut w = self.fabric.world();
+            w.touches.clear();
+            while w.step() {}
+        }
+        let _ = self.core.done.recv();
+    }
+}

@@ -42,7 +42,15 @@ pub struct Opts {
 
 impl Default for Opts {
     fn default() -> Self {
-        Self { qps: 1, max_send_wr: 256, post_list: 64, signal_every: 32, cq: 1024, cq_target: 1024, rd_atomic: DEFAULT_READ_DEPTH }
+        Self {
+            qps: 1,
+            max_send_wr: 256,
+            post_list: 64,
+            signal_every: 32,
+            cq: 1024,
+            cq_target: 1024,
+            rd_atomic: DEFAULT_READ_DEPTH,
+        }
     }
 }
 
