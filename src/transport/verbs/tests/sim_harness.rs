@@ -335,7 +335,7 @@ impl Pair {
         panic!("the simulation did not settle");
     }
 
-    /// Cancel `x` as `VerbsTransport::cancel` does, pumping the fabric while
+    /// Cancel `x` as the engine does for `Cmd::Cancel`, pumping the fabric while
     /// it waits (flush after 50 pumps, destroy after 100); the fabric step at
     /// which it returned.
     pub fn cancel(&mut self, x: u64) -> u64 {
