@@ -234,3 +234,19 @@ fn help_lists_every_backends_options_with_defaults() {
         }
     }
 }
+
+#[test]
+fn log_lines_have_no_colour_codes_when_stderr_is_not_a_terminal() {
+    // `output()` pipes stderr: plain text, with or without NO_COLOR.
+    for no_color in [None, Some("1")] {
+        let mut cmd = kvwire();
+        cmd.args(["devices"]).env("RUST_LOG", "debug");
+        if let Some(v) = no_color {
+            cmd.env("NO_COLOR", v);
+        }
+        let out = cmd.output().unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.contains("DEBUG") && err.contains("started"), "a log line is printed:\n{err}");
+        assert!(!err.contains('\x1b'), "ANSI escape codes in:\n{err:?}");
+    }
+}
