@@ -187,6 +187,12 @@ fn a_target_that_cannot_start_is_reported_once_by_the_initiator_with_its_cause()
     let (_, err) = failing(&["bench", "--transport", "verbs", "--target-device", "nosuchdev0", "--blocks", "4"]);
     assert_one_error(&err, "target");
     assert!(err.contains("hint:"), "{err}");
+    // The library's "no device" error points to `kvwire devices` itself; the
+    // hint then suggests another transport instead of repeating it.
+    if err.contains("no RDMA device") {
+        assert!(err.contains("see `kvwire devices`)"), "{err}");
+        assert_eq!(err.matches("kvwire devices").count(), 1, "{err}");
+    }
 }
 
 #[test]

@@ -37,9 +37,14 @@ pub fn hint(e: &anyhow::Error) -> Option<String> {
         return Some(h);
     }
     let text = format!("{e:#}");
-    let known: [(&[&str], &str); 4] = [
+    let known: [(&[&str], &str); 5] = [
+        // The library's message already points to `kvwire devices`.
         (
-            &["ibv_get_device_list", "no RDMA device", "libibverbs"],
+            &["no RDMA device found", "no RDMA device named"],
+            "without an RDMA device use --transport tcp (across hosts) or shm (one host)",
+        ),
+        (
+            &["ibv_get_device_list", "libibverbs"],
             "`kvwire devices` lists the RDMA devices here; without one use --transport tcp (across hosts) or shm (one host)",
         ),
         (
