@@ -196,6 +196,23 @@ fn a_target_that_cannot_start_is_reported_once_by_the_initiator_with_its_cause()
 }
 
 #[test]
+fn options_are_checked_before_any_device_is_opened() {
+    let (code, err) = failing(&["bench", "--option", "gid_idx=1", "--transport", "verbs", "--blocks", "4"]);
+    assert_eq!(code, 1);
+    assert_one_error(&err, "--option: verbs option \"gid_idx\": unknown option (valid verbs options: device, port");
+    assert!(!err.contains("RDMA device") && !err.contains("ibv_"), "the device is not looked at first:\n{err}");
+    let (_, err) = failing(&["bench", "--target-option", "gid_idx=1", "--transport", "verbs", "--blocks", "4"]);
+    assert_one_error(&err, "--target-option: verbs option \"gid_idx\": unknown option");
+    // A bad value is refused by the side that has it, before its device.
+    let (_, err) = failing(&["bench", "--target-option", "timeout=99", "--transport", "verbs", "--blocks", "4"]);
+    assert_one_error(&err, "verbs option \"timeout\": value \"99\" is not valid");
+    let (_, err) = failing(&["replay", "--decode-option", "conn_per_peer=4", "--transport", "tcp"]);
+    assert_one_error(&err, "--decode-option: tcp option \"conn_per_peer\": unknown option");
+    let (_, err) = failing(&["serve", "--name", "x", "--etcd", "http://127.0.0.1:1", "--option", "conn_per_peer=4"]);
+    assert_one_error(&err, "--option: tcp option \"conn_per_peer\": unknown option");
+}
+
+#[test]
 fn verbose_prints_the_cause_chain() {
     let out = kvwire()
         .args(["-v", "bench", "--connect", "127.0.0.1:1", "--blocks", "1"])

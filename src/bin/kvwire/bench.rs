@@ -310,6 +310,8 @@ pub fn run(a: BenchArgs) -> Result<()> {
     if a.blocks == 0 || a.iters == 0 {
         bail!("--blocks and --iters must be at least 1");
     }
+    crate::units::check_option_keys(a.transport, "--option", &a.options)?;
+    crate::units::check_option_keys(a.transport, "--target-option", &a.target_options)?;
     let total =
         a.block_size.checked_mul(a.blocks).filter(|&t| t <= 64 << 30).context("block size × blocks exceeds 64 GiB")?;
     // Buffers on this host: the target's, the initiator's, and the memcpy

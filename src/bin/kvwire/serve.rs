@@ -41,9 +41,11 @@ pub struct ServeArgs {
     /// Transport (tcp across hosts; shm on one host).
     #[arg(long, default_value = "tcp")]
     transport: TransportKind,
-    /// Address the tcp transport listens on and advertises (`IP:PORT`, port 0: any).
-    #[arg(long, default_value = "127.0.0.1:0")]
-    listen: String,
+    /// Address the tcp transport listens on and advertises (`IP:PORT`, port
+    /// 0: any; default 127.0.0.1:0). With --transport verbs: the IP of the
+    /// connection handshake listener. Not used by shm.
+    #[arg(long)]
+    listen: Option<String>,
     /// Registered buffer size (e.g. 64MiB): pattern half + scratch half.
     #[arg(long, default_value = "64MiB", value_parser = parse_size)]
     buffer: u64,
@@ -92,7 +94,14 @@ pub fn run(a: ServeArgs) -> Result<()> {
     if a.page_size == 0 || a.buffer < 2 * a.page_size {
         bail!("--buffer must hold at least two pages");
     }
-    let mut options = vec![("listen".to_string(), a.listen.clone())];
+    crate::units::check_option_keys(a.transport, "--option", &a.options)?;
+    let listen = match (a.transport, &a.listen) {
+        (TransportKind::Tcp, l) => Some(l.clone().unwrap_or_else(|| "127.0.0.1:0".to_string())),
+        (TransportKind::Verbs, l) => l.clone(),
+        (TransportKind::Shm, None) => None,
+        (TransportKind::Shm, Some(_)) => bail!("--listen is for --transport tcp or verbs; shm needs no address"),
+    };
+    let mut options: Vec<(String, String)> = listen.map(|l| ("listen".to_string(), l)).into_iter().collect();
     options.extend(a.options.iter().cloned());
     let config = TransportConfig { peer_timeout: a.peer_timeout, options, ..TransportConfig::default() };
     if let Some(addr) = &a.metrics {

@@ -290,6 +290,8 @@ pub fn default_trace() -> PathBuf {
 
 /// `kvwire replay`.
 pub fn run(a: ReplayArgs) -> Result<()> {
+    crate::units::check_option_keys(a.transport, "--option", &a.options)?;
+    crate::units::check_option_keys(a.transport, "--decode-option", &a.decode_options)?;
     let (l, addr) = SideChannel::bind("127.0.0.1:0")?;
     let child = crate::child::Child::spawn("decode", &["replay-decode", "--connect", &addr.to_string()])?;
     let chan = SideChannel::accept(&l)?;
