@@ -82,6 +82,14 @@ pub fn one_line(e: &anyhow::Error) -> String {
 pub fn report(e: &anyhow::Error) {
     if verbose() {
         eprintln!("error: {e:?}");
+        if let Some(c) = e.chain().find_map(|c| c.downcast_ref::<crate::child::ChildFailed>())
+            && !c.backtrace.is_empty()
+        {
+            eprintln!("\nStack backtrace of the failed process:");
+            for l in &c.backtrace {
+                eprintln!("{l}");
+            }
+        }
     } else {
         eprintln!("error: {}", one_line(e));
     }
