@@ -214,14 +214,21 @@ fn options_are_checked_before_any_device_is_opened() {
 
 #[test]
 fn verbose_prints_the_cause_chain() {
+    use std::io::{Read, Write};
+    let (addr, peer) = fake_peer(|mut s| {
+        let _ = s.read(&mut [0u8; 256]);
+        let _ = s.write_all(b"SSH-2.0-OpenSSH_9.6\r\n");
+        std::thread::sleep(Duration::from_millis(500));
+    });
     let out = kvwire()
-        .args(["-v", "bench", "--connect", "127.0.0.1:1", "--blocks", "1"])
+        .args(["-v", "bench", "--connect", &addr, "--blocks", "1"])
         .env_remove("RUST_BACKTRACE")
         .output()
         .unwrap();
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success());
-    assert!(err.contains("Caused by"), "{err}");
+    assert!(err.contains("Caused by") && err.contains("\"SSH-2.0-OpenSSH_9.6\""), "{err}");
+    peer.join().unwrap();
 }
 
 #[test]
@@ -272,4 +279,61 @@ fn log_lines_have_no_colour_codes_when_stderr_is_not_a_terminal() {
         assert!(err.contains("DEBUG") && err.contains("started"), "a log line is printed:\n{err}");
         assert!(!err.contains('\x1b'), "ANSI escape codes in:\n{err:?}");
     }
+}
+
+/// A port nothing listens on.
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+}
+
+/// A fake peer on a fresh port: accepts one connection and hands it to `f`.
+fn fake_peer(f: impl FnOnce(std::net::TcpStream) + Send + 'static) -> (String, std::thread::JoinHandle<()>) {
+    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = l.local_addr().unwrap().to_string();
+    (addr, std::thread::spawn(move || f(l.accept().unwrap().0)))
+}
+
+#[test]
+fn connect_to_a_dead_target_says_what_it_waits_for_and_gives_up_at_the_timeout() {
+    let addr = format!("127.0.0.1:{}", free_port());
+    let t0 = std::time::Instant::now();
+    let (code, err) = failing(&["bench", "--connect", &addr, "--connect-timeout", "1", "--blocks", "4"]);
+    assert!(t0.elapsed() < Duration::from_secs(10), "took {:?}", t0.elapsed());
+    assert_eq!(code, 1);
+    assert!(err.contains(&format!("waiting for {addr} (up to 1 s, --connect-timeout)")), "{err}");
+    assert_one_error(&err, &format!("no kvwire bench target at {addr} within 1 s (last error: Connection refused"));
+    assert!(err.contains("hint: start `kvwire bench --listen"), "{err}");
+    let help = kvwire().args(["bench", "--help"]).output().unwrap();
+    let help = String::from_utf8_lossy(&help.stdout);
+    assert!(help.contains("--connect-timeout") && help.contains("[default: 30]"), "{help}");
+}
+
+#[test]
+fn connect_to_a_silent_peer_fails_at_the_timeout() {
+    let (addr, peer) = fake_peer(|s| {
+        std::thread::sleep(Duration::from_secs(4));
+        drop(s)
+    });
+    let t0 = std::time::Instant::now();
+    let (_, err) = failing(&["bench", "--connect", &addr, "--connect-timeout", "1", "--blocks", "4"]);
+    assert!(t0.elapsed() < Duration::from_secs(4), "took {:?}: the 120 s wait", t0.elapsed());
+    assert_one_error(&err, &format!("{addr} accepted the connection but did not answer within 1 s"));
+    peer.join().unwrap();
+}
+
+#[test]
+fn connect_to_an_http_server_says_not_a_kvwire_peer() {
+    use std::io::{Read, Write};
+    let (addr, peer) = fake_peer(|mut s| {
+        let _ = s.read(&mut [0u8; 256]);
+        let _ = s.write_all(b"HTTP/1.1 400 Bad Request\r\nContent-Length: 0\r\nConnection: close\r\n\r\n");
+        std::thread::sleep(Duration::from_millis(500));
+    });
+    let (_, err) = failing(&["bench", "--connect", &addr, "--connect-timeout", "5", "--blocks", "4"]);
+    assert_one_error(
+        &err,
+        &format!("the bench target at {addr}: not a kvwire peer: it sent \"HTTP/1.1 400 Bad Request\" instead of"),
+    );
+    assert!(!err.contains("exceeds the limit"), "{err}");
+    peer.join().unwrap();
 }

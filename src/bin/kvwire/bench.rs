@@ -91,6 +91,10 @@ pub struct BenchArgs {
     /// Be the initiator against a target listening on ADDR (two terminals).
     #[arg(long)]
     connect: Option<String>,
+    /// With --connect: seconds to wait for the target to accept the
+    /// connection and answer; a dead or silent target fails after this.
+    #[arg(long, default_value = crate::dial::DEFAULT_CONNECT_TIMEOUT_S, value_parser = crate::units::parse_seconds)]
+    connect_timeout: Duration,
 }
 
 /// Options of the hidden `bench-target` child.
@@ -124,6 +128,9 @@ enum Ctl {
     Exit,
     /// Target → initiator: the target could not go on (its cause).
     Failed(String),
+    /// Target → initiator, at once on a Setup (before the engine and the
+    /// buffer, which may take long): a kvwire bench target is there.
+    Accepted,
 }
 
 /// Key of the contents of source block `i`.
@@ -198,6 +205,7 @@ fn listen_target(l: &std::net::TcpListener) -> Result<()> {
 }
 
 fn serve_target(mut chan: SideChannel, setup: Ctl) -> Result<()> {
+    chan.send(&Ctl::Accepted)?;
     let r = target_loop(&mut chan, setup);
     if let Err(e) = &r {
         // Tell the initiator why, so that it reports the cause (not "closed").
@@ -334,15 +342,13 @@ pub fn run(a: BenchArgs) -> Result<()> {
     }
     let mut child = None;
     let mut chan = match &a.connect {
-        Some(addr) => SideChannel::connect(addr, Duration::from_secs(30))
-            .with_context(|| format!("connecting to the bench target at {addr}"))?,
+        Some(addr) => crate::dial::connect(addr, a.connect_timeout)?,
         None => {
             let (l, addr) = SideChannel::bind("127.0.0.1:0")?;
             child = Some(crate::child::Child::spawn("target", &["bench-target", "--connect", &addr.to_string()])?);
             SideChannel::accept(&l)?
         }
     };
-    chan.set_read_timeout(Some(Duration::from_secs(120)))?;
     let result = initiate(&a, total, &mut chan);
     let _ = chan.send(&Ctl::Exit);
     drop(chan);
@@ -381,6 +387,14 @@ fn initiate(a: &BenchArgs, total: u64, chan: &mut SideChannel) -> Result<Report>
         options: theirs,
         copy_threads: a.copy_threads,
     })?;
+    let peer = a.connect.as_deref().unwrap_or("the target process");
+    match crate::dial::expect_answer(chan, peer, a.connect_timeout)? {
+        Ctl::Accepted => {}
+        Ctl::Failed(cause) => bail!("the target failed: {cause}"),
+        other => bail!("{peer} answered {other:?} instead of accepting: a different kvwire version?"),
+    }
+    // The target now builds its engine and fills its buffer.
+    chan.set_read_timeout(Some(Duration::from_secs(120)))?;
     let bytes = match chan.recv()? {
         Ctl::Meta(bytes) => bytes,
         Ctl::Failed(cause) => bail!("the target failed: {cause}"),

@@ -33,6 +33,10 @@ pub fn user_error(msg: impl Into<String>, hint: impl Into<String>) -> anyhow::Er
 
 /// The hint for `e`: its own, or one for a well-known cause.
 pub fn hint(e: &anyhow::Error) -> Option<String> {
+    // A `UserError` as the error itself, as a context, or as a cause.
+    if let Some(h) = e.downcast_ref::<UserError>().and_then(|u| u.hint.clone()) {
+        return Some(h);
+    }
     if let Some(h) = e.chain().find_map(|c| c.downcast_ref::<UserError>().and_then(|u| u.hint.clone())) {
         return Some(h);
     }

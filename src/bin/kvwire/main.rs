@@ -5,6 +5,7 @@ mod bench;
 mod ceiling;
 mod child;
 mod devices;
+mod dial;
 mod failure;
 mod memcheck;
 mod pattern;
