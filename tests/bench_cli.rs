@@ -337,3 +337,16 @@ fn connect_to_an_http_server_says_not_a_kvwire_peer() {
     assert!(!err.contains("exceeds the limit"), "{err}");
     peer.join().unwrap();
 }
+
+#[test]
+fn a_silent_etcd_is_reported_as_not_answering_within_the_call_timeout() {
+    let (addr, peer) = fake_peer(|s| {
+        std::thread::sleep(Duration::from_secs(5));
+        drop(s)
+    });
+    let url = format!("http://{addr}");
+    let (_, err) = failing(&["serve", "--name", "x", "--etcd", &url]);
+    assert_one_error(&err, &format!("etcd at {url} did not answer within 3 s"));
+    assert!(!err.contains("Resource temporarily unavailable"), "{err}");
+    peer.join().unwrap();
+}

@@ -40,8 +40,18 @@ pub fn hint(e: &anyhow::Error) -> Option<String> {
     if let Some(h) = e.chain().find_map(|c| c.downcast_ref::<UserError>().and_then(|u| u.hint.clone())) {
         return Some(h);
     }
+    // etcd unreachable or silent; a name that is merely not published yet
+    // gets no such hint (etcd answered).
+    let discovery = e.chain().find_map(|c| c.downcast_ref::<kvwire::discovery::DiscoveryError>());
+    if discovery.is_some_and(kvwire::discovery::DiscoveryError::is_unreachable) {
+        return Some(
+            "is etcd running at that URL? (e.g. `etcd --listen-client-urls http://0.0.0.0:2379 \
+             --advertise-client-urls http://HOST:2379`)"
+                .into(),
+        );
+    }
     let text = format!("{e:#}");
-    let known: [(&[&str], &str); 5] = [
+    let known: [(&[&str], &str); 4] = [
         // The library's message already points to `kvwire devices`.
         (
             &["no RDMA device found", "no RDMA device named"],
@@ -50,10 +60,6 @@ pub fn hint(e: &anyhow::Error) -> Option<String> {
         (
             &["ibv_get_device_list", "libibverbs"],
             "`kvwire devices` lists the RDMA devices here; without one use --transport tcp (across hosts) or shm (one host)",
-        ),
-        (
-            &["etcd"],
-            "is etcd running at that URL? (e.g. `etcd --listen-client-urls http://0.0.0.0:2379 --advertise-client-urls http://HOST:2379`)",
         ),
         (
             &["Connection refused", "timed out after"],
@@ -80,6 +86,15 @@ pub fn one_line(e: &anyhow::Error) -> String {
         last = msg;
     }
     line
+}
+
+/// `e` from etcd at `url`, with "connecting to etcd at URL" unless the
+/// message names etcd and the URL already.
+pub fn etcd_error(e: kvwire::discovery::DiscoveryError, doing: &str, url: &str) -> anyhow::Error {
+    match e {
+        e @ kvwire::discovery::DiscoveryError::Unanswered { .. } => e.into(),
+        e => anyhow::Error::new(e).context(format!("{doing} etcd at {url}")),
+    }
 }
 
 /// Print `e` as the CLI does (stderr).
