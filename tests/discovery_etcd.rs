@@ -257,3 +257,21 @@ fn replay_discovers_the_decode_engine_through_etcd() {
     assert!(reader.get_bytes("decode").unwrap().is_none());
     assert!(reader.get_bytes("prefill").unwrap().is_none());
 }
+
+#[test]
+#[ignore = "needs etcd (scripts/test.sh runs it where etcd exists)"]
+fn serve_pull_of_a_name_never_published_says_so_without_blaming_etcd() {
+    let Some(etcd) = etcd() else { return };
+    let prefix = unique_prefix("never-published");
+    let out = Command::new(env!("CARGO_BIN_EXE_kvwire"))
+        .args(["serve", "--name", "puller", "--etcd", &etcd.url, "--prefix", &prefix])
+        .args(["--pull", "nobody", "--lookup-timeout", "1"])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    let want = format!("error: agent \"nobody\" was not published under {prefix}nobody in etcd at {} within 1 s", etcd.url);
+    assert!(err.contains(&want), "{err}");
+    assert!(!err.contains("is etcd running"), "etcd is up: no such hint:\n{err}");
+    assert!(err.contains("hint: start `kvwire serve --name nobody"), "{err}");
+}

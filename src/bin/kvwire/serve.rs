@@ -16,10 +16,11 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result, bail};
 use clap::Args;
 use kvwire::HostBuffer;
-use kvwire::discovery::{EtcdStore, MetadataStore};
+use kvwire::discovery::{DiscoveryError, EtcdStore, MetadataStore};
 use kvwire::engine::{Desc, TransferEngine, TransferHandle, TransferStatus};
 use kvwire::transport::{Op, TransportConfig, TransportKind};
 
+use crate::failure::{etcd_error, user_error};
 use crate::pattern::{check_page, fill_page, mix};
 use crate::units::parse_size;
 
@@ -118,8 +119,8 @@ pub fn run(a: ServeArgs) -> Result<()> {
     }
     engine.register(buf.clone())?;
     let mut store = EtcdStore::connect(&a.etcd, &a.prefix, Duration::from_secs(a.ttl.max(1)))
-        .with_context(|| format!("connecting to etcd at {}", a.etcd))?;
-    store.publish(&engine.metadata())?;
+        .map_err(|e| etcd_error(e, "connecting to", &a.etcd))?;
+    store.publish(&engine.metadata()).map_err(|e| etcd_error(e, "publishing in", &a.etcd))?;
     println!("serving {} ({} pages of {} B) published under {}{}", a.name, half_pages, a.page_size, a.prefix, a.name);
     if !a.pull.is_empty() {
         return pull(&a, &mut engine, &buf, &store);
@@ -206,12 +207,24 @@ fn round(a: &ServeArgs, engine: &mut TransferEngine, buf: &HostBuffer, p: &Peer,
 
 fn pull(a: &ServeArgs, engine: &mut TransferEngine, buf: &HostBuffer, store: &EtcdStore) -> Result<()> {
     let mut lookup = EtcdStore::connect(&a.etcd, &a.prefix, Duration::from_secs(a.ttl.max(1)))
-        .with_context(|| format!("connecting to etcd at {}", a.etcd))?;
+        .map_err(|e| etcd_error(e, "connecting to", &a.etcd))?;
     let mut peers = Vec::new();
     for name in &a.pull {
-        let meta = lookup
-            .lookup(name, a.lookup_timeout)
-            .with_context(|| format!("waiting {:?} for peer {name} in etcd at {}", a.lookup_timeout, a.etcd))?;
+        let meta = lookup.lookup(name, a.lookup_timeout).map_err(|e| match e {
+            DiscoveryError::NotFound { .. } => user_error(
+                format!(
+                    "agent {name:?} was not published under {}{name} in etcd at {} within {} s",
+                    a.prefix,
+                    a.etcd,
+                    a.lookup_timeout.as_secs_f64()
+                ),
+                format!(
+                    "start `kvwire serve --name {name} --etcd {}` (same --prefix) first, or wait longer with --lookup-timeout",
+                    a.etcd
+                ),
+            ),
+            e => etcd_error(e, &format!("looking up {name} in"), &a.etcd),
+        })?;
         engine.connect(&meta)?;
         let pages = meta.regions.first().map(|r| r.len_bytes / 2 / a.page_size).unwrap_or(0);
         println!("connected to {name} ({pages} pages)");

@@ -21,7 +21,7 @@ pub mod trace;
 use std::path::PathBuf;
 use std::time::Duration;
 
-use anyhow::{Context, Result};
+use anyhow::Result;
 use clap::Args;
 use kvwire::sidechannel::SideChannel;
 use kvwire::transport::TransportKind;
@@ -240,17 +240,20 @@ pub fn exchange_metadata(
     first: bool,
 ) -> Result<(kvwire::kv::KVTransferEngineMetadata, Option<kvwire::discovery::EtcdStore>)> {
     use kvwire::kv::KVTransferEngineMetadata as Md;
+    let etcd_url = etcd.map(|(url, _)| url.clone()).unwrap_or_default();
     let mut store = match etcd {
         Some((url, prefix)) => Some(
             kvwire::discovery::EtcdStore::connect(url, prefix, Duration::from_secs(10))
-                .with_context(|| format!("connecting to etcd at {url}"))?,
+                .map_err(|e| crate::failure::etcd_error(e, "connecting to", url))?,
         ),
         None => None,
     };
     let send = |chan: &mut SideChannel, store: &mut Option<kvwire::discovery::EtcdStore>| -> Result<()> {
         match store {
             Some(s) => {
-                s.publish_bytes(&mine.name, &mine.to_bytes()).context("publishing the engine's metadata in etcd")?;
+                s.publish_bytes(&mine.name, &mine.to_bytes()).map_err(|e| {
+                    crate::failure::etcd_error(e, "publishing the engine's metadata in", &etcd_url)
+                })?;
                 chan.send(&Msg::Meta(Vec::new()))?;
             }
             None => chan.send(&Msg::Meta(mine.to_bytes()))?,
@@ -262,7 +265,11 @@ pub fn exchange_metadata(
         let bytes = match store {
             Some(s) if bytes.is_empty() => s
                 .lookup_bytes(their_name, Duration::from_secs(30))
-                .with_context(|| format!("waiting up to 30 s for the {their_name} engine's entry in etcd"))?,
+                .map_err(|e| match e {
+                    e @ kvwire::discovery::DiscoveryError::NotFound { .. } => anyhow::Error::new(e)
+                        .context(format!("the {their_name} engine's entry did not appear in etcd at {etcd_url}")),
+                    e => crate::failure::etcd_error(e, &format!("looking up the {their_name} engine in"), &etcd_url),
+                })?,
             _ => bytes,
         };
         Ok(Md::from_bytes(&bytes)?)
