@@ -162,6 +162,16 @@ fn wait(engine: &mut TransferEngine, h: TransferHandle, op: Op, peer: &str, byte
     }
 }
 
+/// `why` without a leading "peer NAME" that the line printing it already
+/// starts with ("peer b failed after 3 ms: disconnected (peer died)").
+fn without_name<'a>(why: &'a str, name: &str) -> &'a str {
+    let named = format!("peer {name}");
+    match why.strip_prefix(&named) {
+        Some(rest) if rest.starts_with([' ', ':']) => rest.trim_start_matches(':').trim_start(),
+        _ => why,
+    }
+}
+
 struct Peer {
     name: String,
     meta: kvwire::engine::AgentMetadata,
@@ -246,7 +256,7 @@ fn pull(a: &ServeArgs, engine: &mut TransferEngine, buf: &HostBuffer, store: &Et
                 Err(why) => {
                     failed += 1;
                     let p = peers.remove(i);
-                    println!("peer {} failed after {} ms: {why}", p.name, t0.elapsed().as_millis());
+                    println!("peer {} failed after {} ms: {}", p.name, t0.elapsed().as_millis(), without_name(&why, &p.name));
                     let _ = engine.disconnect(&p.name);
                     gone.push((p.name, Instant::now()));
                 }
@@ -281,4 +291,20 @@ fn pull(a: &ServeArgs, engine: &mut TransferEngine, buf: &HostBuffer, store: &Et
     }
     println!("pull summary: ok={ok} failed={failed} live_peers={}", peers.len());
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::without_name;
+
+    #[test]
+    fn a_failure_line_names_the_peer_once() {
+        assert_eq!(without_name("peer b disconnected (peer died)", "b"), "disconnected (peer died)");
+        assert_eq!(
+            without_name("peer b: Connection reset by peer (os error 104) (peer died)", "b"),
+            "Connection reset by peer (os error 104) (peer died)"
+        );
+        assert_eq!(without_name("peer bb disconnected", "b"), "peer bb disconnected");
+        assert_eq!(without_name("page 3 from b has wrong bytes", "b"), "page 3 from b has wrong bytes");
+    }
 }
