@@ -350,3 +350,33 @@ fn a_silent_etcd_is_reported_as_not_answering_within_the_call_timeout() {
     assert!(!err.contains("Resource temporarily unavailable"), "{err}");
     peer.join().unwrap();
 }
+
+#[test]
+fn zero_and_absurd_numbers_are_refused_without_panic_or_hang() {
+    let etcd = ["--etcd", "http://127.0.0.1:1"];
+    let cases: Vec<(Vec<&str>, &str)> = vec![
+        (vec!["bench", "--pipeline", "0"], "--pipeline must be 1..=4096"),
+        (vec!["bench", "--pipeline", "100000"], "--pipeline must be 1..=4096"),
+        (vec!["bench", "--iters", "99999999999999", "--blocks", "4"], "--iters 99999999999999 is more than 1000000"),
+        (vec!["bench", "--lat-iters", "99999999999999", "--blocks", "4"], "--lat-iters 99999999999999 is more than"),
+        (vec!["bench", "--warmup", "99999999999999", "--blocks", "4"], "--warmup 99999999999999 is more than"),
+        (vec!["bench", "--wait-sleep-us", "99999999999", "--blocks", "4"], "--wait-sleep-us must be at most"),
+        (vec!["bench", "--copy-threads", "0", "--blocks", "4"], "copy_threads must be in 1..=256"),
+        (vec!["bench", "--listen", "nonsense"], "--listen nonsense (expected IP:PORT"),
+        (vec!["replay", "--speed", "1e-300"], "--speed must be 0.001..=1000000"),
+        (vec!["replay", "--host-tier-gib", "1e30", "--connector", "host"], "--host-tier-gib must be 0..=1048576"),
+        (vec!["replay", "--decode-step-ms", "1e300"], "--decode-step-ms must be 0..=60000"),
+        (vec!["replay", "--inflight", "0"], "must be at least 1"),
+        (vec!["serve", "--name", "a", etcd[0], etcd[1], "--pull", "b", "--pages", "0"], "--rounds and --pages must be"),
+        (vec!["serve", "--name", "a", etcd[0], etcd[1], "--pull", "b,b"], "--pull names b twice"),
+        (vec!["serve", "--name", "a", etcd[0], etcd[1], "--pull", "a"], "this engine's own --name"),
+    ];
+    for (args, want) in cases {
+        let (code, err) = failing(&args);
+        assert_eq!(code, 1, "{args:?}: {err}");
+        assert_one_error(&err, want);
+    }
+    // Far more memory than any machine has: refused with the numbers.
+    let (_, err) = failing(&["serve", "--name", "a", etcd[0], etcd[1], "--buffer", "1000000GiB"]);
+    assert_one_error(&err, "serve needs 1000000.0 GiB of memory (--buffer 1000000 GiB)");
+}

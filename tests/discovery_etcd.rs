@@ -270,7 +270,8 @@ fn serve_pull_of_a_name_never_published_says_so_without_blaming_etcd() {
         .unwrap();
     assert!(!out.status.success());
     let err = String::from_utf8_lossy(&out.stderr);
-    let want = format!("error: agent \"nobody\" was not published under {prefix}nobody in etcd at {} within 1 s", etcd.url);
+    let want =
+        format!("error: agent \"nobody\" was not published under {prefix}nobody in etcd at {} within 1 s", etcd.url);
     assert!(err.contains(&want), "{err}");
     assert!(!err.contains("is etcd running"), "etcd is up: no such hint:\n{err}");
     assert!(err.contains("hint: start `kvwire serve --name nobody"), "{err}");

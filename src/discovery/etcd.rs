@@ -255,8 +255,9 @@ impl EtcdStore {
             };
             let now = Instant::now();
             if now >= deadline {
-                return Err(unreachable
-                    .unwrap_or_else(|| DiscoveryError::NotFound { name: name.to_string(), waited: timeout }));
+                return Err(
+                    unreachable.unwrap_or_else(|| DiscoveryError::NotFound { name: name.to_string(), waited: timeout })
+                );
             }
             std::thread::sleep(pause.min(deadline - now));
             pause = (pause * 2).min(POLL_MAX);

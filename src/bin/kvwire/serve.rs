@@ -95,6 +95,23 @@ pub fn run(a: ServeArgs) -> Result<()> {
     if a.page_size == 0 || a.buffer < 2 * a.page_size {
         bail!("--buffer must hold at least two pages");
     }
+    if !a.pull.is_empty() && (a.rounds == 0 || a.pages == 0) {
+        bail!("--rounds and --pages must be at least 1 with --pull");
+    }
+    for (i, name) in a.pull.iter().enumerate() {
+        if a.pull[..i].contains(name) {
+            bail!("--pull names {name} twice");
+        }
+        if *name == a.name {
+            bail!("--pull {name}: that is this engine's own --name");
+        }
+    }
+    crate::memcheck::check(
+        "serve",
+        a.buffer as u128,
+        &format!("--buffer {}", crate::units::human(a.buffer)),
+        "use a smaller --buffer",
+    )?;
     crate::units::check_option_keys(a.transport, "--option", &a.options)?;
     let listen = match (a.transport, &a.listen) {
         (TransportKind::Tcp, l) => Some(l.clone().unwrap_or_else(|| "127.0.0.1:0".to_string())),
@@ -256,7 +273,12 @@ fn pull(a: &ServeArgs, engine: &mut TransferEngine, buf: &HostBuffer, store: &Et
                 Err(why) => {
                     failed += 1;
                     let p = peers.remove(i);
-                    println!("peer {} failed after {} ms: {}", p.name, t0.elapsed().as_millis(), without_name(&why, &p.name));
+                    println!(
+                        "peer {} failed after {} ms: {}",
+                        p.name,
+                        t0.elapsed().as_millis(),
+                        without_name(&why, &p.name)
+                    );
                     let _ = engine.disconnect(&p.name);
                     gone.push((p.name, Instant::now()));
                 }

@@ -314,10 +314,7 @@ fn check(
         if !inside {
             return Err((
                 Status::OutOfBounds,
-                format!(
-                    "{:#x}+{} outside rkey {} ({:#x}+{})",
-                    s.addr, s.len_bytes, s.rkey, r.addr, r.len_bytes
-                ),
+                format!("{:#x}+{} outside rkey {} ({:#x}+{})", s.addr, s.len_bytes, s.rkey, r.addr, r.len_bytes),
             ));
         }
         if !held.iter().any(|(k, _)| *k == s.rkey) {

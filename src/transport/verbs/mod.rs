@@ -180,7 +180,9 @@ impl Given {
     fn parse(config: &TransportConfig) -> Result<Self, TransportError> {
         let o = OptionSet::parse(TransportKind::Verbs, config)?;
         let timeout = match o.get::<u8>("timeout")? {
-            Some(v) if v > 31 => return Err(o.invalid("timeout", o.raw("timeout").unwrap_or_default(), Some("out of range"))),
+            Some(v) if v > 31 => {
+                return Err(o.invalid("timeout", o.raw("timeout").unwrap_or_default(), Some("out of range")));
+            }
             v => v,
         };
         let listen = match o.raw("listen").map(str::trim) {
