@@ -45,6 +45,11 @@ pub enum SideChannelError {
     /// Undecodable JSON.
     #[error("undecodable side-channel message (is the other side a different kvwire version?): {0}")]
     Decode(#[from] serde_json::Error),
+    /// The other side sent bytes that no kvwire side channel sends (a
+    /// length prefix over [`MAX_MESSAGE_BYTES`]): it is another program, e.g.
+    /// an HTTP or SSH server. Holds what it sent, quoted.
+    #[error("not a kvwire peer: it sent {0} instead of a kvwire side-channel message")]
+    NotKvwire(String),
     /// Nobody answered in time.
     #[error("timed out after {0:?} connecting to {1} (last error: {2})")]
     Timeout(Duration, String, String),
@@ -151,10 +156,35 @@ impl SideChannel {
         }
         let n = u32::from_le_bytes(len) as usize;
         if n > MAX_MESSAGE_BYTES {
-            return Err(SideChannelError::TooLarge(n));
+            // `send` never announces more: another program is talking.
+            return Err(SideChannelError::NotKvwire(self.quote_foreign(len)));
         }
         let body = read_body(&mut self.stream, n)?;
         Ok(serde_json::from_slice(&body)?)
+    }
+
+    /// What a foreign peer sent, starting with `first`, for an error
+    /// message: its first line when it is text (`"HTTP/1.1 400 Bad
+    /// Request"`), else the bytes in hex. Reads at most 60 more bytes, for
+    /// at most 100 ms.
+    fn quote_foreign(&mut self, first: [u8; 4]) -> String {
+        let mut bytes = first.to_vec();
+        let old = self.stream.read_timeout().ok().flatten();
+        if self.stream.set_read_timeout(Some(Duration::from_millis(100))).is_ok() {
+            let mut more = [0u8; 60];
+            if let Ok(k) = self.stream.read(&mut more) {
+                bytes.extend_from_slice(&more[..k]);
+            }
+            let _ = self.stream.set_read_timeout(old);
+        }
+        let text = |b: &u8| b.is_ascii_graphic() || *b == b' ';
+        let line = bytes.split(|b| *b == b'\r' || *b == b'\n').next().unwrap_or_default();
+        if line.len() >= 4 && line.iter().all(text) {
+            format!("{:?}", String::from_utf8_lossy(line))
+        } else {
+            let hex: Vec<String> = first.iter().map(|b| format!("{b:02x}")).collect();
+            format!("the bytes {}", hex.join(" "))
+        }
     }
 
     /// Decode one message body (the bytes after the length prefix) as
@@ -215,12 +245,30 @@ mod tests {
             let mut s = SideChannel::accept(&l).unwrap();
             // 256 MiB announced (the old limit): refused, nothing read.
             let r = s.recv::<u32>();
-            assert!(matches!(r, Err(SideChannelError::TooLarge(n)) if n == 256 << 20), "{r:?}");
+            assert!(matches!(&r, Err(SideChannelError::NotKvwire(q)) if q == "the bytes 00 00 00 10"), "{r:?}");
         });
         let mut raw = TcpStream::connect(addr).unwrap();
         raw.write_all(&(256u32 << 20).to_le_bytes()).unwrap();
         t.join().unwrap();
         const { assert!(MAX_MESSAGE_BYTES <= 16 << 20) };
+    }
+
+    #[test]
+    fn an_http_server_is_reported_as_not_a_kvwire_peer() {
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = l.local_addr().unwrap().to_string();
+        let t = std::thread::spawn(move || {
+            let (mut s, _) = l.accept().unwrap();
+            s.write_all(b"HTTP/1.1 400 Bad Request\r\nContent-Length: 0\r\n\r\n").unwrap();
+            std::thread::sleep(Duration::from_millis(300));
+        });
+        let mut c = SideChannel::connect(&addr, Duration::from_secs(5)).unwrap();
+        let e = c.recv::<u32>().unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "not a kvwire peer: it sent \"HTTP/1.1 400 Bad Request\" instead of a kvwire side-channel message"
+        );
+        t.join().unwrap();
     }
 
     #[test]

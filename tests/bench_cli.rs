@@ -187,18 +187,48 @@ fn a_target_that_cannot_start_is_reported_once_by_the_initiator_with_its_cause()
     let (_, err) = failing(&["bench", "--transport", "verbs", "--target-device", "nosuchdev0", "--blocks", "4"]);
     assert_one_error(&err, "target");
     assert!(err.contains("hint:"), "{err}");
+    // The library's "no device" error points to `kvwire devices` itself; the
+    // hint then suggests another transport instead of repeating it.
+    if err.contains("no RDMA device") {
+        assert!(err.contains("see `kvwire devices`)"), "{err}");
+        assert_eq!(err.matches("kvwire devices").count(), 1, "{err}");
+    }
+}
+
+#[test]
+fn options_are_checked_before_any_device_is_opened() {
+    let (code, err) = failing(&["bench", "--option", "gid_idx=1", "--transport", "verbs", "--blocks", "4"]);
+    assert_eq!(code, 1);
+    assert_one_error(&err, "--option: verbs option \"gid_idx\": unknown option (valid verbs options: device, port");
+    assert!(!err.contains("RDMA device") && !err.contains("ibv_"), "the device is not looked at first:\n{err}");
+    let (_, err) = failing(&["bench", "--target-option", "gid_idx=1", "--transport", "verbs", "--blocks", "4"]);
+    assert_one_error(&err, "--target-option: verbs option \"gid_idx\": unknown option");
+    // A bad value is refused by the side that has it, before its device.
+    let (_, err) = failing(&["bench", "--target-option", "timeout=99", "--transport", "verbs", "--blocks", "4"]);
+    assert_one_error(&err, "verbs option \"timeout\": value \"99\" is not valid");
+    let (_, err) = failing(&["replay", "--decode-option", "conn_per_peer=4", "--transport", "tcp"]);
+    assert_one_error(&err, "--decode-option: tcp option \"conn_per_peer\": unknown option");
+    let (_, err) = failing(&["serve", "--name", "x", "--etcd", "http://127.0.0.1:1", "--option", "conn_per_peer=4"]);
+    assert_one_error(&err, "--option: tcp option \"conn_per_peer\": unknown option");
 }
 
 #[test]
 fn verbose_prints_the_cause_chain() {
+    use std::io::{Read, Write};
+    let (addr, peer) = fake_peer(|mut s| {
+        let _ = s.read(&mut [0u8; 256]);
+        let _ = s.write_all(b"SSH-2.0-OpenSSH_9.6\r\n");
+        std::thread::sleep(Duration::from_millis(500));
+    });
     let out = kvwire()
-        .args(["-v", "bench", "--connect", "127.0.0.1:1", "--blocks", "1"])
+        .args(["-v", "bench", "--connect", &addr, "--blocks", "1"])
         .env_remove("RUST_BACKTRACE")
         .output()
         .unwrap();
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success());
-    assert!(err.contains("Caused by"), "{err}");
+    assert!(err.contains("Caused by") && err.contains("\"SSH-2.0-OpenSSH_9.6\""), "{err}");
+    peer.join().unwrap();
 }
 
 #[test]
@@ -233,4 +263,120 @@ fn help_lists_every_backends_options_with_defaults() {
             assert!(text.contains(want), "{cmd} --help lacks {want:?}:\n{text}");
         }
     }
+}
+
+#[test]
+fn log_lines_have_no_colour_codes_when_stderr_is_not_a_terminal() {
+    // `output()` pipes stderr: plain text, with or without NO_COLOR.
+    for no_color in [None, Some("1")] {
+        let mut cmd = kvwire();
+        cmd.args(["devices"]).env("RUST_LOG", "debug");
+        if let Some(v) = no_color {
+            cmd.env("NO_COLOR", v);
+        }
+        let out = cmd.output().unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.contains("DEBUG") && err.contains("started"), "a log line is printed:\n{err}");
+        assert!(!err.contains('\x1b'), "ANSI escape codes in:\n{err:?}");
+    }
+}
+
+/// A port nothing listens on.
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+}
+
+/// A fake peer on a fresh port: accepts one connection and hands it to `f`.
+fn fake_peer(f: impl FnOnce(std::net::TcpStream) + Send + 'static) -> (String, std::thread::JoinHandle<()>) {
+    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = l.local_addr().unwrap().to_string();
+    (addr, std::thread::spawn(move || f(l.accept().unwrap().0)))
+}
+
+#[test]
+fn connect_to_a_dead_target_says_what_it_waits_for_and_gives_up_at_the_timeout() {
+    let addr = format!("127.0.0.1:{}", free_port());
+    let t0 = std::time::Instant::now();
+    let (code, err) = failing(&["bench", "--connect", &addr, "--connect-timeout", "1", "--blocks", "4"]);
+    assert!(t0.elapsed() < Duration::from_secs(10), "took {:?}", t0.elapsed());
+    assert_eq!(code, 1);
+    assert!(err.contains(&format!("waiting for {addr} (up to 1 s, --connect-timeout)")), "{err}");
+    assert_one_error(&err, &format!("no kvwire bench target at {addr} within 1 s (last error: Connection refused"));
+    assert!(err.contains("hint: start `kvwire bench --listen"), "{err}");
+    let help = kvwire().args(["bench", "--help"]).output().unwrap();
+    let help = String::from_utf8_lossy(&help.stdout);
+    assert!(help.contains("--connect-timeout") && help.contains("[default: 30]"), "{help}");
+}
+
+#[test]
+fn connect_to_a_silent_peer_fails_at_the_timeout() {
+    let (addr, peer) = fake_peer(|s| {
+        std::thread::sleep(Duration::from_secs(4));
+        drop(s)
+    });
+    let t0 = std::time::Instant::now();
+    let (_, err) = failing(&["bench", "--connect", &addr, "--connect-timeout", "1", "--blocks", "4"]);
+    assert!(t0.elapsed() < Duration::from_secs(4), "took {:?}: the 120 s wait", t0.elapsed());
+    assert_one_error(&err, &format!("{addr} accepted the connection but did not answer within 1 s"));
+    peer.join().unwrap();
+}
+
+#[test]
+fn connect_to_an_http_server_says_not_a_kvwire_peer() {
+    use std::io::{Read, Write};
+    let (addr, peer) = fake_peer(|mut s| {
+        let _ = s.read(&mut [0u8; 256]);
+        let _ = s.write_all(b"HTTP/1.1 400 Bad Request\r\nContent-Length: 0\r\nConnection: close\r\n\r\n");
+        std::thread::sleep(Duration::from_millis(500));
+    });
+    let (_, err) = failing(&["bench", "--connect", &addr, "--connect-timeout", "5", "--blocks", "4"]);
+    assert_one_error(
+        &err,
+        &format!("the bench target at {addr}: not a kvwire peer: it sent \"HTTP/1.1 400 Bad Request\" instead of"),
+    );
+    assert!(!err.contains("exceeds the limit"), "{err}");
+    peer.join().unwrap();
+}
+
+#[test]
+fn a_silent_etcd_is_reported_as_not_answering_within_the_call_timeout() {
+    let (addr, peer) = fake_peer(|s| {
+        std::thread::sleep(Duration::from_secs(5));
+        drop(s)
+    });
+    let url = format!("http://{addr}");
+    let (_, err) = failing(&["serve", "--name", "x", "--etcd", &url]);
+    assert_one_error(&err, &format!("etcd at {url} did not answer within 3 s"));
+    assert!(!err.contains("Resource temporarily unavailable"), "{err}");
+    peer.join().unwrap();
+}
+
+#[test]
+fn zero_and_absurd_numbers_are_refused_without_panic_or_hang() {
+    let etcd = ["--etcd", "http://127.0.0.1:1"];
+    let cases: Vec<(Vec<&str>, &str)> = vec![
+        (vec!["bench", "--pipeline", "0"], "--pipeline must be 1..=4096"),
+        (vec!["bench", "--pipeline", "100000"], "--pipeline must be 1..=4096"),
+        (vec!["bench", "--iters", "99999999999999", "--blocks", "4"], "--iters 99999999999999 is more than 1000000"),
+        (vec!["bench", "--lat-iters", "99999999999999", "--blocks", "4"], "--lat-iters 99999999999999 is more than"),
+        (vec!["bench", "--warmup", "99999999999999", "--blocks", "4"], "--warmup 99999999999999 is more than"),
+        (vec!["bench", "--wait-sleep-us", "99999999999", "--blocks", "4"], "--wait-sleep-us must be at most"),
+        (vec!["bench", "--copy-threads", "0", "--blocks", "4"], "copy_threads must be in 1..=256"),
+        (vec!["bench", "--listen", "nonsense"], "--listen nonsense (expected IP:PORT"),
+        (vec!["replay", "--speed", "1e-300"], "--speed must be 0.001..=1000000"),
+        (vec!["replay", "--host-tier-gib", "1e30", "--connector", "host"], "--host-tier-gib must be 0..=1048576"),
+        (vec!["replay", "--decode-step-ms", "1e300"], "--decode-step-ms must be 0..=60000"),
+        (vec!["replay", "--inflight", "0"], "must be at least 1"),
+        (vec!["serve", "--name", "a", etcd[0], etcd[1], "--pull", "b", "--pages", "0"], "--rounds and --pages must be"),
+        (vec!["serve", "--name", "a", etcd[0], etcd[1], "--pull", "b,b"], "--pull names b twice"),
+        (vec!["serve", "--name", "a", etcd[0], etcd[1], "--pull", "a"], "this engine's own --name"),
+    ];
+    for (args, want) in cases {
+        let (code, err) = failing(&args);
+        assert_eq!(code, 1, "{args:?}: {err}");
+        assert_one_error(&err, want);
+    }
+    // Far more memory than any machine has: refused with the numbers.
+    let (_, err) = failing(&["serve", "--name", "a", etcd[0], etcd[1], "--buffer", "1000000GiB"]);
+    assert_one_error(&err, "serve needs 1000000.0 GiB of memory (--buffer 1000000 GiB)");
 }

@@ -257,3 +257,53 @@ fn replay_discovers_the_decode_engine_through_etcd() {
     assert!(reader.get_bytes("decode").unwrap().is_none());
     assert!(reader.get_bytes("prefill").unwrap().is_none());
 }
+
+#[test]
+#[ignore = "needs etcd (scripts/test.sh runs it where etcd exists)"]
+fn serve_pull_of_a_name_never_published_says_so_without_blaming_etcd() {
+    let Some(etcd) = etcd() else { return };
+    let prefix = unique_prefix("never-published");
+    let out = Command::new(env!("CARGO_BIN_EXE_kvwire"))
+        .args(["serve", "--name", "puller", "--etcd", &etcd.url, "--prefix", &prefix])
+        .args(["--pull", "nobody", "--lookup-timeout", "1"])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    let want =
+        format!("error: agent \"nobody\" was not published under {prefix}nobody in etcd at {} within 1 s", etcd.url);
+    assert!(err.contains(&want), "{err}");
+    assert!(!err.contains("is etcd running"), "etcd is up: no such hint:\n{err}");
+    assert!(err.contains("hint: start `kvwire serve --name nobody"), "{err}");
+}
+
+#[test]
+#[ignore = "needs etcd (scripts/test.sh runs it where etcd exists)"]
+fn serve_pull_names_a_killed_peer_once_in_its_failure_line() {
+    use std::io::BufRead;
+    let Some(etcd) = etcd() else { return };
+    let prefix = unique_prefix("killed-peer");
+    let kvwire = || {
+        let mut c = Command::new(env!("CARGO_BIN_EXE_kvwire"));
+        c.args(["serve", "--etcd", &etcd.url, "--prefix", &prefix]);
+        c
+    };
+    let mut a = kvwire().args(["--name", "srv-a", "--duration", "60"]).stdout(Stdio::null()).spawn().unwrap();
+    let mut b = kvwire()
+        .args(["--name", "srv-b", "--pull", "srv-a", "--rounds", "1000000", "--pages", "4", "--ttl", "1"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut lines = std::io::BufReader::new(b.stdout.take().unwrap()).lines().map_while(Result::ok);
+    assert!(lines.by_ref().any(|l| l.starts_with("round 2:")), "srv-b never pulled from srv-a");
+    a.kill().unwrap();
+    a.wait().unwrap();
+    let failed = lines.find(|l| l.starts_with("peer srv-a failed after")).expect("a failure line for srv-a");
+    b.wait().unwrap();
+    assert_eq!(failed.matches("srv-a").count(), 1, "the peer named twice: {failed}");
+    for bad in ["peer peer", "died: peer", "peer died: peer"] {
+        assert!(!failed.contains(bad), "{bad:?} in {failed}");
+    }
+    assert!(failed.contains("(peer died)") || failed.contains("(peer timed out)"), "{failed}");
+}

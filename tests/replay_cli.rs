@@ -153,3 +153,37 @@ fn progress_lines_appear_when_stderr_is_not_a_terminal() {
     let table = String::from_utf8_lossy(&out.stdout);
     assert!(table.contains("GB = 1e9 bytes moved and verified"), "the table explains its columns:\n{table}");
 }
+
+#[test]
+fn verbose_prints_the_cause_chain_once() {
+    // Both processes fail to reach etcd (the parent reports its own error),
+    // or only the decode child fails (the parent reports the child's): one
+    // `error:` line and one `Caused by:` section either way.
+    for (args, want) in [
+        (&["--etcd", "http://127.0.0.1:1"][..], "connecting to etcd at http://127.0.0.1:1"),
+        (&["--decode-option", "cma=maybe"][..], "the decode process failed: shm option \"cma\""),
+    ] {
+        let out = Command::new(env!("CARGO_BIN_EXE_kvwire"))
+            .current_dir(env!("CARGO_MANIFEST_DIR"))
+            .args(["-v", "replay", "--requests", "2"])
+            .args(args)
+            .env_remove("RUST_BACKTRACE")
+            .env_remove("RUST_LIB_BACKTRACE")
+            .output()
+            .unwrap();
+        assert!(!out.status.success());
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(err.matches("error: ").count(), 1, "{args:?}:\n{err}");
+        assert!(err.contains(want), "{args:?}:\n{err}");
+        assert!(err.matches("Caused by:").count() <= 1, "{args:?}: the chain twice:\n{err}");
+    }
+    // The etcd case has causes: printed once.
+    let out = Command::new(env!("CARGO_BIN_EXE_kvwire"))
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .args(["-v", "replay", "--requests", "2", "--etcd", "http://127.0.0.1:1"])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(err.matches("Caused by:").count(), 1, "{err}");
+    assert_eq!(err.matches("0: connect: Connection refused").count(), 1, "{err}");
+}

@@ -72,6 +72,13 @@ fn call(endpoints: &[String], path: &str, body: &Value) -> Result<Value, Discove
                 return serde_json::from_slice(&msg).map_err(|e| DiscoveryError::Protocol(format!("{path}: {e}")));
             }
             Ok(None) => last = Some(DiscoveryError::Protocol(format!("{path}: empty answer"))),
+            // A socket timeout (EAGAIN on a read, ETIMEDOUT on a connect):
+            // say that etcd did not answer, not "Resource temporarily unavailable".
+            Err(DiscoveryError::Io { source, .. })
+                if matches!(source.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut) =>
+            {
+                last = Some(DiscoveryError::Unanswered { url: format!("http://{ep}"), waited: CALL_TIMEOUT });
+            }
             Err(e) => last = Some(e),
         }
     }
@@ -232,19 +239,25 @@ impl EtcdStore {
     /// (polling with backoff; etcd briefly unreachable counts as absent).
     ///
     /// # Errors
-    /// [`DiscoveryError::NotFound`] after the wait; other gateway errors.
+    /// [`DiscoveryError::NotFound`] after the wait when etcd answered that
+    /// the name is absent; the error of the last call when etcd was
+    /// unreachable at the end of the wait ([`DiscoveryError::is_unreachable`]);
+    /// other gateway errors at once.
     pub fn lookup_bytes(&mut self, name: &str, timeout: Duration) -> Result<Vec<u8>, DiscoveryError> {
         let deadline = Instant::now() + timeout;
         let mut pause = POLL_MIN;
         loop {
-            match self.get_bytes(name) {
+            let unreachable = match self.get_bytes(name) {
                 Ok(Some(b)) => return Ok(b),
-                Ok(None) | Err(DiscoveryError::Io { .. }) => {}
+                Ok(None) => None,
+                Err(e) if e.is_unreachable() => Some(e),
                 Err(e) => return Err(e),
-            }
+            };
             let now = Instant::now();
             if now >= deadline {
-                return Err(DiscoveryError::NotFound { name: name.to_string(), waited: timeout });
+                return Err(
+                    unreachable.unwrap_or_else(|| DiscoveryError::NotFound { name: name.to_string(), waited: timeout })
+                );
             }
             std::thread::sleep(pause.min(deadline - now));
             pause = (pause * 2).min(POLL_MAX);

@@ -89,6 +89,23 @@ pub enum DiscoveryError {
     /// The lease could not be kept alive (etcd unreachable past the TTL).
     #[error("lease lost: {0}")]
     LeaseLost(String),
+    /// etcd accepted the connection (or is being waited for) but sent no
+    /// answer within the timeout of one call.
+    #[error("etcd at {url} did not answer within {} s", waited.as_secs_f64())]
+    Unanswered {
+        /// The endpoint, `http://host:port`.
+        url: String,
+        /// How long one call waited.
+        waited: Duration,
+    },
+}
+
+impl DiscoveryError {
+    /// etcd could not be reached or did not answer (as opposed to an
+    /// answer this side did not like, or a name not published).
+    pub fn is_unreachable(&self) -> bool {
+        matches!(self, Self::Io { .. } | Self::Unanswered { .. })
+    }
 }
 
 /// Where engines publish and find agent metadata.

@@ -182,8 +182,17 @@ impl TransferFailure {
 }
 
 impl fmt::Display for TransferFailure {
+    /// `kind: detail`; a detail that names the peer first reads
+    /// `detail (kind)` ("peer b disconnected (peer died)", not "peer died:
+    /// peer b disconnected").
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        if self.detail.is_empty() { write!(f, "{}", self.kind) } else { write!(f, "{}: {}", self.kind, self.detail) }
+        if self.detail.is_empty() {
+            write!(f, "{}", self.kind)
+        } else if self.detail.starts_with("peer ") {
+            write!(f, "{} ({})", self.detail, self.kind)
+        } else {
+            write!(f, "{}: {}", self.kind, self.detail)
+        }
     }
 }
 
@@ -192,6 +201,18 @@ impl std::error::Error for TransferFailure {}
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn messages_say_peer_and_the_kind_once() {
+        let f = TransferFailure::peer_died("peer b disconnected");
+        assert_eq!(f.to_string(), "peer b disconnected (peer died)");
+        let reset = std::io::Error::from_raw_os_error(libc::ECONNRESET);
+        let f = TransferFailure::from_io(&reset, "peer b");
+        assert_eq!(f.to_string(), "peer b: Connection reset by peer (os error 104) (peer died)");
+        let f = TransferFailure::remote_access(RemoteAccessKind::UnknownKey, "unknown rkey 5");
+        assert_eq!(f.to_string(), "remote access error (unknown key): unknown rkey 5");
+        assert_eq!(TransferFailure::cancelled("").to_string(), "cancelled");
+    }
 
     #[test]
     fn io_errors_map_to_kinds_and_keep_errno() {

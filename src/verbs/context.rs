@@ -53,6 +53,18 @@ pub fn device_names() -> Result<Vec<String>, VerbsError> {
     Ok(names)
 }
 
+/// The error for "device `name` (or any, for `None`) is not here"; `seen`
+/// lists the devices that are.
+fn no_device(name: Option<&str>, seen: &[String]) -> VerbsError {
+    VerbsError::Unsupported(match (name, seen.is_empty()) {
+        (Some(w), true) => format!("no RDMA device named {w:?}: no RDMA device found (see `kvwire devices`)"),
+        (Some(w), false) => {
+            format!("no RDMA device named {w:?} (found: {}; see `kvwire devices`)", seen.join(", "))
+        }
+        (None, _) => "no RDMA device found (see `kvwire devices`)".into(),
+    })
+}
+
 impl Context {
     /// Open device `name` (e.g. `rxe0`, `mlx5_0`), or the first one for `None`.
     ///
@@ -65,7 +77,12 @@ impl Context {
         // SAFETY: `n` is a valid out-pointer; the list is freed below.
         let list = unsafe { (lib.get_device_list)(&mut n) };
         if list.is_null() {
-            return Err(VerbsError::call("ibv_get_device_list", 0));
+            let err = VerbsError::call("ibv_get_device_list", 0);
+            // ENOSYS: the kernel has no RDMA support (no ib_uverbs): no devices.
+            if matches!(&err, VerbsError::Call { source, .. } if source.raw_os_error() == Some(libc::ENOSYS)) {
+                return Err(no_device(name, &[]));
+            }
+            return Err(err);
         }
         let mut found = None;
         let mut seen = Vec::new();
@@ -80,10 +97,7 @@ impl Context {
             seen.push(dev_name);
         }
         let result = match found {
-            None => Err(VerbsError::Unsupported(match name {
-                Some(w) => format!("no RDMA device named {w:?} (found: {seen:?})"),
-                None => "no RDMA device found (is the rdma kernel module / rxe link set up?)".into(),
-            })),
+            None => Err(no_device(name, &seen)),
             Some((dev, dev_name)) => {
                 // SAFETY: `dev` is valid while the list is alive (freed below,
                 // which the API allows after opening).
@@ -293,4 +307,18 @@ pub fn list_devices() -> Result<Vec<Result<DeviceInfo, VerbsError>>, VerbsError>
 /// Bytes of an `enum ibv_mtu` value (0 when unknown).
 pub fn mtu_bytes(mtu: u32) -> u32 {
     if (1..=5).contains(&mtu) { 128 << mtu } else { 0 }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn no_device_says_so_and_points_to_kvwire_devices() {
+        let none = no_device(None, &[]).to_string();
+        assert_eq!(none, "no RDMA device found (see `kvwire devices`)");
+        let named = no_device(Some("mlx5_9"), &["rxe0".into(), "siw0".into()]).to_string();
+        assert_eq!(named, "no RDMA device named \"mlx5_9\" (found: rxe0, siw0; see `kvwire devices`)");
+        assert!(no_device(Some("mlx5_9"), &[]).to_string().ends_with("no RDMA device found (see `kvwire devices`)"));
+    }
 }

@@ -37,24 +37,25 @@ pub struct BenchArgs {
     /// Blocks per transfer.
     #[arg(long, default_value_t = 4096)]
     blocks: u64,
-    /// Measured transfers.
+    /// Measured transfers (1..=1000000).
     #[arg(long, default_value_t = 10)]
     iters: usize,
-    /// Unmeasured transfers first.
+    /// Unmeasured transfers first (0..=1000000).
     #[arg(long, default_value_t = 2)]
     warmup: usize,
     /// Destination blocks in a random permutation (a paged cache); default: contiguous.
     #[arg(long)]
     scatter: bool,
     /// Transfers in flight at once in the measured phase (1: one after the
-    /// other, each timed alone; more: a stream, as perftest's outstanding messages).
+    /// other, each timed alone; more: a stream, as perftest's outstanding
+    /// messages); 1..=4096.
     #[arg(long, default_value_t = 1)]
     pipeline: usize,
     /// Post the transfers without a notification (perftest sends none); by
     /// default each carries one, checked on the target.
     #[arg(long)]
     no_notify: bool,
-    /// Single-block transfers timed for the latency columns.
+    /// Single-block transfers timed for the latency columns (0..=1000000).
     #[arg(long, default_value_t = 200)]
     lat_iters: usize,
     /// Copy/progress threads of CPU-copying transports.
@@ -80,7 +81,7 @@ pub struct BenchArgs {
     json: bool,
     /// While waiting for a transfer, sleep this many microseconds between
     /// status polls once spinning and yielding found it unfinished (0: never
-    /// sleep). For CPU-starved hosts (the Soft-RoCE guest), where a polling
+    /// sleep; at most 1000000). For CPU-starved hosts (the Soft-RoCE guest), where a polling
     /// application thread competes with the transport's progress thread and
     /// the (software) NIC for the same cores.
     #[arg(long, default_value_t = 0)]
@@ -91,6 +92,10 @@ pub struct BenchArgs {
     /// Be the initiator against a target listening on ADDR (two terminals).
     #[arg(long)]
     connect: Option<String>,
+    /// With --connect: seconds to wait for the target to accept the
+    /// connection and answer; a dead or silent target fails after this.
+    #[arg(long, default_value = crate::dial::DEFAULT_CONNECT_TIMEOUT_S, value_parser = crate::units::parse_seconds)]
+    connect_timeout: Duration,
 }
 
 /// Options of the hidden `bench-target` child.
@@ -124,6 +129,9 @@ enum Ctl {
     Exit,
     /// Target → initiator: the target could not go on (its cause).
     Failed(String),
+    /// Target → initiator, at once on a Setup (before the engine and the
+    /// buffer, which may take long): a kvwire bench target is there.
+    Accepted,
 }
 
 /// Key of the contents of source block `i`.
@@ -198,6 +206,7 @@ fn listen_target(l: &std::net::TcpListener) -> Result<()> {
 }
 
 fn serve_target(mut chan: SideChannel, setup: Ctl) -> Result<()> {
+    chan.send(&Ctl::Accepted)?;
     let r = target_loop(&mut chan, setup);
     if let Err(e) = &r {
         // Tell the initiator why, so that it reports the cause (not "closed").
@@ -305,11 +314,39 @@ struct Report {
     verified: bool,
 }
 
+/// Most `--iters`, `--warmup` and `--lat-iters` (each keeps a sample per
+/// transfer): a million takes hours at 4 KiB already.
+const MAX_ITERS: usize = 1_000_000;
+/// Most `--pipeline`: transfers in flight at once.
+const MAX_PIPELINE: usize = 4096;
+/// Most `--wait-sleep-us` (1 s): a longer sleep only delays each transfer.
+const MAX_WAIT_SLEEP_US: u64 = 1_000_000;
+
+/// Counts that are zero where at least one is needed, or so large that the
+/// run would exhaust memory or never end.
+fn check_counts(a: &BenchArgs) -> Result<()> {
+    for (flag, v) in [("--iters", a.iters), ("--warmup", a.warmup), ("--lat-iters", a.lat_iters)] {
+        if v > MAX_ITERS {
+            bail!("{flag} {v} is more than {MAX_ITERS}");
+        }
+    }
+    if !(1..=MAX_PIPELINE).contains(&a.pipeline) {
+        bail!("--pipeline must be 1..={MAX_PIPELINE} (transfers in flight at once), got {}", a.pipeline);
+    }
+    if a.wait_sleep_us > MAX_WAIT_SLEEP_US {
+        bail!("--wait-sleep-us must be at most {MAX_WAIT_SLEEP_US} (1 s), got {}", a.wait_sleep_us);
+    }
+    Ok(())
+}
+
 /// `kvwire bench`.
 pub fn run(a: BenchArgs) -> Result<()> {
     if a.blocks == 0 || a.iters == 0 {
         bail!("--blocks and --iters must be at least 1");
     }
+    check_counts(&a)?;
+    crate::units::check_option_keys(a.transport, "--option", &a.options)?;
+    crate::units::check_option_keys(a.transport, "--target-option", &a.target_options)?;
     let total =
         a.block_size.checked_mul(a.blocks).filter(|&t| t <= 64 << 30).context("block size × blocks exceeds 64 GiB")?;
     // Buffers on this host: the target's, the initiator's, and the memcpy
@@ -326,21 +363,20 @@ pub fn run(a: BenchArgs) -> Result<()> {
         "use fewer --blocks or a smaller --block-size",
     )?;
     if let Some(addr) = &a.listen {
-        let (l, bound) = SideChannel::bind(addr)?;
+        let (l, bound) = SideChannel::bind(addr)
+            .with_context(|| format!("--listen {addr} (expected IP:PORT, e.g. 0.0.0.0:18515)"))?;
         eprintln!("kvwire bench: target waiting for an initiator on {bound}");
         return listen_target(&l);
     }
     let mut child = None;
     let mut chan = match &a.connect {
-        Some(addr) => SideChannel::connect(addr, Duration::from_secs(30))
-            .with_context(|| format!("connecting to the bench target at {addr}"))?,
+        Some(addr) => crate::dial::connect(addr, a.connect_timeout)?,
         None => {
             let (l, addr) = SideChannel::bind("127.0.0.1:0")?;
             child = Some(crate::child::Child::spawn("target", &["bench-target", "--connect", &addr.to_string()])?);
             SideChannel::accept(&l)?
         }
     };
-    chan.set_read_timeout(Some(Duration::from_secs(120)))?;
     let result = initiate(&a, total, &mut chan);
     let _ = chan.send(&Ctl::Exit);
     drop(chan);
@@ -379,6 +415,14 @@ fn initiate(a: &BenchArgs, total: u64, chan: &mut SideChannel) -> Result<Report>
         options: theirs,
         copy_threads: a.copy_threads,
     })?;
+    let peer = a.connect.as_deref().unwrap_or("the target process");
+    match crate::dial::expect_answer(chan, peer, a.connect_timeout)? {
+        Ctl::Accepted => {}
+        Ctl::Failed(cause) => bail!("the target failed: {cause}"),
+        other => bail!("{peer} answered {other:?} instead of accepting: a different kvwire version?"),
+    }
+    // The target now builds its engine and fills its buffer.
+    chan.set_read_timeout(Some(Duration::from_secs(120)))?;
     let bytes = match chan.recv()? {
         Ctl::Meta(bytes) => bytes,
         Ctl::Failed(cause) => bail!("the target failed: {cause}"),
@@ -415,7 +459,7 @@ fn initiate(a: &BenchArgs, total: u64, chan: &mut SideChannel) -> Result<Report>
     }
     // Measured transfers, up to `--pipeline` in flight (1: one after the
     // other); bandwidth = bytes / wall time of the whole phase.
-    let depth = a.pipeline.max(1);
+    let depth = a.pipeline;
     let mut inflight: std::collections::VecDeque<(TransferHandle, Instant)> = std::collections::VecDeque::new();
     let phase = Instant::now();
     let mut next = 0;
@@ -463,7 +507,7 @@ fn initiate(a: &BenchArgs, total: u64, chan: &mut SideChannel) -> Result<Report>
         iters: a.iters,
         scatter: a.scatter,
         copy_threads: a.copy_threads,
-        pipeline: a.pipeline.max(1),
+        pipeline: a.pipeline,
         segments_after_coalescing: segment_count,
         gb_per_s,
         memcpy_gb_per_s: ceil.memcpy_1,

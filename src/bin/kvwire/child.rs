@@ -19,8 +19,70 @@ use kvwire::sidechannel::SideChannelError;
 pub struct Child {
     role: &'static str,
     proc: std::process::Child,
-    cause: Arc<Mutex<Option<String>>>,
+    report: Arc<Mutex<Option<Report>>>,
     reader: Option<JoinHandle<()>>,
+}
+
+/// What a child printed after `error: `: its cause on one line and, under
+/// `-v`, its backtrace.
+#[derive(Debug, Default)]
+struct Report {
+    /// The `error:` line and its `Caused by:` entries, joined by `: `.
+    cause: String,
+    /// The lines of the previous cause (to leave out quoted ones).
+    last: String,
+    /// Which part of a `-v` report the next line belongs to.
+    section: Section,
+    backtrace: Vec<String>,
+}
+
+#[derive(Debug, Default, PartialEq)]
+enum Section {
+    #[default]
+    Message,
+    Causes,
+    Backtrace,
+}
+
+impl Report {
+    fn new(first: &str) -> Self {
+        Self { cause: first.to_string(), last: first.to_string(), ..Self::default() }
+    }
+
+    /// Fold one more line of a `-v` report (anyhow's `{:?}`) in.
+    fn line(&mut self, line: &str) {
+        match line.trim_end() {
+            "Caused by:" => self.section = Section::Causes,
+            "Stack backtrace:" => self.section = Section::Backtrace,
+            "" => {}
+            l if self.section == Section::Causes => {
+                // `    0: cause`, or `    cause` when there is only one.
+                let t = l.trim_start();
+                let t = t.split_once(": ").filter(|(n, _)| n.parse::<u32>().is_ok()).map_or(t, |(_, c)| c);
+                if !self.last.contains(t) {
+                    self.cause.push_str(": ");
+                    self.cause.push_str(t);
+                }
+                self.last = t.to_string();
+            }
+            l if self.section == Section::Backtrace => self.backtrace.push(l.to_string()),
+            l => {
+                self.cause.push(' ');
+                self.cause.push_str(l.trim());
+            }
+        }
+    }
+}
+
+/// A helper process failed: its cause, reported once by the parent (and
+/// its backtrace under `-v`).
+#[derive(Debug, thiserror::Error)]
+#[error("the {role} process failed: {cause}")]
+pub struct ChildFailed {
+    role: &'static str,
+    cause: String,
+    /// The child's backtrace lines (`-v` with `RUST_BACKTRACE=1`).
+    pub backtrace: Vec<String>,
 }
 
 impl Child {
@@ -42,18 +104,28 @@ impl Child {
             .spawn()
             .with_context(|| format!("starting the {role} process"))?;
         let stderr = proc.stderr.take().expect("piped");
-        let cause = Arc::new(Mutex::new(None));
-        let keep = cause.clone();
+        let report = Arc::new(Mutex::new(None));
+        let keep = report.clone();
         let reader = std::thread::Builder::new().name(format!("{role}-stderr")).spawn(move || {
+            // Lines after `error: ` up to `hint: ` are the rest of the
+            // child's report (its causes and backtrace under `-v`): kept, not
+            // passed through, so that the parent reports them once.
+            let mut in_report = false;
             for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+                let mut r = keep.lock().expect("not poisoned");
                 if let Some(c) = line.strip_prefix("error: ") {
-                    *keep.lock().expect("not poisoned") = Some(c.to_string());
-                } else if !line.starts_with("hint: ") {
+                    *r = Some(Report::new(c));
+                    in_report = true;
+                } else if line.starts_with("hint: ") {
+                    in_report = false;
+                } else if let (true, Some(r)) = (in_report, r.as_mut()) {
+                    r.line(&line);
+                } else {
                     eprintln!("{line}");
                 }
             }
         })?;
-        Ok(Self { role, proc, cause, reader: Some(reader) })
+        Ok(Self { role, proc, report, reader: Some(reader) })
     }
 
     /// Wait for the child and combine its outcome with the parent's
@@ -69,7 +141,7 @@ impl Child {
         if let Some(r) = self.reader.take() {
             let _ = r.join();
         }
-        let cause = self.cause.lock().expect("not poisoned").take();
+        let cause = self.report.lock().expect("not poisoned").take();
         let failed = status.is_some_and(|s| !s.success());
         match result {
             Ok(v) if !failed => Ok(v),
@@ -79,9 +151,9 @@ impl Child {
         }
     }
 
-    fn child_error(&self, cause: Option<String>, status: Option<ExitStatus>) -> anyhow::Error {
+    fn child_error(&self, cause: Option<Report>, status: Option<ExitStatus>) -> anyhow::Error {
         match (cause, status) {
-            (Some(c), _) => anyhow!("the {} process failed: {c}", self.role),
+            (Some(r), _) => ChildFailed { role: self.role, cause: r.cause, backtrace: r.backtrace }.into(),
             (None, Some(s)) => anyhow!("the {} process exited with {s} without saying why", self.role),
             (None, None) => anyhow!("the {} process could not be waited for", self.role),
         }

@@ -97,7 +97,7 @@ fn rdma(only: Option<&str>) -> Result<()> {
         Err(e) => {
             if let Some(w) = only {
                 return Err(user_error(
-                    format!("no RDMA device {w}: RDMA is not available here ({e})"),
+                    format!("no RDMA device {w:?}: RDMA is not available here ({e})"),
                     "install rdma-core and a provider (apt-get install rdma-core ibverbs-providers), or use --transport tcp",
                 ));
             }
@@ -122,7 +122,7 @@ fn rdma(only: Option<&str>) -> Result<()> {
     match only {
         Some(w) if shown == 0 => Err(user_error(
             format!(
-                "no RDMA device named {w} (found: {})",
+                "no RDMA device named {w:?} (found: {})",
                 if names.is_empty() { "none".into() } else { names.join(", ") }
             ),
             "`kvwire devices` lists them; Soft-RoCE adds one: rdma link add rxe0 type rxe netdev eth0",

@@ -33,18 +33,33 @@ pub fn user_error(msg: impl Into<String>, hint: impl Into<String>) -> anyhow::Er
 
 /// The hint for `e`: its own, or one for a well-known cause.
 pub fn hint(e: &anyhow::Error) -> Option<String> {
+    // A `UserError` as the error itself, as a context, or as a cause.
+    if let Some(h) = e.downcast_ref::<UserError>().and_then(|u| u.hint.clone()) {
+        return Some(h);
+    }
     if let Some(h) = e.chain().find_map(|c| c.downcast_ref::<UserError>().and_then(|u| u.hint.clone())) {
         return Some(h);
     }
+    // etcd unreachable or silent; a name that is merely not published yet
+    // gets no such hint (etcd answered).
+    let discovery = e.chain().find_map(|c| c.downcast_ref::<kvwire::discovery::DiscoveryError>());
+    if discovery.is_some_and(kvwire::discovery::DiscoveryError::is_unreachable) {
+        return Some(
+            "is etcd running at that URL? (e.g. `etcd --listen-client-urls http://0.0.0.0:2379 \
+             --advertise-client-urls http://HOST:2379`)"
+                .into(),
+        );
+    }
     let text = format!("{e:#}");
     let known: [(&[&str], &str); 4] = [
+        // The library's message already points to `kvwire devices`.
         (
-            &["ibv_get_device_list", "no RDMA device", "libibverbs"],
-            "`kvwire devices` lists the RDMA devices here; without one use --transport tcp (across hosts) or shm (one host)",
+            &["no RDMA device found", "no RDMA device named"],
+            "without an RDMA device use --transport tcp (across hosts) or shm (one host)",
         ),
         (
-            &["etcd"],
-            "is etcd running at that URL? (e.g. `etcd --listen-client-urls http://0.0.0.0:2379 --advertise-client-urls http://HOST:2379`)",
+            &["ibv_get_device_list", "libibverbs"],
+            "`kvwire devices` lists the RDMA devices here; without one use --transport tcp (across hosts) or shm (one host)",
         ),
         (
             &["Connection refused", "timed out after"],
@@ -73,10 +88,27 @@ pub fn one_line(e: &anyhow::Error) -> String {
     line
 }
 
+/// `e` from etcd at `url`, with "connecting to etcd at URL" unless the
+/// message names etcd and the URL already.
+pub fn etcd_error(e: kvwire::discovery::DiscoveryError, doing: &str, url: &str) -> anyhow::Error {
+    match e {
+        e @ kvwire::discovery::DiscoveryError::Unanswered { .. } => e.into(),
+        e => anyhow::Error::new(e).context(format!("{doing} etcd at {url}")),
+    }
+}
+
 /// Print `e` as the CLI does (stderr).
 pub fn report(e: &anyhow::Error) {
     if verbose() {
         eprintln!("error: {e:?}");
+        if let Some(c) = e.chain().find_map(|c| c.downcast_ref::<crate::child::ChildFailed>())
+            && !c.backtrace.is_empty()
+        {
+            eprintln!("\nStack backtrace of the failed process:");
+            for l in &c.backtrace {
+                eprintln!("{l}");
+            }
+        }
     } else {
         eprintln!("error: {}", one_line(e));
     }

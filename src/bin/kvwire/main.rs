@@ -5,6 +5,7 @@ mod bench;
 mod ceiling;
 mod child;
 mod devices;
+mod dial;
 mod failure;
 mod memcheck;
 mod pattern;
@@ -64,10 +65,18 @@ fn options_help() -> String {
     out
 }
 
+/// Colour log lines only on a terminal, and never with `NO_COLOR` set
+/// (<https://no-color.org>): a file or pipe gets plain text.
+fn colour_stderr() -> bool {
+    use std::io::IsTerminal;
+    std::io::stderr().is_terminal() && std::env::var_os("NO_COLOR").is_none_or(|v| v.is_empty())
+}
+
 fn main() -> ExitCode {
     tracing_subscriber::fmt()
         .with_env_filter(tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "warn".into()))
         .with_writer(std::io::stderr)
+        .with_ansi(colour_stderr())
         .init();
     // `--help` of the commands that take `--option` lists every backend's
     // options, from the table the backends parse them with.
@@ -80,6 +89,7 @@ fn main() -> ExitCode {
         Err(e) => e.exit(),
     };
     failure::set_verbose(cli.verbose);
+    tracing::debug!("kvwire {} started", env!("CARGO_PKG_VERSION"));
     let result = match cli.command {
         Command::Bench(a) => bench::run(a),
         Command::BenchTarget(a) => bench::run_target(a),

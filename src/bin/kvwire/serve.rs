@@ -16,10 +16,11 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result, bail};
 use clap::Args;
 use kvwire::HostBuffer;
-use kvwire::discovery::{EtcdStore, MetadataStore};
+use kvwire::discovery::{DiscoveryError, EtcdStore, MetadataStore};
 use kvwire::engine::{Desc, TransferEngine, TransferHandle, TransferStatus};
 use kvwire::transport::{Op, TransportConfig, TransportKind};
 
+use crate::failure::{etcd_error, user_error};
 use crate::pattern::{check_page, fill_page, mix};
 use crate::units::parse_size;
 
@@ -41,9 +42,11 @@ pub struct ServeArgs {
     /// Transport (tcp across hosts; shm on one host).
     #[arg(long, default_value = "tcp")]
     transport: TransportKind,
-    /// Address the tcp transport listens on and advertises (`IP:PORT`, port 0: any).
-    #[arg(long, default_value = "127.0.0.1:0")]
-    listen: String,
+    /// Address the tcp transport listens on and advertises (`IP:PORT`, port
+    /// 0: any; default 127.0.0.1:0). With --transport verbs: the IP of the
+    /// connection handshake listener. Not used by shm.
+    #[arg(long)]
+    listen: Option<String>,
     /// Registered buffer size (e.g. 64MiB): pattern half + scratch half.
     #[arg(long, default_value = "64MiB", value_parser = parse_size)]
     buffer: u64,
@@ -92,7 +95,31 @@ pub fn run(a: ServeArgs) -> Result<()> {
     if a.page_size == 0 || a.buffer < 2 * a.page_size {
         bail!("--buffer must hold at least two pages");
     }
-    let mut options = vec![("listen".to_string(), a.listen.clone())];
+    if !a.pull.is_empty() && (a.rounds == 0 || a.pages == 0) {
+        bail!("--rounds and --pages must be at least 1 with --pull");
+    }
+    for (i, name) in a.pull.iter().enumerate() {
+        if a.pull[..i].contains(name) {
+            bail!("--pull names {name} twice");
+        }
+        if *name == a.name {
+            bail!("--pull {name}: that is this engine's own --name");
+        }
+    }
+    crate::memcheck::check(
+        "serve",
+        a.buffer as u128,
+        &format!("--buffer {}", crate::units::human(a.buffer)),
+        "use a smaller --buffer",
+    )?;
+    crate::units::check_option_keys(a.transport, "--option", &a.options)?;
+    let listen = match (a.transport, &a.listen) {
+        (TransportKind::Tcp, l) => Some(l.clone().unwrap_or_else(|| "127.0.0.1:0".to_string())),
+        (TransportKind::Verbs, l) => l.clone(),
+        (TransportKind::Shm, None) => None,
+        (TransportKind::Shm, Some(_)) => bail!("--listen is for --transport tcp or verbs; shm needs no address"),
+    };
+    let mut options: Vec<(String, String)> = listen.map(|l| ("listen".to_string(), l)).into_iter().collect();
     options.extend(a.options.iter().cloned());
     let config = TransportConfig { peer_timeout: a.peer_timeout, options, ..TransportConfig::default() };
     if let Some(addr) = &a.metrics {
@@ -109,8 +136,8 @@ pub fn run(a: ServeArgs) -> Result<()> {
     }
     engine.register(buf.clone())?;
     let mut store = EtcdStore::connect(&a.etcd, &a.prefix, Duration::from_secs(a.ttl.max(1)))
-        .with_context(|| format!("connecting to etcd at {}", a.etcd))?;
-    store.publish(&engine.metadata())?;
+        .map_err(|e| etcd_error(e, "connecting to", &a.etcd))?;
+    store.publish(&engine.metadata()).map_err(|e| etcd_error(e, "publishing in", &a.etcd))?;
     println!("serving {} ({} pages of {} B) published under {}{}", a.name, half_pages, a.page_size, a.prefix, a.name);
     if !a.pull.is_empty() {
         return pull(&a, &mut engine, &buf, &store);
@@ -149,6 +176,16 @@ fn wait(engine: &mut TransferEngine, h: TransferHandle, op: Op, peer: &str, byte
                 return Err(why.to_string());
             }
         }
+    }
+}
+
+/// `why` without a leading "peer NAME" that the line printing it already
+/// starts with ("peer b failed after 3 ms: disconnected (peer died)").
+fn without_name<'a>(why: &'a str, name: &str) -> &'a str {
+    let named = format!("peer {name}");
+    match why.strip_prefix(&named) {
+        Some(rest) if rest.starts_with([' ', ':']) => rest.trim_start_matches(':').trim_start(),
+        _ => why,
     }
 }
 
@@ -197,12 +234,24 @@ fn round(a: &ServeArgs, engine: &mut TransferEngine, buf: &HostBuffer, p: &Peer,
 
 fn pull(a: &ServeArgs, engine: &mut TransferEngine, buf: &HostBuffer, store: &EtcdStore) -> Result<()> {
     let mut lookup = EtcdStore::connect(&a.etcd, &a.prefix, Duration::from_secs(a.ttl.max(1)))
-        .with_context(|| format!("connecting to etcd at {}", a.etcd))?;
+        .map_err(|e| etcd_error(e, "connecting to", &a.etcd))?;
     let mut peers = Vec::new();
     for name in &a.pull {
-        let meta = lookup
-            .lookup(name, a.lookup_timeout)
-            .with_context(|| format!("waiting {:?} for peer {name} in etcd at {}", a.lookup_timeout, a.etcd))?;
+        let meta = lookup.lookup(name, a.lookup_timeout).map_err(|e| match e {
+            DiscoveryError::NotFound { .. } => user_error(
+                format!(
+                    "agent {name:?} was not published under {}{name} in etcd at {} within {} s",
+                    a.prefix,
+                    a.etcd,
+                    a.lookup_timeout.as_secs_f64()
+                ),
+                format!(
+                    "start `kvwire serve --name {name} --etcd {}` (same --prefix) first, or wait longer with --lookup-timeout",
+                    a.etcd
+                ),
+            ),
+            e => etcd_error(e, &format!("looking up {name} in"), &a.etcd),
+        })?;
         engine.connect(&meta)?;
         let pages = meta.regions.first().map(|r| r.len_bytes / 2 / a.page_size).unwrap_or(0);
         println!("connected to {name} ({pages} pages)");
@@ -224,7 +273,12 @@ fn pull(a: &ServeArgs, engine: &mut TransferEngine, buf: &HostBuffer, store: &Et
                 Err(why) => {
                     failed += 1;
                     let p = peers.remove(i);
-                    println!("peer {} failed after {} ms: {why}", p.name, t0.elapsed().as_millis());
+                    println!(
+                        "peer {} failed after {} ms: {}",
+                        p.name,
+                        t0.elapsed().as_millis(),
+                        without_name(&why, &p.name)
+                    );
                     let _ = engine.disconnect(&p.name);
                     gone.push((p.name, Instant::now()));
                 }
@@ -259,4 +313,20 @@ fn pull(a: &ServeArgs, engine: &mut TransferEngine, buf: &HostBuffer, store: &Et
     }
     println!("pull summary: ok={ok} failed={failed} live_peers={}", peers.len());
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::without_name;
+
+    #[test]
+    fn a_failure_line_names_the_peer_once() {
+        assert_eq!(without_name("peer b disconnected (peer died)", "b"), "disconnected (peer died)");
+        assert_eq!(
+            without_name("peer b: Connection reset by peer (os error 104) (peer died)", "b"),
+            "Connection reset by peer (os error 104) (peer died)"
+        );
+        assert_eq!(without_name("peer bb disconnected", "b"), "peer bb disconnected");
+        assert_eq!(without_name("page 3 from b has wrong bytes", "b"), "page 3 from b has wrong bytes");
+    }
 }

@@ -56,6 +56,19 @@ pub fn parse_kv(s: &str) -> Result<(String, String), String> {
         .ok_or_else(|| format!("expected key=value, got {s:?}"))
 }
 
+/// Check backend options given with `flag` (`--option`, `--target-option`,
+/// ...) against `kind`'s keys before anything starts, so that a misspelt
+/// key is reported first (not after a missing device or a started child).
+pub fn check_option_keys(
+    kind: kvwire::transport::TransportKind,
+    flag: &str,
+    options: &[(String, String)],
+) -> anyhow::Result<()> {
+    let config = kvwire::transport::TransportConfig { options: options.to_vec(), ..Default::default() };
+    kvwire::transport::options::OptionSet::parse(kind, &config).map_err(|e| anyhow::anyhow!("{flag}: {e}"))?;
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

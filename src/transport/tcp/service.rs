@@ -308,16 +308,13 @@ fn check(
     held.clear();
     for s in segs {
         let Some(r) = table.get(&s.rkey) else {
-            return Err((Status::UnknownKey, format!("remote access error: unknown rkey {}", s.rkey)));
+            return Err((Status::UnknownKey, format!("unknown rkey {}", s.rkey)));
         };
         let inside = s.addr >= r.addr && s.addr.checked_add(s.len_bytes).is_some_and(|e| e <= r.addr + r.len_bytes);
         if !inside {
             return Err((
                 Status::OutOfBounds,
-                format!(
-                    "remote access error: {:#x}+{} outside rkey {} ({:#x}+{})",
-                    s.addr, s.len_bytes, s.rkey, r.addr, r.len_bytes
-                ),
+                format!("{:#x}+{} outside rkey {} ({:#x}+{})", s.addr, s.len_bytes, s.rkey, r.addr, r.len_bytes),
             ));
         }
         if !held.iter().any(|(k, _)| *k == s.rkey) {

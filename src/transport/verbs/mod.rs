@@ -161,9 +161,62 @@ pub struct VerbsTransport {
     done_held: Vec<Completion>,
 }
 
-/// `key` of `o` as `T`, or `default`.
-fn opt<T: std::str::FromStr>(o: &OptionSet<'_>, key: &str, default: T) -> Result<T, TransportError> {
-    Ok(o.get::<T>(key)?.unwrap_or(default))
+/// The options given to the backend, parsed and range-checked without
+/// touching a device (defaults that depend on the device stay `None`).
+struct Given {
+    device: Option<String>,
+    port: u8,
+    gid_index: Option<u8>,
+    timeout: Option<u8>,
+    retry_cnt: u8,
+    progress_timeout_ms: Option<u64>,
+    max_send_wr: u32,
+    signal_every: u32,
+    post_list: u32,
+    post_bytes: Option<u64>,
+    poll_sleep_us: u32,
+    idle_yields: u32,
+    qps_per_peer: u32,
+    cq_size: Option<i32>,
+    cq_events: bool,
+    listen: Option<String>,
+}
+
+impl Given {
+    fn parse(config: &TransportConfig) -> Result<Self, TransportError> {
+        let o = OptionSet::parse(TransportKind::Verbs, config)?;
+        let timeout = match o.get::<u8>("timeout")? {
+            Some(v) if v > 31 => {
+                return Err(o.invalid("timeout", o.raw("timeout").unwrap_or_default(), Some("out of range")));
+            }
+            v => v,
+        };
+        let listen = match o.raw("listen").map(str::trim) {
+            Some(ip) if ip.parse::<std::net::IpAddr>().is_err() => return Err(o.invalid("listen", ip, None)),
+            ip => ip.map(str::to_string),
+        };
+        Ok(Self {
+            device: o.raw("device").map(str::to_string),
+            port: o.get("port")?.unwrap_or(1),
+            gid_index: o.get("gid_index")?,
+            timeout,
+            retry_cnt: o.get_checked("retry_cnt", DEFAULT_RETRY_CNT, |v| *v <= 7)?,
+            progress_timeout_ms: match o.get_checked::<u64>("progress_timeout_ms", 0, |v| *v > 0)? {
+                0 => None,
+                ms => Some(ms),
+            },
+            max_send_wr: o.get("max_send_wr")?.unwrap_or(1024),
+            signal_every: o.get("signal_every")?.unwrap_or(32),
+            post_list: o.get("post_list")?.unwrap_or(64),
+            post_bytes: o.get("post_bytes")?,
+            poll_sleep_us: o.get("poll_sleep_us")?.unwrap_or(50),
+            idle_yields: o.get("idle_yields")?.unwrap_or(192),
+            qps_per_peer: o.get("qps_per_peer")?.unwrap_or(1),
+            cq_size: o.get("cq_size")?,
+            cq_events: o.get::<u8>("cq_events")?.unwrap_or(1) != 0,
+            listen,
+        })
+    }
 }
 
 fn unsupported(e: VerbsError) -> TransportError {
@@ -178,14 +231,16 @@ impl VerbsTransport {
     /// [`TransportError::Unsupported`] when libibverbs or the device is
     /// missing, or an option is invalid; [`TransportError::Io`] for sockets.
     pub fn new(agent: &str, config: &TransportConfig) -> Result<Self, TransportError> {
-        let o = OptionSet::parse(TransportKind::Verbs, config)?;
-        let config_o = &o;
+        config.validate()?;
+        // Every given option is checked before any device is opened, so a
+        // misspelt key or a bad value is reported even where no device is.
+        let o = Given::parse(config)?;
         let secret = AgentSecret::random()?;
-        let ctx = Arc::new(Context::open(o.raw("device")).map_err(unsupported)?);
-        let port: u8 = opt(config_o, "port", 1)?;
+        let ctx = Arc::new(Context::open(o.device.as_deref()).map_err(unsupported)?);
+        let port = o.port;
         let pattr = ctx.query_port(port).map_err(unsupported)?;
-        let gid_index = match o.raw("gid_index") {
-            Some(_) => Some(opt(config_o, "gid_index", 0u8)?),
+        let gid_index = match o.gid_index {
+            Some(i) => Some(i),
             None if pattr.link_layer == IBV_LINK_LAYER_INFINIBAND => None,
             None => Some(ctx.auto_gid_index(port).map_err(unsupported)? as u8),
         };
@@ -197,31 +252,31 @@ impl VerbsTransport {
             // Software devices (rxe, siw) answer late under CPU load: with a
             // finite retry_cnt, 67 ms ACK timeouts failed READs of a busy
             // Soft-RoCE guest with IBV_WC_RETRY_EXC_ERR; 2^18 × 4.096 µs ≈ 1 s.
-            timeout: o.get_checked("timeout", if ctx.is_software() { 18 } else { 14 }, |v| *v <= 31)?,
+            timeout: o.timeout.unwrap_or(if ctx.is_software() { 18 } else { 14 }),
             // 7 would mean "retry forever" on rxe (`rxe_comp.c` never
             // decrements it): a finite default everywhere.
-            retry_cnt: o.get_checked("retry_cnt", DEFAULT_RETRY_CNT, |v| *v <= 7)?,
+            retry_cnt: o.retry_cnt,
             rnr_retry: 7,
             max_rd_atomic: init_rd_atom,
             max_dest_rd_atomic: dest_rd_atom,
             min_rnr_timer: 12,
         };
-        let max_send_wr: u32 = opt::<u32>(config_o, "max_send_wr", 1024)?.clamp(1, ctx.attr().max_qp_wr.max(16) as u32);
+        let max_send_wr: u32 = o.max_send_wr.clamp(1, ctx.attr().max_qp_wr.max(16) as u32);
         let limits = PostLimits {
             max_send_wr,
-            signal_every: opt::<u32>(config_o, "signal_every", 32)?.clamp(1, max_send_wr),
-            max_batch: opt::<u32>(config_o, "post_list", 64)?.clamp(1, 1024),
-            batch_bytes: opt::<u64>(config_o, "post_bytes", if ctx.is_software() { 64 << 10 } else { 0 })?,
-            poll_sleep_us: opt::<u32>(config_o, "poll_sleep_us", 50)?.clamp(1, 100_000),
-            idle_yields: opt::<u32>(config_o, "idle_yields", 192)?.min(1_000_000),
+            signal_every: o.signal_every.clamp(1, max_send_wr),
+            max_batch: o.post_list.clamp(1, 1024),
+            batch_bytes: o.post_bytes.unwrap_or(if ctx.is_software() { 64 << 10 } else { 0 }),
+            poll_sleep_us: o.poll_sleep_us.clamp(1, 100_000),
+            idle_yields: o.idle_yields.min(1_000_000),
         };
-        let qps_per_peer = opt::<u32>(config_o, "qps_per_peer", 1)?.clamp(1, 64);
-        let progress_timeout = match o.get_checked::<u64>("progress_timeout_ms", 0, |v| *v > 0)? {
-            0 => config.peer_timeout.saturating_mul(2),
-            ms => Duration::from_millis(ms),
+        let qps_per_peer = o.qps_per_peer.clamp(1, 64);
+        let progress_timeout = match o.progress_timeout_ms {
+            None => config.peer_timeout.saturating_mul(2),
+            Some(ms) => Duration::from_millis(ms),
         };
-        let listen_ip = match o.raw("listen") {
-            Some(ip) => ip.to_string(),
+        let listen_ip = match &o.listen {
+            Some(ip) => ip.clone(),
             None => match gid_index.map(|i| ctx.query_gid(port, i32::from(i))) {
                 Some(Ok(g)) if g.raw[..12] == [0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0xff, 0xff] => {
                     std::net::Ipv4Addr::new(g.raw[12], g.raw[13], g.raw[14], g.raw[15]).to_string()
@@ -236,9 +291,9 @@ impl VerbsTransport {
         let listen_addr = listener.local_addr().map_err(|e| TransportError::io("getsockname", e))?;
         let max_cqe = ctx.attr().max_cqe.max(64);
         // At least 128: receives may hold half, and one QP posts 64.
-        let num_cqe = opt::<i32>(config_o, "cq_size", max_cqe.clamp(256, 65536))?.clamp(128, max_cqe.max(128));
+        let num_cqe = o.cq_size.unwrap_or(max_cqe.clamp(256, 65536)).clamp(128, max_cqe.max(128));
         let pd = ProtectionDomain::new(&ctx).map_err(unsupported)?;
-        let cq_events = opt::<u8>(config_o, "cq_events", 1)? != 0;
+        let cq_events = o.cq_events;
         let cq = CompletionQueue::create(&ctx, num_cqe, cq_events).map_err(unsupported)?;
         let nic = RealNic { pd, cq };
         let peer_timeout = config.peer_timeout;

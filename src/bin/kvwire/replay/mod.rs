@@ -21,7 +21,7 @@ pub mod trace;
 use std::path::PathBuf;
 use std::time::Duration;
 
-use anyhow::{Context, Result};
+use anyhow::Result;
 use clap::Args;
 use kvwire::sidechannel::SideChannel;
 use kvwire::transport::TransportKind;
@@ -63,10 +63,11 @@ pub struct ReplayArgs {
     /// Replay only the first N requests.
     #[arg(long)]
     pub requests: Option<usize>,
-    /// Replay the timestamps X times faster than real time (default: as fast as possible, in arrival order).
+    /// Replay the timestamps X times faster than real time, 0.001..=1000000
+    /// (default: as fast as possible, in arrival order).
     #[arg(long)]
     pub speed: Option<f64>,
-    /// Simulated time per decode step (ms per output token).
+    /// Simulated time per decode step (ms per output token, 0..=60000).
     #[arg(long, default_value_t = 20.0)]
     pub decode_step_ms: f64,
     /// Requests in flight at once.
@@ -100,7 +101,7 @@ pub struct ReplayArgs {
     /// tier with LRU eviction, sized by --host-tier-gib).
     #[arg(long, default_value = "none", value_parser = ["none", "host"])]
     pub connector: String,
-    /// Host tier size (GiB) for `--connector host`.
+    /// Host tier size (GiB, 0..=1048576) for `--connector host`.
     #[arg(long, default_value_t = 4.0)]
     pub host_tier_gib: f64,
     /// Test hook: fill page 0 of request N with the wrong bytes, to prove
@@ -240,17 +241,19 @@ pub fn exchange_metadata(
     first: bool,
 ) -> Result<(kvwire::kv::KVTransferEngineMetadata, Option<kvwire::discovery::EtcdStore>)> {
     use kvwire::kv::KVTransferEngineMetadata as Md;
+    let etcd_url = etcd.map(|(url, _)| url.clone()).unwrap_or_default();
     let mut store = match etcd {
         Some((url, prefix)) => Some(
             kvwire::discovery::EtcdStore::connect(url, prefix, Duration::from_secs(10))
-                .with_context(|| format!("connecting to etcd at {url}"))?,
+                .map_err(|e| crate::failure::etcd_error(e, "connecting to", url))?,
         ),
         None => None,
     };
     let send = |chan: &mut SideChannel, store: &mut Option<kvwire::discovery::EtcdStore>| -> Result<()> {
         match store {
             Some(s) => {
-                s.publish_bytes(&mine.name, &mine.to_bytes()).context("publishing the engine's metadata in etcd")?;
+                s.publish_bytes(&mine.name, &mine.to_bytes())
+                    .map_err(|e| crate::failure::etcd_error(e, "publishing the engine's metadata in", &etcd_url))?;
                 chan.send(&Msg::Meta(Vec::new()))?;
             }
             None => chan.send(&Msg::Meta(mine.to_bytes()))?,
@@ -260,9 +263,13 @@ pub fn exchange_metadata(
     let recv = |chan: &mut SideChannel, store: &mut Option<kvwire::discovery::EtcdStore>| -> Result<Md> {
         let Msg::Meta(bytes) = chan.recv()? else { anyhow::bail!("expected the {their_name} engine's metadata") };
         let bytes = match store {
-            Some(s) if bytes.is_empty() => s
-                .lookup_bytes(their_name, Duration::from_secs(30))
-                .with_context(|| format!("waiting up to 30 s for the {their_name} engine's entry in etcd"))?,
+            Some(s) if bytes.is_empty() => {
+                s.lookup_bytes(their_name, Duration::from_secs(30)).map_err(|e| match e {
+                    e @ kvwire::discovery::DiscoveryError::NotFound { .. } => anyhow::Error::new(e)
+                        .context(format!("the {their_name} engine's entry did not appear in etcd at {etcd_url}")),
+                    e => crate::failure::etcd_error(e, &format!("looking up the {their_name} engine in"), &etcd_url),
+                })?
+            }
             _ => bytes,
         };
         Ok(Md::from_bytes(&bytes)?)
@@ -290,6 +297,8 @@ pub fn default_trace() -> PathBuf {
 
 /// `kvwire replay`.
 pub fn run(a: ReplayArgs) -> Result<()> {
+    crate::units::check_option_keys(a.transport, "--option", &a.options)?;
+    crate::units::check_option_keys(a.transport, "--decode-option", &a.decode_options)?;
     let (l, addr) = SideChannel::bind("127.0.0.1:0")?;
     let child = crate::child::Child::spawn("decode", &["replay-decode", "--connect", &addr.to_string()])?;
     let chan = SideChannel::accept(&l)?;

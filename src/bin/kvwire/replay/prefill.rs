@@ -123,12 +123,16 @@ pub fn run(a: &ReplayArgs, mut chan: SideChannel) -> Result<Report> {
     if a.page_tokens == 0 || a.tp == 0 || a.dp == 0 || a.inflight == 0 || a.decode_tp == Some(0) {
         bail!("--page-tokens, --tp, --decode-tp, --dp and --inflight must be at least 1");
     }
-    if a.speed.is_some_and(|s| !(s.is_finite() && s > 0.0)) {
-        bail!("--speed must be a positive number (times real time)");
+    if a.speed.is_some_and(|s| !(0.001..=1e6).contains(&s)) {
+        bail!("--speed must be 0.001..=1000000 (times real time)");
     }
-    let non_negative = |x: f64| x.is_finite() && x >= 0.0;
-    if !non_negative(a.host_tier_gib) || !non_negative(a.decode_step_ms) {
-        bail!("--host-tier-gib and --decode-step-ms must be non-negative numbers");
+    // Finite, non-negative and bounded: a tier of at most 1 PiB, a decode
+    // step of at most a minute.
+    if !(0.0..=(1u64 << 20) as f64).contains(&a.host_tier_gib) {
+        bail!("--host-tier-gib must be 0..=1048576 (GiB), got {}", a.host_tier_gib);
+    }
+    if !(0.0..=60_000.0).contains(&a.decode_step_ms) {
+        bail!("--decode-step-ms must be 0..=60000 (ms per output token), got {}", a.decode_step_ms);
     }
     let decode_tp = a.decode_tp.unwrap_or(a.tp);
     let page_bytes = |tp: usize, flag: &str| -> Result<u64> {
