@@ -278,7 +278,7 @@ fn a_live_tcp_target_survives_mutated_frames() {
         }
     }
     drop(s);
-    let guard = buf.as_slice();
+    let guard = buf.to_vec(..);
     assert!(guard[..1 << 16].iter().all(|&b| b == 0xee), "bytes before the region were written");
     assert!(guard[2 << 16..].iter().all(|&b| b == 0xee), "bytes after the region were written");
     // The target still serves a legitimate peer.
@@ -309,7 +309,7 @@ fn a_live_tcp_target_survives_mutated_frames() {
         std::thread::sleep(Duration::from_millis(1));
     }
     assert_eq!(out.pop().map(|c| c.result), Some(Ok(())));
-    assert!(buf.as_slice()[1 << 16..(1 << 16) + 4096].iter().all(|&b| b == 0x5a));
+    assert!(buf.to_vec(1 << 16..(1 << 16) + 4096).iter().all(|&b| b == 0x5a));
     drop(init);
     // Service threads of dropped connections end within peer_timeout.
     std::thread::sleep(Duration::from_millis(800));
