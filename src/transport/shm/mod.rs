@@ -243,9 +243,10 @@ impl Transport for ShmTransport {
     /// caller may free the memory afterwards).
     ///
     /// # Errors
-    /// [`TransportError::UnknownLocalKey`]; [`TransportError::Connect`] when
-    /// a live initiator does not acknowledge within `peer_timeout` — the
-    /// registration then stays in place (deregister may be retried).
+    /// [`TransportError::UnknownLocalKey`]; [`TransportError::Timeout`]
+    /// (`op: "deregister"`) when a live initiator does not acknowledge
+    /// within `peer_timeout` — the registration then stays in place
+    /// (deregister may be retried).
     fn deregister(&mut self, lkey: LocalKey) -> Result<(), TransportError> {
         let removed = self
             .regions
@@ -282,12 +283,11 @@ impl Transport for ShmTransport {
                 got.retain(|(_, k)| *k != lkey.0);
                 drop(got);
                 self.regions.lock().unwrap_or_else(|p| p.into_inner()).insert(lkey.0, removed);
-                return Err(TransportError::Connect {
+                return Err(TransportError::Timeout {
+                    op: "deregister",
                     peer: format!("{} initiator(s)", waiting.len()),
-                    reason: format!(
-                        "did not confirm revoking rkey {} within {:?}; the region stays registered",
-                        lkey.0, self.config.peer_timeout
-                    ),
+                    timeout: self.config.peer_timeout,
+                    detail: format!("no confirmation of revoking rkey {}; the region stays registered", lkey.0),
                 });
             }
             got = self.acks.changed.wait_timeout(got, deadline - now).unwrap_or_else(|p| p.into_inner()).0;
