@@ -262,6 +262,8 @@ impl Transport for ShmTransport {
             .filter(|p| p.live.load(Ordering::Acquire) && p.admitted.load(Ordering::Acquire))
             .cloned()
             .collect();
+        // Before any Revoke goes out, so that no acknowledgement is dropped.
+        self.acks.revoking.lock().unwrap_or_else(|p| p.into_inner()).insert(lkey.0);
         for p in &peers {
             // A peer that cannot be told is gone (its socket is closed).
             let _ = p.channel.send(&Msg::Revoke { rkey: lkey.0 }, None);
@@ -276,11 +278,13 @@ impl Transport for ShmTransport {
                 .collect();
             if waiting.is_empty() {
                 got.retain(|(_, k)| *k != lkey.0);
+                self.acks.revoking.lock().unwrap_or_else(|p| p.into_inner()).remove(&lkey.0);
                 return Ok(());
             }
             let now = std::time::Instant::now();
             if now >= deadline {
                 got.retain(|(_, k)| *k != lkey.0);
+                self.acks.revoking.lock().unwrap_or_else(|p| p.into_inner()).remove(&lkey.0);
                 drop(got);
                 self.regions.lock().unwrap_or_else(|p| p.into_inner()).insert(lkey.0, removed);
                 return Err(TransportError::Timeout {
