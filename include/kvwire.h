@@ -38,7 +38,8 @@ typedef enum KvwStatus {
   // (`FailureKind::PeerDied`).
   KVW_ERR_PEER_DIED = 10,
   // A transfer failed: the peer stopped answering within the peer
-  // timeout (`FailureKind::PeerTimeout`).
+  // timeout (`FailureKind::PeerTimeout`); or a call waited that long for
+  // a peer (`kvw_deregister` on shm: the memory stays registered).
   KVW_ERR_PEER_TIMEOUT = 11,
   // A transfer failed: the target refused the access (out of bounds,
   // unknown key, denied; `FailureKind::RemoteAccess`).

@@ -3,7 +3,15 @@
 # GPU and driver: allocates VRAM, round-trips bytes, polls async copies by
 # event query, tries dma-buf export and the registration chain, runs the host
 # tier and the KV engine's validation over VRAM shard buffers, picks a NIC per
-# GPU; prints a compact pass/fail table. A missing GPU fails (no skipping).
+# GPU, and (row python_cuda_tensors_as_vram) hands CUDA tensors from Python
+# (`__cuda_array_interface__` + `__dlpack_device__`) to kvwire.KVCacheMemory
+# as VRAM; prints a compact pass/fail table. A missing GPU fails (no skipping).
+#
+# The python row needs the kvwire Python package: the one staged by
+# scripts/gpu-stage.sh (GPU_CHECK_BINS/python), else the venv of
+# scripts/python-tests.sh (KVWIRE_VENV, default target/python-venv), else
+# python3's own. Without one the row says "skip" with the reason (a failure
+# under KVWIRE_REQUIRE_PYTHON=1).
 #
 #   scripts/gpu-check.sh            # build (debug) and run, ~1-2 min after the build
 #   FAKE=1 scripts/gpu-check.sh     # same tests against tests/cuda_fake/libcuda.c
@@ -49,6 +57,43 @@ if [[ $rc -ne 0 ]]; then
     echo "--- failures ---"
     sed -n '/^failures:/,$p' "$log" | head -60
     grep -E "^error" -A5 "$err" | head -20
+fi
+
+# Python row (MAX parity, issue 14 item 10): python/tests/cuda_tensor_check.py.
+py_row=python_cuda_tensors_as_vram
+py_out=$(mktemp)
+root=$(pwd)
+venv=${KVWIRE_VENV:-$root/target/python-venv}
+py=() py_path="" py_skip=""
+if [[ -n "${GPU_CHECK_BINS:-}" && -d "$GPU_CHECK_BINS/python/kvwire" ]]; then
+    py=(python3) py_path="$(cd "$GPU_CHECK_BINS/python" && pwd)"
+elif [[ -x "$venv/bin/python" ]]; then
+    py=("$venv/bin/python")
+elif command -v python3 >/dev/null; then
+    py=(python3)
+else
+    py_skip="no python3"
+fi
+if [[ -z "$py_skip" ]] && ! (cd /tmp && PYTHONPATH="$py_path" "${py[@]}" -c "import kvwire") >/dev/null 2>&1; then
+    py_skip="no kvwire Python package for ${py[*]} (scripts/python-tests.sh builds one; scripts/gpu-stage.sh stages one)"
+fi
+if [[ -n "$py_skip" ]]; then
+    echo "  info: $py_row: skipped: $py_skip"
+    py_result=skip
+    [[ "${KVWIRE_REQUIRE_PYTHON:-0}" == 1 ]] && { py_result=FAIL; rc=1; }
+# From /tmp, so that python/kvwire (sources without the extension) is not what is imported.
+elif (cd /tmp && PYTHONPATH="$py_path" timeout 120 "${py[@]}" "$root/python/tests/cuda_tensor_check.py") >"$py_out" 2>&1 &&
+    grep -q '^GPU-OK$' "$py_out"; then
+    sed -n 's/^cuda-tensors: /  info: cuda-tensors: /p' "$py_out"
+    py_result=pass
+else
+    py_result=FAIL
+    rc=1
+fi
+printf '%-66s %s\n' "$py_row" "$py_result"
+if [[ "$py_result" == FAIL && -s "$py_out" ]]; then
+    echo "--- $py_row ---"
+    tail -20 "$py_out"
 fi
 echo "overall: $([[ $rc -eq 0 ]] && echo PASS || echo FAIL)"
 exit $rc

@@ -32,7 +32,7 @@
 //!     .unwrap();
 //! while initiator.status(h).unwrap() == TransferStatus::InProgress {}
 //! initiator.release(h).unwrap();
-//! assert_eq!(&dst.as_slice()[100..105], b"hello");
+//! assert_eq!(dst.to_vec(100..105), b"hello");
 //! # let mut n = Default::default();
 //! # while { n = target.get_notifs(); n.is_empty() } {}
 //! # assert_eq!(n["prefill"], vec![b"t1".to_vec()]);

@@ -1,5 +1,12 @@
 //! The connector contract (MAX `kv_connector.py`, seed `NullConnector.txt`),
 //! run against every connector: Null and the host tier.
+//!
+//! Each test states every connector's expected result. The host tier
+//! enforces `KVConnector`'s rules (lookup before load, per-leaf shapes,
+//! all-or-nothing loads); the `NullConnector` gives MAX 26.7's results:
+//! it accepts any input, and every `load` and `offload` is an
+//! already-completed transfer that moves nothing (checked by comparing
+//! every device page before and after).
 
 mod connector_util;
 
@@ -53,6 +60,13 @@ fn lookup_gives_one_mask_per_leaf_of_the_sequence_length() {
 fn load_must_follow_a_lookup_with_the_same_replica_and_hint_at_most_once() {
     each(|f| {
         let none = PerLeaf::new();
+        if f.accepts_anything {
+            // MAX's NullConnector: no pairing; every load is a completed transfer.
+            for (replica, hint) in [(0, None), (1, Some(&b"{}"[..])), (0, None)] {
+                assert!(f.conn.load(&none, &PerLeaf::new(), replica, hint).unwrap().is_complete().unwrap());
+            }
+            return;
+        }
         let no_lookup = f.conn.load(&none, &PerLeaf::new(), 0, None).unwrap_err();
         assert!(matches!(no_lookup, ConnectorError::LoadWithoutLookup { replica_idx: 0 }), "{no_lookup}");
 
@@ -92,6 +106,20 @@ fn per_leaf_lengths_must_match_and_bad_arguments_do_not_consume_the_lookup() {
         f.conn.lookup(&hs(&[1, 2]), 0, None).unwrap();
         let (ids2, _) = args(&[1, 2], &[]);
         let (_, hashes1) = args(&[], &[1]);
+        if f.accepts_anything {
+            // MAX's NullConnector checks nothing and moves nothing.
+            let before = f.snapshot(0);
+            let mut unknown = PerLeaf::new();
+            unknown.insert(LeafId::from("nope"), hs(&[1]));
+            let (dup_ids, dup_hashes) = args(&[4, 4], &[1, 2]);
+            for (i, hsh) in [(&ids2, &hashes1), (&PerLeaf::new(), &unknown), (&dup_ids, &dup_hashes)] {
+                assert!(f.conn.load(i, hsh, 0, None).unwrap().is_complete().unwrap());
+                let t = f.conn.offload(i, hsh, 0).unwrap();
+                assert!(t.is_complete().unwrap() && t.g0_blocks_per_leaf().is_empty());
+            }
+            assert_eq!(f.snapshot(0), before, "NullConnector moved bytes");
+            return;
+        }
         let e = f.conn.load(&ids2, &hashes1, 0, None).unwrap_err();
         assert!(matches!(&e, ConnectorError::LengthMismatch { num_block_ids: 2, num_block_hashes: 1, .. }), "{e}");
         let e = f.conn.offload(&ids2, &hashes1, 0).unwrap_err();
@@ -132,6 +160,16 @@ fn load_refuses_before_anything_moves_when_a_block_is_not_held() {
         f.conn.lookup(&hs(&[10, 11]), 0, None).unwrap();
         // 10 may be held; 11 never is: all or nothing.
         let (i, hsh) = args(&[5, 6], &[10, 11]);
+        if f.accepts_anything {
+            // MAX's NullConnector: not refused, a completed transfer of nothing.
+            let before = f.snapshot(0);
+            let t = f.conn.load(&i, &hsh, 0, None).unwrap();
+            assert!(t.is_complete().unwrap());
+            t.synchronize().unwrap();
+            assert_eq!(f.snapshot(0), before, "NullConnector moved bytes");
+            f.assert_holds(0, 5, 99);
+            return;
+        }
         let e = f.conn.load(&i, &hsh, 0, None).unwrap_err();
         match &e {
             ConnectorError::LoadRefused { leaf_id, block_hash, .. } => {
@@ -167,15 +205,20 @@ fn offload_then_load_round_trips_bytes_or_stays_absent() {
             assert_eq!(m, &vec![f.holds, f.holds, f.holds, false]);
         }
         let (i, hsh) = args(&[7, 8, 9], &[100, 101, 102]);
+        let before = f.snapshot(1);
         match f.conn.load(&i, &hsh, 1, None) {
             Ok(t) => {
-                assert!(f.holds);
+                assert!(f.holds || f.accepts_anything);
                 t.synchronize().unwrap();
                 for _ in 0..3 {
                     assert!(t.is_complete().unwrap());
                 }
-                for (b, hash) in [(7, 100), (8, 101), (9, 102)] {
-                    f.assert_holds(1, b, hash);
+                if f.holds {
+                    for (b, hash) in [(7, 100), (8, 101), (9, 102)] {
+                        f.assert_holds(1, b, hash);
+                    }
+                } else {
+                    assert_eq!(f.snapshot(1), before, "a connector that holds nothing moved bytes");
                 }
             }
             Err(e) => assert!(!f.holds && matches!(e, ConnectorError::LoadRefused { .. }), "{e}"),
@@ -226,7 +269,7 @@ fn take_metrics_reads_and_clears_counters() {
         f.conn.offload(&i, &hsh, 0).unwrap().synchronize().unwrap();
         f.conn.lookup(&hs(&[6]), 0, None).unwrap();
         let (i, hsh) = args(&[2], &[6]);
-        assert!(f.conn.load(&i, &hsh, 0, None).is_err());
+        assert_eq!(f.conn.load(&i, &hsh, 0, None).is_ok(), f.accepts_anything, "6 is not held");
         let m = f.conn.take_metrics();
         if f.holds {
             assert_eq!(m.nixl_write_blocks, 3);

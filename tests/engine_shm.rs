@@ -47,7 +47,7 @@ fn run_write_read(memfd: bool) {
     e.release(h).unwrap();
     // every remote page holds the local page that maps to it
     for (i, &p) in perm.iter().enumerate() {
-        let want = fnv(&buf.as_slice()[i * PAGE as usize..(i + 1) * PAGE as usize]);
+        let want = fnv(&buf.to_vec(i * PAGE as usize..(i + 1) * PAGE as usize));
         assert_eq!(
             child.call(&Cmd::Hash { region: 0, offset: p * PAGE, len: PAGE }),
             Reply::Hash(want, None),
@@ -59,7 +59,7 @@ fn run_write_read(memfd: bool) {
     let h = e.post(Op::Read, &l, "target", &r, None).unwrap();
     assert_eq!(wait(&mut e, h, Duration::from_secs(10)), TransferStatus::Done);
     e.release(h).unwrap();
-    assert!(buf.as_slice().iter().enumerate().all(|(i, &b)| b == pattern(i as u64, 3, 1)));
+    assert!(buf.to_vec(..).iter().enumerate().all(|(i, &b)| b == pattern(i as u64, 3, 1)));
 }
 
 #[test]
@@ -79,7 +79,7 @@ fn notification_arrives_after_data_without_initiator_polling() {
     let (mut e, buf) = initiator(len);
     e.connect(&child.meta).unwrap();
     buf.fill_with(0, len, |i| pattern(i as u64, 5, 9));
-    let want = fnv(buf.as_slice());
+    let want = fnv(&buf.to_vec(..));
     let remote = child.meta.regions[0].addr;
     // Post and never poll the initiator: the target must still get the
     // notification, and only once all 8 MiB are visible.
@@ -306,7 +306,7 @@ fn deregistered_region_is_never_written(memfd: bool) {
             other => panic!("post {i} after deregister: {other:?}"),
         }
     }
-    let bytes = if memfd { host.as_slice() } else { heap.as_slice() };
+    let bytes = if memfd { host.to_vec(..) } else { heap.to_vec() };
     assert!(bytes[zero_from..].iter().all(|&b| b == 0), "a deregistered region was written");
 }
 

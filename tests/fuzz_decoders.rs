@@ -1,6 +1,8 @@
 //! Bounded mutation fuzzing of every decoder a peer speaks to: agent
-//! metadata (binary and JSON), `TransferReqData` JSON, the tcp wire frames
-//! (the decoder, and a live target fed mutated frames) and the side channel.
+//! metadata (binary and JSON), MAX's engine metadata and `TransferReqData`
+//! (msgspec JSON and msgpack), the tcp wire frames (the decoder, and a live
+//! target fed mutated frames) and the side channel. The shm wire packets
+//! are in `fuzz_shm.rs`.
 //!
 //! Each target starts from the committed corpus (`tests/corpus/<target>/`)
 //! plus encodings made here, applies a fixed number of seeded mutations
@@ -14,101 +16,16 @@ use std::net::TcpStream;
 use std::path::Path;
 use std::time::Duration;
 
+mod fuzz_util;
+
+use fuzz_util::{Rng, corpus, iters, mutate};
 use kvwire::HostBuffer;
 use kvwire::engine::metadata::{AgentMetadata, MAX_METADATA_BYTES};
-use kvwire::kv::TransferReqData;
+use kvwire::kv::{KVCacheMemory, KVTransferEngine, KVTransferEngineMetadata, KvError, TransferReqData};
 use kvwire::sidechannel::{MAX_MESSAGE_BYTES, SideChannel, SideChannelError};
 use kvwire::transport::auth::{self, Nonce};
 use kvwire::transport::tcp::{TcpConnectionInfo, TcpTransport, wire};
 use kvwire::transport::{RemoteKey, RemoteRegion, Transport, TransportConfig, TransportKind};
-
-/// xorshift64*: small, seeded, reproducible.
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 >> 12;
-        self.0 ^= self.0 << 25;
-        self.0 ^= self.0 >> 27;
-        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
-    }
-    fn below(&mut self, n: usize) -> usize {
-        (self.next() % n.max(1) as u64) as usize
-    }
-}
-
-const INTERESTING: [u64; 10] = [0, 1, 0x7f, 0x80, 0xff, 0xffff, 0x7fff_ffff, 0xffff_ffff, 1 << 40, u64::MAX];
-
-/// One to four random edits of `input`: bit flips, interesting bytes and
-/// integers, inserted/deleted/duplicated ranges, truncation, splicing.
-fn mutate(rng: &mut Rng, input: &[u8], corpus: &[Vec<u8>]) -> Vec<u8> {
-    let mut v = input.to_vec();
-    for _ in 0..1 + rng.below(4) {
-        let len = v.len();
-        match rng.below(8) {
-            0 if len > 0 => {
-                let i = rng.below(len);
-                v[i] ^= 1 << rng.below(8);
-            }
-            1 if len > 0 => {
-                let i = rng.below(len);
-                v[i] = INTERESTING[rng.below(INTERESTING.len())] as u8;
-            }
-            2 if len >= 8 => {
-                let i = rng.below(len - 7);
-                let x = INTERESTING[rng.below(INTERESTING.len())];
-                let w = [1usize, 2, 4, 8][rng.below(4)];
-                v[i..i + w].copy_from_slice(&x.to_le_bytes()[..w]);
-            }
-            3 => {
-                let i = rng.below(len + 1);
-                let n = 1 + rng.below(16);
-                let b = rng.next() as u8;
-                v.splice(i..i, std::iter::repeat_n(b, n));
-            }
-            4 if len > 0 => {
-                let i = rng.below(len);
-                let n = 1 + rng.below((len - i).min(32));
-                v.drain(i..i + n);
-            }
-            5 if len > 0 => {
-                let i = rng.below(len);
-                let n = 1 + rng.below((len - i).min(64));
-                let piece = v[i..i + n].to_vec();
-                let at = rng.below(len + 1);
-                v.splice(at..at, piece);
-            }
-            6 if len > 0 => v.truncate(rng.below(len)),
-            _ if !corpus.is_empty() => {
-                let other = &corpus[rng.below(corpus.len())];
-                if !other.is_empty() {
-                    let i = rng.below(other.len());
-                    let at = rng.below(len + 1);
-                    v.truncate(at);
-                    v.extend_from_slice(&other[i..]);
-                }
-            }
-            _ => {}
-        }
-    }
-    v
-}
-
-fn iters(default: usize) -> usize {
-    std::env::var("KVWIRE_FUZZ_ITERS").ok().and_then(|v| v.parse().ok()).unwrap_or(default)
-}
-
-fn corpus(dir: &str) -> Vec<Vec<u8>> {
-    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/corpus").join(dir);
-    let mut files: Vec<_> = std::fs::read_dir(&path)
-        .unwrap_or_else(|e| panic!("corpus {}: {e}", path.display()))
-        .map(|e| e.unwrap().path())
-        .collect();
-    files.sort();
-    let v: Vec<Vec<u8>> = files.iter().map(|f| std::fs::read(f).unwrap()).collect();
-    assert!(!v.is_empty(), "empty corpus {}", path.display());
-    v
-}
 
 fn region(addr: u64, rkey: u32) -> RemoteRegion {
     RemoteRegion {
@@ -178,6 +95,68 @@ fn transfer_req_data_json_decoding_survives_mutations() {
     let deep = "[".repeat(100_000);
     assert!(TransferReqData::from_json(&deep).is_err());
     eprintln!("reqdata: {accepted} accepted");
+}
+
+/// `TransferReqData` as MAX sends it over ZMQ (msgspec msgpack): mutants of
+/// the committed msgpack corpus (and of the JSON corpus re-encoded) decode
+/// or fail with a typed error, never panic, and what decodes round-trips.
+#[test]
+fn transfer_req_data_msgpack_decoding_survives_mutations() {
+    for name in ["full", "tag_last"] {
+        let json =
+            std::fs::read(Path::new(env!("CARGO_MANIFEST_DIR")).join(format!("tests/corpus/reqdata/{name}.json")));
+        let r = TransferReqData::from_bytes(&json.unwrap()).unwrap();
+        fuzz_util::write_corpus("reqdata_msgpack", &format!("{name}.msgpack"), &r.to_msgpack());
+    }
+    let seeds = corpus("reqdata_msgpack");
+    let mut rng = Rng(0x6b76_7769_7265_0006);
+    let mut accepted = 0usize;
+    for i in 0..iters(30_000) {
+        let input = mutate(&mut rng, &seeds[i % seeds.len()], &seeds);
+        match TransferReqData::from_msgpack(&input) {
+            Ok(r) => {
+                accepted += 1;
+                assert_eq!(TransferReqData::from_msgpack(&r.to_msgpack()).unwrap(), r, "accepted requests round-trip");
+            }
+            Err(KvError::Decode(_) | KvError::Validation(_) | KvError::InvalidRequest(_)) => {}
+            Err(e) => panic!("unexpected error class {e:?}"),
+        }
+    }
+    // Deep nesting (fixarray of one, 100,000 deep) and a huge announced
+    // length are refused, not a stack overflow or a huge allocation.
+    assert!(TransferReqData::from_msgpack(&[0x91; 100_000]).is_err());
+    assert!(TransferReqData::from_msgpack(&[0xdd, 0xff, 0xff, 0xff, 0xff]).is_err());
+    eprintln!("reqdata msgpack: {accepted} accepted");
+}
+
+/// MAX's `KVTransferEngineMetadata` (msgspec JSON and msgpack), from a real
+/// engine's metadata: mutants never panic, and what decodes validates and
+/// round-trips.
+#[test]
+fn kv_engine_metadata_decoding_survives_mutations() {
+    let cfg = TransportConfig { options: vec![("listen".into(), "127.0.0.1:0".into())], ..Default::default() };
+    let (mem, _bufs) = KVCacheMemory::new_host(2, 4, 256, false).unwrap();
+    let e = KVTransferEngine::new("fuzz-engine", vec![vec![mem]], None, TransportKind::Tcp, &cfg).unwrap();
+    let m = e.metadata();
+    let mut seeds = vec![m.to_bytes(), m.to_msgpack()];
+    let mut rng = Rng(0x6b76_7769_7265_0007);
+    let mut accepted = 0usize;
+    for i in 0..iters(10_000) {
+        let input = mutate(&mut rng, &seeds[i % 2], &seeds);
+        let decoded = if i % 2 == 0 {
+            KVTransferEngineMetadata::from_bytes(&input)
+        } else {
+            KVTransferEngineMetadata::from_msgpack(&input)
+        };
+        if let Ok(d) = decoded {
+            accepted += 1;
+            assert_eq!(KVTransferEngineMetadata::from_msgpack(&d.to_msgpack()).unwrap(), d, "round-trips");
+            if accepted < 8 {
+                seeds.push(input);
+            }
+        }
+    }
+    eprintln!("kv engine metadata: {accepted} accepted");
 }
 
 #[test]
@@ -278,7 +257,7 @@ fn a_live_tcp_target_survives_mutated_frames() {
         }
     }
     drop(s);
-    let guard = buf.as_slice();
+    let guard = buf.to_vec(..);
     assert!(guard[..1 << 16].iter().all(|&b| b == 0xee), "bytes before the region were written");
     assert!(guard[2 << 16..].iter().all(|&b| b == 0xee), "bytes after the region were written");
     // The target still serves a legitimate peer.
@@ -309,7 +288,7 @@ fn a_live_tcp_target_survives_mutated_frames() {
         std::thread::sleep(Duration::from_millis(1));
     }
     assert_eq!(out.pop().map(|c| c.result), Some(Ok(())));
-    assert!(buf.as_slice()[1 << 16..(1 << 16) + 4096].iter().all(|&b| b == 0x5a));
+    assert!(buf.to_vec(1 << 16..(1 << 16) + 4096).iter().all(|&b| b == 0x5a));
     drop(init);
     // Service threads of dropped connections end within peer_timeout.
     std::thread::sleep(Duration::from_millis(800));

@@ -211,7 +211,7 @@ fn verify(sc: Scenario, hosts: &HostPages, src: &[Vec<u64>], dst: &[Vec<u64>]) -
         for (g, shards) in replica.iter().enumerate() {
             let (pages, bpp) = LEAVES[g];
             for (ds, h) in shards.iter().enumerate() {
-                let data = h.as_slice();
+                let data = h.to_vec(..);
                 for p in 0..pages {
                     let got = &data[(p * bpp) as usize..((p + 1) * bpp) as usize];
                     let moved = dst[g].iter().position(|&d| d == p).filter(|_| r == dr);

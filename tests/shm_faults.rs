@@ -259,3 +259,41 @@ fn zero_peer_timeout_is_refused_and_a_silent_target_fails_connect() {
     assert!(matches!(err, TransportError::Connect { .. }), "{err}");
     silent.join().unwrap();
 }
+
+/// Issue 16 item 5: an initiator that never confirms a revocation makes
+/// `deregister` fail with `TransportError::Timeout` (it was reported as
+/// `Connect`), and the region stays registered until deregister is retried.
+#[test]
+fn a_deregister_nobody_confirms_times_out_with_a_timeout_error() {
+    let timeout = Duration::from_millis(300);
+    let mut t = ShmTransport::new("target", &config(timeout)).unwrap();
+    let buf = HostBuffer::new(1 << 16).unwrap();
+    let reg = t.register(&buf).unwrap();
+    let info = ShmInfo::decode(&t.connection_info()).unwrap();
+    let (h, ch) = common::shm_client::hello_and_stay(&info, &info.secret, "mute", &[reg.rkey.0]);
+    assert!(!h.refused() && h.regions() == 1, "{:?}", h.msgs);
+    let started = Instant::now();
+    let err = t.deregister(reg.lkey).unwrap_err();
+    assert!(started.elapsed() >= timeout, "gave up after {:?}", started.elapsed());
+    match &err {
+        TransportError::Timeout { op, timeout: waited, .. } => assert_eq!((*op, *waited), ("deregister", timeout)),
+        other => panic!("expected TransportError::Timeout, got {other:?}"),
+    }
+    assert!(err.to_string().contains("stays registered"), "{err}");
+    // The mute initiator was asked to revoke the key.
+    match ch.recv() {
+        Ok(Some((Msg::Revoke { rkey }, _))) => assert_eq!(rkey, reg.rkey.0),
+        other => panic!("expected a Revoke, got {other:?}"),
+    }
+    // Still registered: once the mute initiator is gone, a retry succeeds.
+    drop(ch);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        match t.deregister(reg.lkey) {
+            Ok(()) => break,
+            Err(TransportError::Timeout { .. }) if Instant::now() < deadline => {}
+            Err(e) => panic!("retrying deregister: {e:?}"),
+        }
+    }
+    assert!(matches!(t.deregister(reg.lkey), Err(TransportError::UnknownLocalKey(_))));
+}

@@ -63,7 +63,7 @@ fn transfers_past_the_llc_move_every_byte_at_odd_offsets() {
     let h = init.post(Op::Write, &local, "target", &remote, None).unwrap();
     assert_eq!(wait(&mut init, h), TransferStatus::Done);
     init.release(h).unwrap();
-    let (s, d) = (src.as_slice(), dst.as_slice());
+    let (s, d) = (src.to_vec(..), dst.to_vec(..));
     for (i, &p) in perm.iter().enumerate() {
         let (from, to) = (8 + i * page as usize, (p * page) as usize);
         assert!(d[to..to + page as usize] == s[from..from + page as usize], "WRITE: page {i} → {p}");
@@ -74,7 +74,7 @@ fn transfers_past_the_llc_move_every_byte_at_odd_offsets() {
     let h = init.post(Op::Read, &local, "target", &remote, None).unwrap();
     assert_eq!(wait(&mut init, h), TransferStatus::Done);
     init.release(h).unwrap();
-    let s = src.as_slice();
+    let s = src.to_vec(..);
     for (i, &p) in perm.iter().enumerate() {
         let (to, from) = (8 + i * page as usize, (p * page) as usize);
         assert!(s[to..to + page as usize] == d[from..from + page as usize], "READ: page {p} → {i}");

@@ -60,7 +60,7 @@ fn an_engine_listening_on_0_0_0_0_advertises_a_reachable_non_loopback_address() 
         std::thread::sleep(Duration::from_millis(1));
     }
     assert_eq!(init.status(h).unwrap(), TransferStatus::Done);
-    assert_eq!(&dst.as_slice()[..8192], &src.as_slice()[..8192]);
+    assert_eq!(dst.to_vec(..8192), src.to_vec(..8192));
 }
 
 #[test]

@@ -73,7 +73,7 @@ fn a_raw_socket_without_the_proof_can_neither_read_nor_write_registered_memory()
         let _ = s.write_all(&frame);
         let got = rest(&mut s);
         assert_denied(&got);
-        assert!(buf.as_slice().iter().all(|&b| b == PATTERN), "{what}: registered memory was written");
+        assert!(buf.to_vec(..).iter().all(|&b| b == PATTERN), "{what}: registered memory was written");
     }
     // Hellos with a missing (zero), wrong-secret or other-agent proof.
     let wrong = AgentSecret::random().unwrap();
@@ -92,7 +92,7 @@ fn a_raw_socket_without_the_proof_can_neither_read_nor_write_registered_memory()
         let _ = s.write_all(&frame);
         let got = rest(&mut s);
         assert_denied(&got);
-        assert!(buf.as_slice().iter().all(|&b| b == PATTERN), "case {case}: registered memory was written");
+        assert!(buf.to_vec(..).iter().all(|&b| b == PATTERN), "case {case}: registered memory was written");
     }
     // A proof from an earlier connection does not answer a new nonce.
     let mut s = TcpStream::connect(&info_d.addr).unwrap();
@@ -115,8 +115,8 @@ fn the_right_proof_is_served() {
     s.write_all(&write_frame(rkey, buf.addr(), 4096)).unwrap();
     let (h, _) = read_resp(&mut s);
     assert_eq!(h.status(), wire::Status::Ok);
-    assert!(buf.as_slice()[..4096].iter().all(|&b| b == 0x11));
-    assert!(buf.as_slice()[4096..].iter().all(|&b| b == PATTERN));
+    assert!(buf.to_vec(..4096).iter().all(|&b| b == 0x11));
+    assert!(buf.to_vec(4096..).iter().all(|&b| b == PATTERN));
 }
 
 #[test]

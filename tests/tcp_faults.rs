@@ -79,7 +79,7 @@ fn an_empty_post_with_a_notification_delivers_it_and_ends_done() {
     let s = p.seg(4096);
     p.post(2, vec![s], None).unwrap();
     assert_eq!(completion(&mut p.init, Duration::from_secs(5)).unwrap().result, Ok(()));
-    assert_eq!(&p.dst.as_slice()[..4096], &p.src.as_slice()[..4096]);
+    assert_eq!(p.dst.to_vec(..4096), p.src.to_vec(..4096));
     p.post(3, Vec::new(), None).unwrap();
     assert_eq!(completion(&mut p.init, Duration::from_secs(5)).unwrap().result, Ok(()));
 }
@@ -176,7 +176,7 @@ fn a_trickling_write_cannot_stall_deregister_or_other_peers() {
     assert!(trickler.join().unwrap(), "the target dropped the trickling connection");
     let _target = dereg.join().unwrap();
     eprintln!("deregister waited {took:?} for a trickling WRITE (peer_timeout {timeout} ms)");
-    assert_eq!(&b.as_slice()[..4096], &src.as_slice()[..4096]);
+    assert_eq!(b.to_vec(..4096), src.to_vec(..4096));
 }
 
 #[test]

@@ -32,7 +32,7 @@ fn socket_copy(src: &HostBuffer, dst: &HostBuffer, page: usize, perm: &[usize], 
     let l = TcpListener::bind("127.0.0.1:0").unwrap();
     let addr = l.local_addr().unwrap();
     let total = src.len();
-    let src_slice: &'static [u8] = Box::leak(src.as_slice().to_vec().into_boxed_slice());
+    let src_slice: &'static [u8] = Box::leak(src.to_vec(..).into_boxed_slice());
     let perm2 = perm.to_vec();
     let sender = std::thread::spawn(move || {
         let mut s = TcpStream::connect(addr).unwrap();
@@ -89,7 +89,7 @@ fn transport_copy(conns: usize, src: &Arc<HostBuffer>, page: usize, perm: &[usiz
         }
     }
     for (i, &d) in perm.iter().enumerate().step_by(97) {
-        assert_eq!(&dst.as_slice()[d * page..(d + 1) * page], &src.as_slice()[i * page..(i + 1) * page]);
+        assert_eq!(dst.to_vec(d * page..(d + 1) * page), src.to_vec(i * page..(i + 1) * page));
     }
     (src.len() * iters) as f64 / sum.as_secs_f64()
 }

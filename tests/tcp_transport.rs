@@ -62,7 +62,7 @@ fn scattered_write_lands_before_its_notification() {
     for i in 0..pages {
         let d = ((i * 7 % pages) * page) as usize;
         let s = (i * page) as usize;
-        assert_eq!(&dst.as_slice()[d..d + page as usize], &src.as_slice()[s..s + page as usize], "page {i}");
+        assert_eq!(dst.to_vec(d..d + page as usize), src.to_vec(s..s + page as usize), "page {i}");
     }
     init.release(h).unwrap();
 }
@@ -85,7 +85,7 @@ fn read_pulls_remote_pages() {
     for i in 0..32u64 {
         let l = (i * page) as usize;
         let r = ((63 - i) * page) as usize;
-        assert_eq!(&local_buf.as_slice()[l..l + page as usize], &remote_buf.as_slice()[r..r + page as usize]);
+        assert_eq!(local_buf.to_vec(l..l + page as usize), remote_buf.to_vec(r..r + page as usize));
     }
     let t0 = Instant::now();
     while !target.get_notifs().contains_key("decode") {
@@ -149,14 +149,14 @@ fn out_of_bounds_and_unknown_keys_fail_and_write_nothing() {
         let want = if id == 3 { RemoteAccessKind::UnknownKey } else { RemoteAccessKind::OutOfBounds };
         assert_eq!(err.kind, FailureKind::RemoteAccess(want), "case {id}: {err}");
     }
-    assert!(p.dst.as_slice().iter().all(|&b| b == 0), "a refused WRITE wrote something");
+    assert!(p.dst.to_vec(..).iter().all(|&b| b == 0), "a refused WRITE wrote something");
     let mut n = Vec::new();
     p.target.take_notifications(&mut n);
     assert!(n.is_empty(), "no notification for refused transfers");
     // The connection is still good for a valid transfer.
     post_one(9, Op::Write, p.dst.addr(), p.rkey, 4096, &mut p);
     assert_eq!(completion(&mut p.init, Duration::from_secs(5)).unwrap().result, Ok(()));
-    assert_eq!(&p.dst.as_slice()[..4096], &p.src.as_slice()[..4096]);
+    assert_eq!(p.dst.to_vec(..4096), p.src.to_vec(..4096));
 }
 
 #[test]
@@ -309,7 +309,7 @@ fn hostile_frames_are_refused_and_the_target_keeps_serving() {
     assert!(rest.len() >= challenge + wire::HEADER_BYTES, "challenge then refusal, got {} bytes", rest.len());
     let answer = wire::Header::decode(rest[challenge..challenge + wire::HEADER_BYTES].try_into().unwrap()).unwrap();
     assert_eq!((answer.kind, answer.status()), (wire::Kind::Resp, wire::Status::Denied));
-    assert!(p.dst.as_slice().iter().all(|&b| b == 0));
+    assert!(p.dst.to_vec(..).iter().all(|&b| b == 0));
     post_one(1, Op::Write, p.dst.addr(), p.rkey, 1 << 16, &mut p);
     assert_eq!(completion(&mut p.init, Duration::from_secs(5)).unwrap().result, Ok(()));
 }
@@ -324,9 +324,9 @@ fn cancel_returns_once_nothing_writes_local_memory() {
     for id in 0..20 {
         p.init.cancel(XferId(id));
     }
-    let snapshot = p.src.as_slice().to_vec();
+    let snapshot = p.src.to_vec(..);
     std::thread::sleep(Duration::from_millis(200));
-    assert_eq!(p.src.as_slice(), &snapshot[..], "a cancelled READ wrote after cancel returned");
+    assert_eq!(p.src.to_vec(..), snapshot, "a cancelled READ wrote after cancel returned");
     let mut out = Vec::new();
     p.init.poll(&mut out);
     assert!(out.is_empty(), "no completion after cancel");

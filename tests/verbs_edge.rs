@@ -102,7 +102,7 @@ fn verbs_tiny_queue_odd_batches_three_qps_move_every_byte() {
     init.release(h).unwrap();
     for &(o, n) in &descs {
         let (o, n) = (o as usize, n as usize);
-        assert_eq!(&dst.as_slice()[o..o + n], &src.as_slice()[o..o + n], "WRITE at {o}+{n}");
+        assert_eq!(dst.to_vec(o..o + n), src.to_vec(o..o + n), "WRITE at {o}+{n}");
     }
     // READ back over the same shapes into a cleared source.
     src.fill_with(0, total as usize, |_| 0);
@@ -110,7 +110,7 @@ fn verbs_tiny_queue_odd_batches_three_qps_move_every_byte() {
     assert_eq!(wait(&mut init, h), TransferStatus::Done);
     for &(o, n) in &descs {
         let (o, n) = (o as usize, n as usize);
-        assert_eq!(&src.as_slice()[o..o + n], &dst.as_slice()[o..o + n], "READ at {o}+{n}");
+        assert_eq!(src.to_vec(o..o + n), dst.to_vec(o..o + n), "READ at {o}+{n}");
     }
 }
 
@@ -158,7 +158,7 @@ fn verbs_many_transfers_with_notifications_to_one_peer() {
     assert_eq!(got, want);
     for &(i, _) in &handles {
         let o = i * page;
-        assert_eq!(&dst.as_slice()[o..o + page], &src.as_slice()[o..o + page], "page {i}");
+        assert_eq!(dst.to_vec(o..o + page), src.to_vec(o..o + page), "page {i}");
     }
 }
 
@@ -188,7 +188,7 @@ fn verbs_release_in_flight_read_then_nothing_lands_and_deregister_works() {
     // Nothing may land after release returned.
     src.fill_with(0, (pages * page) as usize, |_| 0);
     std::thread::sleep(Duration::from_millis(500));
-    assert!(src.as_slice().iter().all(|&b| b == 0), "the NIC wrote after release returned");
+    assert!(src.to_vec(..).iter().all(|&b| b == 0), "the NIC wrote after release returned");
     init.deregister(reg).unwrap();
     assert!(target.get_notifs().is_empty(), "notification of a released transfer");
 }
@@ -225,7 +225,7 @@ fn verbs_forged_bounds_and_rkeys_fail_without_writing() {
         "{s:?}"
     );
     init.release(h).unwrap();
-    assert!(buf.as_slice()[65536..].iter().all(|&b| b == 0), "wrote past the registered region");
+    assert!(buf.to_vec(65536..).iter().all(|&b| b == 0), "wrote past the registered region");
     init.disconnect("t-forge").unwrap();
     let mut meta = target.metadata();
     meta.regions[0].rkey = RemoteKey(meta.regions[0].rkey.0.wrapping_add(0x100));
@@ -238,7 +238,7 @@ fn verbs_forged_bounds_and_rkeys_fail_without_writing() {
             && matches!(w.source, FailureSource::WorkCompletion { status: 10, .. })),
         "{s:?}"
     );
-    assert!(buf.as_slice().iter().all(|&b| b == 0), "wrote through a forged rkey");
+    assert!(buf.to_vec(..).iter().all(|&b| b == 0), "wrote through a forged rkey");
 }
 
 /// Two QPs: transfer A's first 64 segments go to QP 0, the next 64 (larger)
@@ -389,7 +389,7 @@ fn verbs_small_completion_queue_holds_work_back_instead_of_overrunning() {
     init.release(h).unwrap();
     for i in 0..PAGES as usize {
         let (s, d) = (i * PAGE as usize, 2 * i * PAGE as usize);
-        assert_eq!(&dst.as_slice()[d..d + PAGE as usize], &src.as_slice()[s..s + PAGE as usize], "page {i}");
+        assert_eq!(dst.to_vec(d..d + PAGE as usize), src.to_vec(s..s + PAGE as usize), "page {i}");
     }
     src.fill_with(0, (PAGES * PAGE) as usize, |_| 0);
     let h = init.post(Op::Read, &l, "t-cq", &r, None).unwrap();
@@ -397,7 +397,7 @@ fn verbs_small_completion_queue_holds_work_back_instead_of_overrunning() {
     init.release(h).unwrap();
     for i in 0..PAGES as usize {
         let (s, d) = (i * PAGE as usize, 2 * i * PAGE as usize);
-        assert_eq!(&src.as_slice()[s..s + PAGE as usize], &dst.as_slice()[d..d + PAGE as usize], "READ page {i}");
+        assert_eq!(src.to_vec(s..s + PAGE as usize), dst.to_vec(d..d + PAGE as usize), "READ page {i}");
     }
 }
 
@@ -445,7 +445,7 @@ fn verbs_receives_hold_at_most_half_the_cq_so_sends_keep_room() {
     let h = x.post(Op::Write, &l, "y-room", &r, None).unwrap();
     assert_eq!(wait(&mut x, h), TransferStatus::Done, "the WRITE waited for receives' CQEs");
     x.release(h).unwrap();
-    assert_eq!(dst.as_slice(), src.as_slice());
+    assert_eq!(dst.to_vec(..), src.to_vec(..));
     drop(w);
 }
 

@@ -94,7 +94,7 @@ fn verify(dst: &[Vec<Arc<HostBuffer>>], src_pages: &[Vec<u64>], dst_pages: &[Vec
     for (g, shards) in dst.iter().enumerate() {
         let (pages, bpp) = LEAVES[g];
         for (s, b) in shards.iter().enumerate() {
-            let data = b.as_slice();
+            let data = b.to_vec(..);
             assert_eq!(data.len() as u64, pages * bpp);
             for p in 0..pages {
                 let got = &data[(p * bpp) as usize..((p + 1) * bpp) as usize];

@@ -63,7 +63,7 @@ fn verbs_write_read_and_notification() {
     assert_eq!(wait(&mut init, h), TransferStatus::Done);
     init.release(h).unwrap();
     assert_eq!(wait_notifs(&mut target, "prefill", 1), vec![b"w1".to_vec()]);
-    assert_eq!(&dst.as_slice()[100..40_100], &src.as_slice()[..40_000]);
+    assert_eq!(dst.to_vec(100..40_100), src.to_vec(..40_000));
 
     // READ it back into another part of the initiator's buffer.
     let h = init
@@ -71,7 +71,7 @@ fn verbs_write_read_and_notification() {
         .unwrap();
     assert_eq!(wait(&mut init, h), TransferStatus::Done);
     init.release(h).unwrap();
-    assert_eq!(&src.as_slice()[50_000..58_000], &src.as_slice()[..8_000]);
+    assert_eq!(src.to_vec(50_000..58_000), src.to_vec(..8_000));
 }
 
 #[test]
@@ -109,7 +109,7 @@ fn verbs_notifications_arrive_in_order_after_their_data() {
         for p in target.get_notifs().remove("i-order").unwrap_or_default() {
             assert_eq!(p, format!("n{seen}").into_bytes(), "notifications out of order");
             assert!(
-                dst.as_slice()[seen * page..(seen + 1) * page].iter().all(|&b| b == (seen + 1) as u8),
+                dst.to_vec(seen * page..(seen + 1) * page).iter().all(|&b| b == (seen + 1) as u8),
                 "notification {seen} before its data"
             );
             seen += 1;
@@ -154,8 +154,8 @@ fn verbs_thousand_scattered_pages_byte_exact() {
         assert_eq!(wait_notifs(&mut target, "i-pages", 1), vec![b"pages".to_vec()]);
         for i in 0..pages {
             let d = 2 * perm(i) * page;
-            assert_eq!(&dst.as_slice()[d..d + page], &src.as_slice()[i * page..(i + 1) * page], "page {i}");
-            assert!(dst.as_slice()[d + page..d + 2 * page].iter().all(|&b| b == 0), "gap after page {i} written");
+            assert_eq!(dst.to_vec(d..d + page), src.to_vec(i * page..(i + 1) * page), "page {i}");
+            assert!(dst.to_vec(d + page..d + 2 * page).iter().all(|&b| b == 0), "gap after page {i} written");
         }
         // And READ them back scattered into a fresh buffer.
         let back = Arc::new(HostBuffer::new(pages * page).unwrap());
@@ -164,7 +164,7 @@ fn verbs_thousand_scattered_pages_byte_exact() {
         let h = init.post(Op::Read, &local, "t-pages", &remote, None).unwrap();
         assert_eq!(wait(&mut init, h), TransferStatus::Done);
         init.release(h).unwrap();
-        assert_eq!(back.as_slice(), src.as_slice());
+        assert_eq!(back.to_vec(..), src.to_vec(..));
     }
 }
 
@@ -212,7 +212,7 @@ fn verbs_wrong_rkey_fails_with_remote_access_error_then_recovers() {
     let c = wait_completion(&mut init, XferId(1));
     let err = c.result.expect_err("a wrong rkey must fail");
     assert!(matches!(err.source, FailureSource::WorkCompletion { status: 10, .. }), "got {err:?}");
-    assert!(dst.as_slice().iter().all(|&b| b == 0), "bytes written through a wrong rkey");
+    assert!(dst.to_vec(..).iter().all(|&b| b == 0), "bytes written through a wrong rkey");
     let mut n: Vec<Notification> = Vec::new();
     target.take_notifications(&mut n);
     assert!(n.is_empty(), "notification delivered for a failed transfer");
@@ -228,7 +228,7 @@ fn verbs_wrong_rkey_fails_with_remote_access_error_then_recovers() {
     .unwrap();
     let c = wait_completion(&mut init, XferId(2));
     assert_eq!(c.result, Ok(()));
-    assert!(dst.as_slice()[..4096].iter().all(|&b| b == 0xab));
+    assert!(dst.to_vec(..4096).iter().all(|&b| b == 0xab));
     let t0 = Instant::now();
     while n.is_empty() && t0.elapsed() < WAIT {
         target.take_notifications(&mut n);

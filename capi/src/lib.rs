@@ -52,7 +52,8 @@ pub enum KvwStatus {
     /// (`FailureKind::PeerDied`).
     KvwErrPeerDied = 10,
     /// A transfer failed: the peer stopped answering within the peer
-    /// timeout (`FailureKind::PeerTimeout`).
+    /// timeout (`FailureKind::PeerTimeout`); or a call waited that long for
+    /// a peer (`kvw_deregister` on shm: the memory stays registered).
     KvwErrPeerTimeout = 11,
     /// A transfer failed: the target refused the access (out of bounds,
     /// unknown key, denied; `FailureKind::RemoteAccess`).
@@ -134,6 +135,7 @@ fn engine_status(e: &EngineError) -> KvwStatus {
         EngineError::Transport(TransportError::InvalidOption { .. } | TransportError::InvalidConfig(_)) => {
             KvwStatus::KvwErrInvalidArg
         }
+        EngineError::Transport(TransportError::Timeout { .. }) => KvwStatus::KvwErrPeerTimeout,
         EngineError::Transport(_) => KvwStatus::KvwErrTransport,
         EngineError::Metadata(_) => KvwStatus::KvwErrMetadata,
         EngineError::UnknownRegistration | EngineError::UnknownAgent(_) | EngineError::UnknownHandle(_) => {

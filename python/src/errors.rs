@@ -52,6 +52,7 @@ pub fn transfer_error(msg: String, kind: Option<&str>) -> PyErr {
 fn engine_kind(e: &EngineError) -> &'static str {
     match e {
         EngineError::Transport(TransportError::PeerDisconnected(_) | TransportError::Connect { .. }) => "peer_died",
+        EngineError::Transport(TransportError::Timeout { .. }) => "peer_timeout",
         _ => "transport",
     }
 }

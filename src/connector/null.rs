@@ -3,27 +3,29 @@
 
 use std::collections::BTreeMap;
 
-use super::ledger::{LookupLedger, check_distinct_destinations, check_per_leaf, nothing_to_move};
 use super::{
     BlockHash, BlockId, CompletedTransfer, ConnectorError, KVCacheGroupId, KVCacheMetrics, KVConnector,
     KVConnectorTransfer, KVTransfer, LeafId, PerLeaf,
 };
 
-/// No-op connector for when external caching is disabled: holds nothing, so
-/// every lookup says absent; a load of nothing and every offload return a
-/// completed transfer; metrics stay empty.
+/// No-op connector for when external caching is disabled, as MAX 26.7's
+/// `NullConnector`: holds nothing, so every lookup says absent; every
+/// `load` and `offload` returns an already-completed transfer that moved
+/// nothing (a load is not refused, whatever it asks for); metrics stay
+/// empty.
 ///
-/// It still enforces the interface's argument rules (hash lengths via
-/// [`BlockHash`], per-leaf lengths, lookup before load), so a caller that is
-/// correct against it is correct against any connector.
+/// Like MAX's, it accepts any input: no lookup-before-load pairing, no
+/// per-leaf length, leaf or destination checks (it reads and writes
+/// nothing, so no argument can make it do harm). The interface's argument
+/// rules are those of [`KVConnector`], enforced by connectors that move
+/// bytes ([`super::HostTierConnector`]).
 #[derive(Debug)]
 pub struct NullConnector {
     leaves: BTreeMap<LeafId, KVCacheGroupId>,
-    ledger: LookupLedger,
 }
 
 impl Default for NullConnector {
-    /// Serves one full-attention leaf, `"full"` (as one MAX generation does).
+    /// Serves one full-attention leaf, `"full"` (MAX's `NullConnector.leaves`).
     fn default() -> Self {
         Self::new(BTreeMap::from([(LeafId::from("full"), KVCacheGroupId::full())]))
     }
@@ -32,7 +34,7 @@ impl Default for NullConnector {
 impl NullConnector {
     /// A null connector reporting `leaves`.
     pub fn new(leaves: BTreeMap<LeafId, KVCacheGroupId>) -> Self {
-        Self { leaves, ledger: LookupLedger::default() }
+        Self { leaves }
     }
 }
 
@@ -50,44 +52,32 @@ impl KVConnector for NullConnector {
     fn lookup(
         &self,
         block_hashes: &[BlockHash],
-        replica_idx: usize,
-        hint: Option<&[u8]>,
+        _replica_idx: usize,
+        _hint: Option<&[u8]>,
     ) -> Result<PerLeaf<bool>, ConnectorError> {
-        self.ledger.record_lookup(replica_idx, hint);
         Ok(self.leaves.keys().map(|l| (l.clone(), vec![false; block_hashes.len()])).collect())
     }
 
-    /// [`CompletedTransfer`] when no block is asked for; otherwise
-    /// [`ConnectorError::LoadRefused`] naming the first block (it holds none).
+    /// A [`CompletedTransfer`], whatever is asked for (MAX: `return
+    /// CompletedTransfer()`): nothing moves, the destination blocks keep
+    /// their bytes. Never fails.
     fn load(
         &self,
-        block_ids: &PerLeaf<BlockId>,
-        block_hashes: &PerLeaf<BlockHash>,
-        replica_idx: usize,
-        hint: Option<&[u8]>,
+        _block_ids: &PerLeaf<BlockId>,
+        _block_hashes: &PerLeaf<BlockHash>,
+        _replica_idx: usize,
+        _hint: Option<&[u8]>,
     ) -> Result<Box<dyn KVTransfer>, ConnectorError> {
-        check_per_leaf(&self.leaves, block_ids, block_hashes)?;
-        check_distinct_destinations(block_ids)?;
-        self.ledger.consume(replica_idx, hint)?;
-        if nothing_to_move(block_hashes) {
-            return Ok(Box::new(CompletedTransfer));
-        }
-        let (leaf_id, hashes) = block_hashes.iter().find(|(_, h)| !h.is_empty()).expect("a non-empty leaf");
-        Err(ConnectorError::LoadRefused {
-            leaf_id: Some(leaf_id.clone()),
-            block_hash: Some(hashes[0]),
-            reason: "NullConnector holds no blocks".into(),
-        })
+        Ok(Box::new(CompletedTransfer))
     }
 
-    /// Stores nothing: a completed transfer that pins nothing.
+    /// Stores nothing: a completed transfer that pins nothing. Never fails.
     fn offload(
         &self,
-        block_ids: &PerLeaf<BlockId>,
-        block_hashes: &PerLeaf<BlockHash>,
+        _block_ids: &PerLeaf<BlockId>,
+        _block_hashes: &PerLeaf<BlockHash>,
         _replica_idx: usize,
     ) -> Result<KVConnectorTransfer, ConnectorError> {
-        check_per_leaf(&self.leaves, block_ids, block_hashes)?;
         Ok(KVConnectorTransfer::completed())
     }
 

@@ -160,14 +160,14 @@ impl HostPages {
         &self.shards[i]
     }
 
-    /// The bytes of page `page` of shard `shard` (read only while no copy
-    /// writes it).
+    /// A copy of page `page` of shard `shard` (the bytes are unspecified
+    /// where a copy writes them meanwhile).
     ///
     /// # Panics
     /// When either index is out of range.
-    pub fn page(&self, shard: usize, page: BlockId) -> &[u8] {
+    pub fn page(&self, shard: usize, page: BlockId) -> Vec<u8> {
         let off = self.geometry.offset(shard, page).expect("page out of range");
-        &self.shards[shard].as_slice()[off..off + self.geometry.bytes_per_page]
+        self.shards[shard].to_vec(off..off + self.geometry.bytes_per_page)
     }
 }
 
@@ -191,7 +191,7 @@ impl DevicePages for HostPages {
     fn read_page(&self, shard: usize, page: BlockId, out: &mut [u8]) -> io::Result<()> {
         self.geometry.check_len(out.len())?;
         let off = self.geometry.offset(shard, page)?;
-        out.copy_from_slice(&self.shards[shard].as_slice()[off..off + out.len()]);
+        self.shards[shard].copy_to(off, out);
         Ok(())
     }
 

@@ -234,7 +234,7 @@ impl KVCacheMemory {
     /// Allocate `num_shards` zeroed [`HostBuffer`]s of `[num_pages, bytes_per_page]`
     /// bytes and build the memory from them. The buffers are returned too, so
     /// the caller can fill and check pages (page `p` of shard `s` is at
-    /// `buffers[s].as_slice()[p * bytes_per_page..][..bytes_per_page]`).
+    /// `buffers[s].to_vec(p * bytes_per_page..(p + 1) * bytes_per_page)`).
     ///
     /// # Errors
     /// [`KvError::Alloc`], [`KvError::ZeroSizedBuffer`] (zero `num_pages` or

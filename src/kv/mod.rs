@@ -36,7 +36,7 @@
 //! while !decode.is_complete(&req).unwrap() {}
 //! decode.cleanup_transfer(&req).unwrap();
 //! prefill.sync_and_release(&req, Duration::from_secs(5)).unwrap();
-//! assert_eq!(&dst_bufs[1].as_slice()[7 * 4096..][..15], b"page 3, shard 1");
+//! assert_eq!(dst_bufs[1].to_vec(7 * 4096..7 * 4096 + 15), b"page 3, shard 1");
 //! prefill.cleanup().unwrap();
 //! decode.cleanup().unwrap();
 //! ```

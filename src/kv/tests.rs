@@ -66,8 +66,8 @@ fn fill(x: &Eng, groups: &[G]) {
     }
 }
 
-fn page(h: &HostBuffer, p: u64, bpp: u64) -> &[u8] {
-    &h.as_slice()[(p * bpp) as usize..((p + 1) * bpp) as usize]
+fn page(h: &HostBuffer, p: u64, bpp: u64) -> Vec<u8> {
+    h.to_vec((p * bpp) as usize..((p + 1) * bpp) as usize)
 }
 
 fn wait_both(a: &mut KVTransferEngine, b: &mut KVTransferEngine, req: &TransferReqData) {
@@ -372,7 +372,7 @@ fn send_and_verify(sdp: usize, stp: usize, ddp: usize, dtp: usize, groups: &[G],
         // other replicas untouched
         for r in 0..ddp {
             if r != dr {
-                assert!(d.hosts[r][g].iter().all(|h| h.as_slice().iter().all(|&b| b == 0)));
+                assert!(d.hosts[r][g].iter().all(|h| h.to_vec(..).iter().all(|&b| b == 0)));
             }
         }
     }

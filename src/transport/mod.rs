@@ -284,6 +284,20 @@ pub enum TransportError {
     /// Posting failed before anything moved.
     #[error("post failed: {0}")]
     Post(String),
+    /// A peer did not answer within the deadline (`peer_timeout`). The
+    /// operation did not take effect and may be retried: after a shm
+    /// `deregister` timeout the region stays registered.
+    #[error("{op}: {peer} did not answer within {timeout:?}: {detail}")]
+    Timeout {
+        /// The operation that waited (`"deregister"`, ...).
+        op: &'static str,
+        /// Who did not answer (a peer name or a count of initiators).
+        peer: String,
+        /// How long it waited.
+        timeout: std::time::Duration,
+        /// What it waited for and what state it left.
+        detail: String,
+    },
     /// An I/O error from a named call.
     #[error("{call}: {source}")]
     Io {

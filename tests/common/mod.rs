@@ -133,10 +133,11 @@ pub fn child_main() {
             heap.push(Some(v));
         }
     }
-    let bytes_of = |i: usize| -> &[u8] {
+    let bytes_of = |i: usize, offset: u64, len: u64| -> Vec<u8> {
+        let r = offset as usize..(offset + len) as usize;
         match (&host[i], &heap[i]) {
-            (Some(b), _) => b.as_slice(),
-            (_, Some(v)) => v.as_slice(),
+            (Some(b), _) => b.to_vec(r),
+            (_, Some(v)) => v[r].to_vec(),
             _ => unreachable!(),
         }
     };
@@ -156,9 +157,7 @@ pub fn child_main() {
                 }
                 None => Reply::Err("fill supports HostBuffer regions only".into()),
             },
-            Cmd::Hash { region, offset, len } => {
-                Reply::Hash(fnv(&bytes_of(region)[offset as usize..(offset + len) as usize]), None)
-            }
+            Cmd::Hash { region, offset, len } => Reply::Hash(fnv(&bytes_of(region, offset, len)), None),
             Cmd::WaitNotif { payload, region, offset, len } => {
                 let deadline = Instant::now() + Duration::from_secs(10);
                 let mut found = None;
@@ -173,9 +172,7 @@ pub fn child_main() {
                     }
                 }
                 match found {
-                    Some(agent) => {
-                        Reply::Hash(fnv(&bytes_of(region)[offset as usize..(offset + len) as usize]), Some(agent))
-                    }
+                    Some(agent) => Reply::Hash(fnv(&bytes_of(region, offset, len)), Some(agent)),
                     None => Reply::Err("no notification within 10 s".into()),
                 }
             }

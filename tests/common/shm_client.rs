@@ -32,7 +32,18 @@ impl Handshake {
 /// from `secret` (the real one, or a guess), ask for `rkeys` and collect
 /// the answer.
 pub fn hello(info: &ShmInfo, secret: &AgentSecret, agent: &str, rkeys: &[u32]) -> Handshake {
+    hello_and_stay(info, secret, agent, rkeys).0
+}
+
+/// As [`hello`], and keep the connection: the caller holds an initiator
+/// that the target counts as live but that answers nothing further.
+pub fn hello_and_stay(info: &ShmInfo, secret: &AgentSecret, agent: &str, rkeys: &[u32]) -> (Handshake, Channel) {
     let ch = Channel::connect(&info.socket, Duration::from_secs(5)).expect("connect to the target socket");
+    let out = handshake(&ch, secret, agent, rkeys);
+    (out, ch)
+}
+
+fn handshake(ch: &Channel, secret: &AgentSecret, agent: &str, rkeys: &[u32]) -> Handshake {
     let mut out = Handshake::default();
     let nonce = match ch.recv() {
         Ok(Some((Msg::Challenge { nonce }, fd))) => {

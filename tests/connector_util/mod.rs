@@ -43,6 +43,11 @@ pub struct Fixture {
     pub pages: Vec<BTreeMap<LeafId, Arc<HostPages>>>,
     /// Whether offloaded blocks can be loaded back (false for Null).
     pub holds: bool,
+    /// Whether every call succeeds whatever its arguments, moving nothing
+    /// (MAX 26.7's `NullConnector`: `load`/`offload` return
+    /// `CompletedTransfer()`); otherwise the argument and lookup rules of
+    /// `KVConnector` are enforced.
+    pub accepts_anything: bool,
 }
 
 impl Fixture {
@@ -55,6 +60,17 @@ impl Fixture {
         for (leaf, p) in &self.pages[replica] {
             fill_page(p, leaf.as_str(), block, hash);
         }
+    }
+
+    /// Every page of every leaf and shard of `replica`.
+    pub fn snapshot(&self, replica: usize) -> Vec<Vec<u8>> {
+        let mut all = Vec::new();
+        for p in self.pages[replica].values() {
+            for shard in 0..p.num_shards() {
+                all.extend((0..PAGES as u32).map(|b| p.page(shard, BlockId(b))));
+            }
+        }
+        all
     }
 
     /// Assert `block` on every leaf of `replica` holds `content(hash, ..)`.
@@ -104,13 +120,18 @@ pub fn host_fixture(capacity_bytes: u64, num_replicas: usize) -> (Arc<HostTierCo
     let dyn_pages =
         pages.iter().map(|r| r.iter().map(|(l, p)| (l.clone(), p.clone() as Arc<dyn DevicePages>)).collect()).collect();
     let conn = Arc::new(HostTierConnector::new(leaves(), dyn_pages, capacity_bytes).unwrap());
-    let fixture = Fixture { conn: Box::new(conn.clone()), pages, holds: true };
+    let fixture = Fixture { conn: Box::new(conn.clone()), pages, holds: true, accepts_anything: false };
     (conn, fixture)
 }
 
 /// A null connector over the test leaves (pages allocated for symmetry).
 pub fn null_fixture(num_replicas: usize) -> Fixture {
-    Fixture { conn: Box::new(NullConnector::new(leaves())), pages: alloc_pages(num_replicas), holds: false }
+    Fixture {
+        conn: Box::new(NullConnector::new(leaves())),
+        pages: alloc_pages(num_replicas),
+        holds: false,
+        accepts_anything: true,
+    }
 }
 
 /// Every connector, each with 2 replicas and (host) room for 16 blocks of every leaf.

@@ -10,7 +10,7 @@
 //! - `memcpy_1`: one thread, `memcpy` (the bench's original baseline);
 //! - `memcpy_n`: `threads` threads, `memcpy`, each a contiguous share of the pages;
 //! - `stream_n`: `threads` threads, the `shm` copy core's streaming-store
-//!   copy ([`kvwire::transport::shm::stream_copy`]).
+//!   copy ([`HostBuffer::stream_copy_to`], the `shm` copy core's routine).
 //!
 //! The ceiling is the better of the two N-thread figures: what `threads`
 //! cores copying flat out, with no transport around them, achieve.
@@ -20,7 +20,6 @@ use std::time::{Duration, Instant};
 use anyhow::Result;
 use kvwire::HostBuffer;
 use kvwire::transport::Op;
-use kvwire::transport::shm::stream_copy;
 
 /// Copy rates in GB/s (10^9 bytes/s).
 #[derive(Debug, Clone, Copy)]
@@ -93,7 +92,6 @@ fn pass(
 ) -> Duration {
     let bs = block_size as usize;
     let n = dst_of.len();
-    let s = src.as_slice();
     let mut pages: Vec<Option<&mut [u8]>> = dst.as_mut_slice().chunks_mut(bs).map(Some).collect();
     let mut work: Vec<(usize, &mut [u8])> = dst_of
         .iter()
@@ -109,8 +107,8 @@ fn pass(
     let copy_share = |share: &mut [(usize, &mut [u8])]| {
         for (from, out) in share.iter_mut() {
             match routine {
-                Routine::Memcpy => out.copy_from_slice(&s[*from..*from + bs]),
-                Routine::Stream => stream_copy(out, &s[*from..*from + bs]),
+                Routine::Memcpy => src.copy_to(*from, out),
+                Routine::Stream => src.stream_copy_to(*from, out),
             }
         }
     };
@@ -153,7 +151,7 @@ mod tests {
             pass(&src, &mut dst, bs, &dst_of, Op::Write, threads, routine);
             for (i, &d) in dst_of.iter().enumerate() {
                 let at = d as usize * bs as usize;
-                assert_eq!(&dst.as_slice()[at..at + bs as usize], &src.as_slice()[i * bs as usize..][..bs as usize]);
+                assert_eq!(dst.to_vec(at..at + bs as usize), src.to_vec(i * bs as usize..(i + 1) * bs as usize));
             }
         }
         let c = measure(&src, bs, &dst_of, Op::Read, 1, 2).unwrap();

@@ -208,9 +208,10 @@ fn round(a: &ServeArgs, engine: &mut TransferEngine, buf: &HostBuffer, p: &Peer,
     let remote: Vec<Desc> = (0..n).map(|k| Desc::new(remote_base + src_page(k) * ps, ps)).collect();
     let h = engine.post(Op::Read, &local, &p.name, &remote, None).map_err(|e| e.to_string())?;
     wait(engine, h, Op::Read, &p.name, n * ps)?;
+    let mut page = vec![0u8; ps as usize];
     for k in 0..n {
-        let off = (k * ps) as usize;
-        if !check_page(&buf.as_slice()[off..off + ps as usize], page_key(&p.name, src_page(k))) {
+        buf.copy_to((k * ps) as usize, &mut page);
+        if !check_page(&page, page_key(&p.name, src_page(k))) {
             return Err(format!("page {} from {} has wrong bytes", src_page(k), p.name));
         }
     }
@@ -224,9 +225,8 @@ fn round(a: &ServeArgs, engine: &mut TransferEngine, buf: &HostBuffer, p: &Peer,
     let back: Vec<Desc> = (0..n).map(|k| Desc::new(back_base + k * ps, ps)).collect();
     let h = engine.post(Op::Read, &back, &p.name, &remote_w, None).map_err(|e| e.to_string())?;
     wait(engine, h, Op::Read, &p.name, n * ps)?;
-    let s = buf.as_slice();
-    let half = buf.len() / 2;
-    if s[..(n * ps) as usize] != s[half..half + (n * ps) as usize] {
+    let (half, moved) = (buf.len() / 2, (n * ps) as usize);
+    if buf.to_vec(..moved) != buf.to_vec(half..half + moved) {
         return Err(format!("WRITE/READ round trip with {} lost bytes", p.name));
     }
     Ok(())

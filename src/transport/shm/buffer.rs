@@ -3,6 +3,7 @@
 
 use std::fs::File;
 use std::io;
+use std::ops::{Bound, RangeBounds};
 use std::os::fd::{AsFd, BorrowedFd};
 
 use memmap2::{MmapOptions, MmapRaw};
@@ -69,11 +70,23 @@ impl HostBuffer {
         false
     }
 
-    /// The bytes. Contents written by an in-progress transfer may change
-    /// underneath; read only after the transfer completed.
-    pub fn as_slice(&self) -> &[u8] {
+    /// The bytes as a shared slice, without copying.
+    ///
+    /// There is no safe way to borrow a `HostBuffer`'s bytes from `&self`:
+    /// a registered buffer is written by transfers (other threads, a peer
+    /// process, a NIC) that a `&[u8]` would alias. Read with
+    /// [`HostBuffer::to_vec`] or [`HostBuffer::copy_to`] (a copy through raw
+    /// pointers), or [`HostBuffer::as_mut_slice`] with `&mut self`.
+    ///
+    /// # Safety
+    /// While the returned slice lives, nothing writes the buffer: no
+    /// transfer that writes into it (local or from a peer) is in progress or
+    /// will start, no [`HostBuffer::write`], [`HostBuffer::fill_with`] or
+    /// [`HostBuffer::write_with`] runs on it, and no peer process maps it
+    /// writably and writes (a `shm` peer it is registered with may).
+    pub unsafe fn as_slice_unchecked(&self) -> &[u8] {
         // SAFETY: the mapping is `len_bytes` long, readable, and lives as long
-        // as `self`; other writers are transfers the caller has waited for.
+        // as `self`; the absence of writers is the caller's obligation.
         unsafe { std::slice::from_raw_parts(self.map.as_ptr(), self.len_bytes) }
     }
 
@@ -116,18 +129,81 @@ impl HostBuffer {
         unsafe { std::slice::from_raw_parts_mut(self.map.as_mut_ptr(), self.len_bytes) }
     }
 
-    /// A copy of `len` bytes at `offset`.
+    /// A copy of the bytes in `range` (`..` for all of them), read through
+    /// the raw mapping: no reference to the buffer's bytes is formed, so a
+    /// transfer may run meanwhile (the bytes it moves are then unspecified).
     ///
     /// # Panics
     /// When the range exceeds the buffer.
-    pub fn to_vec(&self, offset: usize, len: usize) -> Vec<u8> {
-        let end = offset.checked_add(len).expect("offset overflow");
-        assert!(end <= self.len_bytes, "read of {offset}..{end} past a {}-byte HostBuffer", self.len_bytes);
+    pub fn to_vec(&self, range: impl RangeBounds<usize>) -> Vec<u8> {
+        let (offset, len) = self.range(range);
         let mut out = vec![0u8; len];
-        // SAFETY: bounds checked; the mapping is readable and does not
-        // overlap `out`, a fresh allocation.
-        unsafe { std::ptr::copy_nonoverlapping(self.map.as_ptr().add(offset), out.as_mut_ptr(), len) };
+        self.copy_to(offset, &mut out);
         out
+    }
+
+    /// Copy `out.len()` bytes at `offset` into `out` (a reused scratch buffer
+    /// on hot paths: no allocation), as [`HostBuffer::to_vec`] does.
+    ///
+    /// # Panics
+    /// When `offset + out.len()` exceeds the buffer.
+    pub fn copy_to(&self, offset: usize, out: &mut [u8]) {
+        self.check(offset, out.len(), "read");
+        // SAFETY: bounds checked; the mapping is readable and lives as long
+        // as `self`; `out` is a `&mut` slice, so it is not the mapping of
+        // this buffer (that is never handed out while `&self` is borrowed).
+        unsafe { std::ptr::copy_nonoverlapping(self.map.as_ptr().add(offset), out.as_mut_ptr(), out.len()) };
+    }
+
+    /// As [`HostBuffer::copy_to`], with the `shm` copy core's streaming
+    /// stores into `out` (x86-64; elsewhere a plain copy): what the shm
+    /// transport's large copies do, for measuring the copy ceiling.
+    ///
+    /// # Panics
+    /// When `offset + out.len()` exceeds the buffer.
+    pub fn stream_copy_to(&self, offset: usize, out: &mut [u8]) {
+        self.check(offset, out.len(), "read");
+        // SAFETY: as in `copy_to`: the source range is inside the live,
+        // readable mapping and does not overlap the `&mut` destination.
+        unsafe { super::copy::copy_bytes(self.map.as_ptr().add(offset), out.as_mut_ptr(), out.len(), true) };
+        super::copy::store_fence();
+    }
+
+    /// Whether the bytes at `offset` equal `expected`, compared through a
+    /// copy into a small stack buffer (no reference into the mapping, no
+    /// allocation).
+    ///
+    /// # Panics
+    /// When `offset + expected.len()` exceeds the buffer.
+    pub fn eq_at(&self, offset: usize, expected: &[u8]) -> bool {
+        self.check(offset, expected.len(), "read");
+        let mut chunk = [0u8; 4096];
+        expected.chunks(chunk.len()).enumerate().all(|(i, want)| {
+            let got = &mut chunk[..want.len()];
+            self.copy_to(offset + i * 4096, got);
+            got == want
+        })
+    }
+
+    fn range(&self, range: impl RangeBounds<usize>) -> (usize, usize) {
+        let start = match range.start_bound() {
+            Bound::Included(&s) => s,
+            Bound::Excluded(&s) => s.checked_add(1).expect("offset overflow"),
+            Bound::Unbounded => 0,
+        };
+        let end = match range.end_bound() {
+            Bound::Included(&e) => e.checked_add(1).expect("offset overflow"),
+            Bound::Excluded(&e) => e,
+            Bound::Unbounded => self.len_bytes,
+        };
+        assert!(start <= end, "read of {start}..{end}: start after end");
+        self.check(start, end - start, "read");
+        (start, end - start)
+    }
+
+    fn check(&self, offset: usize, len: usize, what: &str) {
+        let end = offset.checked_add(len).expect("offset overflow");
+        assert!(end <= self.len_bytes, "{what} of {offset}..{end} past a {}-byte HostBuffer", self.len_bytes);
     }
 
     /// Let `f` write `len` bytes at `offset` in place (no staging copy).
@@ -135,8 +211,8 @@ impl HostBuffer {
     /// # Safety
     /// While `f` runs, nothing else may read or write the range: no transfer
     /// that reads or writes it is in progress (local or remote), and no
-    /// other slice of it (from [`HostBuffer::as_slice`] or another
-    /// `write_with`) is alive.
+    /// other slice of it (from [`HostBuffer::as_slice_unchecked`] or
+    /// another `write_with`) is alive.
     ///
     /// # Panics
     /// When the range exceeds the buffer.
@@ -172,12 +248,48 @@ mod tests {
     fn allocates_zeroed_page_aligned_memory() {
         let b = HostBuffer::new(10_000).unwrap();
         assert_eq!(b.addr() % 4096, 0);
-        assert!(b.as_slice().iter().all(|&x| x == 0));
+        assert!(b.to_vec(..).iter().all(|&x| x == 0));
         b.write(9_990, &[7; 10]);
-        assert_eq!(&b.as_slice()[9_990..], &[7; 10]);
+        assert_eq!(b.to_vec(9_990..), [7; 10]);
         b.fill_with(0, 4, |i| i as u8 + 1);
-        assert_eq!(&b.as_slice()[..4], &[1, 2, 3, 4]);
+        assert_eq!(b.to_vec(..4), [1, 2, 3, 4]);
+        assert_eq!(b.to_vec(1..=2), [2, 3]);
         assert!(HostBuffer::new(0).is_err());
+    }
+
+    #[test]
+    fn reads_copy_compare_and_stream_without_borrowing_the_mapping() {
+        let b = HostBuffer::new(3 * 4096 + 100).unwrap();
+        b.fill_with(0, b.len(), |i| (i % 251) as u8);
+        let want: Vec<u8> = (0..b.len()).map(|i| (i % 251) as u8).collect();
+        let mut out = vec![0u8; 9000];
+        b.copy_to(77, &mut out);
+        assert_eq!(out, want[77..9077]);
+        out.fill(0);
+        b.stream_copy_to(77, &mut out);
+        assert_eq!(out, want[77..9077]);
+        assert!(b.eq_at(0, &want));
+        assert!(b.eq_at(4095, &want[4095..8300]));
+        assert!(!b.eq_at(1, &want[..5000]));
+        assert!(b.eq_at(b.len(), &[]));
+        // SAFETY: no transfer or other writer touches `b` while `s` lives.
+        let s = unsafe { b.as_slice_unchecked() };
+        assert_eq!(s, &want[..]);
+        let mut m = HostBuffer::new(8).unwrap();
+        m.as_mut_slice().copy_from_slice(b"12345678");
+        assert_eq!(m.to_vec(2..4), b"34");
+    }
+
+    #[test]
+    #[should_panic(expected = "past a")]
+    fn read_out_of_bounds_panics() {
+        HostBuffer::new(16).unwrap().to_vec(8..17);
+    }
+
+    #[test]
+    #[should_panic(expected = "past a")]
+    fn compare_out_of_bounds_panics() {
+        HostBuffer::new(16).unwrap().eq_at(10, &[0; 7]);
     }
 
     #[test]

@@ -544,7 +544,7 @@ fn parse_cache_size(s: &str) -> Option<u64> {
 /// # Safety
 /// `src` is readable and `dst` writable for `len` bytes, and the two ranges
 /// do not overlap.
-unsafe fn copy_bytes(src: *const u8, dst: *mut u8, len: usize, stream: bool) {
+pub(super) unsafe fn copy_bytes(src: *const u8, dst: *mut u8, len: usize, stream: bool) {
     #[cfg(target_arch = "x86_64")]
     if stream {
         // SAFETY: forwarded from the caller.
@@ -573,7 +573,7 @@ pub fn stream_copy(dst: &mut [u8], src: &[u8]) {
 
 /// Make this thread's streaming stores visible to other threads before
 /// the stores (and atomics) that follow.
-fn store_fence() {
+pub(super) fn store_fence() {
     #[cfg(target_arch = "x86_64")]
     // SAFETY: `sfence` is part of SSE, which every x86-64 CPU has.
     unsafe {

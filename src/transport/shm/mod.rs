@@ -243,9 +243,10 @@ impl Transport for ShmTransport {
     /// caller may free the memory afterwards).
     ///
     /// # Errors
-    /// [`TransportError::UnknownLocalKey`]; [`TransportError::Connect`] when
-    /// a live initiator does not acknowledge within `peer_timeout` — the
-    /// registration then stays in place (deregister may be retried).
+    /// [`TransportError::UnknownLocalKey`]; [`TransportError::Timeout`]
+    /// (`op: "deregister"`) when a live initiator does not acknowledge
+    /// within `peer_timeout` — the registration then stays in place
+    /// (deregister may be retried).
     fn deregister(&mut self, lkey: LocalKey) -> Result<(), TransportError> {
         let removed = self
             .regions
@@ -261,6 +262,8 @@ impl Transport for ShmTransport {
             .filter(|p| p.live.load(Ordering::Acquire) && p.admitted.load(Ordering::Acquire))
             .cloned()
             .collect();
+        // Before any Revoke goes out, so that no acknowledgement is dropped.
+        self.acks.revoking.lock().unwrap_or_else(|p| p.into_inner()).insert(lkey.0);
         for p in &peers {
             // A peer that cannot be told is gone (its socket is closed).
             let _ = p.channel.send(&Msg::Revoke { rkey: lkey.0 }, None);
@@ -275,19 +278,20 @@ impl Transport for ShmTransport {
                 .collect();
             if waiting.is_empty() {
                 got.retain(|(_, k)| *k != lkey.0);
+                self.acks.revoking.lock().unwrap_or_else(|p| p.into_inner()).remove(&lkey.0);
                 return Ok(());
             }
             let now = std::time::Instant::now();
             if now >= deadline {
                 got.retain(|(_, k)| *k != lkey.0);
+                self.acks.revoking.lock().unwrap_or_else(|p| p.into_inner()).remove(&lkey.0);
                 drop(got);
                 self.regions.lock().unwrap_or_else(|p| p.into_inner()).insert(lkey.0, removed);
-                return Err(TransportError::Connect {
+                return Err(TransportError::Timeout {
+                    op: "deregister",
                     peer: format!("{} initiator(s)", waiting.len()),
-                    reason: format!(
-                        "did not confirm revoking rkey {} within {:?}; the region stays registered",
-                        lkey.0, self.config.peer_timeout
-                    ),
+                    timeout: self.config.peer_timeout,
+                    detail: format!("no confirmation of revoking rkey {}; the region stays registered", lkey.0),
                 });
             }
             got = self.acks.changed.wait_timeout(got, deadline - now).unwrap_or_else(|p| p.into_inner()).0;

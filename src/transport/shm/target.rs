@@ -56,7 +56,10 @@ pub type Accepted = Arc<Mutex<Vec<Arc<AcceptedPeer>>>>;
 /// Revocation acknowledgements `(peer id, rkey)`, and a condvar to wait on.
 #[derive(Default)]
 pub struct Acks {
-    /// Acknowledgements received.
+    /// Keys a `deregister` is waiting for. Acknowledgements of other keys
+    /// are dropped, so a peer cannot grow `got` by sending them.
+    pub revoking: Mutex<HashSet<u32>>,
+    /// Acknowledgements received (of keys in `revoking`).
     pub got: Mutex<HashSet<(u64, u32)>>,
     /// Signalled on each acknowledgement and when a peer leaves.
     pub changed: Condvar,
@@ -171,8 +174,13 @@ fn serve_peer(peer: &AcceptedPeer, shared: &Shared) {
                 }
             }
             Ok(Some((Msg::RevokeAck { rkey }, _))) => {
-                lock(&shared.acks.got).insert((peer.id, rkey));
-                shared.acks.changed.notify_all();
+                // (`revoking` is released before `got` is taken: deregister
+                // takes them the other way round.)
+                let pending = lock(&shared.acks.revoking).contains(&rkey);
+                if pending {
+                    lock(&shared.acks.got).insert((peer.id, rkey));
+                    shared.acks.changed.notify_all();
+                }
             }
             Ok(Some((other, _))) => tracing::warn!("shm: unexpected message from {agent}: {other:?}"),
             Ok(None) => return,
@@ -236,4 +244,34 @@ fn answer_hello(
         allow_ptracer(pid);
     }
     ch.send(&Msg::Ready { pid: std::process::id() }, None)
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use crate::transport::auth;
+    use crate::transport::shm::ShmTransport;
+    use crate::transport::shm::wire::{self, Channel, Msg, ShmInfo};
+    use crate::transport::{Transport, TransportConfig};
+
+    /// A peer that proved the secret used to grow the target's
+    /// acknowledgement set by one entry per `RevokeAck` of any key.
+    #[test]
+    fn acknowledgements_of_keys_nobody_revokes_are_dropped() {
+        let t = ShmTransport::new("target", &TransportConfig::default()).unwrap();
+        let info = ShmInfo::decode(&t.connection_info()).unwrap();
+        let ch = Channel::connect(&info.socket, Duration::from_secs(5)).unwrap();
+        let Ok(Some((Msg::Challenge { nonce }, _))) = ch.recv() else { panic!("no challenge") };
+        let proof = auth::prove(&info.secret, &nonce, &wire::proof_context("p")).to_vec();
+        ch.send(&Msg::Hello { agent: "p".into(), rkeys: vec![], proof }, None).unwrap();
+        assert!(matches!(ch.recv(), Ok(Some((Msg::Ready { .. }, _)))));
+        for rkey in 0..1000 {
+            ch.send(&Msg::RevokeAck { rkey }, None).unwrap();
+        }
+        // Acknowledged after every RevokeAck before it was handled.
+        ch.send(&Msg::Notify { payload: b"x".to_vec() }, None).unwrap();
+        assert!(matches!(ch.recv(), Ok(Some((Msg::NotifyAck, _)))));
+        assert!(super::lock(&t.acks.got).is_empty());
+    }
 }

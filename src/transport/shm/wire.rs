@@ -144,6 +144,50 @@ pub enum Msg {
     NotifyAck,
 }
 
+impl Msg {
+    /// Encode one packet (postcard).
+    ///
+    /// # Errors
+    /// [`TransportError::Post`] for a packet larger than [`MAX_PACKET`].
+    pub fn encode(&self) -> Result<Vec<u8>, TransportError> {
+        let buf = postcard::to_allocvec(self).map_err(|e| TransportError::Post(e.to_string()))?;
+        if buf.len() > MAX_PACKET {
+            return Err(TransportError::Post(format!("{}-byte packet exceeds {MAX_PACKET}", buf.len())));
+        }
+        Ok(buf)
+    }
+
+    /// Decode one received packet and check the limits a peer must keep
+    /// ([`MAX_PACKET`], [`MAX_HELLO_KEYS`], [`MAX_AGENT_NAME`],
+    /// [`MAX_NOTIFICATION`]). Never
+    /// panics; allocates at most the packet's length.
+    ///
+    /// # Errors
+    /// [`TransportError::BadConnectionInfo`] for an oversized, undecodable
+    /// or out-of-limits packet.
+    pub fn decode(packet: &[u8]) -> Result<Self, TransportError> {
+        if packet.len() > MAX_PACKET {
+            return Err(TransportError::BadConnectionInfo(format!(
+                "{}-byte packet exceeds {MAX_PACKET}",
+                packet.len()
+            )));
+        }
+        let msg: Msg = postcard::from_bytes(packet).map_err(|e| TransportError::BadConnectionInfo(e.to_string()))?;
+        match &msg {
+            Msg::Hello { rkeys, .. } if rkeys.len() > MAX_HELLO_KEYS => {
+                Err(TransportError::BadConnectionInfo("too many keys in hello".into()))
+            }
+            Msg::Hello { agent, .. } if agent.len() > MAX_AGENT_NAME => {
+                Err(TransportError::BadConnectionInfo("agent name too long in hello".into()))
+            }
+            Msg::Notify { payload } if payload.len() > MAX_NOTIFICATION => Err(TransportError::BadConnectionInfo(
+                format!("{}-byte notification exceeds {MAX_NOTIFICATION}", payload.len()),
+            )),
+            _ => Ok(msg),
+        }
+    }
+}
+
 fn os(call: &'static str) -> impl Fn(nix::Error) -> TransportError {
     move |e| TransportError::io(call, std::io::Error::from(e))
 }
@@ -239,14 +283,6 @@ impl Channel {
         Ok(PeerCred { pid: c.pid(), uid: c.uid(), gid: c.gid() })
     }
 
-    fn encode(msg: &Msg) -> Result<Vec<u8>, TransportError> {
-        let buf = postcard::to_allocvec(msg).map_err(|e| TransportError::Post(e.to_string()))?;
-        if buf.len() > MAX_PACKET {
-            return Err(TransportError::Post(format!("{}-byte packet exceeds {MAX_PACKET}", buf.len())));
-        }
-        Ok(buf)
-    }
-
     fn sendmsg(&self, buf: &[u8], fd: Option<RawFd>, flags: MsgFlags) -> nix::Result<usize> {
         let fds;
         let cmsgs: &[ControlMessage] = match fd {
@@ -266,7 +302,7 @@ impl Channel {
     /// `sendmsg` failure (a dead peer gives `EPIPE`/`ECONNRESET`, a full
     /// buffer past the timeout `EAGAIN`), or a message larger than [`MAX_PACKET`].
     pub fn send(&self, msg: &Msg, fd: Option<RawFd>) -> Result<(), TransportError> {
-        let buf = Self::encode(msg)?;
+        let buf = msg.encode()?;
         self.sendmsg(&buf, fd, MsgFlags::MSG_NOSIGNAL).map_err(os("sendmsg"))?;
         Ok(())
     }
@@ -278,7 +314,7 @@ impl Channel {
     /// # Errors
     /// As [`Channel::send`], except a full buffer.
     pub fn try_send(&self, msg: &Msg) -> Result<bool, TransportError> {
-        let buf = Self::encode(msg)?;
+        let buf = msg.encode()?;
         match self.sendmsg(&buf, None, MsgFlags::MSG_NOSIGNAL | MsgFlags::MSG_DONTWAIT) {
             Ok(_) => Ok(true),
             Err(nix::errno::Errno::EAGAIN) => Ok(false),
@@ -362,16 +398,7 @@ impl Channel {
                 "truncated packet (more than {MAX_PACKET} bytes or {MAX_FDS_PER_PACKET} descriptors)"
             )));
         }
-        let msg: Msg = postcard::from_bytes(&buf[..n]).map_err(|e| TransportError::BadConnectionInfo(e.to_string()))?;
-        match &msg {
-            Msg::Hello { rkeys, .. } if rkeys.len() > MAX_HELLO_KEYS => {
-                return Err(TransportError::BadConnectionInfo("too many keys in hello".into()));
-            }
-            Msg::Hello { agent, .. } if agent.len() > MAX_AGENT_NAME => {
-                return Err(TransportError::BadConnectionInfo("agent name too long in hello".into()));
-            }
-            _ => {}
-        }
+        let msg = Msg::decode(&buf[..n])?;
         // Only a region answer carries a descriptor; the rest are closed here.
         let fd = fds.into_iter().next();
         Ok(Received::Msg(msg, fd))

@@ -61,6 +61,7 @@ pub fn run(mut chan: SideChannel) -> Result<()> {
     let (mut clock_us, mut backpressured) = (0u64, 0u64);
     let started = Instant::now();
     let bpp = g.bytes_per_page as usize;
+    let mut page = vec![0u8; bpp]; // scratch for verifying landed pages
     let mut idle = Idle::new();
     let mut finishing = false;
     loop {
@@ -151,8 +152,8 @@ pub fn run(mut chan: SideChannel) -> Result<()> {
             for (s, host) in hosts[h.replica].iter().enumerate() {
                 let src_shard = g.source_shard(s);
                 for (j, &p) in h.pages.iter().enumerate() {
-                    let page = &host.as_slice()[p as usize * bpp..(p as usize + 1) * bpp];
-                    if !check_page(page, shard_key(h.keys[j], src_shard)) {
+                    host.copy_to(p as usize * bpp, &mut page);
+                    if !check_page(&page, shard_key(h.keys[j], src_shard)) {
                         bad += 1;
                     }
                 }
