@@ -10,6 +10,10 @@ One kvwire transport per agent. The plugins and the transport each picks:
                 RDMA port is ACTIVE (/sys/class/infiniband/*/ports/*/state);
                 else shm (one host). Across hosts without RDMA set
                 KVWIRE_NIXL_UCX=tcp.
+
+The verbs device: the backend's `device_list` param (first entry); else the
+first RDMA device named in `$UCX_NET_DEVICES` (e.g. `mlx5_0:1`, as UCX users
+already set per process); else kvwire's default (the first device).
 """
 
 import glob
@@ -41,6 +45,16 @@ def _active_rdma_port() -> bool:
         except OSError:
             pass
     return False
+
+
+def _ucx_net_device() -> str:
+    """The first RDMA device in `$UCX_NET_DEVICES` (`dev[:port]`, comma
+    separated; non-RDMA entries such as `eth0` are skipped), or ""."""
+    for entry in os.environ.get("UCX_NET_DEVICES", "").split(","):
+        dev = entry.strip().split(":")[0]
+        if dev and os.path.isdir(os.path.join("/sys/class/infiniband", dev)):
+            return dev
+    return ""
 
 
 def transport_for(plugin: str) -> str:
@@ -128,8 +142,10 @@ class nixlAgent:
             timeout = int(params.pop("peer_timeout_ms", 5000) or 5000)
             options = []
             devices = str(params.pop("device_list", "") or "")
-            if devices and transport == "verbs":
-                options.append(("device", devices.split(",")[0].split(":")[0]))
+            if transport == "verbs":
+                device = devices.split(",")[0].split(":")[0].strip() or _ucx_net_device()
+                if device:
+                    options.append(("device", device))
             for k in list(params):
                 if k.startswith("kvwire."):
                     options.append((k[len("kvwire."):], str(params.pop(k))))
