@@ -28,7 +28,7 @@ use pyo3::types::{PyBytes, PyDict, PyList};
 #[path = "nixl_descs.rs"]
 mod descs;
 
-use descs::{gather, parse_indices, parse_rows};
+use descs::{gather, index_count, parse_rows};
 
 create_exception!(kvwire, NixlCoreError, PyRuntimeError, "A NIXL-core call failed: args are (status, message).");
 
@@ -294,10 +294,12 @@ impl PyNixlCore {
         })
     }
 
-    /// A request from two prepared lists and `int64` index lists into them
-    /// (NIXL `makeXferReq`). Returns the request id.
-    #[pyo3(signature = (op, local_id, local_idx, remote_id, remote_idx, notif=None))]
-    #[allow(clippy::too_many_arguments)] // NIXL's makeXferReq arguments, plus `py`
+    /// A request from two prepared lists and index lists into them (NIXL
+    /// `makeXferReq`): the bytes of little-endian `int64` indices, or of
+    /// `int32` ones with `width=4` (SGLang's and vLLM's index arrays, passed
+    /// as they are). Returns the request id.
+    #[pyo3(signature = (op, local_id, local_idx, remote_id, remote_idx, notif=None, width=8))]
+    #[allow(clippy::too_many_arguments)] // NIXL's makeXferReq arguments, plus `py` and `width`
     fn make(
         &self,
         py: Python<'_>,
@@ -307,12 +309,13 @@ impl PyNixlCore {
         remote_id: u64,
         remote_idx: &[u8],
         notif: Option<Vec<u8>>,
+        width: usize,
     ) -> PyResult<u64> {
         let op = op_of(op)?;
-        let li = parse_indices(local_idx).map_err(|m| err(status::INVALID_PARAM, m))?;
-        let ri = parse_indices(remote_idx).map_err(|m| err(status::INVALID_PARAM, m))?;
-        if li.len() != ri.len() {
-            return Err(err(status::INVALID_PARAM, format!("{} local vs {} remote indices", li.len(), ri.len())));
+        let nl = index_count(local_idx, width).map_err(|m| err(status::INVALID_PARAM, m))?;
+        let nr = index_count(remote_idx, width).map_err(|m| err(status::INVALID_PARAM, m))?;
+        if nl != nr {
+            return Err(err(status::INVALID_PARAM, format!("{nl} local vs {nr} remote indices")));
         }
         self.run(py, |c| {
             let unknown = |id| err(status::INVALID_PARAM, format!("unknown dlist {id}"));
@@ -325,8 +328,8 @@ impl PyNixlCore {
                 return Err(err(status::INVALID_PARAM, "the remote dlist was prepared for the local side"));
             }
             let (mut local, mut remote) = (Vec::new(), Vec::new());
-            gather(ld, &li, &mut local).map_err(|m| err(status::INVALID_PARAM, m))?;
-            gather(rd, &ri, &mut remote).map_err(|m| err(status::INVALID_PARAM, m))?;
+            gather(ld, local_idx, width, &mut local).map_err(|m| err(status::INVALID_PARAM, m))?;
+            gather(rd, remote_idx, width, &mut remote).map_err(|m| err(status::INVALID_PARAM, m))?;
             let agent = agent.clone();
             let id = c.id();
             c.reqs.insert(id, Request { op, agent, local, remote, notif, handle: None });

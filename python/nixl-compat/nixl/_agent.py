@@ -96,8 +96,14 @@ def _op(op) -> str:
     return "READ" if op == B.NIXL_READ else "WRITE"
 
 
-def _idx(x) -> bytes:
-    return np.ascontiguousarray(np.asarray(x, dtype=np.int64).reshape(-1), dtype="<i8").tobytes()
+def _idx(x):
+    """Index list -> (bytes, width) for NixlCore.make. A 1-D int32/int64
+    array (what vLLM and SGLang pass) crosses as its own bytes, unconverted;
+    anything else becomes int64."""
+    if isinstance(x, np.ndarray) and x.ndim == 1 and x.dtype.kind == "i" and x.dtype.itemsize in (4, 8):
+        a = x.astype(x.dtype.newbyteorder("<"), copy=False)
+        return a.tobytes(), a.dtype.itemsize
+    return np.asarray(x, dtype="<i8").reshape(-1).tobytes(), 8
 
 
 class nixlAgent:
@@ -223,9 +229,12 @@ class nixlAgent:
     def makeXferReq(self, op, local_side, local_indices, remote_side, remote_indices, notif_msg="",
                     backends=(), skip_desc_merge=False):
         notif = _bytes(notif_msg) or None
+        (li, lw), (ri, rw) = _idx(local_indices), _idx(remote_indices)
+        if lw != rw:  # one width for both lists
+            (li, lw), (ri, rw) = _idx(np.frombuffer(li, f"<i{lw}").astype("<i8")), _idx(
+                np.frombuffer(ri, f"<i{rw}").astype("<i8"))
         try:
-            return self._c().make(_op(op), int(local_side), _idx(local_indices), int(remote_side),
-                                  _idx(remote_indices), notif)
+            return self._c().make(_op(op), int(local_side), li, int(remote_side), ri, notif, lw)
         except NixlCoreError as e:
             raise _err(e) from None
 
