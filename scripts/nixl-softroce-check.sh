@@ -68,5 +68,5 @@ guest_cmd="cd /host && export PYTHONHOME=/host/py PYTHONPATH=/host/site LD_LIBRA
 PYTHONDONTWRITEBYTECODE=1 UCX_NET_DEVICES=rxe0 KVWIRE_NIXL_TEST_PEER_DEVICE=rxe1 \
 KVWIRE_NIXL_TEST_BACKENDS=KVWIRE_VERBS,UCX KVWIRE_NIXL_TEST_EXPECT_TRANSPORT=verbs && cd tests && \
 /host/python3 -c 'import nixl._api, kvwire; print(\"python in the guest:\", kvwire.__file__)' && \
-/host/python3 -m pytest -v --color=no -p no:cacheprovider --timeout=600 -k vllm_shaped ${PYTEST_ARGS:-} test_nixl_two_process.py"
+/host/python3 -m pytest -v --color=no -p no:cacheprovider --timeout=600 -k \"vllm_shaped or sglang_shaped_flow\" ${PYTEST_ARGS:-} test_nixl_two_process.py test_nixl_sglang.py"
 flock /tmp/kvwire-softroce.lock bash "$softroce_vm" run "$stage" "$guest_cmd"
