@@ -20,6 +20,7 @@ import importlib
 import json
 import multiprocessing as mp
 import os
+import resource
 import sys
 import time
 import uuid
@@ -94,7 +95,7 @@ def main():
         prep_ns = (time.perf_counter_ns() - t0) / (2 * n)
         idx = np.arange(n, dtype=np.int32)
         for op in ("WRITE", "READ"):
-            best_gbps, best_make, best_cpu = 0.0, float("inf"), float("inf")
+            best_gbps, best_make, best_cpu, faults = 0.0, float("inf"), float("inf"), []
             for rep in range(REPS):
                 seed = page * 10 + rep
                 if op == "WRITE":
@@ -103,10 +104,12 @@ def main():
                     parent.send(("fill", seed))
                     parent.recv()
                     buf[:] = 0
+                f0 = resource.getrusage(resource.RUSAGE_THREAD).ru_minflt
                 t0, c0 = time.perf_counter_ns(), time.thread_time_ns()
                 h = agent.make_prepped_xfer(op, lh, idx, rh, idx, b"bench")
                 st = agent.transfer(h)
                 t1, c1 = time.perf_counter_ns(), time.thread_time_ns()
+                faults.append(resource.getrusage(resource.RUSAGE_THREAD).ru_minflt - f0)
                 while st != "DONE":
                     st = agent.check_xfer_state(h)
                     if st == "ERR":
@@ -127,7 +130,8 @@ def main():
             out["results"].append({"page": page, "op": op, "descs": n, "gbps": round(best_gbps, 3),
                                    "prep_ns_per_desc": round(prep_ns, 1),
                                    "make_post_ns_per_desc": round(best_make, 1),
-                                   "make_post_cpu_ns_per_desc": round(best_cpu, 1)})
+                                   "make_post_cpu_ns_per_desc": round(best_cpu, 1),
+                                   "make_post_page_faults": faults})
         agent.release_dlist_handle(lh)
         agent.release_dlist_handle(rh)
     # one-page latency: 4 KiB WRITE, make + transfer + poll to DONE

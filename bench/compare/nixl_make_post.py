@@ -12,16 +12,20 @@ thread:
   rust   the same two steps straight on the Rust core (NixlCore.make/.post),
          i.e. without the Python wrapper
 
-as CPU time of the calling thread (time.thread_time_ns: the machine's load
+as CPU time of the calling thread (and its minor page faults) (time.thread_time_ns: the machine's load
 inflates it far less than wall time, which includes waiting for a core while
 the copy threads run) and as wall time. Prints one JSON line: min and median
 ns/desc of each over NIXL_MP_REPS reps (default 15), and the load average.
+NIXL_MP_CHURN=1 allocates and frees 256 MiB between reps, as
+nixl_api_bench.py's refill does, so the allocator returns memory to the
+kernel and fresh allocations in make/post fault their pages in again.
 
     python bench/compare/nixl_make_post.py
 """
 
 import json
 import os
+import resource
 import statistics
 import time
 import uuid
@@ -34,6 +38,11 @@ N = int(os.environ.get("NIXL_MP_DESCS", "65536"))
 PAGE = int(os.environ.get("NIXL_MP_PAGE", "4096"))
 REPS = int(os.environ.get("NIXL_MP_REPS", "15"))
 BACKEND = os.environ.get("NIXL_MP_BACKEND", "KVWIRE_SHM")
+CHURN = os.environ.get("NIXL_MP_CHURN", "0") == "1"
+
+
+def faults():
+    return resource.getrusage(resource.RUSAGE_THREAD).ru_minflt
 
 
 def wait(agent, h):
@@ -64,13 +73,19 @@ def main():
     idx64 = idx.astype("<i8").tobytes()
     cpu = {"make": [], "post": [], "rust_make": [], "rust_post": []}
     wall = {k: [] for k in cpu}
-    for _ in range(REPS):
+    flt = []
+    for rep in range(REPS):
+        if CHURN:
+            junk = np.random.default_rng(rep).bytes(256 << 20)
+            del junk
         # the API path
+        f0 = faults()
         w0, c0 = time.perf_counter_ns(), time.thread_time_ns()
         h = ini.make_prepped_xfer("WRITE", lh, idx, rh, idx, b"bench")
         w1, c1 = time.perf_counter_ns(), time.thread_time_ns()
         ini.transfer(h)
         w2, c2 = time.perf_counter_ns(), time.thread_time_ns()
+        flt.append(faults() - f0)
         wait(ini, h)
         ini.release_xfer_handle(h)
         cpu["make"].append((c1 - c0) / N)
@@ -91,7 +106,8 @@ def main():
         wall["rust_make"].append((w1 - w0) / N)
         wall["rust_post"].append((w2 - w1) / N)
     assert tbuf[int(perm[0]) * PAGE] == 1, "WRITE did not land"
-    out = {"descs": N, "page": PAGE, "backend": BACKEND, "reps": REPS, "loadavg": os.getloadavg()}
+    out = {"descs": N, "page": PAGE, "backend": BACKEND, "reps": REPS, "churn": CHURN, "loadavg": os.getloadavg(),
+           "make_post_faults_median": statistics.median(flt)}
     for kind, d in (("cpu", cpu), ("wall", wall)):
         for k, v in d.items():
             out[f"{kind}_{k}_min"] = round(min(v), 1)
