@@ -152,11 +152,13 @@ impl Drop for XferShared {
 pub struct SpareSegments(Mutex<Vec<Vec<Segment>>>);
 
 impl SpareSegments {
-    /// How many lists are kept.
-    const KEEP: usize = 4;
-    /// Lists shorter than this are not worth keeping (they fit in pages the
-    /// allocator keeps anyway).
-    const MIN_CAPACITY: usize = 4096;
+    /// How many lists are kept: enough for a few transfers finishing
+    /// between posts (not tuned; each kept list is at most the largest
+    /// recent post's, 2 MiB at 65,536 segments).
+    pub(crate) const KEEP: usize = 4;
+    /// Lists shorter than this (128 KiB, glibc's default mmap threshold) come
+    /// from pages the allocator keeps anyway: not worth keeping.
+    pub(crate) const MIN_CAPACITY: usize = 4096;
 
     /// Keep `v` (cleared) unless enough are kept already.
     pub fn put(&self, mut v: Vec<Segment>) {
