@@ -7,8 +7,7 @@ and 64 KiB scattered by a permutation, WRITE and READ, with a notification,
 and verifies the bytes (sha256 of the target's buffer vs the expected
 permutation). Reports GB/s, `prep_xfer_dlist` ns/desc, `make_prepped_xfer` +
 `transfer` ns/desc (wall, and CPU time and minor page faults of the calling
-thread), and one-page
-(4 KiB WRITE) latency p50/p99.
+thread), and one-page (4 KiB WRITE) latency p50/p99.
 
 Env: NIXL_BENCH_MODULE (default `nixl`; `nixl_cu12` for the bare wheel),
 NIXL_BENCH_BACKEND (default UCX), NIXL_BENCH_PARAMS (JSON backend init params),
