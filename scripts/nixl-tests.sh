@@ -8,7 +8,9 @@
 # `nixl-tests: skipped: <reason>` and exits 0, unless KVWIRE_REQUIRE_PYTHON=1 (then it fails).
 # From PyPI (into the venv, ignored by git): maturin, numpy, pytest, pytest-timeout.
 #
-# Env: KVWIRE_NIXL_VENV (default target/nixl-venv), PYTEST_ARGS (extra args).
+# Env: KVWIRE_NIXL_VENV (default target/nixl-venv), PYTEST_ARGS (extra args),
+# KVWIRE_NIXL_BUILD_ONLY=1 (build and install, run no tests; used by
+# scripts/nixl-softroce-check.sh).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 root=$(pwd)
@@ -32,6 +34,7 @@ rm -rf "$wheels"
 "$venv/bin/python" -m pip install -q --force-reinstall --no-deps "$wheels"/kvwire-*.whl
 "$venv/bin/python" -m pip install -q --force-reinstall --no-deps "$root/python/nixl-compat"
 echo "nixl-tests: build and install took $(( $(date +%s) - start )) s"
+[ "${KVWIRE_NIXL_BUILD_ONLY:-0}" = 1 ] && exit 0
 
 # From outside the source tree, so the installed packages are what is tested.
 cd "$root/python/nixl-compat/tests"

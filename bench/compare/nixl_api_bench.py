@@ -6,7 +6,8 @@ on `get_new_notifs`, and an initiator that moves all of it as pages of 4 KiB
 and 64 KiB scattered by a permutation, WRITE and READ, with a notification,
 and verifies the bytes (sha256 of the target's buffer vs the expected
 permutation). Reports GB/s, `prep_xfer_dlist` ns/desc, `make_prepped_xfer` +
-`transfer` ns/desc, and one-page (4 KiB WRITE) latency p50/p99.
+`transfer` ns/desc (wall, and CPU time and minor page faults of the calling
+thread), and one-page (4 KiB WRITE) latency p50/p99.
 
 Env: NIXL_BENCH_MODULE (default `nixl`; `nixl_cu12` for the bare wheel),
 NIXL_BENCH_BACKEND (default UCX), NIXL_BENCH_PARAMS (JSON backend init params),
@@ -19,6 +20,7 @@ import importlib
 import json
 import multiprocessing as mp
 import os
+import resource
 import sys
 import time
 import uuid
@@ -93,7 +95,7 @@ def main():
         prep_ns = (time.perf_counter_ns() - t0) / (2 * n)
         idx = np.arange(n, dtype=np.int32)
         for op in ("WRITE", "READ"):
-            best_gbps, best_make = 0.0, float("inf")
+            best_gbps, best_make, best_cpu, faults = 0.0, float("inf"), float("inf"), []
             for rep in range(REPS):
                 seed = page * 10 + rep
                 if op == "WRITE":
@@ -102,10 +104,12 @@ def main():
                     parent.send(("fill", seed))
                     parent.recv()
                     buf[:] = 0
-                t0 = time.perf_counter_ns()
+                f0 = resource.getrusage(resource.RUSAGE_THREAD).ru_minflt
+                t0, c0 = time.perf_counter_ns(), time.thread_time_ns()
                 h = agent.make_prepped_xfer(op, lh, idx, rh, idx, b"bench")
                 st = agent.transfer(h)
-                t1 = time.perf_counter_ns()
+                t1, c1 = time.perf_counter_ns(), time.thread_time_ns()
+                faults.append(resource.getrusage(resource.RUSAGE_THREAD).ru_minflt - f0)
                 while st != "DONE":
                     st = agent.check_xfer_state(h)
                     if st == "ERR":
@@ -113,6 +117,7 @@ def main():
                 t2 = time.perf_counter_ns()
                 agent.release_xfer_handle(h)
                 best_make = min(best_make, (t1 - t0) / n)
+                best_cpu = min(best_cpu, (c1 - c0) / n)
                 best_gbps = max(best_gbps, BYTES / (t2 - t0))
                 src = np.frombuffer(np.random.default_rng(seed).bytes(BYTES), np.uint8)
                 if op == "WRITE":
@@ -124,7 +129,9 @@ def main():
                     assert np.array_equal(buf.reshape(n, page), src.reshape(n, page)[perm]), "READ bytes differ"
             out["results"].append({"page": page, "op": op, "descs": n, "gbps": round(best_gbps, 3),
                                    "prep_ns_per_desc": round(prep_ns, 1),
-                                   "make_post_ns_per_desc": round(best_make, 1)})
+                                   "make_post_ns_per_desc": round(best_make, 1),
+                                   "make_post_cpu_ns_per_desc": round(best_cpu, 1),
+                                   "make_post_page_faults": faults})
         agent.release_dlist_handle(lh)
         agent.release_dlist_handle(rh)
     # one-page latency: 4 KiB WRITE, make + transfer + poll to DONE

@@ -28,7 +28,7 @@ use pyo3::types::{PyBytes, PyDict, PyList};
 #[path = "nixl_descs.rs"]
 mod descs;
 
-use descs::{gather, parse_indices, parse_rows};
+use descs::{gather, index_count, parse_rows};
 
 create_exception!(kvwire, NixlCoreError, PyRuntimeError, "A NIXL-core call failed: args are (status, message).");
 
@@ -90,6 +90,9 @@ struct Core {
     reqs: HashMap<u64, Request>,
     next_id: u64,
     segments: Vec<Segment>,
+    /// Descriptor lists of released requests, for the next `make` to refill
+    /// without faulting in fresh pages (1 MiB per side at 65,536).
+    spare: Vec<Vec<Desc>>,
 }
 
 impl Core {
@@ -187,6 +190,7 @@ impl PyNixlCore {
             reqs: HashMap::new(),
             next_id: 0,
             segments: Vec::new(),
+            spare: Vec::new(),
         };
         Ok(Self { inner: Mutex::new(core), name, transport: kind })
     }
@@ -294,10 +298,12 @@ impl PyNixlCore {
         })
     }
 
-    /// A request from two prepared lists and `int64` index lists into them
-    /// (NIXL `makeXferReq`). Returns the request id.
-    #[pyo3(signature = (op, local_id, local_idx, remote_id, remote_idx, notif=None))]
-    #[allow(clippy::too_many_arguments)] // NIXL's makeXferReq arguments, plus `py`
+    /// A request from two prepared lists and index lists into them (NIXL
+    /// `makeXferReq`): the bytes of little-endian `int64` indices, or of
+    /// `int32` ones with `width=4` (SGLang's and vLLM's index arrays, passed
+    /// as they are). Returns the request id.
+    #[pyo3(signature = (op, local_id, local_idx, remote_id, remote_idx, notif=None, width=8))]
+    #[allow(clippy::too_many_arguments)] // NIXL's makeXferReq arguments, plus `py` and `width`
     fn make(
         &self,
         py: Python<'_>,
@@ -307,12 +313,13 @@ impl PyNixlCore {
         remote_id: u64,
         remote_idx: &[u8],
         notif: Option<Vec<u8>>,
+        width: usize,
     ) -> PyResult<u64> {
         let op = op_of(op)?;
-        let li = parse_indices(local_idx).map_err(|m| err(status::INVALID_PARAM, m))?;
-        let ri = parse_indices(remote_idx).map_err(|m| err(status::INVALID_PARAM, m))?;
-        if li.len() != ri.len() {
-            return Err(err(status::INVALID_PARAM, format!("{} local vs {} remote indices", li.len(), ri.len())));
+        let nl = index_count(local_idx, width).map_err(|m| err(status::INVALID_PARAM, m))?;
+        let nr = index_count(remote_idx, width).map_err(|m| err(status::INVALID_PARAM, m))?;
+        if nl != nr {
+            return Err(err(status::INVALID_PARAM, format!("{nl} local vs {nr} remote indices")));
         }
         self.run(py, |c| {
             let unknown = |id| err(status::INVALID_PARAM, format!("unknown dlist {id}"));
@@ -324,9 +331,9 @@ impl PyNixlCore {
             if agent.is_empty() {
                 return Err(err(status::INVALID_PARAM, "the remote dlist was prepared for the local side"));
             }
-            let (mut local, mut remote) = (Vec::new(), Vec::new());
-            gather(ld, &li, &mut local).map_err(|m| err(status::INVALID_PARAM, m))?;
-            gather(rd, &ri, &mut remote).map_err(|m| err(status::INVALID_PARAM, m))?;
+            let (mut local, mut remote) = (c.spare.pop().unwrap_or_default(), c.spare.pop().unwrap_or_default());
+            gather(ld, local_idx, width, &mut local).map_err(|m| err(status::INVALID_PARAM, m))?;
+            gather(rd, remote_idx, width, &mut remote).map_err(|m| err(status::INVALID_PARAM, m))?;
             let agent = agent.clone();
             let id = c.id();
             c.reqs.insert(id, Request { op, agent, local, remote, notif, handle: None });
@@ -407,6 +414,12 @@ impl PyNixlCore {
             let r = c.reqs.remove(&id).ok_or_else(|| err(status::INVALID_PARAM, format!("unknown request {id}")))?;
             if let Some(h) = r.handle {
                 c.engine.release(h).map_err(engine_err)?;
+            }
+            for mut v in [r.local, r.remote] {
+                if c.spare.len() < 4 && v.capacity() >= 4096 {
+                    v.clear();
+                    c.spare.push(v);
+                }
             }
             Ok(())
         })

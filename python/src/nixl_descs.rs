@@ -1,6 +1,7 @@
 //! Descriptor lists for the NIXL core: little-endian `u64` rows as the
 //! `nixl` package hands them over (`numpy.ndarray.tobytes()` of an `Nx2`,
-//! `Nx3` or `Nx5` `uint64` array), and index lists (`int64` rows).
+//! `Nx3` or `Nx5` `uint64` array), and index lists (the bytes of an `int32`
+//! or `int64` array, as the caller made it).
 //!
 //! No per-descriptor Python object is ever made: one `bytes` object crosses
 //! per list, and parsing is a tight loop here.
@@ -63,24 +64,46 @@ pub fn parse_rows(bytes: &[u8], ncols: usize) -> Result<Vec<Desc>, String> {
     Ok(out)
 }
 
-/// Parse `int64` indices.
-pub fn parse_indices(bytes: &[u8]) -> Result<Vec<i64>, String> {
-    if !bytes.len().is_multiple_of(8) {
-        return Err(format!("{} bytes is not a whole number of int64 indices", bytes.len()));
+/// Number of indices in `bytes` of little-endian signed integers `width`
+/// bytes wide (4: `int32`, 8: `int64`).
+///
+/// # Errors
+/// A width other than 4 or 8, or a length that is no whole number of indices.
+pub fn index_count(bytes: &[u8], width: usize) -> Result<usize, String> {
+    if !matches!(width, 4 | 8) {
+        return Err(format!("indices are {width} bytes wide; expected 4 (int32) or 8 (int64)"));
     }
-    Ok(words(bytes).map(|w| w as i64).collect())
+    if !bytes.len().is_multiple_of(width) {
+        return Err(format!("{} bytes is not a whole number of {width}-byte indices", bytes.len()));
+    }
+    Ok(bytes.len() / width)
 }
 
-/// `out = [descs[i] for i in idx]`, refusing an index out of range.
-pub fn gather(descs: &[Desc], idx: &[i64], out: &mut Vec<Desc>) -> Result<(), String> {
+/// `out = [descs[i] for i in idx]`, straight from the index bytes (`int32`
+/// or `int64`, as the caller's numpy array holds them: no conversion or
+/// intermediate list), refusing an index out of range.
+///
+/// # Errors
+/// As [`index_count`], and an index that is negative or past the list.
+pub fn gather(descs: &[Desc], idx: &[u8], width: usize, out: &mut Vec<Desc>) -> Result<(), String> {
     out.clear();
-    out.reserve(idx.len());
-    for &i in idx {
+    out.reserve(index_count(idx, width)?);
+    let mut push = |i: i64| -> Result<(), String> {
         let d = usize::try_from(i)
             .ok()
             .and_then(|i| descs.get(i))
             .ok_or_else(|| format!("index {i} is out of range for a list of {} descriptors", descs.len()))?;
         out.push(*d);
+        Ok(())
+    };
+    if width == 4 {
+        for c in idx.chunks_exact(4) {
+            push(i64::from(i32::from_le_bytes([c[0], c[1], c[2], c[3]])))?;
+        }
+    } else {
+        for w in words(idx) {
+            push(w as i64)?;
+        }
     }
     Ok(())
 }
@@ -111,9 +134,16 @@ mod tests {
     fn gathers_by_index_and_refuses_out_of_range() {
         let d = [Desc::new(1, 1), Desc::new(2, 2), Desc::new(3, 3)];
         let mut out = Vec::new();
-        gather(&d, &parse_indices(&le(&[2, 0])).unwrap(), &mut out).unwrap();
+        gather(&d, &le(&[2, 0]), 8, &mut out).unwrap();
         assert_eq!(out, vec![Desc::new(3, 3), Desc::new(1, 1)]);
-        assert!(gather(&d, &[3], &mut out).is_err());
-        assert!(gather(&d, &[-1], &mut out).is_err());
+        let i32s: Vec<u8> = [1i32, 2, 0].iter().flat_map(|x| x.to_le_bytes()).collect();
+        gather(&d, &i32s, 4, &mut out).unwrap();
+        assert_eq!(out, vec![Desc::new(2, 2), Desc::new(3, 3), Desc::new(1, 1)]);
+        assert!(gather(&d, &le(&[3]), 8, &mut out).is_err());
+        assert!(gather(&d, &(-1i64).to_le_bytes(), 8, &mut out).is_err());
+        assert!(gather(&d, &(-1i32).to_le_bytes(), 4, &mut out).is_err());
+        assert!(gather(&d, &[0u8; 6], 4, &mut out).is_err());
+        assert!(gather(&d, &[0u8; 8], 2, &mut out).is_err());
+        assert_eq!(index_count(&[0u8; 12], 4), Ok(3));
     }
 }

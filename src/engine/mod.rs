@@ -358,6 +358,11 @@ impl TransferEngine {
         if remote_agent == self.name {
             self.ensure_loopback()?;
         }
+        if segments.capacity() < local.len()
+            && let Some(spare) = self.transport.spare_segments()
+        {
+            *segments = spare;
+        }
         let agent = self.remote_ref(remote_agent)?;
         build_segments(local, remote, &self.spans, &agent.meta.regions, remote_agent, segments)?;
         let peer = agent.peer;

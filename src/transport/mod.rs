@@ -369,6 +369,13 @@ pub trait Transport: Send {
 
     /// Append notifications received since the last call to `out`. Never blocks.
     fn take_notifications(&mut self, out: &mut Vec<Notification>);
+
+    /// An empty segment list with capacity, from a finished transfer, for the
+    /// engine to fill for the next post instead of allocating (and faulting
+    /// in) a fresh one. `None` (the default) when the transport keeps none.
+    fn spare_segments(&mut self) -> Option<Vec<Segment>> {
+        None
+    }
 }
 
 /// Wait until `done()` holds: spin briefly, then yield, then sleep 50 µs a

@@ -10,6 +10,10 @@ One kvwire transport per agent. The plugins and the transport each picks:
                 RDMA port is ACTIVE (/sys/class/infiniband/*/ports/*/state);
                 else shm (one host). Across hosts without RDMA set
                 KVWIRE_NIXL_UCX=tcp.
+
+The verbs device: the backend's `device_list` param (first entry); else the
+first RDMA device named in `$UCX_NET_DEVICES` (e.g. `mlx5_0:1`, as UCX users
+already set per process); else kvwire's default (the first device).
 """
 
 import glob
@@ -41,6 +45,16 @@ def _active_rdma_port() -> bool:
         except OSError:
             pass
     return False
+
+
+def _ucx_net_device() -> str:
+    """The first RDMA device in `$UCX_NET_DEVICES` (`dev[:port]`, comma
+    separated; non-RDMA entries such as `eth0` are skipped), or ""."""
+    for entry in os.environ.get("UCX_NET_DEVICES", "").split(","):
+        dev = entry.strip().split(":")[0]
+        if dev and os.path.isdir(os.path.join("/sys/class/infiniband", dev)):
+            return dev
+    return ""
 
 
 def transport_for(plugin: str) -> str:
@@ -82,8 +96,14 @@ def _op(op) -> str:
     return "READ" if op == B.NIXL_READ else "WRITE"
 
 
-def _idx(x) -> bytes:
-    return np.ascontiguousarray(np.asarray(x, dtype=np.int64).reshape(-1), dtype="<i8").tobytes()
+def _idx(x):
+    """Index list -> (bytes, width) for NixlCore.make. A 1-D int32/int64
+    array (what vLLM and SGLang pass) crosses as its own bytes, unconverted;
+    anything else becomes int64."""
+    if isinstance(x, np.ndarray) and x.ndim == 1 and x.dtype.kind == "i" and x.dtype.itemsize in (4, 8):
+        a = x.astype(x.dtype.newbyteorder("<"), copy=False)
+        return a.tobytes(), a.dtype.itemsize
+    return np.asarray(x, dtype="<i8").reshape(-1).tobytes(), 8
 
 
 class nixlAgent:
@@ -128,8 +148,10 @@ class nixlAgent:
             timeout = int(params.pop("peer_timeout_ms", 5000) or 5000)
             options = []
             devices = str(params.pop("device_list", "") or "")
-            if devices and transport == "verbs":
-                options.append(("device", devices.split(",")[0].split(":")[0]))
+            if transport == "verbs":
+                device = devices.split(",")[0].split(":")[0].strip() or _ucx_net_device()
+                if device:
+                    options.append(("device", device))
             for k in list(params):
                 if k.startswith("kvwire."):
                     options.append((k[len("kvwire."):], str(params.pop(k))))
@@ -207,9 +229,12 @@ class nixlAgent:
     def makeXferReq(self, op, local_side, local_indices, remote_side, remote_indices, notif_msg="",
                     backends=(), skip_desc_merge=False):
         notif = _bytes(notif_msg) or None
+        (li, lw), (ri, rw) = _idx(local_indices), _idx(remote_indices)
+        if lw != rw:  # one width for both lists
+            (li, lw), (ri, rw) = _idx(np.frombuffer(li, f"<i{lw}").astype("<i8")), _idx(
+                np.frombuffer(ri, f"<i{rw}").astype("<i8"))
         try:
-            return self._c().make(_op(op), int(local_side), _idx(local_indices), int(remote_side),
-                                  _idx(remote_indices), notif)
+            return self._c().make(_op(op), int(local_side), li, int(remote_side), ri, notif, lw)
         except NixlCoreError as e:
             raise _err(e) from None
 

@@ -5,7 +5,11 @@ import sys
 
 import pytest
 
-BACKENDS = ["KVWIRE_SHM", "KVWIRE_TCP"]
+# KVWIRE_NIXL_TEST_BACKENDS (comma separated) replaces the default backends:
+# scripts/nixl-softroce-check.sh runs the flow with KVWIRE_VERBS,UCX in the
+# Soft-RoCE guest. KVWIRE_NIXL_TEST_PEER_DEVICE sets the child peer's
+# UCX_NET_DEVICES (its verbs device), so the two sides use different NICs.
+BACKENDS = [b for b in os.environ.get("KVWIRE_NIXL_TEST_BACKENDS", "KVWIRE_SHM,KVWIRE_TCP").split(",") if b]
 
 
 @pytest.fixture(params=BACKENDS)
@@ -17,13 +21,17 @@ def backend(request, monkeypatch):
 class Peer:
     """The child process of nixl_peer.py."""
 
-    def __init__(self):
+    def __init__(self, script="nixl_peer.py"):
         here = os.path.dirname(os.path.abspath(__file__))
+        env = dict(os.environ)
+        if os.environ.get("KVWIRE_NIXL_TEST_PEER_DEVICE"):
+            env["UCX_NET_DEVICES"] = os.environ["KVWIRE_NIXL_TEST_PEER_DEVICE"]
         self.proc = subprocess.Popen(
-            [sys.executable, os.path.join(here, "nixl_peer.py")],
+            [sys.executable, os.path.join(here, script)],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,
+            env=env,
         )
 
     def call(self, **cmd):
@@ -50,8 +58,8 @@ class Peer:
 def peer_factory():
     peers = []
 
-    def make():
-        p = Peer()
+    def make(script="nixl_peer.py"):
+        p = Peer(script)
         peers.append(p)
         return p
 

@@ -35,7 +35,7 @@ use std::thread::JoinHandle;
 
 pub use buffer::HostBuffer;
 pub use copy::stream_copy;
-use copy::{CopyPool, Job, PeerShared, XferShared};
+use copy::{CopyPool, Job, PeerShared, SpareSegments, XferShared};
 use target::{Accepted, AcceptedPeer, Acks, LocalRegion, NotifQueue, RegionTable, Shared};
 use wire::{Listener, Msg, ShmInfo};
 
@@ -44,7 +44,7 @@ use super::inflight::{InFlight, XferState};
 use super::options::OptionSet;
 use super::{
     Completion, LocalKey, MemoryBacking, Notification, PeerId, PostRequest, Registration, RemoteKey, RemoteRegion,
-    Transport, TransportConfig, TransportError, TransportKind, XferId,
+    Segment, Transport, TransportConfig, TransportError, TransportKind, XferId,
 };
 
 /// Bytes of work per copy job: large enough that queueing costs nothing,
@@ -93,6 +93,7 @@ pub struct ShmTransport {
     allow_cma: bool,
     inflight: InFlight<XferShared>,
     pool: CopyPool,
+    spare: Arc<SpareSegments>,
 }
 
 static SOCKET_SEQ: AtomicUsize = AtomicUsize::new(0);
@@ -174,6 +175,7 @@ impl ShmTransport {
             allow_cma,
             inflight: InFlight::default(),
             pool: CopyPool::new(config.copy_threads).map_err(|e| TransportError::io("spawn", e))?,
+            spare: Arc::default(),
         })
     }
 }
@@ -364,6 +366,7 @@ impl Transport for ShmTransport {
                 segments: Vec::new(),
                 chunks: std::iter::once(0..0).collect(),
                 next_chunk: AtomicUsize::new(0),
+                spare: None,
             });
             self.inflight.insert(x.clone());
             self.pool.submit(Job { xfer: x, done: self.inflight.sender() });
@@ -376,6 +379,7 @@ impl Transport for ShmTransport {
             segments,
             next_chunk: AtomicUsize::new(0),
             chunks,
+            spare: Some(self.spare.clone()),
         });
         self.inflight.insert(x.clone());
         self.pool.submit_helpers(Job { xfer: x, done: self.inflight.sender() }, helpers);
@@ -393,6 +397,10 @@ impl Transport for ShmTransport {
     fn take_notifications(&mut self, out: &mut Vec<Notification>) {
         let mut q = self.notifs.lock().unwrap_or_else(|p| p.into_inner());
         out.append(&mut q);
+    }
+
+    fn spare_segments(&mut self) -> Option<Vec<Segment>> {
+        self.spare.take()
     }
 }
 
