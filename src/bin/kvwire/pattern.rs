@@ -27,17 +27,30 @@ pub fn fill_page(page: &mut [u8], key: u64) {
 }
 
 /// True when `page` holds exactly the contents of `key` (one pass, no copy).
+/// Page `key`'s word `k` (see [`fill_page`]).
+pub fn word(key_mix: u64, k: u64) -> u64 {
+    key_mix.wrapping_add(k.wrapping_mul(0xD6E8_FEB8_6659_FD93))
+}
+
 pub fn check_page(page: &[u8], key: u64) -> bool {
+    check_from(page, key, 0)
+}
+
+/// Whether `piece` holds the words of `key`'s page from word `first_word`
+/// on (a page checked piece by piece: every piece but the last a multiple
+/// of 8 bytes).
+pub fn check_from(piece: &[u8], key: u64, first_word: u64) -> bool {
+    let page = piece;
     let base = mix(key);
     let mut words = page.chunks_exact(8);
     let mut diff = 0u64;
     for (k, c) in words.by_ref().enumerate() {
         let got = u64::from_le_bytes(c.try_into().expect("chunks_exact(8)"));
-        diff |= got ^ base.wrapping_add((k as u64).wrapping_mul(0xD6E8_FEB8_6659_FD93));
+        diff |= got ^ base.wrapping_add((first_word + k as u64).wrapping_mul(0xD6E8_FEB8_6659_FD93));
     }
     let tail = words.remainder();
     if !tail.is_empty() {
-        let k = (page.len() / 8) as u64;
+        let k = first_word + (page.len() / 8) as u64;
         let w = base.wrapping_add(k.wrapping_mul(0xD6E8_FEB8_6659_FD93)).to_le_bytes();
         if tail != &w[..tail.len()] {
             return false;
@@ -72,6 +85,9 @@ mod tests {
         assert!(!check_page(&a, 2));
         a[99] ^= 1;
         assert!(!check_page(&a, 1));
+        a[99] ^= 1;
+        assert!(check_from(&a[..48], 1, 0) && check_from(&a[48..], 1, 6));
+        assert!(!check_from(&a[48..], 1, 5));
         a[99] ^= 1;
         a[3] ^= 0x80;
         assert!(!check_page(&a, 1));

@@ -267,6 +267,12 @@ impl CopyPool {
     }
 }
 
+/// Copy `job` on the calling thread (a small transfer, see
+/// `super::INLINE_BYTES`), exactly as a worker would.
+pub fn run_inline(job: Job) {
+    run_job(job);
+}
+
 fn run_job(job: Job) {
     let (x, done) = (&job.xfer, &job.done);
     let stream = streams(x.chunks.len());
