@@ -52,23 +52,30 @@ impl Default for CommandBench {
     }
 }
 
+/// Transfer `xfer`: a WRITE of `pages` 4 KiB pages from region `src` to
+/// region `dst` (`(address, key)`), in descending order so none coalesce
+/// (wrapping after 256 pages, the regions' size).
+fn write_request(xfer: u64, pages: u64, src: (u64, u32), dst: (u64, u32)) -> crate::transport::PostRequest {
+    use crate::transport::{LocalKey, Op, PeerId, PostRequest, RemoteKey, Segment, XferId};
+    let segments = (0..pages)
+        .rev()
+        .map(|i| Segment {
+            local_addr: src.0 + (i % 256) * 4096,
+            lkey: LocalKey(src.1),
+            remote_addr: dst.0 + (i % 256) * 4096,
+            rkey: RemoteKey(dst.1),
+            len_bytes: 4096,
+        })
+        .collect();
+    PostRequest { xfer: XferId(xfer), op: Op::Write, peer: PeerId(1), segments, notification: None }
+}
+
 impl CommandBench {
     /// Post one WRITE of `pages` 4 KiB pages (descending, so none
     /// coalesce); the number of WRs the NIC then holds.
     pub fn post_pages(&mut self, pages: u64) -> usize {
-        use crate::transport::{LocalKey, Op, PeerId, PostRequest, RemoteKey, Segment, XferId};
         self.next += 1;
-        let segments = (0..pages)
-            .rev()
-            .map(|i| Segment {
-                local_addr: self.src.0 + (i % 256) * 4096,
-                lkey: LocalKey(self.src.1),
-                remote_addr: self.dst.0 + (i % 256) * 4096,
-                rkey: RemoteKey(self.dst.1),
-                len_bytes: 4096,
-            })
-            .collect();
-        let req = PostRequest { xfer: XferId(self.next), op: Op::Write, peer: PeerId(1), segments, notification: None };
+        let req = write_request(self.next, pages, self.src, self.dst);
         self.st.post(&req, &[self.qpn], "bench", &self.limits).expect("post");
         self.fabric.world().queued(self.qpn)
     }
@@ -142,19 +149,8 @@ impl ChannelBench {
     /// Send one WRITE of `pages` (≤ 1024) 4 KiB pages to the engine and wait
     /// until the NIC holds all its WRs.
     pub fn post_pages(&mut self, pages: u64) {
-        use crate::transport::{LocalKey, Op, PeerId, PostRequest, RemoteKey, Segment, XferId};
         self.next += 1;
-        let segments = (0..pages)
-            .rev()
-            .map(|i| Segment {
-                local_addr: self.src.0 + (i % 256) * 4096,
-                lkey: LocalKey(self.src.1),
-                remote_addr: self.dst.0 + (i % 256) * 4096,
-                rkey: RemoteKey(self.dst.1),
-                len_bytes: 4096,
-            })
-            .collect();
-        let req = PostRequest { xfer: XferId(self.next), op: Op::Write, peer: PeerId(1), segments, notification: None };
+        let req = write_request(self.next, pages, self.src, self.dst);
         self.core.handle.send(super::engine::Cmd::Post(req));
         // Yield while waiting: on a machine with fewer cores than busy
         // threads, spinning here would keep the progress thread off a CPU.
