@@ -87,6 +87,15 @@ def _err(e: NixlCoreError):
     return error_for(status, msg)
 
 
+def _h(handle) -> int:
+    """A request or dlist handle as the core's id; a released one (the
+    Python handle's value is None then) is NIXL_ERR_INVALID_PARAM, not a
+    TypeError."""
+    if handle is None:
+        raise error_for(B.NIXL_ERR_INVALID_PARAM, "the handle was released")
+    return int(handle)
+
+
 def _bytes(msg) -> bytes:
     return msg.encode() if isinstance(msg, str) else bytes(msg)
 
@@ -234,7 +243,7 @@ class nixlAgent:
             (li, lw), (ri, rw) = _idx(np.frombuffer(li, f"<i{lw}").astype("<i8")), _idx(
                 np.frombuffer(ri, f"<i{rw}").astype("<i8"))
         try:
-            return self._c().make(_op(op), int(local_side), li, int(remote_side), ri, notif, lw)
+            return self._c().make(_op(op), _h(local_side), li, _h(remote_side), ri, notif, lw)
         except NixlCoreError as e:
             raise _err(e) from None
 
@@ -251,13 +260,13 @@ class nixlAgent:
     def postXferReq(self, req, notif_msg=""):
         notif = _bytes(notif_msg) or None
         try:
-            return B.nixl_status_t(self._c().post(int(req), notif))
+            return B.nixl_status_t(self._c().post(_h(req), notif))
         except NixlCoreError as e:
             raise _err(e) from None
 
     def getXferStatus(self, req):
         try:
-            return B.nixl_status_t(self._c().state(int(req)))
+            return B.nixl_status_t(self._c().state(_h(req)))
         except NixlCoreError as e:
             raise _err(e) from None
 
@@ -265,7 +274,7 @@ class nixlAgent:
         if not self._telemetry:
             raise error_for(B.NIXL_ERR_NO_TELEMETRY, "telemetry is off (capture_telemetry / NIXL_TELEMETRY_ENABLE)")
         try:
-            start, post, xfer, nbytes, count = self._c().telemetry(int(req))
+            start, post, xfer, nbytes, count = self._c().telemetry(_h(req))
         except NixlCoreError as e:
             raise _err(e) from None
         backend = next(iter(self._backends.values()), "")
@@ -277,14 +286,14 @@ class nixlAgent:
 
     def releaseXferReq(self, req):
         try:
-            self._c().release(int(req))
+            self._c().release(_h(req))
         except NixlCoreError as e:
             raise _err(e) from None
         return B.NIXL_SUCCESS
 
     def releasedDlistH(self, handle):
         try:
-            self._c().release_dlist(int(handle))
+            self._c().release_dlist(_h(handle))
         except NixlCoreError as e:
             raise _err(e) from None
         return B.NIXL_SUCCESS

@@ -95,6 +95,36 @@ def test_write_read_and_repost_of_a_finished_handle(backend):
     a.release_xfer_handle(h)
 
 
+def test_small_write_then_released_handles_raise_typed_errors(backend):
+    # A 4 KiB WRITE (on shm copied inside transfer()): DONE with the data in
+    # place before its notification is seen. Then every use of a released
+    # request or dlist handle is nixlInvalidParamError (was a TypeError from
+    # int(None)); releasing twice stays a no-op.
+    a, b = agent(backend), agent(backend)
+    size = 4 * KIB
+    src, dst, _, _ = buffers(a, b, size)
+    a.add_remote_agent(b.get_agent_metadata())
+    local = a.prep_xfer_dlist("NIXL_INIT_AGENT", [(src.ctypes.data, size, 0)], "DRAM")
+    remote = a.prep_xfer_dlist(b.name, [(dst.ctypes.data, size, 0)], "DRAM")
+    h = a.make_prepped_xfer("WRITE", local, [0], remote, [0], b"small")
+    assert a.transfer(h) in ("DONE", "PROC")
+    assert wait(a, h) == "DONE"
+    deadline = time.time() + 5
+    while not b.check_remote_xfer_done(a.name, b"small"):
+        assert time.time() < deadline
+    assert np.array_equal(src, dst)
+    a.release_xfer_handle(h)
+    a.release_xfer_handle(h)
+    with pytest.raises(B.nixlInvalidParamError):
+        a.transfer(h)
+    with pytest.raises(B.nixlInvalidParamError):
+        a.check_xfer_state(h)
+    a.release_dlist_handle(local)
+    a.release_dlist_handle(local)
+    with pytest.raises(B.nixlInvalidParamError):
+        a.make_prepped_xfer("WRITE", local, [0], remote, [0])
+
+
 def test_read_is_posted_by_transfer(backend):
     a, b = agent(backend), agent(backend)
     size = 64 * KIB
