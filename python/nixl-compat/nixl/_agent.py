@@ -96,6 +96,23 @@ def _h(handle) -> int:
     return int(handle)
 
 
+def _int_param(params, key, default, lo, hi) -> int:
+    """Backend init param `key` (NIXL passes strings) as an int in lo..=hi;
+    missing or empty is `default`. Anything else is NIXL_ERR_INVALID_PARAM
+    (not a ValueError, and never a silent clamp: "0" ms used to become a
+    1 ms peer timeout)."""
+    raw = params.pop(key, None)
+    if raw is None or raw == "":
+        return default
+    try:
+        v = int(raw)
+    except (TypeError, ValueError):
+        v = None
+    if v is None or not lo <= v <= hi:
+        raise error_for(B.NIXL_ERR_INVALID_PARAM, f"backend param {key}={raw!r}: expected an integer in {lo}..={hi}")
+    return v
+
+
 def _bytes(msg) -> bytes:
     return msg.encode() if isinstance(msg, str) else bytes(msg)
 
@@ -153,8 +170,8 @@ class nixlAgent:
         params = dict(params or {})
         transport = transport_for(plugin)
         if self._core is None:
-            threads = int(params.pop("num_threads", 0) or 0)
-            timeout = int(params.pop("peer_timeout_ms", 5000) or 5000)
+            threads = _int_param(params, "num_threads", 0, 0, 256)
+            timeout = _int_param(params, "peer_timeout_ms", 5000, 1, 86_400_000)
             options = []
             devices = str(params.pop("device_list", "") or "")
             if transport == "verbs":

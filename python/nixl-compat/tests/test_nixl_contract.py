@@ -311,6 +311,22 @@ def test_plugins_backends_and_unsupported_features(backend):
         a.create_backend(other)
 
 
+@pytest.mark.parametrize("key,value", [
+    ("peer_timeout_ms", "0"),  # was a silent 1 ms peer timeout
+    ("peer_timeout_ms", "abc"),  # was ValueError
+    ("peer_timeout_ms", "-5"),  # was OverflowError
+    ("peer_timeout_ms", str(86_400_001)),
+    ("num_threads", "-1"),  # was silently 2
+    ("num_threads", "x"),
+])
+def test_bad_backend_init_params_raise_invalid_param(backend, key, value):
+    a = nixl_agent(str(uuid.uuid4()), nixl_agent_config(backends=[]))
+    with pytest.raises(B.nixlInvalidParamError, match=key):
+        a.create_backend(backend, {key: value})
+    # a good value still works on the same agent
+    a.create_backend(backend, {"peer_timeout_ms": "2000", "num_threads": "2"})
+
+
 def test_metadata_listener_send_fetch_invalidate(backend):
     target = agent(backend, enable_listen_thread=True, listen_port=0)
     port = target.agent._listener.port
