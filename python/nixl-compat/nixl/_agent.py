@@ -113,6 +113,15 @@ def _int_param(params, key, default, lo, hi) -> int:
     return v
 
 
+def _send_md(ip_addr, port, frame: bytes) -> None:
+    """One frame to a peer's metadata listener; a refused, unreachable or
+    timed-out listener is nixlBackendError (was a bare OSError)."""
+    try:
+        send_frame(ip_addr, int(port), frame)
+    except OSError as e:
+        raise error_for(B.NIXL_ERR_BACKEND, f"metadata listener {ip_addr}:{port}: {e}") from None
+
+
 def _bytes(msg) -> bytes:
     return msg.encode() if isinstance(msg, str) else bytes(msg)
 
@@ -375,7 +384,7 @@ class nixlAgent:
     def sendLocalMD(self, ip_addr="", port=B.DEFAULT_COMM_PORT):
         if not ip_addr:
             raise not_supported("etcd metadata", "give ip_addr and port of a peer's listener")
-        send_frame(ip_addr, int(port), b"S" + self.getLocalMD())
+        _send_md(ip_addr, port, b"S" + self.getLocalMD())
         return B.NIXL_SUCCESS
 
     def sendLocalPartialMD(self, *args, **kwargs):
@@ -390,7 +399,7 @@ class nixlAgent:
     def invalidateLocalMD(self, ip_addr="", port=B.DEFAULT_COMM_PORT):
         if not ip_addr:
             raise not_supported("etcd metadata", "give ip_addr and port of a peer's listener")
-        send_frame(ip_addr, int(port), b"I" + self.name.encode())
+        _send_md(ip_addr, port, b"I" + self.name.encode())
         return B.NIXL_SUCCESS
 
     def _close(self):

@@ -3,6 +3,7 @@
 
 import ctypes
 import importlib.metadata
+import socket
 import time
 import uuid
 
@@ -343,6 +344,15 @@ def test_metadata_listener_send_fetch_invalidate(backend):
         assert time.time() < deadline
     with pytest.raises(B.nixlNotSupportedError, match="etcd"):
         init.send_local_metadata()
+    # no listener on the port: a typed error, not a bare ConnectionRefusedError
+    closed = socket.socket()
+    closed.bind(("127.0.0.1", 0))
+    port = closed.getsockname()[1]
+    closed.close()
+    with pytest.raises(B.nixlBackendError, match="metadata listener"):
+        init.send_local_metadata("127.0.0.1", port)
+    with pytest.raises(B.nixlBackendError, match="metadata listener"):
+        init.invalidate_local_metadata("127.0.0.1", port)
 
 
 def test_utils_buffers():
