@@ -87,6 +87,41 @@ def _err(e: NixlCoreError):
     return error_for(status, msg)
 
 
+def _h(handle) -> int:
+    """A request or dlist handle as the core's id; a released one (the
+    Python handle's value is None then) is NIXL_ERR_INVALID_PARAM, not a
+    TypeError."""
+    if handle is None:
+        raise error_for(B.NIXL_ERR_INVALID_PARAM, "the handle was released")
+    return int(handle)
+
+
+def _int_param(params, key, default, lo, hi) -> int:
+    """Backend init param `key` (NIXL passes strings) as an int in lo..=hi;
+    missing or empty is `default`. Anything else is NIXL_ERR_INVALID_PARAM
+    (not a ValueError, and never a silent clamp: "0" ms used to become a
+    1 ms peer timeout)."""
+    raw = params.pop(key, None)
+    if raw is None or raw == "":
+        return default
+    try:
+        v = int(raw)
+    except (TypeError, ValueError):
+        v = None
+    if v is None or not lo <= v <= hi:
+        raise error_for(B.NIXL_ERR_INVALID_PARAM, f"backend param {key}={raw!r}: expected an integer in {lo}..={hi}")
+    return v
+
+
+def _send_md(ip_addr, port, frame: bytes) -> None:
+    """One frame to a peer's metadata listener; a refused, unreachable or
+    timed-out listener is nixlBackendError (was a bare OSError)."""
+    try:
+        send_frame(ip_addr, int(port), frame)
+    except OSError as e:
+        raise error_for(B.NIXL_ERR_BACKEND, f"metadata listener {ip_addr}:{port}: {e}") from None
+
+
 def _bytes(msg) -> bytes:
     return msg.encode() if isinstance(msg, str) else bytes(msg)
 
@@ -144,8 +179,8 @@ class nixlAgent:
         params = dict(params or {})
         transport = transport_for(plugin)
         if self._core is None:
-            threads = int(params.pop("num_threads", 0) or 0)
-            timeout = int(params.pop("peer_timeout_ms", 5000) or 5000)
+            threads = _int_param(params, "num_threads", 0, 0, 256)
+            timeout = _int_param(params, "peer_timeout_ms", 5000, 1, 86_400_000)
             options = []
             devices = str(params.pop("device_list", "") or "")
             if transport == "verbs":
@@ -234,7 +269,7 @@ class nixlAgent:
             (li, lw), (ri, rw) = _idx(np.frombuffer(li, f"<i{lw}").astype("<i8")), _idx(
                 np.frombuffer(ri, f"<i{rw}").astype("<i8"))
         try:
-            return self._c().make(_op(op), int(local_side), li, int(remote_side), ri, notif, lw)
+            return self._c().make(_op(op), _h(local_side), li, _h(remote_side), ri, notif, lw)
         except NixlCoreError as e:
             raise _err(e) from None
 
@@ -251,13 +286,13 @@ class nixlAgent:
     def postXferReq(self, req, notif_msg=""):
         notif = _bytes(notif_msg) or None
         try:
-            return B.nixl_status_t(self._c().post(int(req), notif))
+            return B.nixl_status_t(self._c().post(_h(req), notif))
         except NixlCoreError as e:
             raise _err(e) from None
 
     def getXferStatus(self, req):
         try:
-            return B.nixl_status_t(self._c().state(int(req)))
+            return B.nixl_status_t(self._c().state(_h(req)))
         except NixlCoreError as e:
             raise _err(e) from None
 
@@ -265,7 +300,7 @@ class nixlAgent:
         if not self._telemetry:
             raise error_for(B.NIXL_ERR_NO_TELEMETRY, "telemetry is off (capture_telemetry / NIXL_TELEMETRY_ENABLE)")
         try:
-            start, post, xfer, nbytes, count = self._c().telemetry(int(req))
+            start, post, xfer, nbytes, count = self._c().telemetry(_h(req))
         except NixlCoreError as e:
             raise _err(e) from None
         backend = next(iter(self._backends.values()), "")
@@ -277,14 +312,14 @@ class nixlAgent:
 
     def releaseXferReq(self, req):
         try:
-            self._c().release(int(req))
+            self._c().release(_h(req))
         except NixlCoreError as e:
             raise _err(e) from None
         return B.NIXL_SUCCESS
 
     def releasedDlistH(self, handle):
         try:
-            self._c().release_dlist(int(handle))
+            self._c().release_dlist(_h(handle))
         except NixlCoreError as e:
             raise _err(e) from None
         return B.NIXL_SUCCESS
@@ -349,7 +384,7 @@ class nixlAgent:
     def sendLocalMD(self, ip_addr="", port=B.DEFAULT_COMM_PORT):
         if not ip_addr:
             raise not_supported("etcd metadata", "give ip_addr and port of a peer's listener")
-        send_frame(ip_addr, int(port), b"S" + self.getLocalMD())
+        _send_md(ip_addr, port, b"S" + self.getLocalMD())
         return B.NIXL_SUCCESS
 
     def sendLocalPartialMD(self, *args, **kwargs):
@@ -364,7 +399,7 @@ class nixlAgent:
     def invalidateLocalMD(self, ip_addr="", port=B.DEFAULT_COMM_PORT):
         if not ip_addr:
             raise not_supported("etcd metadata", "give ip_addr and port of a peer's listener")
-        send_frame(ip_addr, int(port), b"I" + self.name.encode())
+        _send_md(ip_addr, port, b"I" + self.name.encode())
         return B.NIXL_SUCCESS
 
     def _close(self):

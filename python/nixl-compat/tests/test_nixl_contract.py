@@ -3,6 +3,7 @@
 
 import ctypes
 import importlib.metadata
+import socket
 import time
 import uuid
 
@@ -93,6 +94,36 @@ def test_write_read_and_repost_of_a_finished_handle(backend):
         seen |= {t for t in (b"w1", b"w2") if t not in seen and b.check_remote_xfer_done(a.name, t)}
         assert time.time() < deadline, b.notifs
     a.release_xfer_handle(h)
+
+
+def test_small_write_then_released_handles_raise_typed_errors(backend):
+    # A 4 KiB WRITE (on shm copied inside transfer()): DONE with the data in
+    # place before its notification is seen. Then every use of a released
+    # request or dlist handle is nixlInvalidParamError (was a TypeError from
+    # int(None)); releasing twice stays a no-op.
+    a, b = agent(backend), agent(backend)
+    size = 4 * KIB
+    src, dst, _, _ = buffers(a, b, size)
+    a.add_remote_agent(b.get_agent_metadata())
+    local = a.prep_xfer_dlist("NIXL_INIT_AGENT", [(src.ctypes.data, size, 0)], "DRAM")
+    remote = a.prep_xfer_dlist(b.name, [(dst.ctypes.data, size, 0)], "DRAM")
+    h = a.make_prepped_xfer("WRITE", local, [0], remote, [0], b"small")
+    assert a.transfer(h) in ("DONE", "PROC")
+    assert wait(a, h) == "DONE"
+    deadline = time.time() + 5
+    while not b.check_remote_xfer_done(a.name, b"small"):
+        assert time.time() < deadline
+    assert np.array_equal(src, dst)
+    a.release_xfer_handle(h)
+    a.release_xfer_handle(h)
+    with pytest.raises(B.nixlInvalidParamError):
+        a.transfer(h)
+    with pytest.raises(B.nixlInvalidParamError):
+        a.check_xfer_state(h)
+    a.release_dlist_handle(local)
+    a.release_dlist_handle(local)
+    with pytest.raises(B.nixlInvalidParamError):
+        a.make_prepped_xfer("WRITE", local, [0], remote, [0])
 
 
 def test_read_is_posted_by_transfer(backend):
@@ -281,6 +312,22 @@ def test_plugins_backends_and_unsupported_features(backend):
         a.create_backend(other)
 
 
+@pytest.mark.parametrize("key,value", [
+    ("peer_timeout_ms", "0"),  # was a silent 1 ms peer timeout
+    ("peer_timeout_ms", "abc"),  # was ValueError
+    ("peer_timeout_ms", "-5"),  # was OverflowError
+    ("peer_timeout_ms", str(86_400_001)),
+    ("num_threads", "-1"),  # was silently 2
+    ("num_threads", "x"),
+])
+def test_bad_backend_init_params_raise_invalid_param(backend, key, value):
+    a = nixl_agent(str(uuid.uuid4()), nixl_agent_config(backends=[]))
+    with pytest.raises(B.nixlInvalidParamError, match=key):
+        a.create_backend(backend, {key: value})
+    # a good value still works on the same agent
+    a.create_backend(backend, {"peer_timeout_ms": "2000", "num_threads": "2"})
+
+
 def test_metadata_listener_send_fetch_invalidate(backend):
     target = agent(backend, enable_listen_thread=True, listen_port=0)
     port = target.agent._listener.port
@@ -297,6 +344,15 @@ def test_metadata_listener_send_fetch_invalidate(backend):
         assert time.time() < deadline
     with pytest.raises(B.nixlNotSupportedError, match="etcd"):
         init.send_local_metadata()
+    # no listener on the port: a typed error, not a bare ConnectionRefusedError
+    closed = socket.socket()
+    closed.bind(("127.0.0.1", 0))
+    port = closed.getsockname()[1]
+    closed.close()
+    with pytest.raises(B.nixlBackendError, match="metadata listener"):
+        init.send_local_metadata("127.0.0.1", port)
+    with pytest.raises(B.nixlBackendError, match="metadata listener"):
+        init.invalidate_local_metadata("127.0.0.1", port)
 
 
 def test_utils_buffers():

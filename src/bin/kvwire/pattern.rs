@@ -26,12 +26,12 @@ pub fn fill_page(page: &mut [u8], key: u64) {
     }
 }
 
-/// True when `page` holds exactly the contents of `key` (one pass, no copy).
 /// Page `key`'s word `k` (see [`fill_page`]).
 pub fn word(key_mix: u64, k: u64) -> u64 {
     key_mix.wrapping_add(k.wrapping_mul(0xD6E8_FEB8_6659_FD93))
 }
 
+/// True when `page` holds exactly the contents of `key` (one pass, no copy).
 pub fn check_page(page: &[u8], key: u64) -> bool {
     check_from(page, key, 0)
 }
@@ -88,8 +88,10 @@ mod tests {
         a[99] ^= 1;
         assert!(check_from(&a[..48], 1, 0) && check_from(&a[48..], 1, 6));
         assert!(!check_from(&a[48..], 1, 5));
-        a[99] ^= 1;
+        // the page is intact again: the next corruption is the only one
+        assert!(check_page(&a, 1));
         a[3] ^= 0x80;
+        assert!(!check_from(&a[..48], 1, 0) && check_from(&a[48..], 1, 6));
         assert!(!check_page(&a, 1));
     }
 
