@@ -71,7 +71,7 @@ impl PyConnTransfer {
     }
     /// Block until the copy lands or fails.
     fn synchronize(&self, py: Python<'_>) -> PyResult<()> {
-        py.allow_threads(|| self.inner.synchronize()).map_err(conn_err)
+        crate::gil::without_gil(py, || self.inner.synchronize()).map_err(conn_err)
     }
     /// `{leaf_id: [device block id, ...]}` pinned until complete (empty for loads).
     #[getter]
@@ -164,7 +164,8 @@ impl PyConnector {
     ) -> PyResult<PyConnTransfer> {
         let ids = self::block_ids(block_ids)?;
         let hs = per_leaf(block_hashes, hashes)?;
-        let inner = py.allow_threads(|| self.inner.load(&ids, &hs, replica_idx, hint.as_deref())).map_err(conn_err)?;
+        let inner = crate::gil::without_gil(py, || self.inner.load(&ids, &hs, replica_idx, hint.as_deref()))
+            .map_err(conn_err)?;
         Ok(PyConnTransfer { inner, pinned: PerLeaf::new() })
     }
     /// Write device block `block_ids[leaf][i]` under `block_hashes[leaf][i]`;
@@ -179,7 +180,7 @@ impl PyConnector {
     ) -> PyResult<PyConnTransfer> {
         let ids = self::block_ids(block_ids)?;
         let hs = per_leaf(block_hashes, hashes)?;
-        let t = py.allow_threads(|| self.inner.offload(&ids, &hs, replica_idx)).map_err(conn_err)?;
+        let t = crate::gil::without_gil(py, || self.inner.offload(&ids, &hs, replica_idx)).map_err(conn_err)?;
         let pinned = t.g0_blocks_per_leaf().clone();
         Ok(PyConnTransfer { inner: Box::new(t), pinned })
     }
@@ -195,7 +196,7 @@ impl PyConnector {
     }
     /// Finish in-flight copies and stop (idempotent).
     fn shutdown(&self, py: Python<'_>) {
-        py.allow_threads(|| self.inner.shutdown())
+        crate::gil::without_gil(py, || self.inner.shutdown())
     }
     /// Drop every block held.
     fn reset_prefix_cache(&self) {

@@ -333,7 +333,8 @@ impl PyKVTransferEngine {
             copy_threads,
             options: options.unwrap_or_default(),
         };
-        let engine = py.allow_threads(|| KVTransferEngine::new(&name, groups, leaf_ids, kind, &cfg)).map_err(kv_err)?;
+        let engine = crate::gil::without_gil(py, || KVTransferEngine::new(&name, groups, leaf_ids, kind, &cfg))
+            .map_err(kv_err)?;
         Ok(Self { inner: Mutex::new(engine), name })
     }
 
@@ -345,7 +346,7 @@ impl PyKVTransferEngine {
         py: Python<'_>,
         f: impl FnOnce(&mut KVTransferEngine) -> Result<T, kvwire::kv::KvError> + Send,
     ) -> PyResult<T> {
-        py.allow_threads(|| {
+        crate::gil::without_gil(py, || {
             let mut e =
                 self.inner.lock().map_err(|_| PyRuntimeError::new_err("engine poisoned by an earlier panic"))?;
             f(&mut e).map_err(kv_err)

@@ -13,6 +13,7 @@ mod buffers;
 mod connector;
 mod engine;
 mod errors;
+mod gil;
 #[allow(unsafe_code)]
 mod nixl;
 mod reqdata;
@@ -39,6 +40,7 @@ fn _kvwire(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<connector::PyConnector>()?;
     m.add_class::<connector::PyHostTierConnector>()?;
     nixl::register(m)?;
+    gil::register(m)?;
     m.add_function(wrap_pyfunction!(metrics_text, m)?)?;
     m.add("TransferError", py.get_type::<errors::TransferError>())?;
     m.add("KVLoadRefused", py.get_type::<errors::KVLoadRefused>())?;

@@ -146,7 +146,7 @@ const SPIN_POLLS: u32 = 16;
 
 impl PyNixlCore {
     fn run<T: Send>(&self, py: Python<'_>, f: impl FnOnce(&mut Core) -> PyResult<T> + Send) -> PyResult<T> {
-        py.allow_threads(|| {
+        crate::gil::without_gil(py, || {
             let mut core = self.inner.lock().map_err(|_| PyRuntimeError::new_err("NIXL core poisoned by a panic"))?;
             f(&mut core)
         })
@@ -187,7 +187,7 @@ impl PyNixlCore {
             copy_threads: copy_threads.max(1),
             options,
         };
-        let engine = py.allow_threads(|| TransferEngine::new(&name, kind, &cfg)).map_err(|e| match e {
+        let engine = crate::gil::without_gil(py, || TransferEngine::new(&name, kind, &cfg)).map_err(|e| match e {
             EngineError::BadAgentName { .. } => PyValueError::new_err(e.to_string()),
             other => engine_err(other),
         })?;
@@ -415,7 +415,7 @@ impl PyNixlCore {
         let s = self.run(py, |c| c.state(id));
         if matches!(s, Ok(status::IN_PROG)) {
             if self.busy_polls.fetch_add(1, Relaxed) >= SPIN_POLLS {
-                py.allow_threads(std::thread::yield_now);
+                crate::gil::without_gil(py, std::thread::yield_now);
             }
         } else {
             self.busy_polls.store(0, Relaxed);
@@ -456,7 +456,7 @@ impl PyNixlCore {
         if got.is_empty() {
             // A target spinning on get_new_notifs gives way to the copy
             // threads that are about to deliver (see `state`).
-            py.allow_threads(std::thread::yield_now);
+            crate::gil::without_gil(py, std::thread::yield_now);
         }
         let d = PyDict::new(py);
         for (agent, msgs) in got {
