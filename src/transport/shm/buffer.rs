@@ -188,8 +188,8 @@ impl HostBuffer {
         self.check(offset, out.len(), "read");
         // SAFETY: as in `copy_to`: the source range is inside the live,
         // readable mapping and does not overlap the `&mut` destination.
-        unsafe { super::copy::copy_bytes(self.map.as_ptr().add(offset), out.as_mut_ptr(), out.len(), true) };
-        super::copy::store_fence();
+        unsafe { super::stream::copy_bytes(self.map.as_ptr().add(offset), out.as_mut_ptr(), out.len(), true) };
+        super::stream::store_fence();
     }
 
     /// Whether the bytes at `offset` equal `expected`, compared through a

@@ -24,6 +24,7 @@
 mod buffer;
 mod copy;
 mod peer;
+mod stream;
 mod target;
 pub mod wire;
 
@@ -34,8 +35,8 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::thread::JoinHandle;
 
 pub use buffer::HostBuffer;
-pub use copy::stream_copy;
 use copy::{CopyPool, Job, PeerShared, SpareSegments, XferShared};
+pub use stream::stream_copy;
 use target::{Accepted, AcceptedPeer, Acks, LocalRegion, NotifQueue, RegionTable, Shared};
 use wire::{Listener, Msg, ShmInfo};
 
