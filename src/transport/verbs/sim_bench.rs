@@ -26,29 +26,55 @@ pub struct CommandBench {
 
 impl Default for CommandBench {
     fn default() -> Self {
-        let fabric = SimFabric::new(0);
-        let nic = fabric.device(0, 4096);
-        let target = fabric.device(1, 4096);
+        let SimPair { fabric, nic, qp, target: t, qpn, src, dst } = SimPair::new();
         let (dtx, done) = crossbeam_channel::unbounded();
         let (ntx, _) = crossbeam_channel::unbounded();
         let mut st = super::state::State::new(4096, dtx, ntx);
-        let qp = nic.create_qp(1024, 1).expect("sim QP");
-        let t = target.create_qp(4, 64).expect("sim QP");
-        let qpn = qp.qp_num();
-        fabric.connect(qpn, t.qp_num());
         st.send_qps.insert(qpn, super::state::SendQp::new(qp, 1, std::time::Instant::now()));
-        let src = fabric.alloc(0, 1 << 20);
-        let dst = fabric.alloc(1, 1 << 20);
-        let limits = super::state::PostLimits {
-            max_send_wr: 1024,
-            signal_every: 32,
-            max_batch: 64,
-            batch_bytes: 0,
-            poll_sleep_us: 50,
-            idle_yields: 0,
-        };
+        let limits = bench_limits(0);
         let wcs = vec![WorkCompletion::default(); 64];
         Self { fabric, nic, st, done, _target: t, qpn, src, dst, limits, next: 0, wcs }
+    }
+}
+
+/// Both benches' simulated setup: an initiator NIC with one QP (depth
+/// 1,024) connected to a target QP, and a 1 MiB region on each side
+/// (`(address, key)`).
+struct SimPair {
+    fabric: SimFabric,
+    nic: SimNic,
+    qp: SimQp,
+    target: SimQp,
+    qpn: u32,
+    src: (u64, u32),
+    dst: (u64, u32),
+}
+
+impl SimPair {
+    fn new() -> Self {
+        let fabric = SimFabric::new(0);
+        let nic = fabric.device(0, 4096);
+        let qp = nic.create_qp(1024, 1).expect("sim QP");
+        let target = fabric.device(1, 4096).create_qp(4, 64).expect("sim QP");
+        let qpn = qp.qp_num();
+        fabric.connect(qpn, target.qp_num());
+        let src = fabric.alloc(0, 1 << 20);
+        let dst = fabric.alloc(1, 1 << 20);
+        Self { fabric, nic, qp, target, qpn, src, dst }
+    }
+}
+
+/// The benches' posting limits; `idle_yields` differs: the state-machine
+/// bench has no progress thread, the channel bench's engine idles as the
+/// transport's default does.
+fn bench_limits(idle_yields: u32) -> super::state::PostLimits {
+    super::state::PostLimits {
+        max_send_wr: 1024,
+        signal_every: 32,
+        max_batch: 64,
+        batch_bytes: 0,
+        poll_sleep_us: 50,
+        idle_yields,
     }
 }
 
@@ -121,24 +147,8 @@ pub struct ChannelBench {
 
 impl Default for ChannelBench {
     fn default() -> Self {
-        let fabric = SimFabric::new(0);
-        let nic = fabric.device(0, 4096);
-        let target = fabric.device(1, 4096);
-        let qp = nic.create_qp(1024, 1).expect("sim QP");
-        let t = target.create_qp(4, 64).expect("sim QP");
-        let qpn = qp.qp_num();
-        fabric.connect(qpn, t.qp_num());
-        let src = fabric.alloc(0, 1 << 20);
-        let dst = fabric.alloc(1, 1 << 20);
-        let limits = super::state::PostLimits {
-            max_send_wr: 1024,
-            signal_every: 32,
-            max_batch: 64,
-            batch_bytes: 0,
-            poll_sleep_us: 50,
-            idle_yields: 192,
-        };
-        let core = super::engine::Core::start(nic, 4096, limits, |_| {}).expect("progress thread");
+        let SimPair { fabric, nic, qp, target: t, qpn, src, dst } = SimPair::new();
+        let core = super::engine::Core::start(nic, 4096, bench_limits(192), |_| {}).expect("progress thread");
         let cmd = super::engine::Cmd::Install { peer: 1, name: "bench".into(), qps: vec![qp], slab: None, link: None };
         core.handle.send(cmd);
         Self { fabric, core, _target: t, qpn, src, dst, next: 0 }
