@@ -16,11 +16,11 @@ pub fn fill_page(page: &mut [u8], key: u64) {
     let full_words = (page.len() / 8) as u64;
     let mut words = page.chunks_exact_mut(8);
     for (k, chunk) in words.by_ref().enumerate() {
-        chunk.copy_from_slice(&base.wrapping_add((k as u64).wrapping_mul(0xD6E8_FEB8_6659_FD93)).to_le_bytes());
+        chunk.copy_from_slice(&word(base, k as u64).to_le_bytes());
     }
     let tail = words.into_remainder();
     if !tail.is_empty() {
-        let w = base.wrapping_add(full_words.wrapping_mul(0xD6E8_FEB8_6659_FD93)).to_le_bytes();
+        let w = word(base, full_words).to_le_bytes();
         let n = tail.len();
         tail.copy_from_slice(&w[..n]);
     }
@@ -40,18 +40,16 @@ pub fn check_page(page: &[u8], key: u64) -> bool {
 /// on (a page checked piece by piece: every piece but the last a multiple
 /// of 8 bytes).
 pub fn check_from(piece: &[u8], key: u64, first_word: u64) -> bool {
-    let page = piece;
     let base = mix(key);
-    let mut words = page.chunks_exact(8);
+    let mut words = piece.chunks_exact(8);
     let mut diff = 0u64;
     for (k, c) in words.by_ref().enumerate() {
         let got = u64::from_le_bytes(c.try_into().expect("chunks_exact(8)"));
-        diff |= got ^ base.wrapping_add((first_word + k as u64).wrapping_mul(0xD6E8_FEB8_6659_FD93));
+        diff |= got ^ word(base, first_word + k as u64);
     }
     let tail = words.remainder();
     if !tail.is_empty() {
-        let k = first_word + (page.len() / 8) as u64;
-        let w = base.wrapping_add(k.wrapping_mul(0xD6E8_FEB8_6659_FD93)).to_le_bytes();
+        let w = word(base, first_word + (piece.len() / 8) as u64).to_le_bytes();
         if tail != &w[..tail.len()] {
             return false;
         }
