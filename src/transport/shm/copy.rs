@@ -447,6 +447,16 @@ fn cma_flush(op: Op, pid: i32, batch: &mut Vec<(libc::iovec, libc::iovec)>) -> R
     Ok(())
 }
 
+/// A checked transfer: [`plan`]'s result.
+pub struct Plan {
+    /// The segments (those longer than a chunk split).
+    pub segments: Vec<Segment>,
+    /// Segment ranges of about [`super::CHUNK_BYTES`].
+    pub chunks: Vec<Range<usize>>,
+    /// Total bytes of the transfer.
+    pub bytes: u64,
+}
+
 /// Check a transfer's segments against the target's regions, as an HCA
 /// checks an rkey (known key, not revoked, every byte inside the region the
 /// target reported), and cut them into chunks of about
@@ -460,10 +470,10 @@ fn cma_flush(op: Op, pid: i32, batch: &mut Vec<(libc::iovec, libc::iovec)>) -> R
 ///
 /// # Errors
 /// The first violation, as the remote-access failure the transfer fails with.
-pub fn plan(peer: &PeerShared, segments: Vec<Segment>) -> Result<(Vec<Segment>, Vec<Range<usize>>), TransferFailure> {
+pub fn plan(peer: &PeerShared, segments: Vec<Segment>) -> Result<Plan, TransferFailure> {
     let mut last: Option<(u32, u64, u64)> = None;
     let mut chunks = Vec::with_capacity(segments.len() / 64 + 1);
-    let (mut start, mut acc, mut large) = (0usize, 0u64, false);
+    let (mut start, mut acc, mut total, mut large) = (0usize, 0u64, 0u64, false);
     for (i, s) in segments.iter().enumerate() {
         let (addr, len) = match last {
             Some((k, a, l)) if k == s.rkey.0 => (a, l),
@@ -495,6 +505,7 @@ pub fn plan(peer: &PeerShared, segments: Vec<Segment>) -> Result<(Vec<Segment>, 
         }
         large |= s.len_bytes > super::CHUNK_BYTES;
         acc += s.len_bytes;
+        total += s.len_bytes;
         if acc >= super::CHUNK_BYTES {
             chunks.push(start..i + 1);
             start = i + 1;
@@ -504,12 +515,12 @@ pub fn plan(peer: &PeerShared, segments: Vec<Segment>) -> Result<(Vec<Segment>, 
     if large {
         let segments = split_large(segments);
         let chunks = chunk_ranges(&segments);
-        return Ok((segments, chunks));
+        return Ok(Plan { segments, chunks, bytes: total });
     }
     if start < segments.len() || chunks.is_empty() {
         chunks.push(start..segments.len());
     }
-    Ok((segments, chunks))
+    Ok(Plan { segments, chunks, bytes: total })
 }
 
 /// Split segments longer than [`super::CHUNK_BYTES`] so that threads can share them.

@@ -364,25 +364,24 @@ impl Transport for ShmTransport {
         // The HCA-style check (every segment inside a region the target
         // reported, by key and bounds, before a single byte moves) and the
         // cut into chunks, in one pass over the segments.
-        let (segments, chunks, violation) = match copy::plan(peer, req.segments) {
-            Ok((segments, chunks)) => (segments, chunks, None),
-            Err(why) => (Vec::new(), Vec::new(), Some(why)),
+        let copy::Plan { segments, chunks, bytes } = match copy::plan(peer, req.segments) {
+            Ok(plan) => plan,
+            Err(why) => {
+                let core = XferState::new(req.xfer, req.op, None, 1);
+                core.fail(why);
+                let x = Arc::new(XferShared {
+                    core,
+                    peer: peer.clone(),
+                    segments: Vec::new(),
+                    chunks: std::iter::once(0..0).collect(),
+                    next_chunk: AtomicUsize::new(0),
+                    spare: None,
+                });
+                self.inflight.insert(x.clone());
+                self.pool.submit(Job { xfer: x, done: self.inflight.sender() });
+                return Ok(());
+            }
         };
-        if let Some(why) = violation {
-            let core = XferState::new(req.xfer, req.op, None, 1);
-            core.fail(why);
-            let x = Arc::new(XferShared {
-                core,
-                peer: peer.clone(),
-                segments: Vec::new(),
-                chunks: std::iter::once(0..0).collect(),
-                next_chunk: AtomicUsize::new(0),
-                spare: None,
-            });
-            self.inflight.insert(x.clone());
-            self.pool.submit(Job { xfer: x, done: self.inflight.sender() });
-            return Ok(());
-        }
         let helpers = chunks.len().min(self.config.copy_threads.max(1));
         let x = Arc::new(XferShared {
             core: XferState::new(req.xfer, req.op, req.notification, chunks.len()),
@@ -393,8 +392,7 @@ impl Transport for ShmTransport {
             spare: Some(self.spare.clone()),
         });
         self.inflight.insert(x.clone());
-        let small = x.chunks.len() == 1 && x.segments.iter().map(|s| s.len_bytes).sum::<u64>() <= INLINE_BYTES;
-        if small {
+        if bytes <= INLINE_BYTES {
             copy::run_inline(Job { xfer: x, done: self.inflight.sender() });
         } else {
             self.pool.submit_helpers(Job { xfer: x, done: self.inflight.sender() }, helpers);
