@@ -269,13 +269,10 @@ impl CopyPool {
     }
 }
 
-/// Copy `job` on the calling thread (a small transfer, see
-/// `super::INLINE_BYTES`), exactly as a worker would.
-pub fn run_inline(job: Job) {
-    run_job(job);
-}
-
-fn run_job(job: Job) {
+/// Copy `job`'s chunks until none is left, then finish the transfer: what
+/// each copy worker does, and what `post` does itself for a small transfer
+/// (`super::INLINE_BYTES`).
+pub fn run_job(job: Job) {
     let (x, done) = (&job.xfer, &job.done);
     let stream = streams(x.chunks.len());
     loop {

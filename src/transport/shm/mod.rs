@@ -393,7 +393,7 @@ impl Transport for ShmTransport {
         });
         self.inflight.insert(x.clone());
         if bytes <= INLINE_BYTES {
-            copy::run_inline(Job { xfer: x, done: self.inflight.sender() });
+            copy::run_job(Job { xfer: x, done: self.inflight.sender() });
         } else {
             self.pool.submit_helpers(Job { xfer: x, done: self.inflight.sender() }, helpers);
         }
