@@ -135,11 +135,11 @@ def _op(op) -> str:
     return "READ" if op == B.NIXL_READ else "WRITE"
 
 
-def _idx(x):
+def _idx(x, widen=False):
     """Index list -> (bytes, width) for NixlCore.make. A 1-D int32/int64
-    array (what vLLM and SGLang pass) crosses as its own bytes, unconverted;
-    anything else becomes int64."""
-    if isinstance(x, np.ndarray) and x.ndim == 1 and x.dtype.kind == "i" and x.dtype.itemsize in (4, 8):
+    array (what vLLM and SGLang pass) crosses as its own bytes, unconverted,
+    unless `widen`; anything else becomes int64."""
+    if not widen and isinstance(x, np.ndarray) and x.ndim == 1 and x.dtype.kind == "i" and x.dtype.itemsize in (4, 8):
         a = x.astype(x.dtype.newbyteorder("<"), copy=False)
         return a.tobytes(), a.dtype.itemsize
     return np.asarray(x, dtype="<i8").reshape(-1).tobytes(), 8
@@ -269,9 +269,8 @@ class nixlAgent:
                     backends=(), skip_desc_merge=False):
         notif = _bytes(notif_msg) or None
         (li, lw), (ri, rw) = _idx(local_indices), _idx(remote_indices)
-        if lw != rw:  # one width for both lists
-            (li, lw), (ri, rw) = _idx(np.frombuffer(li, f"<i{lw}").astype("<i8")), _idx(
-                np.frombuffer(ri, f"<i{rw}").astype("<i8"))
+        if lw != rw:  # one width for both lists: both as int64
+            (li, lw), (ri, rw) = _idx(local_indices, widen=True), _idx(remote_indices, widen=True)
         try:
             return self._c().make(_op(op), _h(local_side), li, _h(remote_side), ri, notif, lw)
         except NixlCoreError as e:

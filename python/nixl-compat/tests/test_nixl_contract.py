@@ -201,6 +201,11 @@ def test_nx5_strided_lists_expand_and_indices_count_blocks(backend):
     assert all((dst[j * stride:j * stride + block] == 0).all() for j in untouched)
     t = a.get_xfer_telemetry(h)
     assert (t.descCount, t.totalBytes) == (3, 3 * block)
+    # index lists of different widths (int32 array, Python list) still pair up
+    h2 = a.make_prepped_xfer("WRITE", ls, np.array([5], np.int32), rs, [2])
+    a.transfer(h2)
+    assert wait(a, h2) == "DONE"
+    assert np.array_equal(dst[2 * stride:2 * stride + block], src[5 * stride:5 * stride + block])
     with pytest.raises(B.nixlInvalidParamError):
         a.make_prepped_xfer("WRITE", ls, [blocks], rs, [0])
     a.release_xfer_handle(h)
