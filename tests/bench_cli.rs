@@ -119,15 +119,19 @@ fn bad_arguments_are_refused_with_a_message() {
 
 #[test]
 fn pipelined_transfers_stream_and_still_verify() {
-    for op in ["write", "read"] {
+    // Each op once with the default wait (TransferEngine::wait) and once polling status.
+    for (op, wait) in [("write", "block"), ("read", "poll"), ("read", "block"), ("write", "poll")] {
+        let poll: &[&str] = if wait == "poll" { &["--poll-wait", "--wait-sleep-us", "20"] } else { &[] };
         let out = kvwire()
             .args(["bench", "--op", op, "--block-size", "16KiB", "--blocks", "128", "--iters", "6", "--pipeline", "3"])
             .args(["--scatter", "--lat-iters", "5", "--json"])
+            .args(poll)
             .output()
             .unwrap();
         assert!(out.status.success(), "{op}: {}", String::from_utf8_lossy(&out.stderr));
         let j = json_of(&out);
         assert_eq!(j["verified"], true, "{op}");
+        assert_eq!(j["wait"], wait, "{op}");
         assert_eq!(j["pipeline"], 3);
         assert_eq!(j["notifications_received"], 2 + 6, "{op}: one per warmup (default 2) and measured transfer");
     }
@@ -360,7 +364,10 @@ fn zero_and_absurd_numbers_are_refused_without_panic_or_hang() {
         (vec!["bench", "--iters", "99999999999999", "--blocks", "4"], "--iters 99999999999999 is more than 1000000"),
         (vec!["bench", "--lat-iters", "99999999999999", "--blocks", "4"], "--lat-iters 99999999999999 is more than"),
         (vec!["bench", "--warmup", "99999999999999", "--blocks", "4"], "--warmup 99999999999999 is more than"),
-        (vec!["bench", "--wait-sleep-us", "99999999999", "--blocks", "4"], "--wait-sleep-us must be at most"),
+        (
+            vec!["bench", "--poll-wait", "--wait-sleep-us", "99999999999", "--blocks", "4"],
+            "--wait-sleep-us must be at most",
+        ),
         (vec!["bench", "--copy-threads", "0", "--blocks", "4"], "copy_threads must be in 1..=256"),
         (vec!["bench", "--listen", "nonsense"], "--listen nonsense (expected IP:PORT"),
         (vec!["replay", "--speed", "1e-300"], "--speed must be 0.001..=1000000"),

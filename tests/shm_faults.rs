@@ -112,12 +112,19 @@ fn notified_transfers_to_a_killed_target_fail_with_peer_died() {
                 .unwrap()
         })
         .collect();
-    std::thread::sleep(Duration::from_millis(300));
     for h in &hs {
-        assert_eq!(e.status(*h).unwrap(), TransferStatus::InProgress, "not acknowledged: not Done");
+        // `TransferEngine::wait` gives up after its timeout with the transfer still in progress.
+        let t0 = Instant::now();
+        assert_eq!(e.wait(*h, Duration::from_millis(60)).unwrap(), TransferStatus::InProgress, "not acknowledged");
+        assert!(t0.elapsed() >= Duration::from_millis(60), "wait returned before its timeout");
     }
     t.child.kill().unwrap();
     t.child.wait().unwrap();
+    // The first through `TransferEngine::wait` (woken by the completion), the rest by polling.
+    match e.wait(hs[0], Duration::from_secs(10)).unwrap() {
+        TransferStatus::Failed(why) => assert_eq!(why.kind, FailureKind::PeerDied, "{why}"),
+        other => panic!("a notification the dead target never read: {other:?}"),
+    }
     for h in hs {
         match wait(&mut e, h, Duration::from_secs(10)) {
             TransferStatus::Failed(why) => assert_eq!(why.kind, FailureKind::PeerDied, "{why}"),

@@ -30,6 +30,7 @@ use std::time::{Duration, Instant};
 
 pub use desc::Desc;
 use desc::{LocalSpan, build_segments};
+
 pub use error::{EngineError, MetadataError};
 pub use metadata::AgentMetadata;
 pub use peers::LoadOutcome;
@@ -39,6 +40,14 @@ use crate::transport::{
     self, Completion, LocalKey, MemoryBacking, MemoryDesc, Notification, Op, PeerId, PostRequest, Registration,
     Segment, TransferFailure, Transport, TransportConfig, TransportKind, XferId,
 };
+
+/// Longest single block of [`TransferEngine::wait`] on the transport before
+/// it looks at the transfer (and the engine's other duties) again.
+const WAIT_SLICE: Duration = Duration::from_millis(10);
+/// Status polls of [`TransferEngine::wait`] before it blocks: about 5 µs on
+/// this project's 2-vCPU machine, longer than a one-page `shm` transfer
+/// (page p50 1.7 µs, docs/perf-shm.md), so single pages keep their latency.
+pub const WAIT_SPINS: u32 = 64;
 
 /// A registration returned by [`TransferEngine::register`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -480,6 +489,43 @@ impl TransferEngine {
         }
         self.progress();
         self.transfers.get(&handle.0).map(|t| t.status.clone()).ok_or(EngineError::UnknownHandle(handle.0))
+    }
+
+    /// Wait until a transfer leaves [`TransferStatus::InProgress`] or
+    /// `timeout` passes, and return its status (`InProgress` on timeout; the
+    /// handle stays yours to release). It polls [`status`](Self::status)
+    /// [`WAIT_SPINS`] times (a one-page transfer is done within them), then
+    /// sleeps on the transport's completion channel ([`Transport::wait`])
+    /// between checks instead of spinning, so where cores are few (the Soft-RoCE guest, a
+    /// 2-core host) they stay with the progress and copy threads doing the
+    /// work. NIXL has no such call (its callers poll `getXferStatus`, which
+    /// [`status`](Self::status) is); MAX's `sync_and_release` is this wait
+    /// followed by the release.
+    ///
+    /// # Errors
+    /// [`EngineError::UnknownHandle`].
+    pub fn wait(&mut self, handle: TransferHandle, timeout: Duration) -> Result<TransferStatus, EngineError> {
+        let deadline = Instant::now().checked_add(timeout);
+        let mut spins = 0;
+        loop {
+            let status = self.status(handle)?;
+            let now = Instant::now();
+            let left = deadline.map_or(WAIT_SLICE, |d| d.saturating_duration_since(now));
+            if status != TransferStatus::InProgress || left.is_zero() {
+                return Ok(status);
+            }
+            if spins < WAIT_SPINS {
+                spins += 1;
+                std::hint::spin_loop();
+                continue;
+            }
+            let mut done = std::mem::take(&mut self.scratch_completions);
+            self.transport.wait(&mut done, left.min(WAIT_SLICE));
+            for c in done.drain(..) {
+                self.finish(c.xfer.0, c.result);
+            }
+            self.scratch_completions = done;
+        }
     }
 
     /// Bytes a transfer moves.

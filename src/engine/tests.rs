@@ -197,6 +197,35 @@ fn transfers_and_notifications_to_the_own_name_are_loopback(kind: TransportKind)
     assert!(!a.is_remote_loaded("self"));
 }
 
+fn wait_blocks_until_the_transfer_ends(kind: TransportKind) {
+    let len = 64 << 20;
+    let ((mut a, ab), (_b, bb)) = pair(kind, len);
+    ab.fill_with(0, len, |i| (i % 253) as u8);
+    let (l, r) = ([Desc::new(ab.addr(), len as u64)], [Desc::new(bb.addr(), len as u64)]);
+    let h = a.post(Op::Write, &l, "b", &r, None).unwrap();
+    let cpu0 = thread_cpu();
+    let t0 = Instant::now();
+    assert_eq!(a.wait(h, Duration::from_secs(30)).unwrap(), TransferStatus::Done, "{kind}");
+    let (wall, cpu) = (t0.elapsed(), thread_cpu() - cpu0);
+    assert!(bb.to_vec(..).iter().enumerate().all(|(i, &x)| x == (i % 253) as u8), "{kind}: data");
+    // Terminal states stick: a second wait answers at once.
+    assert_eq!(a.wait(h, Duration::ZERO).unwrap(), TransferStatus::Done, "{kind}");
+    a.release(h).unwrap();
+    assert!(matches!(a.wait(h, Duration::from_secs(1)), Err(EngineError::UnknownHandle(_))), "{kind}");
+    // The waiting thread slept on the completion channel: it used a fraction
+    // of the wall time (a polling loop used 30-55 % of it here, sharing two cores
+    // with the copy threads; this wait 0.6 %). Only a wait long
+    // enough to tell the two apart is judged.
+    if wall > Duration::from_millis(5) {
+        assert!(cpu < wall / 5, "{kind}: the waiter spun: {cpu:?} of CPU in {wall:?}");
+    }
+}
+
+/// CPU time of the calling thread.
+fn thread_cpu() -> Duration {
+    nix::time::clock_gettime(nix::time::ClockId::CLOCK_THREAD_CPUTIME_ID).map(Duration::from).unwrap()
+}
+
 #[test]
 fn agent_names_must_be_1_to_255_bytes() {
     let c = TransportConfig::default();
@@ -231,4 +260,5 @@ per_transport!(
     telemetry_counts_user_descriptors_and_never_reports_zero_durations,
     a_dead_peer_fails_its_transfers_and_drops_its_metadata,
     transfers_and_notifications_to_the_own_name_are_loopback,
+    wait_blocks_until_the_transfer_ends,
 );

@@ -327,6 +327,25 @@ impl KVTransferEngine {
         Some((replica, handles))
     }
 
+    /// Block until the first unfinished shard transfer of `req` that this
+    /// engine posted ends or `limit` passes, sleeping on its transport
+    /// ([`TransferEngine::wait`](crate::engine::TransferEngine::wait))
+    /// rather than spinning. False when `req` has no such transfer here (a
+    /// request this side did not post): the caller sleeps instead.
+    fn wait_some(&mut self, req: &TransferReqData, limit: Duration) -> Result<bool, KvError> {
+        let Some((replica, handles)) = self.owned(req) else {
+            return Ok(false);
+        };
+        for (tid, shard) in handles {
+            let engine = &mut self.agents[replica][shard].engine;
+            if engine.status(TransferHandle(tid))? == TransferStatus::InProgress {
+                engine.wait(TransferHandle(tid), limit)?;
+                return Ok(true);
+            }
+        }
+        Ok(false)
+    }
+
     fn drain_notifications(&mut self, replica: usize) {
         for shard in 0..self.tp {
             let notifs = self.agents[replica][shard].engine.get_notifs();
@@ -422,7 +441,7 @@ impl KVTransferEngine {
                     spins += 1;
                     if spins < 64 {
                         std::thread::yield_now();
-                    } else {
+                    } else if !self.wait_some(req, deadline.saturating_duration_since(Instant::now()))? {
                         std::thread::sleep(Duration::from_micros(200));
                     }
                 }

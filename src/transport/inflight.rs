@@ -14,6 +14,7 @@
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 use crossbeam_channel::{Receiver, Sender};
 
@@ -127,6 +128,23 @@ impl<T: AsRef<XferState>> InFlight<T> {
         }
     }
 
+    /// As [`InFlight::poll`], blocking until a completion arrives or
+    /// `timeout` passes. A completion of a cancelled transfer ends the wait
+    /// too (with nothing appended); callers wait again.
+    pub fn wait(&mut self, out: &mut Vec<Completion>, timeout: Duration) {
+        let before = out.len();
+        self.poll(out);
+        if out.len() > before {
+            return;
+        }
+        if let Ok(c) = self.done.recv_timeout(timeout) {
+            if self.xfers.remove(&c.xfer.0).is_some() {
+                out.push(c);
+            }
+            self.poll(out);
+        }
+    }
+
     /// Stop a transfer: mark it cancelled, then wait until no worker is
     /// inside one of its chunks, so that nothing touches its buffers once
     /// this returns. Its completion, if one was already queued, is dropped
@@ -218,5 +236,30 @@ mod tests {
         worker.join().unwrap();
         t.cancel(XferId(7)); // unknown: ignored
         assert!(polled(&mut t).is_empty());
+    }
+
+    #[test]
+    fn wait_returns_a_late_completion_and_times_out_without_one() {
+        let (mut t, xs) = tracked(&[1, 1]);
+        let mut out = Vec::new();
+        let t0 = std::time::Instant::now();
+        t.wait(&mut out, Duration::from_millis(30));
+        assert!(out.is_empty() && t0.elapsed() >= Duration::from_millis(30), "returned early: {out:?}");
+        // A cancelled transfer's completion ends a wait with nothing appended.
+        assert!(xs[1].0.chunk_done());
+        t.cancel(XferId(2));
+        xs[1].0.complete(&t.sender(), || Ok(()));
+        t.wait(&mut out, Duration::from_secs(10));
+        assert!(out.is_empty(), "{out:?}");
+        // A completion sent while the caller waits wakes it.
+        let (a, done) = (xs[0].clone(), t.sender());
+        let worker = std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(20));
+            assert!(a.0.chunk_done());
+            a.0.complete(&done, || Ok(()));
+        });
+        t.wait(&mut out, Duration::from_secs(10));
+        worker.join().unwrap();
+        assert_eq!(out, [Completion { xfer: XferId(1), result: Ok(()) }]);
     }
 }

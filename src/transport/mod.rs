@@ -363,6 +363,12 @@ pub trait Transport: Send {
     /// Append terminal results of posted transfers to `out`. Never blocks.
     fn poll(&mut self, out: &mut Vec<Completion>);
 
+    /// As [`Transport::poll`], but block until at least one result arrives
+    /// or `timeout` passes (then `out` may be unchanged). The waiting thread
+    /// sleeps on the backend's completion channel instead of spinning, so
+    /// the cores stay with the progress or copy threads that do the work.
+    fn wait(&mut self, out: &mut Vec<Completion>, timeout: Duration);
+
     /// Stop a transfer. Returns only when nothing can still touch its buffers.
     /// No completion is reported for it afterwards.
     fn cancel(&mut self, xfer: XferId);

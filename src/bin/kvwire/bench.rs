@@ -79,12 +79,18 @@ pub struct BenchArgs {
     /// Print one JSON object instead of the table.
     #[arg(long)]
     json: bool,
-    /// While waiting for a transfer, sleep this many microseconds between
-    /// status polls once spinning and yielding found it unfinished (0: never
-    /// sleep; at most 1000000). For CPU-starved hosts (the Soft-RoCE guest), where a polling
-    /// application thread competes with the transport's progress thread and
-    /// the (software) NIC for the same cores.
-    #[arg(long, default_value_t = 0)]
+    /// Wait for transfers by polling `status` (spin, then yield, then
+    /// `--wait-sleep-us` sleeps), as a NIXL caller polls `check_xfer_state`,
+    /// instead of `TransferEngine::wait` (which polls briefly, then sleeps on
+    /// the transport's completion channel).
+    #[arg(long)]
+    poll_wait: bool,
+    /// With --poll-wait: sleep this many microseconds between status polls
+    /// once spinning and yielding found the transfer unfinished (0: never
+    /// sleep; at most 1000000). For CPU-starved hosts (the Soft-RoCE guest),
+    /// where a polling application thread competes with the transport's
+    /// progress thread and the (software) NIC for the same cores.
+    #[arg(long, default_value_t = 0, requires = "poll_wait")]
     wait_sleep_us: u64,
     /// Be the target and wait for an initiator on ADDR (two terminals).
     #[arg(long, conflicts_with = "connect")]
@@ -186,6 +192,8 @@ pub fn run_target(a: TargetArgs) -> Result<()> {
 /// How long a `--listen` target waits for a new connection's Setup message
 /// before it drops that connection and waits for the next one.
 const SETUP_TIMEOUT: Duration = Duration::from_secs(10);
+/// Longest wait for one transfer of the bench.
+const WAIT_LIMIT: Duration = Duration::from_secs(120);
 
 /// `bench --listen`: accept connections until one is a kvwire bench
 /// initiator (its first message is a Setup within [`SETUP_TIMEOUT`]);
@@ -252,8 +260,16 @@ fn target_loop(chan: &mut SideChannel, setup: Ctl) -> Result<()> {
     }
 }
 
-fn wait_done(e: &mut TransferEngine, h: TransferHandle, sleep_us: u64) -> Result<()> {
-    let deadline = Instant::now() + Duration::from_secs(120);
+fn wait_done(e: &mut TransferEngine, h: TransferHandle, a: &BenchArgs) -> Result<()> {
+    if !a.poll_wait {
+        return match e.wait(h, WAIT_LIMIT)? {
+            TransferStatus::Done => Ok(e.release(h)?),
+            TransferStatus::Failed(why) => bail!("transfer failed: {why}"),
+            TransferStatus::InProgress => bail!("transfer did not finish in {} s", WAIT_LIMIT.as_secs()),
+        };
+    }
+    let sleep_us = a.wait_sleep_us;
+    let deadline = Instant::now() + WAIT_LIMIT;
     // Spin briefly, then yield the core to the copy threads (this machine
     // may have no more cores than the transport has threads).
     let mut spins = 0u32;
@@ -261,7 +277,9 @@ fn wait_done(e: &mut TransferEngine, h: TransferHandle, sleep_us: u64) -> Result
         match e.status(h)? {
             TransferStatus::Done => return Ok(e.release(h)?),
             TransferStatus::Failed(why) => bail!("transfer failed: {why}"),
-            TransferStatus::InProgress if Instant::now() > deadline => bail!("transfer did not finish in 120 s"),
+            TransferStatus::InProgress if Instant::now() > deadline => {
+                bail!("transfer did not finish in {} s", WAIT_LIMIT.as_secs())
+            }
             TransferStatus::InProgress if spins < 64 => {
                 spins += 1;
                 std::hint::spin_loop()
@@ -287,6 +305,9 @@ struct Report {
     scatter: bool,
     copy_threads: usize,
     pipeline: usize,
+    /// How the initiator waited for each transfer: `block`
+    /// (`TransferEngine::wait`) or `poll` (`--poll-wait`).
+    wait: &'static str,
     segments_after_coalescing: usize,
     gb_per_s: f64,
     /// One thread `memcpy` of the same page pattern (GB/s).
@@ -451,7 +472,7 @@ fn initiate(a: &BenchArgs, total: u64, chan: &mut SideChannel) -> Result<Report>
     for it in 0..a.warmup {
         let notification = (!a.no_notify).then(|| format!("iter-{it}").into_bytes());
         let h = engine.post_with(op, &local, &meta.name, &remote, notification, &mut segments)?;
-        wait_done(&mut engine, h, a.wait_sleep_us)?;
+        wait_done(&mut engine, h, a)?;
     }
     if op == Op::Read {
         // Every measured READ rewrites the whole buffer: start from zeros so
@@ -476,7 +497,7 @@ fn initiate(a: &BenchArgs, total: u64, chan: &mut SideChannel) -> Result<Report>
             next += 1;
         }
         let (h, t0) = inflight.pop_front().expect("the loop keeps one in flight");
-        wait_done(&mut engine, h, a.wait_sleep_us)?;
+        wait_done(&mut engine, h, a)?;
         lat_us.push(t0.elapsed().as_secs_f64() * 1e6);
     }
     moved_ns += phase.elapsed().as_nanos();
@@ -487,7 +508,7 @@ fn initiate(a: &BenchArgs, total: u64, chan: &mut SideChannel) -> Result<Report>
         let k = i % a.blocks as usize;
         let t0 = Instant::now();
         let h = engine.post_with(op, &local[k..k + 1], &meta.name, &remote[k..k + 1], None, &mut segments)?;
-        wait_done(&mut engine, h, a.wait_sleep_us)?;
+        wait_done(&mut engine, h, a)?;
         page_lat.push(t0.elapsed().as_secs_f64() * 1e6);
     }
     let notifications = if a.no_notify { 0 } else { a.warmup + a.iters };
@@ -509,6 +530,7 @@ fn initiate(a: &BenchArgs, total: u64, chan: &mut SideChannel) -> Result<Report>
         scatter: a.scatter,
         copy_threads: a.copy_threads,
         pipeline: a.pipeline,
+        wait: if a.poll_wait { "poll" } else { "block" },
         segments_after_coalescing: segment_count,
         gb_per_s,
         memcpy_gb_per_s: ceil.memcpy_1,

@@ -33,6 +33,7 @@ use std::os::fd::{BorrowedFd, OwnedFd};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::thread::JoinHandle;
+use std::time::Duration;
 
 pub use buffer::HostBuffer;
 use copy::{CopyPool, Job, PeerShared, SpareSegments, XferShared};
@@ -402,6 +403,10 @@ impl Transport for ShmTransport {
 
     fn poll(&mut self, out: &mut Vec<Completion>) {
         self.inflight.poll(out);
+    }
+
+    fn wait(&mut self, out: &mut Vec<Completion>, timeout: Duration) {
+        self.inflight.wait(out, timeout);
     }
 
     fn cancel(&mut self, xfer: XferId) {

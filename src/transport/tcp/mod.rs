@@ -48,6 +48,7 @@ use std::net::{IpAddr, SocketAddr, TcpListener, TcpStream, ToSocketAddrs, UdpSoc
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
+use std::time::Duration;
 
 use crossbeam_channel::Sender;
 use serde::{Deserialize, Serialize};
@@ -458,6 +459,10 @@ impl Transport for TcpTransport {
 
     fn poll(&mut self, out: &mut Vec<Completion>) {
         self.inflight.poll(out);
+    }
+
+    fn wait(&mut self, out: &mut Vec<Completion>, timeout: Duration) {
+        self.inflight.wait(out, timeout);
     }
 
     fn cancel(&mut self, xfer: XferId) {

@@ -509,6 +509,17 @@ impl Transport for VerbsTransport {
         out.extend(self.core.done.try_iter());
     }
 
+    fn wait(&mut self, out: &mut Vec<Completion>, timeout: Duration) {
+        let before = out.len();
+        self.poll(out);
+        if out.len() == before
+            && let Ok(c) = self.core.done.recv_timeout(timeout)
+        {
+            out.push(c);
+            out.extend(self.core.done.try_iter());
+        }
+    }
+
     /// Returns once the NIC can no longer touch the transfer's buffers: the
     /// engine drops its queued work and closes the reply once its posted
     /// WRs completed or flushed (it moves the QPs carrying them to the
