@@ -11,6 +11,8 @@
 #   PIPELINE=2 scripts/softroce-bench.sh # 2 kvwire transfers in flight, a stream as perftest's
 #   COMPARE_BIN=../old/target/release/kvwire ROUNDS=6 scripts/softroce-bench.sh
 #                                        # A/B: that build runs right after ours in every round
+#   COMPARE_BIN=target/release/kvwire COMPARE_ARGS="--option post_bytes=0" scripts/softroce-bench.sh
+#                                        # A/B of an option on one build (COMPARE_ARGS: the second run only)
 #
 # The guest moves only 20-60 MB/s (CPU emulation): totals are a few MB per run
 # (MB, default 8) and only the ratio means anything. Each round runs perftest
@@ -25,7 +27,7 @@
 # on rxe (and siw) kvwire ends a post_send batch at 64 KiB (post_bytes), so
 # the kernel requester that each post_send runs works on the posting thread's
 # CPU (docs/PERFORMANCE.md). Earlier tuning, for comparison:
-#   KV_ARGS="--option idle_yields=0 --target-option idle_yields=0 --wait-sleep-us 1000 --option max_send_wr=128"
+#   KV_ARGS="--option idle_yields=0 --target-option idle_yields=0 --poll-wait --wait-sleep-us 1000 --option max_send_wr=128"
 # Skips (exit 0) where the harness cannot run, as scripts/softroce-tests.sh.
 set -euo pipefail
 repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -40,13 +42,16 @@ trap 'rm -rf "$stage"' EXIT
 cp "$CARGO_TARGET_DIR/release/kvwire" "$stage/kvwire"
 if [ -n "${COMPARE_BIN:-}" ]; then
   cp "$COMPARE_BIN" "$stage/kvwire-b"
+elif [ -n "${COMPARE_ARGS:-}" ]; then
+  echo "softroce-bench: COMPARE_ARGS needs COMPARE_BIN (the build to run them with)" >&2
+  exit 2
 fi
 cat > "$stage/bench.sh" <<'GUEST'
 #!/bin/sh
 # Runs in the guest (dash + busybox).
 set -u
 G=$SOFTROCE_GID_IDX; SRV=$SOFTROCE_SRV_IP
-ROUNDS=${ROUNDS:-2}; MB=${MB:-8}; QPS=${QPS:-1}; KV_ARGS=${KV_ARGS:-}
+ROUNDS=${ROUNDS:-2}; MB=${MB:-8}; QPS=${QPS:-1}; KV_ARGS=${KV_ARGS:-}; COMPARE_ARGS=${COMPARE_ARGS:-}
 : > results.txt
 pt() { # op size iters -> MB/s (perftest MB = 2^20 B) average
   tool=ib_$1_bw
@@ -58,11 +63,12 @@ pt() { # op size iters -> MB/s (perftest MB = 2^20 B) average
   cat pt-cli.log >&2
   awk -v s="$2" '$1 == s && NF >= 5 {print $4}' pt-cli.log | tail -1
 }
-kv() { # bin op size blocks iters -> GB/s (1e9 B/s)
-  "$1" bench --transport verbs --op "$2" --device rxe1 --target-device rxe0 \
+kv() { # bin op size blocks iters [extra args] -> GB/s (1e9 B/s)
+  bin=$1; op=$2; size=$3; blocks=$4; iters=$5; shift 5
+  "$bin" bench --transport verbs --op "$op" --device rxe1 --target-device rxe0 \
     --option gid_index="$G" --target-option gid_index="$G" \
     --option qps_per_peer="$QPS" --target-option qps_per_peer="$QPS" \
-    --block-size "$3" --blocks "$4" --iters "$5" --warmup 1 --lat-iters 2 --scatter --pipeline "${PIPELINE:-1}" --json $KV_ARGS > kv.json 2> kv.err
+    --block-size "$size" --blocks "$blocks" --iters "$iters" --warmup 1 --lat-iters 2 --scatter --pipeline "${PIPELINE:-1}" --json $KV_ARGS "$@" > kv.json 2> kv.err
   cat kv.json kv.err >&2
   sed -n 's/.*"gb_per_s":\([0-9.e+-]*\).*/\1/p' kv.json
 }
@@ -78,14 +84,14 @@ for r in $(seq 1 "$ROUNDS"); do
       b=0
       if [ -x ./kvwire-b ]; then
         echo "### round $r: COMPARE_BIN bench --op $op --block-size $size" >&2
-        b=$(kv ./kvwire-b "$op" "$size" "$blocks" "$iters")
+        b=$(kv ./kvwire-b "$op" "$size" "$blocks" "$iters" $COMPARE_ARGS)
       fi
       echo "$op $size $r ${p:-0} ${k:-0} ${b:-0}" >> results.txt
     done
   done
 done
 echo
-echo "kvwire extra args: ${KV_ARGS:-(none)}"
+echo "kvwire extra args: ${KV_ARGS:-(none)}; compare_bin extra args: ${COMPARE_ARGS:-(none)}"
 echo "raw (MB/s = 1e6 B/s): op size round perftest kvwire compare_bin"
 awk '{printf "  %-5s %6d %d %8.2f %8.2f %8.2f\n", $1, $2, $3, $4 * 1048576 / 1e6, $5 * 1000, $6 * 1000}' results.txt
 echo "best of rounds: op size perftest_MB/s kvwire_MB/s ratio [compare_bin_MB/s ratio]"
@@ -108,4 +114,4 @@ done
 GUEST
 chmod +x "$stage/bench.sh"
 KV_ARGS=${KV_ARGS:-}
-bash "$softroce_vm" run "$stage" env ROUNDS="${ROUNDS:-2}" PIPELINE="${PIPELINE:-1}" MB="${MB:-8}" QPS="${QPS:-1}" KV_ARGS="$KV_ARGS" ./bench.sh
+bash "$softroce_vm" run "$stage" env ROUNDS="${ROUNDS:-2}" PIPELINE="${PIPELINE:-1}" MB="${MB:-8}" QPS="${QPS:-1}" KV_ARGS="$KV_ARGS" COMPARE_ARGS="${COMPARE_ARGS:-}" ./bench.sh

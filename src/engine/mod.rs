@@ -500,7 +500,8 @@ impl TransferEngine {
     /// 2-core host) they stay with the progress and copy threads doing the
     /// work. NIXL has no such call (its callers poll `getXferStatus`, which
     /// [`status`](Self::status) is); MAX's `sync_and_release` is this wait
-    /// followed by the release.
+    /// followed by the release. `timeout` is wall time; zero checks once,
+    /// [`Duration::MAX`] waits without limit.
     ///
     /// # Errors
     /// [`EngineError::UnknownHandle`].
@@ -525,6 +526,9 @@ impl TransferEngine {
                 self.finish(c.xfer.0, c.result);
             }
             self.scratch_completions = done;
+            // What a status poll does after finishing transfers: send the
+            // notifications queued behind them, drop finished internal ones.
+            self.progress();
         }
     }
 

@@ -130,7 +130,7 @@ impl TransferEngine {
     }
 
     /// Send a standalone notification to `agent` (NIXL `genNotif`): not tied
-    /// to a transfer, binary-safe, at most [`MAX_NOTIFY_BYTES`].
+    /// to a transfer, binary-safe, at most 64 KiB (`MAX_NOTIFY_BYTES`).
     ///
     /// It reaches `agent` after the data of every transfer to it that is in
     /// progress now, and after earlier notifications to it. When such

@@ -221,6 +221,18 @@ fn wait_blocks_until_the_transfer_ends(kind: TransportKind) {
     }
 }
 
+fn a_notification_queued_behind_a_waited_transfer_leaves_without_more_calls(kind: TransportKind) {
+    let len = 64 << 20;
+    let ((mut a, ab), (mut b, bb)) = pair(kind, len);
+    let (l, r) = ([Desc::new(ab.addr(), len as u64)], [Desc::new(bb.addr(), len as u64)]);
+    let h = a.post(Op::Write, &l, "b", &r, None).unwrap();
+    // Queued behind `h` (in flight), sent once `h` is done.
+    a.notify("b", b"after".to_vec()).unwrap();
+    assert_eq!(a.wait(h, Duration::from_secs(30)).unwrap(), TransferStatus::Done, "{kind}");
+    // `a` makes no further call: `wait` itself must have sent it.
+    assert_eq!(notifs(&mut b, 1).remove("a"), Some(vec![b"after".to_vec()]), "{kind}");
+}
+
 /// CPU time of the calling thread.
 fn thread_cpu() -> Duration {
     nix::time::clock_gettime(nix::time::ClockId::CLOCK_THREAD_CPUTIME_ID).map(Duration::from).unwrap()
@@ -261,4 +273,5 @@ per_transport!(
     a_dead_peer_fails_its_transfers_and_drops_its_metadata,
     transfers_and_notifications_to_the_own_name_are_loopback,
     wait_blocks_until_the_transfer_ends,
+    a_notification_queued_behind_a_waited_transfer_leaves_without_more_calls,
 );

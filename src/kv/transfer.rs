@@ -13,6 +13,12 @@ use crate::engine::{Desc, TransferHandle, TransferStatus};
 use crate::metrics::MetricOp;
 use crate::transport::Op;
 
+/// Longest single sleep of [`KVTransferEngine::sync_and_release`] on one
+/// shard's transport before it checks every shard (and the deadline) again.
+const WAIT_STEP: Duration = Duration::from_millis(10);
+/// The deadline used when a timeout does not fit an `Instant` (a year).
+const NO_LIMIT: Duration = Duration::from_secs(365 * 24 * 3600);
+
 /// Resolve one side's page lists to one list per group, checking the leaf set.
 fn leaf_lists<'a>(idxs: &'a PageIdxs, leaf_ids: &[String], side: Side) -> Result<Vec<&'a [u64]>, KvError> {
     if let PageIdxs::PerLeaf(m) = idxs {
@@ -420,7 +426,10 @@ impl KVTransferEngine {
 
     /// Wait for a transfer and clean it up, as MAX's `sync_and_release`
     /// (poll [`KVTransferEngine::is_complete`], then
-    /// [`KVTransferEngine::cleanup_transfer`]). Unlike MAX, a timeout or a
+    /// [`KVTransferEngine::cleanup_transfer`]); between polls it sleeps on
+    /// the transport of a shard still in progress
+    /// ([`TransferEngine::wait`](crate::engine::TransferEngine::wait), at
+    /// most 10 ms at a time). Unlike MAX, a timeout or a
     /// failure **cancels** the transfer ([`KVTransferEngine::cancel_transfer`])
     /// before returning, so no handle or buffer stays in use.
     ///
@@ -428,7 +437,8 @@ impl KVTransferEngine {
     /// [`KvError::Timeout`] (MAX: `TimeoutError`), [`KvError::TransferFailed`],
     /// and those of [`KVTransferEngine::cleanup_transfer`].
     pub fn sync_and_release(&mut self, req: &TransferReqData, timeout: Duration) -> Result<(), KvError> {
-        let deadline = Instant::now() + timeout;
+        // Far enough for "no limit" when `timeout` does not fit an Instant.
+        let deadline = Instant::now().checked_add(timeout).unwrap_or_else(|| Instant::now() + NO_LIMIT);
         let mut spins = 0u32;
         loop {
             match self.is_complete(req) {
@@ -441,8 +451,16 @@ impl KVTransferEngine {
                     spins += 1;
                     if spins < 64 {
                         std::thread::yield_now();
-                    } else if !self.wait_some(req, deadline.saturating_duration_since(Instant::now()))? {
-                        std::thread::sleep(Duration::from_micros(200));
+                    } else {
+                        let step = deadline.saturating_duration_since(Instant::now()).min(WAIT_STEP);
+                        match self.wait_some(req, step) {
+                            Ok(true) => {}
+                            Ok(false) => std::thread::sleep(Duration::from_micros(200)),
+                            Err(e) => {
+                                let _ = self.cancel_transfer(req);
+                                return Err(e);
+                            }
+                        }
                     }
                 }
                 Err(e) => {

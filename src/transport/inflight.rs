@@ -121,20 +121,27 @@ impl<T: AsRef<XferState>> InFlight<T> {
     /// Append the completions of tracked transfers to `out` and forget those
     /// transfers. Never blocks.
     pub fn poll(&mut self, out: &mut Vec<Completion>) {
+        self.drain(out);
+    }
+
+    /// [`InFlight::poll`], returning how many completions arrived (those of
+    /// cancelled transfers included, which are dropped).
+    fn drain(&mut self, out: &mut Vec<Completion>) -> usize {
+        let mut arrived = 0;
         for c in self.done.try_iter() {
+            arrived += 1;
             if self.xfers.remove(&c.xfer.0).is_some() {
                 out.push(c);
             }
         }
+        arrived
     }
 
     /// As [`InFlight::poll`], blocking until a completion arrives or
     /// `timeout` passes. A completion of a cancelled transfer ends the wait
     /// too (with nothing appended); callers wait again.
     pub fn wait(&mut self, out: &mut Vec<Completion>, timeout: Duration) {
-        let before = out.len();
-        self.poll(out);
-        if out.len() > before {
+        if self.drain(out) > 0 {
             return;
         }
         if let Ok(c) = self.done.recv_timeout(timeout) {
@@ -245,12 +252,15 @@ mod tests {
         let t0 = std::time::Instant::now();
         t.wait(&mut out, Duration::from_millis(30));
         assert!(out.is_empty() && t0.elapsed() >= Duration::from_millis(30), "returned early: {out:?}");
-        // A cancelled transfer's completion ends a wait with nothing appended.
+        // A cancelled transfer's completion (sent by a worker that finished
+        // just as the cancel came) ends a wait with nothing appended.
         assert!(xs[1].0.chunk_done());
         t.cancel(XferId(2));
-        xs[1].0.complete(&t.sender(), || Ok(()));
+        t.sender().send(Completion { xfer: XferId(2), result: Ok(()) }).unwrap();
+        let t0 = std::time::Instant::now();
         t.wait(&mut out, Duration::from_secs(10));
         assert!(out.is_empty(), "{out:?}");
+        assert!(t0.elapsed() < Duration::from_secs(5), "the completion did not end the wait");
         // A completion sent while the caller waits wakes it.
         let (a, done) = (xs[0].clone(), t.sender());
         let worker = std::thread::spawn(move || {

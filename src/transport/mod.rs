@@ -363,11 +363,21 @@ pub trait Transport: Send {
     /// Append terminal results of posted transfers to `out`. Never blocks.
     fn poll(&mut self, out: &mut Vec<Completion>);
 
-    /// As [`Transport::poll`], but block until at least one result arrives
-    /// or `timeout` passes (then `out` may be unchanged). The waiting thread
-    /// sleeps on the backend's completion channel instead of spinning, so
-    /// the cores stay with the progress or copy threads that do the work.
-    fn wait(&mut self, out: &mut Vec<Completion>, timeout: Duration);
+    /// As [`Transport::poll`], but block until something happens on the
+    /// backend's completion channel or `timeout` (wall time) passes. It may
+    /// return early with `out` unchanged (e.g. woken by the completion of a
+    /// transfer cancelled meanwhile): callers check and wait again. The
+    /// waiting thread sleeps instead of spinning, so the cores stay with the
+    /// progress or copy threads that do the work. The default, for backends
+    /// without a channel, polls, sleeps up to 200 µs and polls again.
+    fn wait(&mut self, out: &mut Vec<Completion>, timeout: Duration) {
+        let before = out.len();
+        self.poll(out);
+        if out.len() == before {
+            std::thread::sleep(timeout.min(Duration::from_micros(200)));
+            self.poll(out);
+        }
+    }
 
     /// Stop a transfer. Returns only when nothing can still touch its buffers.
     /// No completion is reported for it afterwards.

@@ -23,16 +23,15 @@ pub fn config(device: &str, extra: &[(&str, &str)]) -> TransportConfig {
     c
 }
 
-/// Poll `h` until it leaves `InProgress` or [`WAIT`] passed; its last status.
+/// Wait for `h` with [`TransferEngine::wait`] (sleeping on the verbs
+/// transport's completion channel) until it leaves `InProgress` or [`WAIT`]
+/// passed; its last status.
 pub fn wait(e: &mut TransferEngine, h: TransferHandle) -> TransferStatus {
     let t0 = Instant::now();
-    loop {
-        let s = e.status(h).unwrap();
-        if s != TransferStatus::InProgress || t0.elapsed() > WAIT {
-            return s;
-        }
-        std::thread::sleep(Duration::from_micros(200));
-    }
+    let s = e.wait(h, WAIT).unwrap();
+    // `wait` returns early only with a final status.
+    assert!(s != TransferStatus::InProgress || t0.elapsed() >= WAIT, "wait returned {s:?} early");
+    s
 }
 
 /// `(target device, initiator device)` (Soft-RoCE: rxe0, rxe1) or the reason to skip.

@@ -1,6 +1,6 @@
 //! The verbs progress engine: the one owner of every queue pair, the CQE
-//! budget, the transfers and the notification slots ([`State`]). It runs on
-//! the progress thread ([`super::progress::run`]); every other thread talks
+//! budget, the transfers and the notification slots (`State`, state.rs). It runs on
+//! the progress thread (`progress::run`); every other thread talks
 //! to it with [`Cmd`]s over a channel ([`Handle`]), and it reports finished
 //! transfers and received notifications over the `done` / `notifs`
 //! channels, so nothing is shared under a lock.
@@ -8,7 +8,7 @@
 //! Which commands answer (the caller waits on a reply channel):
 //! - `Post`: none. Everything `post` must refuse synchronously is decided on
 //!   the caller's side without the engine: an unknown peer, a notification
-//!   over a slot, more than [`NOTIF_SLOTS`] notifications in flight (an
+//!   over a slot, more than `NOTIF_SLOTS` (256) notifications in flight (an
 //!   atomic count in [`PeerLink`], given back by the engine when a slot
 //!   frees) and a peer that cannot be reconnected (the caller reconnects
 //!   before posting when [`PeerLink::broken`] says so). Anything else the
@@ -39,7 +39,7 @@ use crate::transport::{Completion, Notification, PostRequest, TransferFailure, X
 #[derive(Debug, Default)]
 pub struct PeerLink {
     /// Notification slots taken or about to be: the caller adds one before
-    /// it posts a notification (at most [`NOTIF_SLOTS`]), the engine takes
+    /// it posts a notification (at most `NOTIF_SLOTS` (256)), the engine takes
     /// one off when the slot is free again.
     pub slots: AtomicU32,
     /// A QP of the peer failed or was removed: the next post reconnects.

@@ -78,6 +78,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
+use crossbeam_channel::RecvTimeoutError;
 use serde::{Deserialize, Serialize};
 
 use super::auth::AgentSecret;
@@ -485,7 +486,7 @@ impl Transport for VerbsTransport {
 
     /// Refuses here, on the caller's thread, what must be refused at once:
     /// an unknown peer, a notification over a slot, more than
-    /// [`NOTIF_SLOTS`] notifications in flight, a peer that cannot be
+    /// `NOTIF_SLOTS` (256) notifications in flight, a peer that cannot be
     /// reconnected. Then the request goes to the engine without waiting for
     /// an answer; whatever else goes wrong fails the transfer in `poll`.
     fn post(&mut self, req: PostRequest) -> Result<(), TransportError> {
@@ -512,11 +513,18 @@ impl Transport for VerbsTransport {
     fn wait(&mut self, out: &mut Vec<Completion>, timeout: Duration) {
         let before = out.len();
         self.poll(out);
-        if out.len() == before
-            && let Ok(c) = self.core.done.recv_timeout(timeout)
-        {
-            out.push(c);
-            out.extend(self.core.done.try_iter());
+        if out.len() == before {
+            match self.core.done.recv_timeout(timeout) {
+                Ok(c) => {
+                    out.push(c);
+                    out.extend(self.core.done.try_iter());
+                }
+                Err(RecvTimeoutError::Timeout) => {}
+                // The progress thread is gone (it only ends on drop): nothing
+                // will complete; sleep rather than return at once to a caller
+                // that waits again.
+                Err(RecvTimeoutError::Disconnected) => std::thread::sleep(timeout),
+            }
         }
     }
 

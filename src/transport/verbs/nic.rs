@@ -1,4 +1,4 @@
-//! The NIC as the verbs state machine ([`super::state::State`]) sees it: a
+//! The NIC as the verbs state machine (`State` in `state.rs`) sees it: a
 //! few traits over queue pairs, registered notification memory and the
 //! completion queue, with the verbs error codes (`VerbsError` keeps the
 //! errno of the failing call).
