@@ -80,7 +80,7 @@ pub const VERBS_OPTIONS: &[OptionSpec] = &[
     spec("post_list", "work requests", "64", "most WRs chained into one ibv_post_send"),
     spec("post_bytes", "bytes (0 = no limit)", "65536 on software devices, else 0", "bytes per ibv_post_send"),
     spec("poll_sleep_us", "µs", "50", "progress thread sleep when idle"),
-    spec("idle_yields", "count", "192", "yields before the progress thread sleeps"),
+    spec("idle_yields", "count", "192; 5000 on software devices", "yields before the progress thread sleeps"),
     spec("qps_per_peer", "count 1..=64", "1", "queue pairs per connected peer"),
     spec("cq_size", "entries", "device max, 256..=65536", "completion queue entries"),
     spec("cq_events", "0 or 1", "1", "sleep on completion events instead of polling"),
