@@ -30,7 +30,6 @@ use std::time::{Duration, Instant};
 
 pub use desc::Desc;
 use desc::{LocalSpan, build_segments};
-
 pub use error::{EngineError, MetadataError};
 pub use metadata::AgentMetadata;
 pub use peers::LoadOutcome;
@@ -461,7 +460,8 @@ impl TransferEngine {
         self.disconnect_idle_retired();
     }
 
-    /// Take the transport's completions and notifications.
+    /// Take the transport's completions (with those [`TransferEngine::wait`]
+    /// left in the scratch list) and notifications.
     fn drain_transport(&mut self) {
         let mut done = std::mem::take(&mut self.scratch_completions);
         self.transport.poll(&mut done);
@@ -520,15 +520,11 @@ impl TransferEngine {
                 std::hint::spin_loop();
                 continue;
             }
-            let mut done = std::mem::take(&mut self.scratch_completions);
-            self.transport.wait(&mut done, left.min(WAIT_SLICE));
-            for c in done.drain(..) {
-                self.finish(c.xfer.0, c.result);
-            }
-            self.scratch_completions = done;
-            // What a status poll does after finishing transfers: send the
-            // notifications queued behind them, drop finished internal ones.
-            self.progress();
+            // What arrives stays in the scratch list: the next `status` call
+            // (the transfer is still in progress in the table) runs
+            // `progress`, which finishes it with whatever else the transport
+            // has and sends the notifications queued behind those transfers.
+            self.transport.wait(&mut self.scratch_completions, left.min(WAIT_SLICE));
         }
     }
 

@@ -261,34 +261,34 @@ fn target_loop(chan: &mut SideChannel, setup: Ctl) -> Result<()> {
 }
 
 fn wait_done(e: &mut TransferEngine, h: TransferHandle, a: &BenchArgs) -> Result<()> {
-    if !a.poll_wait {
-        return match e.wait(h, WAIT_LIMIT)? {
-            TransferStatus::Done => Ok(e.release(h)?),
-            TransferStatus::Failed(why) => bail!("transfer failed: {why}"),
-            TransferStatus::InProgress => bail!("transfer did not finish in {} s", WAIT_LIMIT.as_secs()),
-        };
+    let status = if a.poll_wait { poll_status(e, h, a.wait_sleep_us)? } else { e.wait(h, WAIT_LIMIT)? };
+    match status {
+        TransferStatus::Done => Ok(e.release(h)?),
+        TransferStatus::Failed(why) => bail!("transfer failed: {why}"),
+        TransferStatus::InProgress => bail!("transfer did not finish in {} s", WAIT_LIMIT.as_secs()),
     }
-    let sleep_us = a.wait_sleep_us;
+}
+
+/// `--poll-wait`: poll `status` until the transfer ends or [`WAIT_LIMIT`]
+/// passes; spin briefly, then yield the core to the copy threads (this
+/// machine may have no more cores than the transport has threads), then
+/// sleep `sleep_us` between polls when it is non-zero.
+fn poll_status(e: &mut TransferEngine, h: TransferHandle, sleep_us: u64) -> Result<TransferStatus> {
     let deadline = Instant::now() + WAIT_LIMIT;
-    // Spin briefly, then yield the core to the copy threads (this machine
-    // may have no more cores than the transport has threads).
     let mut spins = 0u32;
     loop {
-        match e.status(h)? {
-            TransferStatus::Done => return Ok(e.release(h)?),
-            TransferStatus::Failed(why) => bail!("transfer failed: {why}"),
-            TransferStatus::InProgress if Instant::now() > deadline => {
-                bail!("transfer did not finish in {} s", WAIT_LIMIT.as_secs())
-            }
-            TransferStatus::InProgress if spins < 64 => {
-                spins += 1;
-                std::hint::spin_loop()
-            }
-            TransferStatus::InProgress if sleep_us == 0 || spins < 128 => {
-                spins += 1;
-                std::thread::yield_now()
-            }
-            TransferStatus::InProgress => std::thread::sleep(Duration::from_micros(sleep_us)),
+        let status = e.status(h)?;
+        if status != TransferStatus::InProgress || Instant::now() > deadline {
+            return Ok(status);
+        }
+        if spins < 64 {
+            spins += 1;
+            std::hint::spin_loop();
+        } else if sleep_us == 0 || spins < 128 {
+            spins += 1;
+            std::thread::yield_now();
+        } else {
+            std::thread::sleep(Duration::from_micros(sleep_us));
         }
     }
 }
