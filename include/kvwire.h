@@ -14,6 +14,9 @@
 // See [`KVW_OP_READ`].
 #define KVW_OP_WRITE 1
 
+// [`kvw_wait`]'s `timeout_us` for "no limit".
+#define KVW_WAIT_FOREVER UINT64_MAX
+
 // Result of every call. 0 is success.
 typedef enum KvwStatus {
   // Success.
@@ -208,6 +211,27 @@ enum KvwStatus kvw_status_code(struct KvwEngine *engine,
                                uint64_t handle,
                                enum KvwXferState *out_state,
                                enum KvwStatus *out_code);
+
+// Wait until a transfer leaves `KVW_XFER_IN_PROGRESS` or `timeout_us`
+// microseconds of wall time pass, sleeping on the transport's completion
+// channel instead of spinning (kvwire's `TransferEngine::wait`: it checks
+// about 5 µs first, then sleeps between checks), so the cores stay with the
+// threads moving the bytes. `timeout_us` 0 checks once;
+// [`KVW_WAIT_FOREVER`] waits without limit. `*out_state` receives the
+// state (`KVW_XFER_IN_PROGRESS` after a timeout: the handle stays yours to
+// wait on again or release); `*out_code`, when `out_code` is not NULL, the
+// failure category as [`kvw_status_code`]'s. A failed transfer returns
+// OK with `kvw_last_error()` holding why. NIXL has no such call (its
+// callers poll `getXferStatus`, as [`kvw_status`]); MAX's
+// `sync_and_release` is this wait followed by [`kvw_release`].
+//
+// # Safety
+// `engine` valid; `out_state` writable; `out_code` NULL or writable.
+enum KvwStatus kvw_wait(struct KvwEngine *engine,
+                        uint64_t handle,
+                        uint64_t timeout_us,
+                        enum KvwXferState *out_state,
+                        enum KvwStatus *out_code);
 
 // Release a transfer handle. Releasing one still in progress cancels it and
 // returns once no copy can touch its buffers.

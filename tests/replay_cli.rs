@@ -129,6 +129,10 @@ fn requests_zero_and_a_dead_etcd_say_what_is_wrong() {
     let errors: Vec<&str> = err.lines().filter(|l| l.starts_with("error: ")).collect();
     assert_eq!(errors.len(), 1, "{err}");
     assert!(errors[0].contains("etcd at http://127.0.0.1:1"), "{err}");
+    // A tier size without the tier is refused, not ignored.
+    let (ok, _, err) = replay(&["--requests", "2", "--host-tier-gib", "8"]);
+    assert!(!ok);
+    assert!(err.contains("--host-tier-gib sizes the host tier: it needs --connector host"), "{err}");
 }
 
 #[test]

@@ -1,7 +1,7 @@
 //! C ABI over kvwire's NIXL-like [`TransferEngine`]: create/destroy an
 //! engine, register/deregister caller-owned memory, get/load (connect)
-//! metadata, post one-sided READ/WRITE transfers, poll status, release,
-//! drain notifications.
+//! metadata, post one-sided READ/WRITE transfers, poll or wait for their
+//! status, release, drain notifications.
 //!
 //! Rules (see `docs/CAPI.md`): every function returns a [`KvwStatus`]
 //! (0 = OK); on failure [`kvw_last_error`] returns a message, kept per
@@ -17,6 +17,7 @@ use std::collections::HashMap;
 use std::ffi::{CStr, CString, c_char, c_void};
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::sync::Arc;
+use std::time::Duration;
 
 use kvwire::engine::{
     AgentMetadata, Desc, EngineError, RegistrationHandle, TransferEngine, TransferHandle, TransferStatus,
@@ -264,7 +265,7 @@ fn parse_options(text: &str) -> Result<TransportConfig, Fail> {
                             ))
                         },
                     )?;
-                cfg.peer_timeout = std::time::Duration::from_millis(ms);
+                cfg.peer_timeout = Duration::from_millis(ms);
             }
             "copy_threads" => {
                 cfg.copy_threads = v
@@ -522,14 +523,7 @@ pub unsafe extern "C" fn kvw_status(engine: *mut KvwEngine, handle: u64, out_sta
         if out_state.is_null() {
             return Err(invalid("out_state is NULL"));
         }
-        let state = match e.engine.status(TransferHandle(handle))? {
-            TransferStatus::InProgress => KvwXferState::KvwXferInProgress,
-            TransferStatus::Done => KvwXferState::KvwXferDone,
-            TransferStatus::Failed(why) => {
-                set_error(why.to_string());
-                KvwXferState::KvwXferFailed
-            }
-        };
+        let (state, _) = state_code(e.engine.status(TransferHandle(handle))?);
         // SAFETY: checked non-null; writable per the contract.
         unsafe { write_out(out_state, state, "out_state") }
     })
@@ -558,18 +552,68 @@ pub unsafe extern "C" fn kvw_status_code(
         if out_state.is_null() || out_code.is_null() {
             return Err(invalid("out_state or out_code is NULL"));
         }
-        let (state, code) = match e.engine.status(TransferHandle(handle))? {
-            TransferStatus::InProgress => (KvwXferState::KvwXferInProgress, KvwStatus::KvwOk),
-            TransferStatus::Done => (KvwXferState::KvwXferDone, KvwStatus::KvwOk),
-            TransferStatus::Failed(why) => {
-                set_error(why.to_string());
-                (KvwXferState::KvwXferFailed, failure_status(&why))
-            }
-        };
+        let (state, code) = state_code(e.engine.status(TransferHandle(handle))?);
         // SAFETY: checked non-null; writable per the contract.
         unsafe { write_out(out_state, state, "out_state") }?;
         // SAFETY: checked non-null; writable per the contract.
         unsafe { write_out(out_code, code, "out_code") }
+    })
+}
+
+/// The C state and failure category of `status`; a failure's message goes
+/// to [`kvw_last_error`].
+fn state_code(status: TransferStatus) -> (KvwXferState, KvwStatus) {
+    match status {
+        TransferStatus::InProgress => (KvwXferState::KvwXferInProgress, KvwStatus::KvwOk),
+        TransferStatus::Done => (KvwXferState::KvwXferDone, KvwStatus::KvwOk),
+        TransferStatus::Failed(why) => {
+            set_error(why.to_string());
+            (KvwXferState::KvwXferFailed, failure_status(&why))
+        }
+    }
+}
+
+/// [`kvw_wait`]'s `timeout_us` for "no limit".
+pub const KVW_WAIT_FOREVER: u64 = u64::MAX;
+
+/// Wait until a transfer leaves `KVW_XFER_IN_PROGRESS` or `timeout_us`
+/// microseconds of wall time pass, sleeping on the transport's completion
+/// channel instead of spinning (kvwire's `TransferEngine::wait`: it checks
+/// about 5 µs first, then sleeps between checks), so the cores stay with the
+/// threads moving the bytes. `timeout_us` 0 checks once;
+/// [`KVW_WAIT_FOREVER`] waits without limit. `*out_state` receives the
+/// state (`KVW_XFER_IN_PROGRESS` after a timeout: the handle stays yours to
+/// wait on again or release); `*out_code`, when `out_code` is not NULL, the
+/// failure category as [`kvw_status_code`]'s. A failed transfer returns
+/// OK with `kvw_last_error()` holding why. NIXL has no such call (its
+/// callers poll `getXferStatus`, as [`kvw_status`]); MAX's
+/// `sync_and_release` is this wait followed by [`kvw_release`].
+///
+/// # Safety
+/// `engine` valid; `out_state` writable; `out_code` NULL or writable.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn kvw_wait(
+    engine: *mut KvwEngine,
+    handle: u64,
+    timeout_us: u64,
+    out_state: *mut KvwXferState,
+    out_code: *mut KvwStatus,
+) -> KvwStatus {
+    guard(|| {
+        // SAFETY: per the contract.
+        let e = unsafe { engine_arg(engine) }?;
+        if out_state.is_null() {
+            return Err(invalid("out_state is NULL"));
+        }
+        let timeout = if timeout_us == KVW_WAIT_FOREVER { Duration::MAX } else { Duration::from_micros(timeout_us) };
+        let (state, code) = state_code(e.engine.wait(TransferHandle(handle), timeout)?);
+        // SAFETY: checked non-null; writable per the contract.
+        unsafe { write_out(out_state, state, "out_state") }?;
+        if !out_code.is_null() {
+            // SAFETY: non-null and writable per the contract.
+            unsafe { write_out(out_code, code, "out_code") }?;
+        }
+        Ok(())
     })
 }
 

@@ -51,8 +51,8 @@ int main(void) {
     KvwDesc remote = {(uint64_t)(uintptr_t)dst, sizeof dst};
     uint64_t xfer;
     TRY(kvw_post(prefill, KVW_OP_WRITE, &local, 1, "decode", &remote, 1, (const uint8_t *)"req-1", 5, &xfer));
-    KvwXferState state = KVW_XFER_IN_PROGRESS;
-    while (state == KVW_XFER_IN_PROGRESS) TRY(kvw_status(prefill, xfer, &state));
+    KvwXferState state;
+    TRY(kvw_wait(prefill, xfer, KVW_WAIT_FOREVER, &state, NULL));
     if (state != KVW_XFER_DONE) {
         fprintf(stderr, "error: transfer failed: %s\n", kvw_last_error());
         return 1;

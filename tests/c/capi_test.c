@@ -88,6 +88,30 @@ int main(void) {
     CHECK(kvw_release(initiator, h) == KVW_OK);
     CHECK(memcmp(src + 500000, src, 4096) == 0);
 
+    /* kvw_wait: sleeps until the transfer ends (1 MiB READ, no polling) */
+    {
+        memset(src, 0, LEN);
+        KvwDesc la = {(uint64_t)(uintptr_t)src, LEN}, ra = {(uint64_t)(uintptr_t)dst, LEN};
+        CHECK(kvw_post(initiator, KVW_OP_READ, &la, 1, "c-decode", &ra, 1, (const uint8_t *)"w", 1, &h) == KVW_OK);
+        KvwXferState ws = KVW_XFER_FAILED;
+        KvwStatus wc = KVW_ERR_PANIC;
+        CHECK(kvw_wait(initiator, h, KVW_WAIT_FOREVER, &ws, &wc) == KVW_OK);
+        CHECK(ws == KVW_XFER_DONE);
+        CHECK(wc == KVW_OK);
+        CHECK(memcmp(src, dst, LEN) == 0);
+        ws = KVW_XFER_FAILED;
+        CHECK(kvw_wait(initiator, h, 0, &ws, NULL) == KVW_OK); /* 0: one check, of a finished transfer */
+        CHECK(ws == KVW_XFER_DONE);
+        CHECK(kvw_wait(initiator, h, 1000, NULL, NULL) == KVW_ERR_INVALID_ARG);
+        CHECK(kvw_release(initiator, h) == KVW_OK);
+        CHECK(kvw_wait(initiator, h, 1000, &ws, NULL) == KVW_ERR_NOT_FOUND);
+        CHECK(kvw_wait(NULL, h, 1000, &ws, NULL) == KVW_ERR_INVALID_ARG);
+        for (size_t i = 0; i < LEN; i++) src[i] = (uint8_t)(i * 7 + 3);
+        n.count = 0;
+        for (long i = 0; i < 50000000L && n.count == 0; i++) kvw_get_notifs(target, on_notif, &n, NULL);
+        CHECK(n.count == 1 && strcmp(n.msg, "w") == 0);
+    }
+
     /* error paths */
     KvwDesc oob = {(uint64_t)(uintptr_t)(dst + LEN - 10), 4096};
     CHECK(kvw_post(initiator, KVW_OP_WRITE, l, 1, "c-decode", &oob, 1, NULL, 0, &h) == KVW_ERR_BAD_DESC);
@@ -133,6 +157,14 @@ int main(void) {
         CHECK(s2 == KVW_XFER_FAILED);
         CHECK(code == KVW_ERR_REMOTE_ACCESS);
         CHECK(strlen(kvw_last_error()) > 0);
+        CHECK(kvw_release(i2, h2) == KVW_OK);
+        /* the same failure through kvw_wait */
+        CHECK(kvw_post(i2, KVW_OP_WRITE, &ls, 1, "c-gone", &rs, 1, NULL, 0, &h2) == KVW_OK);
+        s2 = KVW_XFER_IN_PROGRESS;
+        code = KVW_OK;
+        CHECK(kvw_wait(i2, h2, 10000000, &s2, &code) == KVW_OK);
+        CHECK(s2 == KVW_XFER_FAILED);
+        CHECK(code == KVW_ERR_REMOTE_ACCESS);
         CHECK(kvw_release(i2, h2) == KVW_OK);
         CHECK(kvw_status_code(i2, h2, &s2, NULL) == KVW_ERR_INVALID_ARG);
         kvw_engine_destroy(i2);

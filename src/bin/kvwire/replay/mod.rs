@@ -101,9 +101,9 @@ pub struct ReplayArgs {
     /// tier with LRU eviction, sized by --host-tier-gib).
     #[arg(long, default_value = "none", value_parser = ["none", "host"])]
     pub connector: String,
-    /// Host tier size (GiB, 0..=1048576) for `--connector host`.
-    #[arg(long, default_value_t = 4.0)]
-    pub host_tier_gib: f64,
+    /// Host tier size (GiB, 0..=1048576; default 4); needs `--connector host`.
+    #[arg(long)]
+    pub host_tier_gib: Option<f64>,
     /// Test hook: fill page 0 of request N with the wrong bytes, to prove
     /// that verification catches it (the replay must then fail).
     #[arg(long, hide = true)]

@@ -24,6 +24,9 @@ use crate::units::percentile;
 /// Leaf id of the one KV group.
 pub const LEAF: &str = "kv";
 
+/// `--host-tier-gib` when not given (with `--connector host`).
+const DEFAULT_HOST_TIER_GIB: f64 = 4.0;
+
 /// Receive side-channel messages on a thread so the engine loop never blocks.
 pub fn spawn_reader(chan: &SideChannel) -> Result<Receiver<Result<Msg, String>>> {
     let mut rx_chan = chan.try_clone()?;
@@ -128,8 +131,12 @@ pub fn run(a: &ReplayArgs, mut chan: SideChannel) -> Result<Report> {
     }
     // Finite, non-negative and bounded: a tier of at most 1 PiB, a decode
     // step of at most a minute.
-    if !(0.0..=(1u64 << 20) as f64).contains(&a.host_tier_gib) {
-        bail!("--host-tier-gib must be 0..=1048576 (GiB), got {}", a.host_tier_gib);
+    let tier_gib = a.host_tier_gib.unwrap_or(DEFAULT_HOST_TIER_GIB);
+    if !(0.0..=(1u64 << 20) as f64).contains(&tier_gib) {
+        bail!("--host-tier-gib must be 0..=1048576 (GiB), got {tier_gib}");
+    }
+    if a.host_tier_gib.is_some() && a.connector != "host" {
+        bail!("--host-tier-gib sizes the host tier: it needs --connector host (the connector is {})", a.connector);
     }
     if !(0.0..=60_000.0).contains(&a.decode_step_ms) {
         bail!("--decode-step-ms must be 0..=60000 (ms per output token), got {}", a.decode_step_ms);
@@ -154,7 +161,7 @@ pub fn run(a: &ReplayArgs, mut chan: SideChannel) -> Result<Report> {
     let pool = |pages: u64, bpp: u64, tp: usize| pages as u128 * bpp as u128 * tp as u128 * a.dp as u128;
     let (prefill_bytes, decode_bytes) =
         (pool(prefill_pages, prefill_bpp, a.tp), pool(a.decode_pages, decode_bpp, decode_tp));
-    let tier_bytes = if a.connector == "host" { (a.host_tier_gib * (1u64 << 30) as f64) as u128 } else { 0 };
+    let tier_bytes = if a.connector == "host" { (tier_gib * (1u64 << 30) as f64) as u128 } else { 0 };
     crate::memcheck::check(
         "replay",
         prefill_bytes + decode_bytes + tier_bytes,
@@ -219,7 +226,7 @@ pub fn run(a: &ReplayArgs, mut chan: SideChannel) -> Result<Report> {
     let (mut busy, mut busy_since) = (Duration::ZERO, None::<Instant>);
     let mut idle = Idle::new();
     let mut tier = match a.connector.as_str() {
-        "host" => Some(PrefixTier::new(&engine, (a.host_tier_gib * (1u64 << 30) as f64) as u64, a.page_tokens)?),
+        "host" => Some(PrefixTier::new(&engine, (tier_gib * (1u64 << 30) as f64) as u64, a.page_tokens)?),
         _ => None,
     };
     let mut all_hashes: Vec<Vec<u64>> = Vec::new();

@@ -22,6 +22,9 @@ use serde::{Deserialize, Serialize};
 use crate::pattern::{check_page, fill_page, mix, permutation};
 use crate::units::{human, parse_kv, parse_size, percentile};
 
+mod target;
+pub use target::{TargetArgs, run_target};
+
 /// Options of `kvwire bench`.
 #[derive(Args, Debug, Clone)]
 pub struct BenchArgs {
@@ -104,14 +107,7 @@ pub struct BenchArgs {
     connect_timeout: Duration,
 }
 
-/// Options of the hidden `bench-target` child.
-#[derive(Args, Debug)]
-pub struct TargetArgs {
-    /// Side-channel address of the initiator.
-    #[arg(long)]
-    connect: String,
-}
-
+/// The side channel's messages between initiator and target.
 #[derive(Debug, Serialize, Deserialize)]
 enum Ctl {
     Setup {
@@ -182,83 +178,8 @@ fn count_bad(buf: &HostBuffer, block_size: u64, dst: &[u32], op: Op) -> u64 {
     bad
 }
 
-/// `kvwire bench-target`: the child started by `kvwire bench`.
-pub fn run_target(a: TargetArgs) -> Result<()> {
-    let mut chan = SideChannel::connect(&a.connect, Duration::from_secs(10))?;
-    let setup = chan.recv()?;
-    serve_target(chan, setup)
-}
-
-/// How long a `--listen` target waits for a new connection's Setup message
-/// before it drops that connection and waits for the next one.
-const SETUP_TIMEOUT: Duration = Duration::from_secs(10);
 /// Longest wait for one transfer of the bench.
 const WAIT_LIMIT: Duration = Duration::from_secs(120);
-
-/// `bench --listen`: accept connections until one is a kvwire bench
-/// initiator (its first message is a Setup within [`SETUP_TIMEOUT`]);
-/// silent or foreign connections (a port scan, an HTTP client) are dropped
-/// with a warning instead of stalling or ending the target.
-fn listen_target(l: &std::net::TcpListener) -> Result<()> {
-    loop {
-        let mut chan = SideChannel::accept(l)?;
-        chan.set_read_timeout(Some(SETUP_TIMEOUT))?;
-        match chan.recv::<Ctl>() {
-            Ok(setup @ Ctl::Setup { .. }) => {
-                chan.set_read_timeout(None)?;
-                return serve_target(chan, setup);
-            }
-            Ok(other) => eprintln!("kvwire bench: dropped a connection that sent {other:?} instead of a Setup"),
-            Err(e) => eprintln!("kvwire bench: dropped a connection that is not a kvwire bench initiator ({e})"),
-        }
-    }
-}
-
-fn serve_target(mut chan: SideChannel, setup: Ctl) -> Result<()> {
-    chan.send(&Ctl::Accepted)?;
-    let r = target_loop(&mut chan, setup);
-    if let Err(e) = &r {
-        // Tell the initiator why, so that it reports the cause (not "closed").
-        let _ = chan.send(&Ctl::Failed(format!("{e:#}")));
-    }
-    r
-}
-
-fn target_loop(chan: &mut SideChannel, setup: Ctl) -> Result<()> {
-    let Ctl::Setup { transport, op, block_size, blocks, options, copy_threads } = setup else {
-        bail!("expected Setup from the initiator");
-    };
-    let mut engine = TransferEngine::new("bench-target", transport, &config(copy_threads, options))?;
-    let buf = Arc::new(HostBuffer::new((block_size * blocks) as usize)?);
-    if op == Op::Read {
-        fill_blocks(&buf, block_size, blocks);
-    }
-    engine.register(buf.clone())?;
-    chan.send(&Ctl::Meta(engine.metadata().to_bytes()))?;
-    let mut seen = 0usize;
-    loop {
-        match chan.recv()? {
-            Ctl::Verify { seed, scatter, notifications } => {
-                let deadline = Instant::now() + Duration::from_secs(30);
-                loop {
-                    seen += engine.get_notifs().values().map(Vec::len).sum::<usize>();
-                    if seen >= notifications || Instant::now() >= deadline {
-                        break;
-                    }
-                    std::thread::yield_now();
-                }
-                let bad_blocks = if op == Op::Write {
-                    count_bad(&buf, block_size, &destinations(blocks, scatter, seed), Op::Write)
-                } else {
-                    0
-                };
-                chan.send(&Ctl::Verified { bad_blocks, notifications: seen })?;
-            }
-            Ctl::Exit => return Ok(()),
-            other => bail!("unexpected {other:?}"),
-        }
-    }
-}
 
 fn wait_done(e: &mut TransferEngine, h: TransferHandle, a: &BenchArgs) -> Result<()> {
     let status = if a.poll_wait { poll_status(e, h, a.wait_sleep_us)? } else { e.wait(h, WAIT_LIMIT)? };
@@ -388,7 +309,7 @@ pub fn run(a: BenchArgs) -> Result<()> {
         let (l, bound) = SideChannel::bind(addr)
             .with_context(|| format!("--listen {addr} (expected IP:PORT, e.g. 0.0.0.0:18515)"))?;
         eprintln!("kvwire bench: target waiting for an initiator on {bound}");
-        return listen_target(&l);
+        return target::listen(&l);
     }
     let mut child = None;
     let mut chan = match &a.connect {
