@@ -14,8 +14,14 @@ fn batches_chain_and_post_once() {
     }
     assert_eq!(qp.post(&mut b), 100);
     b.clear();
-    b.push_send(WrId(7), true, 0x10, 3, 1);
+    b.push_send(WrId(7), true, true, 0x10, 3, 1);
+    let v = b.view(0).expect("one WR");
+    assert!(v.signaled && v.fence, "{v:?}");
     assert_eq!(qp.post(&mut b), 101);
+    b.clear();
+    b.push_send(WrId(8), false, false, 0x10, 3, 1);
+    let v = b.view(0).expect("one WR");
+    assert!(!v.signaled && !v.fence, "{v:?}");
 }
 
 #[test]

@@ -428,6 +428,7 @@ pub const IBV_WR_RDMA_WRITE_WITH_IMM: u32 = 1;
 pub const IBV_WR_SEND: u32 = 2;
 pub const IBV_WR_RDMA_READ: u32 = 4;
 // enum ibv_send_flags
+pub const IBV_SEND_FENCE: c_uint = 1 << 0;
 pub const IBV_SEND_SIGNALED: c_uint = 1 << 1;
 // enum ibv_wc_opcode
 pub const IBV_WC_RECV: u32 = 1 << 7;

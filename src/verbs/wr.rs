@@ -144,7 +144,11 @@ impl WrBatch {
     }
 
     /// A SEND of `len_bytes` from `local_addr` (the notification path).
-    pub fn push_send(&mut self, id: WrId, signaled: bool, local_addr: u64, len_bytes: u32, lkey: u32) {
+    /// `fence` sets `IBV_SEND_FENCE` (`ibv_post_send(3)`'s fence
+    /// indicator): the NIC starts the SEND only once every RDMA READ (and
+    /// atomic) posted before it on the QP has completed. Without it an RC
+    /// QP may run a SEND while READs ahead of it still wait for their data.
+    pub fn push_send(&mut self, id: WrId, signaled: bool, fence: bool, local_addr: u64, len_bytes: u32, lkey: u32) {
         self.push(
             id,
             IBV_WR_SEND,
@@ -152,6 +156,9 @@ impl WrBatch {
             ibv_sge { addr: local_addr, length: len_bytes, lkey },
             ibv_send_wr_rdma::default(),
         );
+        if fence {
+            self.wrs[self.len - 1].send_flags |= IBV_SEND_FENCE;
+        }
     }
 
     /// Post the chain with one call to `post_send` (no linking pass: the
@@ -250,6 +257,8 @@ pub struct WrView {
     pub opcode: u32,
     /// `IBV_SEND_SIGNALED` was set.
     pub signaled: bool,
+    /// `IBV_SEND_FENCE` was set.
+    pub fence: bool,
     /// Local address of the one SGE.
     pub local_addr: u64,
     /// Bytes of the one SGE.
@@ -276,6 +285,7 @@ impl WrBatch {
             wr_id: wr.wr_id,
             opcode: wr.opcode,
             signaled: wr.send_flags & IBV_SEND_SIGNALED != 0,
+            fence: wr.send_flags & IBV_SEND_FENCE != 0,
             local_addr: sge.addr,
             len_bytes: sge.length,
             lkey: sge.lkey,

@@ -6,7 +6,7 @@
 
 use super::nic::{NicQp, NicSlab};
 use super::state::{NOTIF_SLOT_BYTES, PostLimits, State, Xfer};
-use crate::transport::{PostRequest, TransferFailure, TransportError};
+use crate::transport::{Op, PostRequest, TransferFailure, TransportError};
 
 /// Notification slots per peer on the initiator (notifications in flight).
 pub const NOTIF_SLOTS: u32 = 256;
@@ -61,7 +61,12 @@ impl<Q: NicQp> State<Q> {
         );
         self.enqueue(req.xfer, req.op, &req.segments, qpns, limits);
         if let (Some((s, l)), false) = (slot, multi) {
-            self.enqueue_notify(req.xfer.0, qp0, s, l, limits);
+            // One QP: the notification goes right behind the data. After
+            // WRITEs in-order delivery suffices; after READs it must wait
+            // for their data to arrive here (the target may reuse the pages
+            // once notified, and a READ answered again after a lost packet
+            // would read them anew), which the fence makes the NIC do.
+            self.enqueue_notify(req.xfer.0, qp0, s, l, req.op == Op::Read, limits);
         }
         self.try_finish(req.xfer.0, limits);
         Ok(())

@@ -22,8 +22,12 @@
 //! READ depth: a QP has at most its negotiated `max_rd_atomic` RDMA READs
 //! outstanding ([`SimFabric::connect_with_read_depth`]); a READ past it
 //! waits at the head of the send queue, and so does any WR behind it.
-//! Outstanding READs complete in order; a WRITE or SEND behind them starts
-//! once they did, so completions stay in order per QP.
+//! Outstanding READs are answered in order. A WRITE or SEND behind them may
+//! run before they are answered (its bytes reach the peer then, as an RC
+//! requester may send it while the READ responses are still coming), unless
+//! it carries `IBV_SEND_FENCE`, which holds it (and the WRs behind it) until
+//! no READ is outstanding. Completions stay in posting order per QP: a WR
+//! that ran early reports its status after the READs ahead of it.
 //!
 //! Threads: with [`World::auto_step`] each `poll_cq` first runs that many
 //! steps, so a progress thread drives the fabric by itself; with
@@ -65,8 +69,10 @@ struct SimQpState {
     sq: VecDeque<WrView>,
     /// Negotiated READ depth (`max_rd_atomic`).
     rd_atomic: u32,
-    /// RDMA READs issued and not yet answered, oldest first.
-    reads: VecDeque<WrView>,
+    /// WRs started and not yet completed, oldest first: RDMA READs waiting
+    /// for their answer (`None`), and WRs that ran behind them, with the
+    /// status they will complete with (`Some`).
+    reads: VecDeque<(WrView, Option<u32>)>,
     /// Posted receives: (wr_id, slab key, offset, len).
     rq: VecDeque<(u64, u32, usize, u32)>,
     /// Status the next executed WR completes with (fault injection).
@@ -310,41 +316,71 @@ impl World {
 
     fn exec(&mut self, qpn: u32) {
         let q = &self.qps[&qpn];
-        let head_read = q.sq.front().map(|w| w.opcode == IBV_WR_RDMA_READ);
-        let can_issue = match head_read {
-            Some(true) => q.reads.len() < q.rd_atomic as usize,
-            Some(false) => q.reads.is_empty(),
+        let head = q.sq.front().copied();
+        let waiting = q.reads.iter().filter(|(_, ran)| ran.is_none()).count();
+        let can_issue = match head {
             None => false,
+            Some(w) if w.fence => q.reads.is_empty(),
+            Some(w) if w.opcode == IBV_WR_RDMA_READ => waiting < q.rd_atomic as usize,
+            // A SEND that could only wait for a receive (infinite RNR
+            // retries) stays at the head, as `stuck` expects.
+            Some(w) => q.reads.is_empty() || !(self.infinite_retry && w.opcode == IBV_WR_SEND && self.no_receive(q)),
         };
-        let (error, reading) = (q.error, !q.reads.is_empty());
-        if head_read == Some(true) && !can_issue && !error {
+        let (error, started) = (q.error, !q.reads.is_empty());
+        if head.is_some_and(|w| w.opcode == IBV_WR_RDMA_READ) && !can_issue && !error {
             self.read_waits += 1;
         }
-        // Answer a READ or start the next WR, when both could happen.
-        let coin = reading && can_issue && !error && self.rand().is_multiple_of(2);
+        // Complete the oldest started WR or start the head WR, when both could happen.
+        let coin = started && can_issue && !error && self.rand().is_multiple_of(2);
         let q = self.qps.get_mut(&qpn).expect("live QP");
-        // Answer the oldest outstanding READ, or start the head WR: a READ
-        // starts within the READ depth and completes on a later step.
-        let w = if !q.reads.is_empty() && (q.error || !can_issue || coin) {
-            q.reads.pop_front().expect("a READ outstanding")
-        } else if head_read == Some(true) && !q.error {
-            let w = q.sq.pop_front().expect("has work");
-            q.reads.push_back(w);
-            let n = q.reads.len();
+        if !q.reads.is_empty() && (q.error || !can_issue || coin) {
+            let (w, ran) = q.reads.pop_front().expect("a WR started");
+            self.complete(qpn, w, ran);
+            return;
+        }
+        let w = q.sq.pop_front().expect("has work");
+        if q.error {
+            self.complete(qpn, w, None);
+        } else if w.opcode == IBV_WR_RDMA_READ {
+            // Issued: answered (bytes moved, completed) on a later step.
+            q.reads.push_back((w, None));
+            let n = q.reads.iter().filter(|(_, ran)| ran.is_none()).count();
             let m = self.max_reads.entry(qpn).or_default();
             *m = (*m).max(n);
-            return;
+        } else if q.reads.is_empty() {
+            self.complete(qpn, w, None);
         } else {
-            q.sq.pop_front().expect("has work")
-        };
+            // Runs now, behind READs still waiting: completes after them.
+            let status = match q.fail_next.pop_front() {
+                Some(s) => s,
+                None => self.perform(qpn, &w),
+            };
+            if let Some(q) = self.qps.get_mut(&qpn) {
+                q.reads.push_back((w, Some(status)));
+            }
+        }
+    }
+
+    /// True when the peer of `q` has no receive posted.
+    fn no_receive(&self, q: &SimQpState) -> bool {
+        q.peer.and_then(|p| self.qps.get(&p)).is_none_or(|p| p.rq.is_empty())
+    }
+
+    /// Complete `w` of QP `qpn`: flushed on a QP in error; else with the
+    /// status it `ran` with, or performed now (an answered READ, or a WR
+    /// with nothing started ahead of it).
+    fn complete(&mut self, qpn: u32, w: WrView, ran: Option<u32>) {
+        let q = self.qps.get_mut(&qpn).expect("live QP");
         let (dev, error) = (q.dev, q.error);
         let cqe = |status: u32| WorkCompletion { wr_id: w.wr_id, status, qp_num: qpn, ..Default::default() };
         if error {
             self.push_cqe(dev, cqe(IBV_WC_WR_FLUSH_ERR));
             return;
         }
-        let injected = q.fail_next.pop_front();
-        let status = injected.unwrap_or_else(|| self.perform(qpn, &w));
+        let status = match ran.or_else(|| q.fail_next.pop_front()) {
+            Some(s) => s,
+            None => self.perform(qpn, &w),
+        };
         if status != IBV_WC_SUCCESS {
             if let Some(q) = self.qps.get_mut(&qpn) {
                 q.error = true;

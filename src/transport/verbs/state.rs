@@ -26,8 +26,10 @@ pub const MAX_WR_BYTES: u64 = 1 << 30;
 pub enum Work {
     /// RDMA READ/WRITE of one segment (≤ [`MAX_WR_BYTES`]).
     Rdma { xfer: u64, read: bool, seg: Segment },
-    /// SEND of `len` bytes from notification slot `slot` of the peer slab.
-    Notify { xfer: u64, slot: u32, len: u32 },
+    /// SEND of `len` bytes from notification slot `slot` of the peer slab;
+    /// `fence`: posted with `IBV_SEND_FENCE`, so the NIC sends it only after
+    /// the READs ahead of it on the QP completed (a READ's notification).
+    Notify { xfer: u64, slot: u32, len: u32, fence: bool },
 }
 
 impl Work {
@@ -286,10 +288,10 @@ impl<Q: NicQp> State<Q> {
         }
     }
 
-    /// Queue a notification SEND on `qpn`.
-    pub fn enqueue_notify(&mut self, xfer: u64, qpn: u32, slot: u32, len: u32, limits: &PostLimits) {
+    /// Queue a notification SEND on `qpn` (`fence`: see [`Work::Notify`]).
+    pub fn enqueue_notify(&mut self, xfer: u64, qpn: u32, slot: u32, len: u32, fence: bool, limits: &PostLimits) {
         if let Some(sq) = self.send_qps.get_mut(&qpn) {
-            sq.queue.push_back(Work::Notify { xfer, slot, len });
+            sq.queue.push_back(Work::Notify { xfer, slot, len, fence });
             if let Some(x) = self.xfers.get_mut(&xfer) {
                 x.queued += 1;
             }
@@ -412,12 +414,12 @@ impl<Q: NicQp> State<Q> {
                         seg.remote_addr,
                         seg.rkey.0,
                     ),
-                    Work::Notify { slot, len, .. } => {
+                    Work::Notify { slot, len, fence, .. } => {
                         let (addr, lkey) = slabs
                             .get(&sq.peer)
                             .map(|s| (s.mr.addr() + u64::from(slot) * NOTIF_SLOT_BYTES as u64, s.mr.lkey()))
                             .unwrap_or((0, 0));
-                        batch.push_send(WrId(chunk), signaled, addr, len, lkey);
+                        batch.push_send(WrId(chunk), signaled, fence, addr, len, lkey);
                     }
                 }
                 if signaled {
@@ -562,7 +564,8 @@ impl<Q: NicQp> State<Q> {
         if xf.error.is_none()
             && let Some((qpn, slot, len)) = xf.deferred_notify.take()
         {
-            self.enqueue_notify(x, qpn, slot, len, limits);
+            // Every WR of `x` completed: nothing left to fence.
+            self.enqueue_notify(x, qpn, slot, len, false, limits);
             return;
         }
         let Some(xf) = self.take_xfer(x) else {

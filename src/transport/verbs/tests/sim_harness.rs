@@ -74,10 +74,11 @@ struct Remote {
     qpns: Vec<u32>,
 }
 
-/// Segments of a WRITE checked when its notification arrives: (dst key, (offset, bytes)).
+/// Segments of a transfer checked when its notification arrives: (dst key,
+/// (offset, bytes)): a WRITE's bytes landed at the target, a READ's here.
 type Expected = (u32, Vec<(u64, u64)>);
 
-/// A WRITE's target region (address, key) and its (offset, bytes) segments.
+/// A transfer's target region (address, key) and its (offset, bytes) segments.
 type Write = ((u64, u32), Vec<(u64, u64)>);
 
 /// The initiator `i`, its first target `t` (peer `peer`) and more targets.
@@ -98,12 +99,13 @@ pub struct Pair {
     results: HashMap<u64, Result<(), TransferFailure>>,
     duplicates: Vec<u64>,
     got: Vec<Vec<u8>>,
-    /// WRITE segments whose data must be at the target when the
-    /// notification with this payload arrives: (dst key, segments).
+    /// Segments whose data must have moved (WRITE: to the target; READ: to
+    /// the initiator) when the notification with this payload arrives:
+    /// (dst key, segments).
     expect: HashMap<Vec<u8>, Expected>,
     late_data: Vec<Vec<u8>>,
-    /// Every WRITE posted: its target region (address, key) and segments,
-    /// checked when it reports `Done`.
+    /// Every transfer posted: its target region (address, key) and
+    /// segments, checked when it reports `Done`.
     writes: HashMap<u64, Write>,
     early_done: Vec<u64>,
 }
@@ -218,10 +220,10 @@ impl Pair {
         };
         self.i.st.now = self.now;
         self.i.st.post(&req, &qpns, "target", &self.limits)?;
-        if op == Op::Write {
-            self.writes.insert(x, (dst, segs.to_vec()));
-        }
-        if let (Some(n), Op::Write, true) = (notif, op, peer == self.peer) {
+        // Either way the bytes at `segs` of the source and the destination
+        // are equal once the transfer moved them.
+        self.writes.insert(x, (dst, segs.to_vec()));
+        if let (Some(n), true) = (notif, peer == self.peer) {
             self.expect.insert(n.to_vec(), (dst.1, segs.to_vec()));
         }
         Ok(())
@@ -282,7 +284,7 @@ impl Pair {
     fn collect(&mut self) {
         let reported: Vec<Completion> = self.i.done.try_iter().collect();
         for c in reported {
-            // `Done` of a WRITE promises its data is at the target.
+            // `Done` promises the data moved (WRITE: at the target; READ: here).
             if let (Ok(()), Some((dst, segs))) = (&c.result, self.writes.get(&c.xfer.0)) {
                 let landed = segs.iter().all(|&(off, len)| {
                     self.fabric.read(dst.1, dst.0 + off, len as usize)
@@ -371,6 +373,12 @@ impl Pair {
     pub fn fill_src(&self, f: impl Fn(usize) -> u8) {
         let data: Vec<u8> = (0..2 * REGION).map(f).collect();
         assert!(self.fabric.write(self.src.1, self.src.0, &data));
+    }
+
+    /// Fill the first target's region with `f(offset)` (the data a READ pulls).
+    pub fn fill_dst(&self, f: impl Fn(usize) -> u8) {
+        let data: Vec<u8> = (0..REGION).map(f).collect();
+        assert!(self.fabric.write(self.dst.1, self.dst.0, &data));
     }
 
     /// The first target's region.
