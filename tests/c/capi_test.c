@@ -158,19 +158,56 @@ int main(void) {
         CHECK(code == KVW_ERR_REMOTE_ACCESS);
         CHECK(strlen(kvw_last_error()) > 0);
         CHECK(kvw_release(i2, h2) == KVW_OK);
-        /* the same failure through kvw_wait */
+        /* the same failure through kvw_wait, its message replacing another */
         CHECK(kvw_post(i2, KVW_OP_WRITE, &ls, 1, "c-gone", &rs, 1, NULL, 0, &h2) == KVW_OK);
+        CHECK(kvw_status(i2, 987654, &s2) == KVW_ERR_NOT_FOUND);
+        CHECK(strstr(kvw_last_error(), "rkey") == NULL);
         s2 = KVW_XFER_IN_PROGRESS;
         code = KVW_OK;
         CHECK(kvw_wait(i2, h2, 10000000, &s2, &code) == KVW_OK);
         CHECK(s2 == KVW_XFER_FAILED);
         CHECK(code == KVW_ERR_REMOTE_ACCESS);
+        CHECK(strstr(kvw_last_error(), "rkey") != NULL);
         CHECK(kvw_release(i2, h2) == KVW_OK);
         CHECK(kvw_status_code(i2, h2, &s2, NULL) == KVW_ERR_INVALID_ARG);
         kvw_engine_destroy(i2);
         kvw_engine_destroy(t2);
         free(md2);
         free(buf2);
+    }
+
+    /* kvw_wait's timeout: 1 µs cannot see a 64 MiB copy end; no limit does */
+    {
+        enum { BIG = 64 << 20 };
+        KvwEngine *t3 = NULL, *i3 = NULL;
+        uint8_t *from = malloc(BIG), *to = calloc(1, BIG);
+        for (size_t i = 0; i < BIG; i += 4096) from[i] = (uint8_t)(i >> 12);
+        uint64_t r3 = 0, r3i = 0, h3 = 0;
+        CHECK(kvw_engine_create("c-big-target", "shm", &t3) == KVW_OK);
+        CHECK(kvw_engine_create("c-big-initiator", "shm", &i3) == KVW_OK);
+        CHECK(kvw_register(t3, (uint64_t)(uintptr_t)to, BIG, &r3) == KVW_OK);
+        CHECK(kvw_register(i3, (uint64_t)(uintptr_t)from, BIG, &r3i) == KVW_OK);
+        size_t l3 = 0;
+        kvw_metadata_get(t3, NULL, 0, &l3);
+        uint8_t *md3 = malloc(l3);
+        CHECK(kvw_metadata_get(t3, md3, l3, &l3) == KVW_OK);
+        CHECK(kvw_metadata_load(i3, md3, l3) == KVW_OK);
+        KvwDesc lb = {(uint64_t)(uintptr_t)from, BIG}, rb = {(uint64_t)(uintptr_t)to, BIG};
+        CHECK(kvw_post(i3, KVW_OP_WRITE, &lb, 1, "c-big-target", &rb, 1, NULL, 0, &h3) == KVW_OK);
+        KvwXferState s3 = KVW_XFER_FAILED;
+        KvwStatus c3 = KVW_ERR_PANIC;
+        CHECK(kvw_wait(i3, h3, 1, &s3, &c3) == KVW_OK);
+        CHECK(s3 == KVW_XFER_IN_PROGRESS); /* timed out: the handle stays valid */
+        CHECK(c3 == KVW_OK);
+        CHECK(kvw_wait(i3, h3, KVW_WAIT_FOREVER, &s3, &c3) == KVW_OK);
+        CHECK(s3 == KVW_XFER_DONE);
+        CHECK(memcmp(from, to, BIG) == 0);
+        CHECK(kvw_release(i3, h3) == KVW_OK);
+        kvw_engine_destroy(i3);
+        kvw_engine_destroy(t3);
+        free(md3);
+        free(from);
+        free(to);
     }
 
     /* engine options: engine keys, backend keys, refusals naming the key */

@@ -7,7 +7,7 @@
 //! pushed into a full CQ is an overrun, recorded and putting every QP of
 //! that device in error, as `IBV_EVENT_CQ_ERR` does), send queues of a
 //! fixed depth (`ENOMEM` from `post_send` beyond it, the WRs before it
-//! posted), in-order execution per QP and a seeded random interleaving
+//! posted), in-order issue and completion per QP, a seeded random interleaving
 //! across QPs (completions of different QPs arrive reordered and delayed),
 //! bytes moved between in-simulation memory (so data and notification
 //! ordering is checkable), rkey/bounds checks (`IBV_WC_REM_ACCESS_ERR`),
@@ -26,8 +26,10 @@
 //! run before they are answered (its bytes reach the peer then, as an RC
 //! requester may send it while the READ responses are still coming), unless
 //! it carries `IBV_SEND_FENCE`, which holds it (and the WRs behind it) until
-//! no READ is outstanding. Completions stay in posting order per QP: a WR
-//! that ran early reports its status after the READs ahead of it.
+//! no READ is outstanding, or a WR ahead of it fails: the responder judges a
+//! READ (peer, keys, bounds) when it is issued and executes nothing after a
+//! request it refused. Completions stay in posting order per QP: a WR that
+//! ran early reports its status after the READs ahead of it.
 //!
 //! Threads: with [`World::auto_step`] each `poll_cq` first runs that many
 //! steps, so a progress thread drives the fabric by itself; with
@@ -61,6 +63,28 @@ struct Region {
     bytes: Vec<u8>,
 }
 
+/// A WR a simulated QP started and has not completed.
+#[derive(Clone, Copy)]
+struct Started {
+    w: WrView,
+    /// An RDMA READ waiting for its answer (its bytes move then).
+    waiting: bool,
+    /// The status it completes with: a waiting READ's verdict when it was
+    /// issued (or an injected fault); a WR that ran early, its result.
+    status: u32,
+}
+
+/// How [`World::complete`] finds a WR's status.
+#[derive(Clone, Copy)]
+enum Outcome {
+    /// Nothing was started ahead of it: an injected fault, or perform it now.
+    Fresh,
+    /// A READ answered after a good verdict: move its bytes now.
+    Answer,
+    /// Already known.
+    Known(u32),
+}
+
 struct SimQpState {
     dev: u32,
     peer: Option<u32>,
@@ -69,10 +93,8 @@ struct SimQpState {
     sq: VecDeque<WrView>,
     /// Negotiated READ depth (`max_rd_atomic`).
     rd_atomic: u32,
-    /// WRs started and not yet completed, oldest first: RDMA READs waiting
-    /// for their answer (`None`), and WRs that ran behind them, with the
-    /// status they will complete with (`Some`).
-    reads: VecDeque<(WrView, Option<u32>)>,
+    /// WRs started and not yet completed, oldest first.
+    started: VecDeque<Started>,
     /// Posted receives: (wr_id, slab key, offset, len).
     rq: VecDeque<(u64, u32, usize, u32)>,
     /// Status the next executed WR completes with (fault injection).
@@ -211,8 +233,9 @@ impl SimFabric {
         }
     }
 
-    /// The next WR QP `qpn` executes completes with `status` (and puts the QP
-    /// in error, as any error completion does).
+    /// The next WR QP `qpn` starts (issues, for a READ; runs, for another
+    /// WR) completes with `status` (and puts the QP in error when it
+    /// completes, as any error completion does).
     pub fn fail_next(&self, qpn: u32, status: u32) {
         if let Some(q) = self.world().qps.get_mut(&qpn) {
             q.fail_next.push_back(status);
@@ -285,7 +308,7 @@ impl World {
                 .qps
                 .iter()
                 .filter(|(_, q)| {
-                    (!q.sq.is_empty() || !q.reads.is_empty()) && !self.dead.contains(&q.dev) && !self.stuck(q)
+                    (!q.sq.is_empty() || !q.started.is_empty()) && !self.dead.contains(&q.dev) && !self.stuck(q)
                 })
                 .map(|(&n, _)| n)
                 .collect();
@@ -310,55 +333,57 @@ impl World {
         let peer = q.peer.and_then(|p| self.qps.get(&p).filter(|_| !self.dead.contains(&self.qps[&p].dev)));
         match peer {
             None => true,
-            Some(p) => q.reads.is_empty() && q.sq.front().is_some_and(|w| w.opcode == IBV_WR_SEND && p.rq.is_empty()),
+            Some(p) => q.started.is_empty() && q.sq.front().is_some_and(|w| w.opcode == IBV_WR_SEND && p.rq.is_empty()),
         }
     }
 
     fn exec(&mut self, qpn: u32) {
         let q = &self.qps[&qpn];
         let head = q.sq.front().copied();
-        let waiting = q.reads.iter().filter(|(_, ran)| ran.is_none()).count();
+        let waiting = q.started.iter().filter(|s| s.waiting).count();
+        // The responder executes nothing after a request it refused.
+        let doomed = q.started.iter().any(|s| s.status != IBV_WC_SUCCESS);
         let can_issue = match head {
             None => false,
-            Some(w) if w.fence => q.reads.is_empty(),
+            Some(w) if w.fence && waiting > 0 => false,
             Some(w) if w.opcode == IBV_WR_RDMA_READ => waiting < q.rd_atomic as usize,
+            Some(_) if q.started.is_empty() => true,
             // A SEND that could only wait for a receive (infinite RNR
             // retries) stays at the head, as `stuck` expects.
-            Some(w) => q.reads.is_empty() || !(self.infinite_retry && w.opcode == IBV_WR_SEND && self.no_receive(q)),
+            Some(w) if self.infinite_retry && w.opcode == IBV_WR_SEND && self.no_receive(q) => false,
+            Some(_) => !doomed,
         };
-        let (error, started) = (q.error, !q.reads.is_empty());
+        let (error, started) = (q.error, !q.started.is_empty());
         if head.is_some_and(|w| w.opcode == IBV_WR_RDMA_READ) && !can_issue && !error {
             self.read_waits += 1;
         }
         // Complete the oldest started WR or start the head WR, when both could happen.
         let coin = started && can_issue && !error && self.rand().is_multiple_of(2);
         let q = self.qps.get_mut(&qpn).expect("live QP");
-        if !q.reads.is_empty() && (q.error || !can_issue || coin) {
-            let (w, ran) = q.reads.pop_front().expect("a WR started");
-            self.complete(qpn, w, ran);
+        if !q.started.is_empty() && (q.error || !can_issue || coin) {
+            let s = q.started.pop_front().expect("a WR started");
+            let how = if s.waiting && s.status == IBV_WC_SUCCESS { Outcome::Answer } else { Outcome::Known(s.status) };
+            self.complete(qpn, s.w, how);
             return;
         }
         let w = q.sq.pop_front().expect("has work");
-        if q.error {
-            self.complete(qpn, w, None);
-        } else if w.opcode == IBV_WR_RDMA_READ {
-            // Issued: answered (bytes moved, completed) on a later step.
-            q.reads.push_back((w, None));
-            let n = q.reads.iter().filter(|(_, ran)| ran.is_none()).count();
-            let m = self.max_reads.entry(qpn).or_default();
-            *m = (*m).max(n);
-        } else if q.reads.is_empty() {
-            self.complete(qpn, w, None);
+        if q.error || q.started.is_empty() && w.opcode != IBV_WR_RDMA_READ {
+            self.complete(qpn, w, Outcome::Fresh);
+            return;
+        }
+        let fault = q.fail_next.pop_front();
+        let (waiting, status) = if w.opcode == IBV_WR_RDMA_READ {
+            // Issued: the responder judges it now, answers on a later step.
+            (true, fault.unwrap_or_else(|| self.resolve(qpn, &w).err().unwrap_or(IBV_WC_SUCCESS)))
         } else {
             // Runs now, behind READs still waiting: completes after them.
-            let status = match q.fail_next.pop_front() {
-                Some(s) => s,
-                None => self.perform(qpn, &w),
-            };
-            if let Some(q) = self.qps.get_mut(&qpn) {
-                q.reads.push_back((w, Some(status)));
-            }
-        }
+            (false, fault.unwrap_or_else(|| self.perform(qpn, &w)))
+        };
+        let q = self.qps.get_mut(&qpn).expect("live QP");
+        q.started.push_back(Started { w, waiting, status });
+        let n = q.started.iter().filter(|s| s.waiting).count();
+        let m = self.max_reads.entry(qpn).or_default();
+        *m = (*m).max(n);
     }
 
     /// True when the peer of `q` has no receive posted.
@@ -366,10 +391,9 @@ impl World {
         q.peer.and_then(|p| self.qps.get(&p)).is_none_or(|p| p.rq.is_empty())
     }
 
-    /// Complete `w` of QP `qpn`: flushed on a QP in error; else with the
-    /// status it `ran` with, or performed now (an answered READ, or a WR
-    /// with nothing started ahead of it).
-    fn complete(&mut self, qpn: u32, w: WrView, ran: Option<u32>) {
+    /// Complete `w` of QP `qpn`: flushed on a QP in error, else with the
+    /// status `how` finds (a failure puts the QP in error).
+    fn complete(&mut self, qpn: u32, w: WrView, how: Outcome) {
         let q = self.qps.get_mut(&qpn).expect("live QP");
         let (dev, error) = (q.dev, q.error);
         let cqe = |status: u32| WorkCompletion { wr_id: w.wr_id, status, qp_num: qpn, ..Default::default() };
@@ -377,9 +401,13 @@ impl World {
             self.push_cqe(dev, cqe(IBV_WC_WR_FLUSH_ERR));
             return;
         }
-        let status = match ran.or_else(|| q.fail_next.pop_front()) {
-            Some(s) => s,
-            None => self.perform(qpn, &w),
+        let status = match how {
+            Outcome::Known(s) => s,
+            Outcome::Fresh => match q.fail_next.pop_front() {
+                Some(s) => s,
+                None => self.perform(qpn, &w),
+            },
+            Outcome::Answer => self.perform(qpn, &w),
         };
         if status != IBV_WC_SUCCESS {
             if let Some(q) = self.qps.get_mut(&qpn) {
@@ -391,18 +419,31 @@ impl World {
         }
     }
 
+    /// Where `w` (from QP `qpn`) touches memory: (peer QP, local offset,
+    /// remote offset of an RDMA WR), or the status it fails with (peer gone,
+    /// bad local key or range, bad remote key or range).
+    fn resolve(&self, qpn: u32, w: &WrView) -> Result<(u32, usize, Option<usize>), u32> {
+        let q = &self.qps[&qpn];
+        let len = w.len_bytes as usize;
+        let peer = q.peer.filter(|p| self.qps.get(p).is_some_and(|pq| !self.dead.contains(&pq.dev)));
+        let peer = peer.ok_or(WC_RETRY_EXC_ERR)?;
+        let loff = self.check(q.dev, w.lkey, w.local_addr, len).ok_or(WC_LOC_PROT_ERR)?;
+        if w.opcode == IBV_WR_SEND {
+            return Ok((peer, loff, None));
+        }
+        let roff = self.check(self.qps[&peer].dev, w.rkey, w.remote_addr, len).ok_or(WC_REM_ACCESS_ERR)?;
+        Ok((peer, loff, Some(roff)))
+    }
+
     /// Move the bytes of `w` (from QP `qpn`); its completion status.
     fn perform(&mut self, qpn: u32, w: &WrView) -> u32 {
-        let q = &self.qps[&qpn];
-        let (dev, len) = (q.dev, w.len_bytes as usize);
-        let Some(peer) = q.peer.filter(|p| self.qps.get(p).is_some_and(|pq| !self.dead.contains(&pq.dev))) else {
-            return WC_RETRY_EXC_ERR;
+        let (peer, loff, roff) = match self.resolve(qpn, w) {
+            Ok(r) => r,
+            Err(status) => return status,
         };
-        let Some(loff) = self.check(dev, w.lkey, w.local_addr, len) else {
-            return WC_LOC_PROT_ERR;
-        };
-        let pdev = self.qps[&peer].dev;
-        if w.opcode == IBV_WR_SEND {
+        let (len, pdev) = (w.len_bytes as usize, self.qps[&peer].dev);
+        let Some(roff) = roff else {
+            // A SEND: into the peer's next posted receive.
             let Some((rid, key, off, rlen)) = self.qps.get_mut(&peer).and_then(|p| p.rq.pop_front()) else {
                 return WC_RNR_RETRY_EXC_ERR;
             };
@@ -420,9 +461,6 @@ impl World {
             };
             self.push_cqe(pdev, wc);
             return IBV_WC_SUCCESS;
-        }
-        let Some(roff) = self.check(pdev, w.rkey, w.remote_addr, len) else {
-            return WC_REM_ACCESS_ERR;
         };
         if w.opcode == IBV_WR_RDMA_READ {
             self.copy((w.rkey, roff), (w.lkey, loff), len);
@@ -432,9 +470,9 @@ impl World {
         IBV_WC_SUCCESS
     }
 
-    /// WRs queued on QP `qpn` and not executed yet.
+    /// WRs posted on QP `qpn` and not completed yet.
     pub fn queued(&self, qpn: u32) -> usize {
-        self.qps.get(&qpn).map_or(0, |q| q.sq.len() + q.reads.len())
+        self.qps.get(&qpn).map_or(0, |q| q.sq.len() + q.started.len())
     }
 
     /// True when QP `qpn` exists (is not destroyed).
@@ -545,7 +583,8 @@ impl NicQp for SimQp {
         let mut w = self.fabric.world();
         let q = w.qps.get_mut(&self.qpn).ok_or_else(|| einval("ibv_modify_qp (destroyed QP)"))?;
         q.error = true;
-        // Outstanding READs are flushed first (step order), then the queue.
+        // Started WRs (READs waiting, WRs that ran early) are flushed first
+        // (step order), then the queue.
         // Posted receives are flushed too.
         let dev = q.dev;
         let flushed: Vec<u64> = q.rq.drain(..).map(|r| r.0).collect();
@@ -608,7 +647,7 @@ impl Nic for SimNic {
             max_send_wr: max_send_wr.max(1),
             sq: VecDeque::new(),
             rd_atomic: DEFAULT_READ_DEPTH,
-            reads: VecDeque::new(),
+            started: VecDeque::new(),
             rq: VecDeque::new(),
             fail_next: VecDeque::new(),
         };

@@ -79,7 +79,7 @@ struct Remote {
 type Expected = (u32, Vec<(u64, u64)>);
 
 /// A transfer's target region (address, key) and its (offset, bytes) segments.
-type Write = ((u64, u32), Vec<(u64, u64)>);
+type Moved = ((u64, u32), Vec<(u64, u64)>);
 
 /// The initiator `i`, its first target `t` (peer `peer`) and more targets.
 pub struct Pair {
@@ -106,7 +106,7 @@ pub struct Pair {
     late_data: Vec<Vec<u8>>,
     /// Every transfer posted: its target region (address, key) and
     /// segments, checked when it reports `Done`.
-    writes: HashMap<u64, Write>,
+    moves: HashMap<u64, Moved>,
     early_done: Vec<u64>,
 }
 
@@ -145,7 +145,7 @@ impl Pair {
             got: Vec::new(),
             expect: HashMap::new(),
             late_data: Vec::new(),
-            writes: HashMap::new(),
+            moves: HashMap::new(),
             early_done: Vec::new(),
         };
         let slab = p.i.nic.alloc_slab(NOTIF_SLOTS as usize * NOTIF_SLOT_BYTES).unwrap();
@@ -222,7 +222,7 @@ impl Pair {
         self.i.st.post(&req, &qpns, "target", &self.limits)?;
         // Either way the bytes at `segs` of the source and the destination
         // are equal once the transfer moved them.
-        self.writes.insert(x, (dst, segs.to_vec()));
+        self.moves.insert(x, (dst, segs.to_vec()));
         if let (Some(n), true) = (notif, peer == self.peer) {
             self.expect.insert(n.to_vec(), (dst.1, segs.to_vec()));
         }
@@ -285,7 +285,7 @@ impl Pair {
         let reported: Vec<Completion> = self.i.done.try_iter().collect();
         for c in reported {
             // `Done` promises the data moved (WRITE: at the target; READ: here).
-            if let (Ok(()), Some((dst, segs))) = (&c.result, self.writes.get(&c.xfer.0)) {
+            if let (Ok(()), Some((dst, segs))) = (&c.result, self.moves.get(&c.xfer.0)) {
                 let landed = segs.iter().all(|&(off, len)| {
                     self.fabric.read(dst.1, dst.0 + off, len as usize)
                         == self.fabric.read(self.src.1, self.src.0 + off, len as usize)
