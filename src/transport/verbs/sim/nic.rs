@@ -1,0 +1,193 @@
+//! The [`Nic`]/[`NicQp`]/[`NicSlab`] face of the simulated fabric: one
+//! [`SimNic`] per device, its QPs and notification memory (see the parent
+//! module for what the simulation models).
+
+use std::collections::VecDeque;
+use std::os::fd::BorrowedFd;
+use std::sync::Arc;
+
+use nix::poll::{PollFd, PollFlags, PollTimeout, poll};
+
+use super::{DEFAULT_READ_DEPTH, SimFabric, SimQpState, World};
+use crate::transport::verbs::nic::{Nic, NicQp, NicSlab};
+use crate::verbs::ffi::IBV_WC_WR_FLUSH_ERR;
+use crate::verbs::{VerbsError, WorkCompletion, WrBatch};
+
+/// One simulated device: its completion queue and QP factory.
+pub struct SimNic {
+    pub(super) fabric: SimFabric,
+    pub(super) dev: u32,
+}
+
+impl SimNic {
+    /// The fabric it sits on.
+    pub fn fabric(&self) -> &SimFabric {
+        &self.fabric
+    }
+}
+
+/// A simulated QP; dropping it destroys it (its posted WRs vanish without
+/// completions, its number becomes free for reuse).
+pub struct SimQp {
+    fabric: SimFabric,
+    qpn: u32,
+    /// Slabs its receives land in, kept alive as a real QP does.
+    slabs: Vec<Arc<SimSlab>>,
+}
+
+impl Drop for SimQp {
+    fn drop(&mut self) {
+        let mut w = self.fabric.world();
+        w.qps.remove(&self.qpn);
+        w.free_qpns.insert(self.qpn);
+    }
+}
+
+/// Simulated registered memory owned by the transport.
+pub struct SimSlab {
+    fabric: SimFabric,
+    addr: u64,
+    key: u32,
+    len: usize,
+}
+
+impl Drop for SimSlab {
+    fn drop(&mut self) {
+        self.fabric.dealloc(self.key);
+    }
+}
+
+fn einval(call: &'static str) -> VerbsError {
+    VerbsError::call(call, libc::EINVAL)
+}
+
+impl NicSlab for SimSlab {
+    fn addr(&self) -> u64 {
+        self.addr
+    }
+    fn lkey(&self) -> u32 {
+        self.key
+    }
+    fn len_bytes(&self) -> usize {
+        self.len
+    }
+    fn write(&mut self, offset: usize, data: &[u8]) -> bool {
+        self.fabric.write(self.key, self.addr + offset as u64, data)
+    }
+    fn read(&self, offset: usize, len: usize) -> Option<Vec<u8>> {
+        self.fabric.read(self.key, self.addr + offset as u64, len)
+    }
+}
+
+impl NicQp for SimQp {
+    type Slab = SimSlab;
+    fn qp_num(&self) -> u32 {
+        self.qpn
+    }
+    unsafe fn post_send(&mut self, batch: &mut WrBatch) -> Result<(), (usize, VerbsError)> {
+        let mut w = self.fabric.world();
+        let fail_at = w.fail_post_at.take();
+        let q = w.qps.get_mut(&self.qpn).ok_or((0, einval("ibv_post_send (destroyed QP)")))?;
+        for i in 0..batch.len() {
+            if fail_at == Some(i) {
+                return Err((i, einval("ibv_post_send")));
+            }
+            if q.sq.len() >= q.max_send_wr as usize {
+                return Err((i, VerbsError::call("ibv_post_send", libc::ENOMEM)));
+            }
+            q.sq.push_back(batch.view(i).expect("in range"));
+        }
+        Ok(())
+    }
+    fn post_recv(&mut self, wr_id: u64, slab: &Arc<SimSlab>, offset: usize, len_bytes: u32) -> Result<(), VerbsError> {
+        if offset + len_bytes as usize > slab.len {
+            return Err(einval("ibv_post_recv (range outside the slab)"));
+        }
+        if !self.slabs.iter().any(|s| Arc::ptr_eq(s, slab)) {
+            self.slabs.push(slab.clone());
+        }
+        let mut w = self.fabric.world();
+        let q = w.qps.get_mut(&self.qpn).ok_or_else(|| einval("ibv_post_recv (destroyed QP)"))?;
+        q.rq.push_back((wr_id, slab.key, offset, len_bytes));
+        Ok(())
+    }
+    fn set_error(&self) -> Result<(), VerbsError> {
+        let mut w = self.fabric.world();
+        let q = w.qps.get_mut(&self.qpn).ok_or_else(|| einval("ibv_modify_qp (destroyed QP)"))?;
+        q.error = true;
+        // Started WRs (READs waiting, WRs that ran early) are flushed first
+        // (step order), then the queue.
+        // Posted receives are flushed too.
+        let dev = q.dev;
+        let flushed: Vec<u64> = q.rq.drain(..).map(|r| r.0).collect();
+        for wr_id in flushed {
+            let wc = WorkCompletion { wr_id, status: IBV_WC_WR_FLUSH_ERR, qp_num: self.qpn, ..Default::default() };
+            w.push_cqe(dev, wc);
+        }
+        Ok(())
+    }
+}
+
+impl Nic for SimNic {
+    type Qp = SimQp;
+    type Slab = SimSlab;
+    fn poll_cq(&self, out: &mut [WorkCompletion]) -> Result<usize, VerbsError> {
+        let mut w = self.fabric.world();
+        for _ in 0..w.auto_step {
+            if !w.step() {
+                break;
+            }
+        }
+        let Some((q, _)) = w.cqs.get_mut(&self.dev) else { return Ok(0) };
+        let n = out.len().min(q.len());
+        for (slot, wc) in out.iter_mut().zip(q.drain(..n)) {
+            *slot = wc;
+        }
+        Ok(n)
+    }
+    fn req_notify(&self) -> Result<(), VerbsError> {
+        Ok(())
+    }
+    fn has_events(&self) -> bool {
+        self.fabric.world().events
+    }
+    fn wait_event(&self, wake: BorrowedFd<'_>, timeout_ms: i32) -> Result<bool, VerbsError> {
+        let ready = |w: &World| w.cqs.get(&self.dev).is_some_and(|(q, _)| !q.is_empty());
+        if ready(&self.fabric.world()) {
+            return Ok(true);
+        }
+        let mut fds = [PollFd::new(wake, PollFlags::POLLIN)];
+        let timeout = PollTimeout::try_from(timeout_ms.max(0)).unwrap_or(PollTimeout::MAX);
+        match poll(&mut fds, timeout) {
+            Ok(_) | Err(nix::errno::Errno::EINTR) => Ok(ready(&self.fabric.world())),
+            Err(e) => Err(VerbsError::call("poll(sim wake)", e as i32)),
+        }
+    }
+    fn create_qp(&self, max_send_wr: u32, _max_recv_wr: u32) -> Result<SimQp, VerbsError> {
+        let mut w = self.fabric.world();
+        let qpn = match w.free_qpns.pop_first() {
+            Some(n) => n,
+            None => {
+                w.next_qpn += 1;
+                w.next_qpn - 1
+            }
+        };
+        let st = SimQpState {
+            dev: self.dev,
+            peer: None,
+            error: false,
+            max_send_wr: max_send_wr.max(1),
+            sq: VecDeque::new(),
+            rd_atomic: DEFAULT_READ_DEPTH,
+            started: VecDeque::new(),
+            rq: VecDeque::new(),
+            fail_next: VecDeque::new(),
+        };
+        w.qps.insert(qpn, st);
+        Ok(SimQp { fabric: self.fabric.clone(), qpn, slabs: Vec::new() })
+    }
+    fn alloc_slab(&self, len_bytes: usize) -> Result<SimSlab, VerbsError> {
+        let (addr, key) = self.fabric.alloc(self.dev, len_bytes);
+        Ok(SimSlab { fabric: self.fabric.clone(), addr, key, len: len_bytes })
+    }
+}
