@@ -14,8 +14,8 @@ use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyList};
 
 use crate::buffers::PyPages;
-use crate::engine::PyKVCacheMemory;
 use crate::errors::{KVLoadFailed, KVLoadRefused};
+use crate::metadata::PyKVCacheMemory;
 
 fn conn_err(e: ConnectorError) -> PyErr {
     let msg = e.to_string();

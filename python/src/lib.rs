@@ -14,6 +14,7 @@ mod connector;
 mod engine;
 mod errors;
 mod gil;
+mod metadata;
 #[allow(unsafe_code)]
 mod nixl;
 mod reqdata;
@@ -31,9 +32,9 @@ fn metrics_text() -> String {
 #[pymodule]
 fn _kvwire(m: &Bound<'_, PyModule>) -> PyResult<()> {
     let py = m.py();
-    m.add_class::<engine::PyKVCacheMemory>()?;
-    m.add_class::<engine::PyMetadata>()?;
-    m.add_class::<engine::PyTensorAgentMetadata>()?;
+    m.add_class::<metadata::PyKVCacheMemory>()?;
+    m.add_class::<metadata::PyMetadata>()?;
+    m.add_class::<metadata::PyTensorAgentMetadata>()?;
     m.add_class::<engine::PyKVTransferEngine>()?;
     m.add_class::<reqdata::PyTransferReqData>()?;
     m.add_class::<connector::PyConnTransfer>()?;
