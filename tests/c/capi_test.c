@@ -31,6 +31,24 @@ static void on_notif(void *user, const char *agent, const uint8_t *msg, size_t l
     snprintf(n->msg, sizeof n->msg, "%.*s", (int)len, (const char *)msg);
 }
 
+/* Two shm engines named `tname` and `iname`, each with one buffer
+   registered (the target's registration in *treg), the initiator connected
+   to the target. */
+static void connected_pair(const char *tname, uint8_t *tbuf, size_t tlen, const char *iname, uint8_t *ibuf,
+                           size_t ilen, KvwEngine **t, KvwEngine **i, uint64_t *treg) {
+    uint64_t ireg = 0;
+    size_t len = 0;
+    CHECK(kvw_engine_create(tname, "shm", t) == KVW_OK);
+    CHECK(kvw_engine_create(iname, "shm", i) == KVW_OK);
+    CHECK(kvw_register(*t, (uint64_t)(uintptr_t)tbuf, tlen, treg) == KVW_OK);
+    CHECK(kvw_register(*i, (uint64_t)(uintptr_t)ibuf, ilen, &ireg) == KVW_OK);
+    CHECK(kvw_metadata_get(*t, NULL, 0, &len) == KVW_ERR_BUFFER_TOO_SMALL);
+    uint8_t *md = malloc(len);
+    CHECK(kvw_metadata_get(*t, md, len, &len) == KVW_OK);
+    CHECK(kvw_metadata_load(*i, md, len) == KVW_OK);
+    free(md);
+}
+
 static int wait_done(KvwEngine *e, uint64_t h) {
     KvwXferState st = KVW_XFER_IN_PROGRESS;
     for (long i = 0; i < 50000000L && st == KVW_XFER_IN_PROGRESS; i++) {
@@ -135,16 +153,8 @@ int main(void) {
     {
         KvwEngine *t2 = NULL, *i2 = NULL;
         uint8_t *buf2 = calloc(1, 65536);
-        uint64_t r2 = 0, r2i = 0;
-        CHECK(kvw_engine_create("c-gone", "shm", &t2) == KVW_OK);
-        CHECK(kvw_engine_create("c-poster", "shm", &i2) == KVW_OK);
-        CHECK(kvw_register(t2, (uint64_t)(uintptr_t)buf2, 65536, &r2) == KVW_OK);
-        CHECK(kvw_register(i2, (uint64_t)(uintptr_t)src, LEN, &r2i) == KVW_OK);
-        size_t l2 = 0;
-        kvw_metadata_get(t2, NULL, 0, &l2);
-        uint8_t *md2 = malloc(l2);
-        CHECK(kvw_metadata_get(t2, md2, l2, &l2) == KVW_OK);
-        CHECK(kvw_metadata_load(i2, md2, l2) == KVW_OK);
+        uint64_t r2 = 0;
+        connected_pair("c-gone", buf2, 65536, "c-poster", src, LEN, &t2, &i2, &r2);
         CHECK(kvw_deregister(t2, r2) == KVW_OK);
         KvwDesc ls = {(uint64_t)(uintptr_t)src, 4096}, rs = {(uint64_t)(uintptr_t)buf2, 4096};
         uint64_t h2 = 0;
@@ -172,7 +182,6 @@ int main(void) {
         CHECK(kvw_status_code(i2, h2, &s2, NULL) == KVW_ERR_INVALID_ARG);
         kvw_engine_destroy(i2);
         kvw_engine_destroy(t2);
-        free(md2);
         free(buf2);
     }
 
@@ -182,16 +191,8 @@ int main(void) {
         KvwEngine *t3 = NULL, *i3 = NULL;
         uint8_t *from = malloc(BIG), *to = calloc(1, BIG);
         for (size_t i = 0; i < BIG; i += 4096) from[i] = (uint8_t)(i >> 12);
-        uint64_t r3 = 0, r3i = 0, h3 = 0;
-        CHECK(kvw_engine_create("c-big-target", "shm", &t3) == KVW_OK);
-        CHECK(kvw_engine_create("c-big-initiator", "shm", &i3) == KVW_OK);
-        CHECK(kvw_register(t3, (uint64_t)(uintptr_t)to, BIG, &r3) == KVW_OK);
-        CHECK(kvw_register(i3, (uint64_t)(uintptr_t)from, BIG, &r3i) == KVW_OK);
-        size_t l3 = 0;
-        kvw_metadata_get(t3, NULL, 0, &l3);
-        uint8_t *md3 = malloc(l3);
-        CHECK(kvw_metadata_get(t3, md3, l3, &l3) == KVW_OK);
-        CHECK(kvw_metadata_load(i3, md3, l3) == KVW_OK);
+        uint64_t r3 = 0, h3 = 0;
+        connected_pair("c-big-target", to, BIG, "c-big-initiator", from, BIG, &t3, &i3, &r3);
         KvwDesc lb = {(uint64_t)(uintptr_t)from, BIG}, rb = {(uint64_t)(uintptr_t)to, BIG};
         CHECK(kvw_post(i3, KVW_OP_WRITE, &lb, 1, "c-big-target", &rb, 1, NULL, 0, &h3) == KVW_OK);
         KvwXferState s3 = KVW_XFER_FAILED;
@@ -205,7 +206,6 @@ int main(void) {
         CHECK(kvw_release(i3, h3) == KVW_OK);
         kvw_engine_destroy(i3);
         kvw_engine_destroy(t3);
-        free(md3);
         free(from);
         free(to);
     }
