@@ -72,6 +72,23 @@ fn verbs_write_read_and_notification() {
     assert_eq!(wait(&mut init, h), TransferStatus::Done);
     init.release(h).unwrap();
     assert_eq!(src.to_vec(50_000..58_000), src.to_vec(..8_000));
+
+    // A READ with a notification: on one QP its SEND carries
+    // IBV_SEND_FENCE, so the NIC sends it once the READ's data arrived.
+    src.fill_with(60_000, 4_000, |_| 0);
+    let h = init
+        .post(
+            Op::Read,
+            &[Desc::new(src.addr() + 60_000, 4_000)],
+            "decode",
+            &[Desc::new(dst.addr() + 100, 4_000)],
+            Some(b"r1".to_vec()),
+        )
+        .unwrap();
+    assert_eq!(wait(&mut init, h), TransferStatus::Done);
+    init.release(h).unwrap();
+    assert_eq!(wait_notifs(&mut target, "prefill", 1), vec![b"r1".to_vec()]);
+    assert_eq!(src.to_vec(60_000..64_000), src.to_vec(..4_000));
 }
 
 #[test]

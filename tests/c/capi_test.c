@@ -31,15 +31,16 @@ static void on_notif(void *user, const char *agent, const uint8_t *msg, size_t l
     snprintf(n->msg, sizeof n->msg, "%.*s", (int)len, (const char *)msg);
 }
 
-/* Two shm engines named `tname` and `iname`, each with one buffer
-   registered (the target's registration in *treg), the initiator connected
-   to the target. */
-static void connected_pair(const char *tname, uint8_t *tbuf, size_t tlen, const char *iname, uint8_t *ibuf,
-                           size_t ilen, KvwEngine **t, KvwEngine **i, uint64_t *treg) {
+/* Two engines on `transport` (options `opts`) named `tname` and `iname`,
+   each with one buffer registered (the target's registration in *treg), the
+   initiator connected to the target. */
+static void connected_pair_on(const char *transport, const char *opts, const char *tname, uint8_t *tbuf, size_t tlen,
+                              const char *iname, uint8_t *ibuf, size_t ilen, KvwEngine **t, KvwEngine **i,
+                              uint64_t *treg) {
     uint64_t ireg = 0;
     size_t len = 0;
-    CHECK(kvw_engine_create(tname, "shm", t) == KVW_OK);
-    CHECK(kvw_engine_create(iname, "shm", i) == KVW_OK);
+    CHECK(kvw_engine_create_with_options(tname, transport, opts, t) == KVW_OK);
+    CHECK(kvw_engine_create_with_options(iname, transport, opts, i) == KVW_OK);
     CHECK(kvw_register(*t, (uint64_t)(uintptr_t)tbuf, tlen, treg) == KVW_OK);
     CHECK(kvw_register(*i, (uint64_t)(uintptr_t)ibuf, ilen, &ireg) == KVW_OK);
     CHECK(kvw_metadata_get(*t, NULL, 0, &len) == KVW_ERR_BUFFER_TOO_SMALL);
@@ -47,6 +48,12 @@ static void connected_pair(const char *tname, uint8_t *tbuf, size_t tlen, const 
     CHECK(kvw_metadata_get(*t, md, len, &len) == KVW_OK);
     CHECK(kvw_metadata_load(*i, md, len) == KVW_OK);
     free(md);
+}
+
+/* connected_pair_on shm with default options. */
+static void connected_pair(const char *tname, uint8_t *tbuf, size_t tlen, const char *iname, uint8_t *ibuf,
+                           size_t ilen, KvwEngine **t, KvwEngine **i, uint64_t *treg) {
+    connected_pair_on("shm", NULL, tname, tbuf, tlen, iname, ibuf, ilen, t, i, treg);
 }
 
 static int wait_done(KvwEngine *e, uint64_t h) {
@@ -208,6 +215,39 @@ int main(void) {
         kvw_engine_destroy(t3);
         free(from);
         free(to);
+    }
+
+    /* a tcp target that goes away in the middle of a WRITE: the transfer
+       fails (PEER_DIED) and this process lives on. C programs keep SIGPIPE's
+       default action (terminate), so a send into the closed socket must not
+       raise it. Several rounds: the close has to land mid-stream. */
+    {
+        enum { MID = 128 << 20 };
+        uint8_t *a = malloc(MID), *b = calloc(1, MID);
+        memset(a, 7, MID);
+        int failed = 0;
+        for (int round = 0; round < 6; round++) {
+            KvwEngine *t4 = NULL, *i4 = NULL;
+            uint64_t r4 = 0, h4 = 0;
+            connected_pair_on("tcp", "listen=127.0.0.1:0", "c-tcp-gone", b, MID, "c-tcp-writer", a, MID, &t4, &i4, &r4);
+            KvwDesc la = {(uint64_t)(uintptr_t)a, MID}, rb = {(uint64_t)(uintptr_t)b, MID};
+            CHECK(kvw_post(i4, KVW_OP_WRITE, &la, 1, "c-tcp-gone", &rb, 1, NULL, 0, &h4) == KVW_OK);
+            KvwXferState s4 = KVW_XFER_IN_PROGRESS;
+            KvwStatus c4 = KVW_OK;
+            CHECK(kvw_wait(i4, h4, 2000, &s4, NULL) == KVW_OK);
+            kvw_engine_destroy(t4);
+            CHECK(kvw_wait(i4, h4, KVW_WAIT_FOREVER, &s4, &c4) == KVW_OK);
+            CHECK(s4 != KVW_XFER_IN_PROGRESS);
+            if (s4 == KVW_XFER_FAILED) {
+                failed++;
+                CHECK(c4 == KVW_ERR_PEER_DIED);
+            }
+            CHECK(kvw_release(i4, h4) == KVW_OK);
+            kvw_engine_destroy(i4);
+        }
+        CHECK(failed > 0); /* at least one close landed mid-stream */
+        free(a);
+        free(b);
     }
 
     /* engine options: engine keys, backend keys, refusals naming the key */

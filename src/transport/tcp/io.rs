@@ -1,6 +1,7 @@
 //! Scatter/gather socket I/O straight between a TCP socket and registered
-//! memory: `writev` from and `readv` into up to [`wire::MAX_SEGMENTS`]
-//! (`IOV_MAX`) ranges per call, with no intermediate copy. This file holds
+//! memory: `sendmsg` (gathering, with MSG_NOSIGNAL) from and `readv` into
+//! up to [`wire::MAX_SEGMENTS`] (`IOV_MAX`) ranges per call, with no
+//! intermediate copy. This file holds
 //! the only `unsafe` of the `tcp` backend: the two system calls that touch
 //! memory by raw address.
 
@@ -103,8 +104,9 @@ fn check(deadline: Option<&Deadline>, sock: &TcpStream) -> io::Result<()> {
     deadline.map_or(Ok(()), |d| d.check(sock))
 }
 
-/// Send `head`, then the bytes of `ranges`, in as few `writev` calls as the
-/// socket allows, within `deadline` when one is given.
+/// Send `head`, then the bytes of `ranges`, in as few `sendmsg` calls as the
+/// socket allows (gathering like `writev`, without raising SIGPIPE), within
+/// `deadline` when one is given.
 ///
 /// # Errors
 /// The socket error; `TimedOut` when the peer stops reading for longer than
@@ -125,9 +127,19 @@ pub unsafe fn write_ranges(
     while at < iov.len() {
         check(deadline, sock)?;
         let n_iov = (iov.len() - at).min(wire::MAX_SEGMENTS as usize);
+        // `sendmsg` with MSG_NOSIGNAL, not `writev`: a peer that closed its
+        // end must give this call EPIPE (its transfers fail `PeerDied`), not
+        // SIGPIPE to the process, which kills a C or C++ host that did not
+        // ignore the signal (Rust's and Python's runtimes do; std's
+        // `TcpStream::write` sends with MSG_NOSIGNAL itself).
+        // SAFETY: all-zero is a valid `msghdr` (no name, no control data).
+        let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
+        msg.msg_iov = iov[at..].as_mut_ptr();
+        msg.msg_iovlen = n_iov as _;
         // SAFETY: the iovecs point into `head` (borrowed for the call) and
-        // into ranges the caller guarantees readable; writev only reads them.
-        let n = unsafe { libc::writev(sock.as_raw_fd(), iov[at..].as_ptr(), n_iov as libc::c_int) };
+        // into ranges the caller guarantees readable; sendmsg only reads them
+        // and `msg`, which lives for the call.
+        let n = unsafe { libc::sendmsg(sock.as_raw_fd(), &msg, libc::MSG_NOSIGNAL) };
         if n < 0 {
             let e = io::Error::last_os_error();
             if e.kind() == io::ErrorKind::Interrupted {

@@ -26,7 +26,7 @@
 //! default [`DEFAULT_CONNS_PER_PEER`]) with one worker thread each
 //! (`worker.rs`). A posted transfer is cut into chunks of at most
 //! [`CHUNK_BYTES`] and [`wire::MAX_SEGMENTS`] segments, streamed with
-//! `writev`/`readv` straight from/to registered memory. The notification
+//! `sendmsg` (gathering, no SIGPIPE)/`readv` straight from/to registered memory. The notification
 //! follows once every chunk is acknowledged. Sockets carry send and receive
 //! timeouts of [`TransportConfig::peer_timeout`]: a dead peer (closed or
 //! reset connection) or a silent one (no progress for that long) fails every
