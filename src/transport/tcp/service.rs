@@ -362,7 +362,7 @@ fn serve_data(
         }
         _ => {
             let resp = Header { kind: Kind::Resp, count: Status::Ok as u32, id: h.id, len: h.len };
-            // SAFETY: as above; writev only reads the ranges.
+            // SAFETY: as above; sendmsg only reads the ranges.
             unsafe { tio::write_ranges(sock, &resp.encode(), ranges, Some(deadline)) }
         }
     };

@@ -32,7 +32,7 @@ pub const HEADER_BYTES: usize = 24;
 /// Size of one segment descriptor on the wire (bytes).
 pub const SEGMENT_DESC_BYTES: usize = 20;
 /// Most segments in one request: the `IOV_MAX` of Linux, so one request's
-/// data moves with `readv`/`writev` calls of at most this many entries.
+/// data moves with `readv`/`sendmsg` calls of at most this many entries.
 pub const MAX_SEGMENTS: u32 = 1024;
 /// Most data bytes in one request (64 MiB).
 pub const MAX_REQUEST_BYTES: u64 = 64 << 20;
