@@ -337,13 +337,13 @@ impl World {
     fn exec(&mut self, qpn: u32) {
         let q = &self.qps[&qpn];
         let head = q.sq.front().copied();
-        let waiting = q.started.iter().filter(|s| s.waiting).count();
+        let reads_waiting = q.started.iter().filter(|s| s.waiting).count();
         // The responder executes nothing after a request it refused.
         let doomed = q.started.iter().any(|s| s.status != IBV_WC_SUCCESS);
         let can_issue = match head {
             None => false,
-            Some(w) if w.fence && waiting > 0 => false,
-            Some(w) if w.opcode == IBV_WR_RDMA_READ => waiting < q.rd_atomic as usize,
+            Some(w) if w.fence && reads_waiting > 0 => false,
+            Some(w) if w.opcode == IBV_WR_RDMA_READ => reads_waiting < q.rd_atomic as usize,
             Some(_) if q.started.is_empty() => true,
             // A SEND that could only wait for a receive (infinite RNR
             // retries) stays at the head, as `stuck` expects.
@@ -376,11 +376,11 @@ impl World {
             // Runs now, behind READs still waiting: completes after them.
             (false, fault.unwrap_or_else(|| self.perform(qpn, &w)))
         };
-        let q = self.qps.get_mut(&qpn).expect("live QP");
-        q.started.push_back(Started { w, waiting, status });
-        let n = q.started.iter().filter(|s| s.waiting).count();
-        let m = self.max_reads.entry(qpn).or_default();
-        *m = (*m).max(n);
+        self.qps.get_mut(&qpn).expect("live QP").started.push_back(Started { w, waiting, status });
+        if waiting {
+            let m = self.max_reads.entry(qpn).or_default();
+            *m = (*m).max(reads_waiting + 1);
+        }
     }
 
     /// True when the peer of `q` has no receive posted.

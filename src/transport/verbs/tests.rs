@@ -384,8 +384,7 @@ fn reads_beyond_the_read_depth_wait_in_the_send_queue() {
     // and every byte arrives.
     for seed in 0..4 {
         let mut p = Pair::new(seed, Opts { qps: 2, max_send_wr: 64, rd_atomic: 2, ..Opts::default() });
-        let dst: Vec<u8> = (0..p.dst_len as usize).map(|i| (i * 7 + i / 4096) as u8).collect();
-        assert!(p.fabric.write(p.dst.1, p.dst.0, &dst));
+        p.fill_dst(|i| (i * 7 + i / 4096) as u8);
         let segs: Vec<(u64, u64)> = (0..200).rev().map(|i| (i * PAGE, PAGE)).collect();
         p.post(1, Op::Read, &segs, None).unwrap();
         p.post(2, Op::Write, &[(300 * PAGE, PAGE)], Some(b"after")).unwrap();

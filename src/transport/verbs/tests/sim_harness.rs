@@ -74,10 +74,6 @@ struct Remote {
     qpns: Vec<u32>,
 }
 
-/// Segments of a transfer checked when its notification arrives: (dst key,
-/// (offset, bytes)): a WRITE's bytes landed at the target, a READ's here.
-type Expected = (u32, Vec<(u64, u64)>);
-
 /// A transfer's target region (address, key) and its (offset, bytes) segments.
 type Moved = ((u64, u32), Vec<(u64, u64)>);
 
@@ -99,10 +95,10 @@ pub struct Pair {
     results: HashMap<u64, Result<(), TransferFailure>>,
     duplicates: Vec<u64>,
     got: Vec<Vec<u8>>,
-    /// Segments whose data must have moved (WRITE: to the target; READ: to
-    /// the initiator) when the notification with this payload arrives:
-    /// (dst key, segments).
-    expect: HashMap<Vec<u8>, Expected>,
+    /// The transfer (a key of `moves`) whose data must have moved (WRITE:
+    /// to the target; READ: to the initiator) when the notification with
+    /// this payload arrives.
+    expect: HashMap<Vec<u8>, u64>,
     late_data: Vec<Vec<u8>>,
     /// Every transfer posted: its target region (address, key) and
     /// segments, checked when it reports `Done`.
@@ -224,7 +220,7 @@ impl Pair {
         // are equal once the transfer moved them.
         self.moves.insert(x, (dst, segs.to_vec()));
         if let (Some(n), true) = (notif, peer == self.peer) {
-            self.expect.insert(n.to_vec(), (dst.1, segs.to_vec()));
+            self.expect.insert(n.to_vec(), x);
         }
         Ok(())
     }
@@ -285,14 +281,8 @@ impl Pair {
         let reported: Vec<Completion> = self.i.done.try_iter().collect();
         for c in reported {
             // `Done` promises the data moved (WRITE: at the target; READ: here).
-            if let (Ok(()), Some((dst, segs))) = (&c.result, self.moves.get(&c.xfer.0)) {
-                let landed = segs.iter().all(|&(off, len)| {
-                    self.fabric.read(dst.1, dst.0 + off, len as usize)
-                        == self.fabric.read(self.src.1, self.src.0 + off, len as usize)
-                });
-                if !landed {
-                    self.early_done.push(c.xfer.0);
-                }
+            if c.result.is_ok() && !self.moved(c.xfer.0) {
+                self.early_done.push(c.xfer.0);
             }
             if self.results.insert(c.xfer.0, c.result).is_some() {
                 self.duplicates.push(c.xfer.0);
@@ -300,17 +290,23 @@ impl Pair {
         }
         let arrived: Vec<Notification> = self.t.notifs.try_iter().collect();
         for n in arrived {
-            if let Some((key, segs)) = self.expect.get(&n.payload) {
-                for &(off, len) in segs {
-                    let want = self.fabric.read(self.src.1, self.src.0 + off, len as usize);
-                    if self.fabric.read(*key, self.dst.0 + off, len as usize) != want {
-                        self.late_data.push(n.payload.clone());
-                        break;
-                    }
-                }
+            if self.expect.get(&n.payload).is_some_and(|&x| !self.moved(x)) {
+                self.late_data.push(n.payload.clone());
             }
             self.got.push(n.payload);
         }
+    }
+
+    /// True when the bytes at every segment of transfer `x` are the same at
+    /// the source and at its destination (the transfer moved them), or `x`
+    /// is not tracked.
+    fn moved(&self, x: u64) -> bool {
+        self.moves.get(&x).is_none_or(|(dst, segs)| {
+            segs.iter().all(|&(off, len)| {
+                self.fabric.read(dst.1, dst.0 + off, len as usize)
+                    == self.fabric.read(self.src.1, self.src.0 + off, len as usize)
+            })
+        })
     }
 
     /// One step of the fabric, then the completions; false when nothing moved.
