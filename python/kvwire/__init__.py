@@ -23,7 +23,6 @@ from ._kvwire import (
     KVTransferEngineMetadata,
     TensorAgentMetadata,
     TransferError,
-    TransferReqData,
     ValidationError,
     metrics_text,
 )
@@ -38,9 +37,23 @@ from ._max import (
     dkv_tier_degraded,
 )
 
+try:
+    import msgspec as _msgspec
+except ImportError:  # not installed (a declared dependency; `pip install --no-deps` skips it)
+    _msgspec = None
+if _msgspec is not None:
+    # MAX's msgspec struct: msgspec.msgpack/json.encode(req) give MAX's bytes.
+    from ._reqdata import TransferReqData
+else:
+    # The extension's class: the same constructor, attributes, bytes and
+    # to_*/from_* methods, but msgspec cannot encode it and its decoder
+    # refuses integers outside -2^63..2^64.
+    from ._kvwire import TransferReqData
+
 
 def _rebuild_req(fields):
-    """Unpickle a ``TransferReqData`` from its constructor keywords."""
+    """Unpickle a ``TransferReqData`` from its constructor keywords (the
+    extension's class pickles this way)."""
     return TransferReqData(**fields)
 
 
