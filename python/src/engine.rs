@@ -103,17 +103,13 @@ impl PyKVTransferEngine {
         transport: &str,
         peer_timeout_s: f64,
         copy_threads: usize,
-        options: Option<Vec<(String, String)>>,
+        options: Vec<(String, String)>,
     ) -> PyResult<Self> {
         let kind: TransportKind = transport.parse().map_err(|e| PyValueError::new_err(format!("{e}")))?;
         if !(peer_timeout_s.is_finite() && peer_timeout_s > 0.0) {
             return Err(PyValueError::new_err("peer_timeout_s must be a positive number of seconds"));
         }
-        let cfg = TransportConfig {
-            peer_timeout: Duration::from_secs_f64(peer_timeout_s),
-            copy_threads,
-            options: options.unwrap_or_default(),
-        };
+        let cfg = TransportConfig { peer_timeout: Duration::from_secs_f64(peer_timeout_s), copy_threads, options };
         let engine = crate::gil::without_gil(py, || KVTransferEngine::new(&name, groups, leaf_ids, kind, &cfg))
             .map_err(kv_err)?;
         Ok(Self {
@@ -229,7 +225,7 @@ impl PyKVTransferEngine {
         transport: &str,
         peer_timeout_s: f64,
         copy_threads: usize,
-        options: Option<Vec<(String, String)>>,
+        options: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Self> {
         let mut groups: Vec<Vec<KVCacheMemory>> = Vec::new();
         for replica in memory.try_iter()? {
@@ -243,6 +239,7 @@ impl PyKVTransferEngine {
             }
             groups.push(row);
         }
+        let options = crate::options::transport_options(options)?;
         Self::build(py, name, groups, leaf_ids, transport, peer_timeout_s, copy_threads, options)
     }
 
@@ -365,7 +362,7 @@ impl PyKVTransferEngine {
         transport: &str,
         peer_timeout_s: f64,
         copy_threads: usize,
-        options: Option<Vec<(String, String)>>,
+        options: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Self> {
         let py = cls.py();
         let params = kv_cache.getattr("params")?;
@@ -393,6 +390,7 @@ impl PyKVTransferEngine {
             }
             memory.push(row);
         }
+        let options = crate::options::transport_options(options)?;
         Self::build(py, name, memory, Some(leaf_ids), transport, peer_timeout_s, copy_threads, options)
     }
 
