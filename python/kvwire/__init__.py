@@ -6,8 +6,9 @@ import::
 
     from kvwire import KVCacheMemory, KVTransferEngine, TransferReqData
 
-Every KV buffer is a writable host array, 2-D ``uint8`` of shape
-``[num_pages, bytes_per_page]`` per TP shard (null block included).
+Every KV buffer is 2-D ``uint8`` of shape ``[num_pages, bytes_per_page]`` per
+TP shard (null block included): a writable host array, or a CUDA tensor
+(VRAM; tested against a fake libcuda only, see docs/GPU.md).
 See docs/PYTHON.md, table "MAX 26.7 -> kvwire".
 """
 
