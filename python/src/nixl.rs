@@ -218,7 +218,13 @@ impl PyNixlCore {
             segments: Vec::new(),
             spare: Vec::new(),
         };
-        Ok(Self { inner: Mutex::new(core), name, transport: kind, busy_polls: Default::default(), empty_polls: Default::default() })
+        Ok(Self {
+            inner: Mutex::new(core),
+            name,
+            transport: kind,
+            busy_polls: Default::default(),
+            empty_polls: Default::default(),
+        })
     }
 
     /// The agent name.
@@ -495,7 +501,7 @@ impl PyNixlCore {
         let got = self.run(py, |c| Ok(c.engine.get_notifs()))?;
         if got.is_empty() {
             let n = self.empty_polls.fetch_add(1, Relaxed).wrapping_add(1);
-            if n % EMPTY_POLLS_PER_YIELD == 0 {
+            if n.is_multiple_of(EMPTY_POLLS_PER_YIELD) {
                 crate::gil::without_gil(py, std::thread::yield_now);
             }
         } else {

@@ -15,7 +15,7 @@ use crate::transport::{Op, PeerId, TransferFailure, TransportError};
 
 /// Largest standalone notification payload (bytes): the smallest limit of
 /// the transports (tcp's `MAX_NOTIFICATION_BYTES`, 64 KiB).
-pub const MAX_NOTIFY_BYTES: usize = 64 << 10;
+pub(super) const MAX_NOTIFY_BYTES: usize = 64 << 10;
 
 /// How long `notify` waits for an earlier standalone notification to the
 /// same agent before posting the next one anyway.
