@@ -13,7 +13,7 @@
 use std::time::{Duration, Instant};
 
 use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
-use kvwire::transport::verbs::sim::{ChannelBench, CommandBench};
+use kvwire::transport::verbs::sim_bench::{ChannelBench, CommandBench};
 
 fn command_path(c: &mut Criterion) {
     let mut g = c.benchmark_group("verbs_command");

@@ -1,4 +1,5 @@
 use super::*;
+use crate::kv::KvError;
 use crate::kv::msgspec::MsgInt;
 use crate::kv::{WireIdxs, WireTransferReqData};
 

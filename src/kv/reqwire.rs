@@ -289,3 +289,66 @@ impl<'de> Deserialize<'de> for WireTransferReqData {
         d.deserialize_any(V)
     }
 }
+
+// ---- TransferReqData's wire methods (here, so reqdata never imports reqwire) ----
+
+impl TransferReqData {
+    /// The msgspec JSON form (compact), as `msgspec.json.encode(req)`.
+    pub fn to_json(&self) -> String {
+        WireTransferReqData::from(self).to_json()
+    }
+
+    /// [`TransferReqData::to_json`] as bytes (what `msgspec.json.encode` returns).
+    pub fn to_bytes(&self) -> Vec<u8> {
+        self.to_json().into_bytes()
+    }
+
+    /// The msgpack form, byte-identical to `msgspec.msgpack.encode(req)`
+    /// (what MAX sends over ZMQ).
+    pub fn to_msgpack(&self) -> Vec<u8> {
+        WireTransferReqData::from(self).to_msgpack()
+    }
+
+    /// Decode the msgspec JSON form, accepting what msgspec accepts for MAX
+    /// 26.7's struct (a missing `"type"` tag, unknown fields, a key given
+    /// twice: the last wins), then make the checks of use.
+    ///
+    /// # Errors
+    /// [`KvError::Decode`] (not JSON, truncated, trailing data, over
+    /// [`MAX_REQ_JSON_BYTES`]); [`KvError::Validation`] (a wrong tag or type,
+    /// a missing field, `src_idxs` not a `dict`); [`KvError::InvalidRequest`]
+    /// (a negative index or replica, `local_shards_used` not parallel to
+    /// `transfer_ids`). Never panics.
+    pub fn from_json(text: &str) -> Result<Self, KvError> {
+        Self::from_bytes(text.as_bytes())
+    }
+
+    /// [`TransferReqData::from_json`] from bytes.
+    ///
+    /// # Errors
+    /// As [`TransferReqData::from_json`] (also: not UTF-8).
+    pub fn from_bytes(bytes: &[u8]) -> Result<Self, KvError> {
+        (&WireTransferReqData::from_json(bytes)?).try_into()
+    }
+
+    /// Decode the msgpack form (`msgspec.msgpack.decode(data, type=TransferReqData)`).
+    ///
+    /// # Errors
+    /// As [`TransferReqData::from_json`].
+    pub fn from_msgpack(bytes: &[u8]) -> Result<Self, KvError> {
+        (&WireTransferReqData::from_msgpack(bytes)?).try_into()
+    }
+}
+
+impl Serialize for TransferReqData {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        WireTransferReqData::from(self).serialize(s)
+    }
+}
+
+impl<'de> Deserialize<'de> for TransferReqData {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let w = WireTransferReqData::deserialize(d)?;
+        (&w).try_into().map_err(de::Error::custom)
+    }
+}

@@ -23,41 +23,14 @@ use std::collections::HashMap;
 use std::os::fd::{AsFd, BorrowedFd};
 use std::os::unix::net::UnixStream;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicU32, Ordering, fence};
-use std::thread::JoinHandle;
+use std::sync::atomic::{AtomicBool, Ordering, fence};
 use std::time::{Duration, Instant};
 
 use crossbeam_channel::{Receiver, Sender};
 
 use super::nic::{Nic, NicQp};
-use super::ops::NOTIF_SLOTS;
-use super::state::{NotifSlab, PostLimits, RecvQp, SendQp, State};
+use super::state::{NOTIF_SLOTS, NotifSlab, PeerLink, PostLimits, RecvQp, SendQp, State};
 use crate::transport::{Completion, Notification, PostRequest, TransferFailure, XferId};
-
-/// What the user thread and the engine both see of one connected peer:
-/// two atomics, no lock.
-#[derive(Debug, Default)]
-pub struct PeerLink {
-    /// Notification slots taken or about to be: the caller adds one before
-    /// it posts a notification (at most `NOTIF_SLOTS` (256)), the engine takes
-    /// one off when the slot is free again.
-    pub slots: AtomicU32,
-    /// A QP of the peer failed or was removed: the next post reconnects.
-    /// Set by the engine, cleared when it installs new QPs.
-    pub broken: AtomicBool,
-}
-
-impl PeerLink {
-    /// Take a notification slot; false when all [`NOTIF_SLOTS`] are taken.
-    pub fn take_slot(&self) -> bool {
-        self.slots.fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| (n < NOTIF_SLOTS).then_some(n + 1)).is_ok()
-    }
-
-    /// Give a slot back.
-    pub fn give_slot(&self) {
-        let _ = self.slots.fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| n.checked_sub(1));
-    }
-}
 
 /// Whether a peer's QPs can take work ([`Cmd::Query`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -299,7 +272,7 @@ pub struct Wake {
 }
 
 impl Wake {
-    fn new() -> std::io::Result<Self> {
+    pub(super) fn new() -> std::io::Result<Self> {
         let (tx, rx) = UnixStream::pair()?;
         tx.set_nonblocking(true)?;
         rx.set_nonblocking(true)?;
@@ -307,7 +280,7 @@ impl Wake {
     }
 
     /// Called after sending a command: wake the thread if it blocks.
-    fn after_send(&self) {
+    pub(super) fn after_send(&self) {
         fence(Ordering::SeqCst);
         if self.sleeping.swap(false, Ordering::SeqCst) {
             let _ = std::io::Write::write(&mut &self.tx, &[1]);
@@ -336,85 +309,5 @@ impl Wake {
     /// The fd polled with the completion channel.
     pub(super) fn fd(&self) -> BorrowedFd<'_> {
         self.rx.as_fd()
-    }
-}
-
-/// A sender of commands to the engine (cloned for the connection threads).
-pub struct Handle<Q: NicQp> {
-    tx: Sender<Cmd<Q>>,
-    wake: Arc<Wake>,
-}
-
-impl<Q: NicQp> Clone for Handle<Q> {
-    fn clone(&self) -> Self {
-        Self { tx: self.tx.clone(), wake: self.wake.clone() }
-    }
-}
-
-impl<Q: NicQp> Handle<Q> {
-    /// Send `cmd` (dropped if the engine has stopped).
-    pub fn send(&self, cmd: Cmd<Q>) {
-        if self.tx.send(cmd).is_ok() {
-            self.wake.after_send();
-        }
-    }
-
-    /// Send the command `make` builds around a reply channel and wait for
-    /// its answer: `None` when the engine closed the channel without one
-    /// (its way of saying "done") or has stopped.
-    pub fn call<T>(&self, make: impl FnOnce(Sender<T>) -> Cmd<Q>) -> Option<T> {
-        let (tx, rx) = crossbeam_channel::bounded(1);
-        self.send(make(tx));
-        rx.recv().ok()
-    }
-}
-
-/// The caller's side of a running engine: its command handle, its
-/// progress thread (joined on [`stop`](Self::stop) or drop) and the
-/// channels it reports on.
-pub struct Core<Q: NicQp> {
-    pub handle: Handle<Q>,
-    thread: Option<JoinHandle<()>>,
-    pub done: Receiver<Completion>,
-    pub notifs: Receiver<Notification>,
-}
-
-impl<Q: NicQp> Core<Q> {
-    /// Start the progress thread over `nic`, which owns it from now on.
-    /// `set_up` adjusts the engine (timeouts) before it starts.
-    ///
-    /// # Errors
-    /// The socket pair or thread could not be created.
-    pub fn start<N: Nic<Qp = Q> + 'static>(
-        nic: N,
-        cqes: u32,
-        limits: PostLimits,
-        set_up: impl FnOnce(&mut Engine<N>),
-    ) -> std::io::Result<Self> {
-        let (done_tx, done) = crossbeam_channel::unbounded();
-        let (notif_tx, notifs) = crossbeam_channel::unbounded();
-        let (tx, rx) = crossbeam_channel::unbounded();
-        let wake = Arc::new(Wake::new()?);
-        let mut engine = Engine::new(nic, cqes, limits, done_tx, notif_tx);
-        set_up(&mut engine);
-        let w2 = wake.clone();
-        let thread = std::thread::Builder::new()
-            .name("kvwire-verbs-progress".into())
-            .spawn(move || super::progress::run(engine, &rx, &w2))?;
-        Ok(Self { handle: Handle { tx, wake }, thread: Some(thread), done, notifs })
-    }
-
-    /// Stop the engine (it destroys every QP and its NIC) and join its thread.
-    pub fn stop(&mut self) {
-        if let Some(t) = self.thread.take() {
-            self.handle.send(Cmd::Stop);
-            let _ = t.join();
-        }
-    }
-}
-
-impl<Q: NicQp> Drop for Core<Q> {
-    fn drop(&mut self) {
-        self.stop();
     }
 }

@@ -71,8 +71,10 @@ mod progress;
 #[doc(hidden)]
 #[cfg(any(test, feature = "sim"))]
 pub mod sim;
+/// Benches of the engine over the simulated NIC (`benches/verbs_command.rs`).
 #[cfg(any(test, feature = "sim"))]
-mod sim_bench;
+#[doc(hidden)]
+pub mod sim_bench;
 mod state;
 #[cfg(test)]
 mod tests;
@@ -98,9 +100,11 @@ use crate::sidechannel::SideChannel;
 use crate::verbs::ffi::IBV_LINK_LAYER_INFINIBAND;
 use crate::verbs::{CompletionQueue, Context, MemoryRegion, ProtectionDomain, QpOptions, QueuePair, VerbsError};
 use conn::Liveness;
-use engine::{Cmd, Core, Handle, PeerHealth, PeerLink};
+use engine::{Cmd, PeerHealth};
 use nic::{Nic, RealNic};
-use ops::NOTIF_SLOTS;
+use progress::{Core, Handle};
+use state::NOTIF_SLOTS;
+use state::PeerLink;
 use state::{NOTIF_SLOT_BYTES, PostLimits};
 
 /// Default `retry_cnt`: finite (7 means "forever" on rxe).

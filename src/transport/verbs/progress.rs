@@ -9,8 +9,16 @@ use std::time::{Duration, Instant};
 
 use crossbeam_channel::{Receiver, RecvTimeoutError};
 
+use std::sync::Arc;
+use std::thread::JoinHandle;
+
+use crossbeam_channel::Sender;
+
 use super::engine::{Cmd, Engine, Wake};
 use super::nic::Nic;
+use super::nic::NicQp;
+use super::state::PostLimits;
+use crate::transport::{Completion, Notification};
 use crate::verbs::WorkCompletion;
 
 /// Polls of an idle CQ that spin before the thread starts to yield.
@@ -115,5 +123,84 @@ pub(super) fn run<N: Nic>(mut engine: Engine<N>, rx: &Receiver<Cmd<N::Qp>>, wake
                 std::thread::sleep(Duration::from_millis(10));
             }
         }
+    }
+}
+
+/// A sender of commands to the engine (cloned for the connection threads).
+pub(crate) struct Handle<Q: NicQp> {
+    tx: Sender<Cmd<Q>>,
+    wake: Arc<Wake>,
+}
+
+impl<Q: NicQp> Clone for Handle<Q> {
+    fn clone(&self) -> Self {
+        Self { tx: self.tx.clone(), wake: self.wake.clone() }
+    }
+}
+
+impl<Q: NicQp> Handle<Q> {
+    /// Send `cmd` (dropped if the engine has stopped).
+    pub(crate) fn send(&self, cmd: Cmd<Q>) {
+        if self.tx.send(cmd).is_ok() {
+            self.wake.after_send();
+        }
+    }
+
+    /// Send the command `make` builds around a reply channel and wait for
+    /// its answer: `None` when the engine closed the channel without one
+    /// (its way of saying "done") or has stopped.
+    pub(crate) fn call<T>(&self, make: impl FnOnce(Sender<T>) -> Cmd<Q>) -> Option<T> {
+        let (tx, rx) = crossbeam_channel::bounded(1);
+        self.send(make(tx));
+        rx.recv().ok()
+    }
+}
+
+/// The caller's side of a running engine: its command handle, its
+/// progress thread (joined on [`stop`](Self::stop) or drop) and the
+/// channels it reports on.
+pub(super) struct Core<Q: NicQp> {
+    pub handle: Handle<Q>,
+    thread: Option<JoinHandle<()>>,
+    pub done: Receiver<Completion>,
+    pub notifs: Receiver<Notification>,
+}
+
+impl<Q: NicQp> Core<Q> {
+    /// Start the progress thread over `nic`, which owns it from now on.
+    /// `set_up` adjusts the engine (timeouts) before it starts.
+    ///
+    /// # Errors
+    /// The socket pair or thread could not be created.
+    pub(super) fn start<N: Nic<Qp = Q> + 'static>(
+        nic: N,
+        cqes: u32,
+        limits: PostLimits,
+        set_up: impl FnOnce(&mut Engine<N>),
+    ) -> std::io::Result<Self> {
+        let (done_tx, done) = crossbeam_channel::unbounded();
+        let (notif_tx, notifs) = crossbeam_channel::unbounded();
+        let (tx, rx) = crossbeam_channel::unbounded();
+        let wake = Arc::new(Wake::new()?);
+        let mut engine = Engine::new(nic, cqes, limits, done_tx, notif_tx);
+        set_up(&mut engine);
+        let w2 = wake.clone();
+        let thread =
+            std::thread::Builder::new().name("kvwire-verbs-progress".into()).spawn(move || run(engine, &rx, &w2))?;
+        Ok(Self { handle: Handle { tx, wake }, thread: Some(thread), done, notifs })
+    }
+
+    /// Stop the engine (it destroys every QP and its NIC) and join its thread.
+    pub(super) fn stop(&mut self) {
+        if let Some(t) = self.thread.take() {
+            self.handle.send(Cmd::Stop);
+            let _ = t.join();
+        }
+    }
+}
+
+impl<Q: NicQp> Drop for Core<Q> {
+    fn drop(&mut self) {
+        self.stop();
     }
 }

@@ -480,5 +480,3 @@ impl World {
 
 mod nic;
 pub use nic::{SimNic, SimQp, SimSlab};
-
-pub use super::sim_bench::{ChannelBench, CommandBench};

@@ -137,7 +137,7 @@ impl CommandBench {
 #[doc(hidden)]
 pub struct ChannelBench {
     fabric: SimFabric,
-    core: super::engine::Core<SimQp>,
+    core: super::progress::Core<SimQp>,
     _target: SimQp,
     qpn: u32,
     src: (u64, u32),
@@ -148,7 +148,7 @@ pub struct ChannelBench {
 impl Default for ChannelBench {
     fn default() -> Self {
         let SimPair { fabric, nic, qp, target: t, qpn, src, dst } = SimPair::new();
-        let core = super::engine::Core::start(nic, 4096, bench_limits(192), |_| {}).expect("progress thread");
+        let core = super::progress::Core::start(nic, 4096, bench_limits(192), |_| {}).expect("progress thread");
         let cmd = super::engine::Cmd::Install { peer: 1, name: "bench".into(), qps: vec![qp], slab: None, link: None };
         core.handle.send(cmd);
         Self { fabric, core, _target: t, qpn, src, dst, next: 0 }

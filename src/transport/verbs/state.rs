@@ -5,11 +5,11 @@
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::time::Instant;
 
 use crossbeam_channel::Sender;
 
-use super::engine::PeerLink;
 use super::nic::{NicQp, NicSlab};
 use super::wc::{post_failure, wc_failure};
 use crate::transport::{Completion, Notification, Op, Segment, TransferFailure, XferId};
@@ -18,6 +18,8 @@ use crate::verbs::{WorkCompletion, WrBatch, WrId};
 
 /// Largest notification payload (bytes): one receive slot.
 pub(super) const NOTIF_SLOT_BYTES: usize = 4096;
+/// Notification slots per peer on the initiator (notifications in flight).
+pub(super) const NOTIF_SLOTS: u32 = 256;
 /// Largest single WR (bytes); longer segments are split.
 pub(super) const MAX_WR_BYTES: u64 = 1 << 30;
 
@@ -598,5 +600,30 @@ impl<Q: NicQp> State<Q> {
         if let Err(e) = r.qp.post_recv(wc.wr_id, &r.slab, slot * NOTIF_SLOT_BYTES, NOTIF_SLOT_BYTES as u32) {
             tracing::warn!("verbs: cannot repost a receive for {}: {e}", r.agent);
         }
+    }
+}
+
+/// What the user thread and the engine both see of one connected peer:
+/// two atomics, no lock.
+#[derive(Debug, Default)]
+pub struct PeerLink {
+    /// Notification slots taken or about to be: the caller adds one before
+    /// it posts a notification (at most `NOTIF_SLOTS` (256)), the engine takes
+    /// one off when the slot is free again.
+    pub slots: AtomicU32,
+    /// A QP of the peer failed or was removed: the next post reconnects.
+    /// Set by the engine, cleared when it installs new QPs.
+    pub broken: AtomicBool,
+}
+
+impl PeerLink {
+    /// Take a notification slot; false when all [`NOTIF_SLOTS`] are taken.
+    pub fn take_slot(&self) -> bool {
+        self.slots.fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| (n < NOTIF_SLOTS).then_some(n + 1)).is_ok()
+    }
+
+    /// Give a slot back.
+    pub fn give_slot(&self) {
+        let _ = self.slots.fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| n.checked_sub(1));
     }
 }

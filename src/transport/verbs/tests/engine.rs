@@ -7,10 +7,12 @@ use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use crate::transport::verbs::conn::RECVS_PER_QP;
-use crate::transport::verbs::engine::{Cmd, Core, PeerHealth, PeerLink};
+use crate::transport::verbs::engine::{Cmd, PeerHealth};
 use crate::transport::verbs::nic::{Nic, NicQp};
-use crate::transport::verbs::ops::NOTIF_SLOTS;
+use crate::transport::verbs::progress::Core;
 use crate::transport::verbs::sim::{SimFabric, SimQp, SimSlab};
+use crate::transport::verbs::state::NOTIF_SLOTS;
+use crate::transport::verbs::state::PeerLink;
 use crate::transport::verbs::state::{NOTIF_SLOT_BYTES, PostLimits, RECV_BIT};
 use crate::transport::{LocalKey, Op, PeerId, PostRequest, RemoteKey, Segment, XferId};
 

@@ -11,8 +11,8 @@ use crossbeam_channel::{Receiver, unbounded};
 
 use crate::transport::verbs::conn::RECVS_PER_QP;
 use crate::transport::verbs::nic::{Nic, NicQp};
-use crate::transport::verbs::ops::NOTIF_SLOTS;
 use crate::transport::verbs::sim::{DEFAULT_READ_DEPTH, SimFabric, SimNic, SimQp};
+use crate::transport::verbs::state::NOTIF_SLOTS;
 use crate::transport::verbs::state::{NOTIF_SLOT_BYTES, NotifSlab, PostLimits, RECV_BIT, RecvQp, SendQp, State};
 use crate::transport::{
     Completion, LocalKey, Notification, Op, PeerId, PostRequest, RemoteKey, Segment, TransferFailure, TransportError,
