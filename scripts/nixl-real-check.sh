@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The dead-peer suite (python/nixl-compat/tests/test_nixl_dead_peer.py)
+# The dead-peer and telemetry-exporter suites (python/nixl-compat/tests/
+# test_nixl_dead_peer.py, test_nixl_telemetry.py)
 # against REAL NIXL: nixl-cu12==1.5.1 from PyPI (UCX, CPU-only with DRAM
 # segments) in target/nixl-ref-venv, backend UCX, two processes on this host.
 # The same tests run against kvwire's `nixl` in scripts/nixl-tests.sh, so
@@ -27,4 +28,4 @@ cd "$root/python/nixl-compat/tests"
 # UCX over loopback TCP and shared memory; no RDMA device needed.
 # shellcheck disable=SC2086
 KVWIRE_NIXL_TEST_MODULE=nixl_cu12 KVWIRE_NIXL_TEST_BACKENDS=UCX UCX_NET_DEVICES=${UCX_NET_DEVICES:-lo} \
-    "$venv/bin/python" -m pytest -q -p no:cacheprovider --timeout=120 ${PYTEST_ARGS:-} test_nixl_dead_peer.py
+    "$venv/bin/python" -m pytest -q -p no:cacheprovider --timeout=120 ${PYTEST_ARGS:-} test_nixl_dead_peer.py test_nixl_telemetry.py

@@ -16,6 +16,7 @@
 
 pub mod context;
 pub mod cq;
+#[doc(hidden)]
 pub mod ffi;
 pub mod loader;
 pub mod mr;

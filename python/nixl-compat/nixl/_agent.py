@@ -26,6 +26,7 @@ from kvwire._kvwire import NixlCore, NixlCoreError
 from . import _bindings as B
 from ._errors import error_for, not_supported
 from ._listener import MetadataListener, fetch_metadata, send_frame
+from ._telemetry import stats_for
 from .logging import get_logger
 
 logger = get_logger(__name__)
@@ -156,6 +157,10 @@ class nixlAgent:
         self.name = name
         self.config = config if config is not None else B.nixlAgentConfig()
         self._telemetry = telemetry_enabled(self.config.captureTelemetry)
+        # NIXL's Prometheus exporter (NIXL_TELEMETRY_EXPORTER=prometheus), or None
+        self._stats = stats_for(name, self._telemetry)
+        self._req_read = {}  # request id -> is READ (for tx/rx series)
+        self._req_posts = {}  # request id -> [posts, posts already counted]
         self._core = None
         self._backends = {}  # handle -> plugin name
         self._next_backend = 0
@@ -228,17 +233,23 @@ class nixlAgent:
         except NixlCoreError as e:
             for a, n in done:
                 core.deregister(a, n)
-            raise _err(e) from None
+            raise self._failed(e) from None
+        if self._stats is not None:
+            self._stats.registered(sum(n for _, n in done))
         return B.NIXL_SUCCESS
 
     def deregisterMem(self, descs, backends=()):
         core = self._c()
+        total = 0
         try:
             for i in range(descs.descCount()):
                 addr, length, _ = (int(v) for v in descs._a[i])
                 core.deregister(addr, length)
+                total += length
         except NixlCoreError as e:
-            raise _err(e) from None
+            raise self._failed(e) from None
+        if self._stats is not None:
+            self._stats.registered(total, dereg=True)
         return B.NIXL_SUCCESS
 
     def queryMem(self, descs, backend):
@@ -272,16 +283,20 @@ class nixlAgent:
         if lw != rw:  # one width for both lists: both as int64
             (li, lw), (ri, rw) = _idx(local_indices, widen=True), _idx(remote_indices, widen=True)
         try:
-            return self._c().make(_op(op), _h(local_side), li, _h(remote_side), ri, notif, lw)
+            req = self._c().make(_op(op), _h(local_side), li, _h(remote_side), ri, notif, lw)
         except NixlCoreError as e:
-            raise _err(e) from None
+            raise self._failed(e) from None
+        self._req_read[req] = _op(op) == "READ"
+        return req
 
     def createXferReq(self, op, local_descs, remote_descs, remote_agent, notif_msg="", backends=()):
         notif = _bytes(notif_msg) or None
         try:
-            return self._c().create(_op(op), local_descs._rows(), remote_agent, remote_descs._rows(), 3, notif)
+            req = self._c().create(_op(op), local_descs._rows(), remote_agent, remote_descs._rows(), 3, notif)
         except NixlCoreError as e:
-            raise _err(e) from None
+            raise self._failed(e) from None
+        self._req_read[req] = _op(op) == "READ"
+        return req
 
     def estimateXferCost(self, req):
         raise not_supported("estimateXferCost", "kvwire has no cost model")
@@ -289,15 +304,41 @@ class nixlAgent:
     def postXferReq(self, req, notif_msg=""):
         notif = _bytes(notif_msg) or None
         try:
-            return B.nixl_status_t(self._c().post(_h(req), notif))
+            st = B.nixl_status_t(self._c().post(_h(req), notif))
         except NixlCoreError as e:
-            raise _err(e) from None
+            raise self._failed(e) from None
+        if self._stats is not None:
+            self._req_posts.setdefault(req, [0, 0])[0] += 1
+            self._count(req, st)
+        return st
 
     def getXferStatus(self, req):
         try:
-            return B.nixl_status_t(self._c().state(_h(req)))
+            st = B.nixl_status_t(self._c().state(_h(req)))
         except NixlCoreError as e:
-            raise _err(e) from None
+            raise self._failed(e) from None
+        if self._stats is not None:
+            self._count(req, st)
+        return st
+
+    def _failed(self, e: NixlCoreError):
+        """The nixl error for `e`, counted in `agent_errors_total`."""
+        if self._stats is not None:
+            self._stats.error(B.nixl_status_t(int(e.args[0])).name if int(e.args[0]) in
+                              B.nixl_status_t._value2member_map_ else "unknown")
+        return _err(e)
+
+    def _count(self, req, st):
+        """Count a finished post of `req` once in the exporter's series."""
+        posts = self._req_posts.get(req)
+        if st != B.NIXL_SUCCESS or posts is None or posts[1] == posts[0]:
+            return
+        posts[1] = posts[0]
+        try:
+            _start, post_us, xfer_us, nbytes, _count = self._core.telemetry(req)
+        except NixlCoreError:
+            return
+        self._stats.finished(self._req_read.get(req, False), nbytes, post_us, xfer_us)
 
     def getXferTelemetry(self, req):
         if not self._telemetry:
@@ -314,6 +355,8 @@ class nixlAgent:
         return next(iter(self._backends))
 
     def releaseXferReq(self, req):
+        self._req_read.pop(req, None)
+        self._req_posts.pop(req, None)
         try:
             self._c().release(_h(req))
         except NixlCoreError as e:
