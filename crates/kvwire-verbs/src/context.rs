@@ -205,7 +205,27 @@ impl Context {
     ///
     /// # Errors
     /// [`VerbsError::Unsupported`] when the table is empty.
+    ///
+    /// The pick is cached per process and (device, port): the table is read
+    /// from sysfs entry by entry, a cost that grows with the host's
+    /// addresses, and every agent of the process would pay it again.
     pub fn auto_gid_index(&self, port: u8) -> Result<u32, VerbsError> {
+        static PICKED: std::sync::Mutex<Vec<(String, u8, u32)>> = std::sync::Mutex::new(Vec::new());
+        let cached = PICKED
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .iter()
+            .find(|(d, p, _)| *d == self.name && *p == port)
+            .map(|e| e.2);
+        if let Some(i) = cached {
+            return Ok(i);
+        }
+        let i = self.pick_gid_index(port)?;
+        PICKED.lock().unwrap_or_else(|p| p.into_inner()).push((self.name.clone(), port, i));
+        Ok(i)
+    }
+
+    fn pick_gid_index(&self, port: u8) -> Result<u32, VerbsError> {
         let table = self.gid_table(port)?;
         let v2 = |e: &&GidEntry| e.kind.eq_ignore_ascii_case("RoCE v2");
         table

@@ -104,7 +104,18 @@ impl TcpConnectionInfo {
 /// interface of the default route; no packet is sent), else the first
 /// non-loopback address of an interface that is up. `None` when the host
 /// has only loopback.
+///
+/// Found once per process and family, then cached: the interface scan costs
+/// time proportional to the host's interfaces (4 ms with 250 in a network
+/// namespace), and agent start-up must not pay it again per agent (issue 29;
+/// ai-dynamo/nixl#1668's 23 s on a host with 220 interfaces).
 pub fn reachable_ip(v6: bool) -> Option<IpAddr> {
+    static V4: std::sync::OnceLock<Option<IpAddr>> = std::sync::OnceLock::new();
+    static V6: std::sync::OnceLock<Option<IpAddr>> = std::sync::OnceLock::new();
+    *(if v6 { &V6 } else { &V4 }).get_or_init(|| find_reachable_ip(v6))
+}
+
+fn find_reachable_ip(v6: bool) -> Option<IpAddr> {
     let (bind, probe) = if v6 { ("[::]:0", "[2001:db8::1]:9") } else { ("0.0.0.0:0", "192.0.2.1:9") };
     let routed = UdpSocket::bind(bind)
         .and_then(|s| s.connect(probe).and_then(|()| s.local_addr()))
