@@ -140,6 +140,7 @@ class RpcServer:
     """Serves `describe()` (bytes, a JSON document) on `sock` (bound, listening)."""
 
     def __init__(self, sock, describe):
+        self._token = _token()  # read once, at initialize
         self._sock = sock
         self._describe = describe
         self.port = sock.getsockname()[1]
@@ -168,7 +169,7 @@ class RpcServer:
                 if cmd == b"P":
                     send_frame(conn, b"+ok")
                 elif cmd == b"M":
-                    token = _token()
+                    token = self._token
                     if token is not None:
                         ok = hmac.compare_digest(proof, _proof(token, nonce, cmd))
                         why = f"wrong or missing {TOKEN_ENV} proof"

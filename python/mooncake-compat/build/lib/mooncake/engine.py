@@ -287,6 +287,15 @@ def _unpack_notify(sender, payload):
     return TransferNotify(sender, payload.decode(errors="replace"))
 
 
+def _opcode(opcode):
+    """TransferOpcode, or None (the transfer then fails with Mooncake's code)."""
+    try:
+        return TransferOpcode(int(opcode))
+    except (TypeError, ValueError):
+        logger.error("unknown opcode %r (TransferOpcode.Read or .Write)", opcode)
+        return None
+
+
 def _rows(addrs, lens):
     a = np.empty((len(addrs), 2), dtype="<u8")
     a[:, 0] = np.asarray(addrs, dtype=np.uint64)
@@ -402,6 +411,7 @@ class TransferEngine:
         random.shuffle(ports)
         for p in ports[:500]:
             s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a restarted peer gets its port back
             try:
                 s.bind(("0.0.0.0", p))
                 s.listen(128)
@@ -676,6 +686,8 @@ class TransferEngine:
         if core is None:
             logger.error("transfer before initialize")
             return None, None, 0
+        if op is None:
+            return None, None, 0
         try:
             bufs = [int(b) for b in buffers]
             peers = [int(p) for p in peer_addrs]
@@ -788,7 +800,7 @@ class TransferEngine:
 
     def transfer_sync(self, target_hostname, buffer, peer_buffer_address, length, opcode, notify=None,
                       transport_hint=""):
-        return self._sync(target_hostname, TransferOpcode(int(opcode)), [buffer], [peer_buffer_address], [length],
+        return self._sync(target_hostname, _opcode(opcode), [buffer], [peer_buffer_address], [length],
                           notify)
 
     def batch_transfer_sync_write(self, target_hostname, buffers, peer_buffer_addresses, lengths,
@@ -801,7 +813,7 @@ class TransferEngine:
 
     def batch_transfer_sync(self, target_hostname, buffers, peer_buffer_addresses, lengths, opcode, notify=None,
                             transport_hint=""):
-        return self._sync(target_hostname, TransferOpcode(int(opcode)), buffers, peer_buffer_addresses, lengths,
+        return self._sync(target_hostname, _opcode(opcode), buffers, peer_buffer_addresses, lengths,
                           notify)
 
     def _async(self, target, op, buffers, peer_addrs, lengths):
@@ -824,7 +836,7 @@ class TransferEngine:
 
     def batch_transfer_async(self, target_hostname, buffers, peer_buffer_addresses, lengths, opcode,
                              transport_hint=""):
-        return self._async(target_hostname, TransferOpcode(int(opcode)), buffers, peer_buffer_addresses, lengths)
+        return self._async(target_hostname, _opcode(opcode), buffers, peer_buffer_addresses, lengths)
 
     def transfer_submit_write(self, target_hostname, buffer, peer_buffer_address, length, transport_hint=""):
         return self._async(target_hostname, TransferOpcode.Write, [buffer], [peer_buffer_address], [length])
