@@ -103,6 +103,24 @@ class TransferNotify:
         return isinstance(other, TransferNotify) and (self.name, self.msg) == (other.name, other.msg)
 
 
+_ABSENT = {
+    "InnerTransferEngine": "Mooncake's C++ engine object has no kvwire counterpart (see TransferEngine.get_engine)",
+    "SharedSegment": "Mooncake's shared segments belong to Mooncake Store",
+    "RpcInterface": "Mooncake's coro-RPC tensor channel is not part of kvwire",
+    "CoroRPCInterface": "Mooncake's coro-RPC tensor channel is not part of kvwire",
+    "ReceivedData": "Mooncake's coro-RPC tensor channel is not part of kvwire",
+    "ReceivedTensor": "Mooncake's coro-RPC tensor channel is not part of kvwire",
+    "create_rpc_client": "Mooncake's coro-RPC tensor channel is not part of kvwire",
+    "create_rpc_server": "Mooncake's coro-RPC tensor channel is not part of kvwire",
+}
+
+
+def __getattr__(name):
+    if name in _ABSENT:
+        raise AttributeError(f"mooncake.engine.{name} is not provided by kvwire: {_ABSENT[name]}")
+    raise AttributeError(f"module 'mooncake.engine' has no attribute {name!r}")
+
+
 def _not_supported(what, why):
     return NotImplementedError(f"mooncake (kvwire): {what} is not supported: {why}")
 
@@ -305,6 +323,8 @@ def _rows(addrs, lens):
 
 class TransferEngine:
     """Mooncake's ``TransferEngine`` over kvwire (see the module docs)."""
+
+    TransferOpcode = TransferOpcode
 
     def __init__(self):
         self._core = None

@@ -125,6 +125,10 @@ def test_topology_and_unsupported_parts(transport):
             importlib.import_module(mod)
     assert TransferOpcode.Read == 0 and TransferOpcode.Write == 1 and me.Write == TransferOpcode.Write
     assert me.SUPPORT_CUDA is False
+    assert TransferEngine.TransferOpcode.Write == 1
+    with pytest.raises(AttributeError, match="coro-RPC"):
+        me.create_rpc_server  # noqa: B018
+    assert not hasattr(me, "SharedSegment")
     e.close()
 
 
