@@ -20,8 +20,7 @@ def handle(cmd):
     if op == "init":
         rc = engine.initialize(cmd.get("host", "127.0.0.1"), cmd.get("metadata", "P2PHANDSHAKE"),
                                cmd.get("protocol", "tcp"), cmd.get("device", ""))
-        host = cmd.get("host", "127.0.0.1").rpartition(":")[0] or cmd.get("host", "127.0.0.1")
-        return {"rc": rc, "session": f"{host}:{engine.get_rpc_port()}", "transport": engine._transport}
+        return {"rc": rc, "session": engine.session_id, "port": engine.get_rpc_port(), "transport": engine._transport}
     if op == "alloc":  # numpy buffers, registered in one batch
         bufs = [np.zeros(n, dtype=np.uint8) for n in cmd["sizes"]]
         addrs = [b.ctypes.data for b in bufs]
