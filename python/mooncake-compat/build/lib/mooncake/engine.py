@@ -315,9 +315,10 @@ def _opcode(opcode):
 
 
 def _rows(addrs, lens):
+    """(addr, len) rows as the kvwire core takes them: little-endian u64 pairs."""
     a = np.empty((len(addrs), 2), dtype="<u8")
-    a[:, 0] = np.asarray(addrs, dtype=np.uint64)
-    a[:, 1] = np.asarray(lens, dtype=np.uint64)
+    a[:, 0] = addrs
+    a[:, 1] = lens
     return a.tobytes()
 
 
@@ -709,26 +710,26 @@ class TransferEngine:
         if op is None:
             return None, None, 0
         try:
-            bufs = [int(b) for b in buffers]
-            peers = [int(p) for p in peer_addrs]
-            lens = [int(n) for n in lengths]
-        except (TypeError, ValueError) as e:
+            bufs = np.asarray(buffers, dtype=np.uint64).reshape(-1)
+            peers = np.asarray(peer_addrs, dtype=np.uint64).reshape(-1)
+            lens = np.asarray(lengths, dtype=np.int64).reshape(-1)
+        except (TypeError, ValueError, OverflowError) as e:
             logger.error("transfer arguments: %s", e)
             return None, None, 0
         if not (len(bufs) == len(peers) == len(lens)):
             logger.error("buffers, peer_buffer_addresses and lengths have different size")
             return None, None, 0
-        if any(n < 0 for n in lens):
-            logger.error("negative length")
-            return None, None, 0
-        keep = [i for i, n in enumerate(lens) if n > 0]
-        if len(keep) != len(lens):
-            bufs, peers, lens = [bufs[i] for i in keep], [peers[i] for i in keep], [lens[i] for i in keep]
+        if len(lens) and lens.min() <= 0:
+            if lens.min() < 0:
+                logger.error("negative length")
+                return None, None, 0
+            keep = lens > 0  # zero-length entries move nothing
+            bufs, peers, lens = bufs[keep], peers[keep], lens[keep]
         s = self._session(target)
         if s is None:
             return None, None, 0
-        total = sum(lens)
-        if not bufs:
+        total = int(lens.sum())
+        if not len(bufs):
             return 0, s, 0
         local, remote = _rows(bufs, lens), _rows(peers, lens)
         notif = _pack_notify(notify.name, notify.msg) if notify is not None else None
