@@ -3,7 +3,8 @@
 # (python/mooncake-compat, distribution `mooncake-kvwire`), install both into
 # a venv under target/, and run the Mooncake contract, two-process, kill /
 # restart, and SGLang- and vLLM-shaped flow tests (python/mooncake-compat/tests)
-# on the shm and tcp transports.
+# on the shm and tcp transports, and etcd:// sessions where the etcd binary
+# is installed (apt-get install -y etcd-server; else those tests skip).
 #
 # Needs python3 with venv and cargo. Without python3/venv it prints
 # `mooncake-tests: skipped: <reason>` and exits 0, unless KVWIRE_REQUIRE_PYTHON=1 (then it fails).
