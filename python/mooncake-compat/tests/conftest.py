@@ -9,6 +9,9 @@ import pytest
 # transports the suite runs on (e.g. "verbs" in a Soft-RoCE guest).
 TRANSPORTS = [t for t in os.environ.get("KVWIRE_MOONCAKE_TEST_TRANSPORTS", "shm,tcp").split(",") if t]
 HERE = os.path.dirname(os.path.abspath(__file__))
+# device_name of the engines in this process (the child peer's:
+# KVWIRE_MOONCAKE_TEST_PEER_DEVICE), so the two sides use different NICs on verbs.
+DEVICE = os.environ.get("KVWIRE_MOONCAKE_TEST_DEVICE", "")
 
 
 @pytest.fixture(params=TRANSPORTS)
@@ -75,7 +78,7 @@ def engines(transport):
     made = []
     for _ in range(2):
         e = TransferEngine()
-        assert e.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0
+        assert e.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", DEVICE) == 0
         made.append(e)
     yield made
     for e in made:

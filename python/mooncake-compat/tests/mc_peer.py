@@ -19,7 +19,8 @@ def handle(cmd):
     op = cmd["op"]
     if op == "init":
         rc = engine.initialize(cmd.get("host", "127.0.0.1"), cmd.get("metadata", "P2PHANDSHAKE"),
-                               cmd.get("protocol", "tcp"), cmd.get("device", ""))
+                               cmd.get("protocol", "tcp"),
+                               cmd.get("device", os.environ.get("KVWIRE_MOONCAKE_TEST_PEER_DEVICE", "")))
         return {"rc": rc, "session": engine.session_id, "port": engine.get_rpc_port(), "transport": engine._transport}
     if op == "alloc":  # numpy buffers, registered in one batch
         bufs = [np.zeros(n, dtype=np.uint8) for n in cmd["sizes"]]

@@ -18,6 +18,8 @@ import os
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
+import pytest
+from conftest import DEVICE
 
 from mooncake.engine import TransferEngine
 
@@ -71,7 +73,7 @@ def test_sglang_flow(transport, peer_factory, monkeypatch):
 
     # prefill
     engine = TransferEngine()
-    assert engine.initialize(host, "P2PHANDSHAKE", protocol, "") == 0
+    assert engine.initialize(host, "P2PHANDSHAKE", protocol, DEVICE) == 0
     assert f"{host}:{engine.get_rpc_port()}" == engine.session_id
     kv = make_kv(seed=100)
     aux = np.frombuffer(np.random.default_rng(7).bytes(AUX_BYTES * AUX_SLOTS), dtype=np.uint8).copy()
@@ -135,7 +137,7 @@ def test_vllm_connector_subset(transport, peer_factory):
     d_kv = decode.call(op="alloc", sizes=[PAGES * PAGE_BYTES] * (2 * LAYERS))["addrs"]
 
     engine = TransferEngine()
-    assert engine.initialize("127.0.0.1", "P2PHANDSHAKE", "rdma", "") == 0
+    assert engine.initialize("127.0.0.1", "P2PHANDSHAKE", "rdma", DEVICE) == 0
     assert engine.get_rpc_port() > 0
     kv = make_kv(seed=200)
     ptrs = [b.ctypes.data for b in kv]
@@ -171,3 +173,16 @@ def test_vllm_connector_subset(transport, peer_factory):
     assert engine.batch_unregister_memory(ptrs) == 0
     decode.close()
     engine.close()
+
+
+def test_rdma_protocol_picks_verbs_where_a_port_is_active(monkeypatch):
+    import mooncake.engine as me
+
+    if not me._active_rdma_port():
+        pytest.skip("no ACTIVE RDMA port on this host (the Soft-RoCE guest has one)")
+    monkeypatch.delenv("KVWIRE_MOONCAKE_TRANSPORT", raising=False)
+    monkeypatch.delenv("MC_FORCE_TCP", raising=False)
+    e = TransferEngine()
+    assert e.initialize("127.0.0.1", "P2PHANDSHAKE", "rdma", DEVICE) == 0
+    assert e._transport == "verbs"
+    e.close()

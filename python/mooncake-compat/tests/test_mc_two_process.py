@@ -8,6 +8,7 @@ import threading
 import time
 
 import numpy as np
+from conftest import DEVICE
 import pytest
 
 from mooncake.engine import TransferEngine, TransferNotify, TransferOpcode
@@ -17,7 +18,7 @@ PAGE = 4096
 
 def local_engine():
     e = TransferEngine()
-    assert e.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0
+    assert e.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", DEVICE) == 0
     return e
 
 
