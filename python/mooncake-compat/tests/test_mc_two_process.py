@@ -174,3 +174,40 @@ def test_peer_killed_mid_batch_then_restarted(transport, peer_factory, monkeypat
     assert peer2.call(op="sha", pieces=[[dst2, 64 * PAGE]])["sha"] == sha(src[:64 * PAGE])
     peer2.close()
     e.close()
+
+
+def test_frozen_peer_is_bounded_by_the_timeout(transport, peer_factory, monkeypatch):
+    """A peer that stops answering (SIGSTOP) never makes a call hang: each
+    returns a code within MC_TRANSFER_TIMEOUT (+ 1 s/GiB + slack); once it
+    runs again the session works."""
+    import os
+    import signal
+
+    timeout_s = 5
+    monkeypatch.setenv("MC_TRANSFER_TIMEOUT", str(timeout_s))
+    peer = peer_factory()
+    session = peer.call(op="init")["session"]
+    (dst,) = peer.call(op="alloc", sizes=[16 * PAGE])["addrs"]
+    e = local_engine()
+    src = reg(e, 16 * PAGE, seed=12)
+    assert e.transfer_sync_write(session, src.ctypes.data, dst, PAGE) == 0
+    os.kill(peer.proc.pid, signal.SIGSTOP)
+    try:
+        t = time.monotonic()
+        rc = e.batch_transfer_sync_write(session, [src.ctypes.data + i * PAGE for i in range(16)],
+                                         [dst + i * PAGE for i in range(16)], [PAGE] * 16)
+        took = time.monotonic() - t
+        assert took < timeout_s + 3, f"a call to a frozen peer took {took:.1f}s"
+        if transport == "tcp":
+            assert rc == -1, "the frozen target never acknowledges"
+        t = time.monotonic()
+        assert e.send_probe(session) == -102
+        assert time.monotonic() - t < timeout_s + 3
+    finally:
+        os.kill(peer.proc.pid, signal.SIGCONT)
+    src[:] = 7
+    deadline = time.monotonic() + 3 * timeout_s
+    while e.transfer_sync_write(session, src.ctypes.data, dst, PAGE) != 0:
+        assert time.monotonic() < deadline, "the session did not recover after SIGCONT"
+    assert peer.call(op="read", addr=dst, len=PAGE)["hex"] == src[:PAGE].tobytes().hex()
+    e.close()
