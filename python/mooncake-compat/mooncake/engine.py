@@ -186,6 +186,21 @@ def transport_for(protocol, local_host):
                   "use protocol='rdma' or 'tcp'")
 
 
+def _first_device(device_name):
+    """The first NIC of Mooncake's ``device_name``: a comma list
+    (``"mlx5_0,mlx5_1"``, ``"mlx5_0:1"``) or a JSON map of GPU -> NICs
+    (``{"0": "mlx5_0,mlx5_1"}``, as SGLang's --disaggregation-ib-device
+    accepts); "" for none."""
+    text = (device_name or "").strip()
+    if text.startswith("{"):
+        try:
+            first = next(iter(json.loads(text).values()), "")
+        except (ValueError, AttributeError):
+            return ""
+        text = ",".join(first) if isinstance(first, list) else str(first)
+    return text.split(",")[0].split(":")[0].strip()
+
+
 def _timeout_s():
     raw = os.environ.get("MC_TRANSFER_TIMEOUT")
     if raw is None:
@@ -412,7 +427,7 @@ class TransferEngine:
             bind = os.environ.get("MC_TCP_BIND_ADDRESS") or ip
             options.append(("listen", f"{bind}:0"))
         if transport == "verbs":
-            dev = device_name.split(",")[0].split(":")[0].strip()
+            dev = _first_device(device_name)
             if dev:
                 options.append(("device", dev))
         try:

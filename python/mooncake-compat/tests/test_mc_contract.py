@@ -85,6 +85,15 @@ def test_protocol_to_transport_rule(monkeypatch):
     assert me.transport_for("tcp", "127.0.0.1")[0] is None
 
 
+def test_device_name_forms():
+    assert me._first_device("") == ""
+    assert me._first_device("mlx5_0") == "mlx5_0"
+    assert me._first_device("mlx5_1:1,mlx5_0") == "mlx5_1"
+    assert me._first_device('{"0": "mlx5_2,mlx5_3", "1": "mlx5_4"}') == "mlx5_2"
+    assert me._first_device('{"0": ["mlx5_5"]}') == "mlx5_5"
+    assert me._first_device("{not json") == ""
+
+
 def test_mc_force_tcp_initializes_tcp(monkeypatch):
     monkeypatch.delenv("KVWIRE_MOONCAKE_TRANSPORT", raising=False)
     monkeypatch.setenv("MC_FORCE_TCP", "true")
