@@ -397,6 +397,7 @@ class TransferEngine:
         if self._core is not None:
             logger.error("initialize: this engine is already initialized")
             return -1
+        self._etcd = None  # from a failed earlier attempt
         host, port = _split_host_port(local_hostname)
         if not host:
             logger.error("initialize: empty local_hostname")

@@ -62,6 +62,15 @@ def test_initialize_ext_and_bad_arguments(transport):
     assert TransferEngine().initialize("", "P2PHANDSHAKE", "tcp", "") == -1
 
 
+def test_failed_initialize_can_be_retried(transport):
+    e = TransferEngine()
+    assert e.initialize("127.0.0.1", "etcd://127.0.0.1:1", "efa", "") == -1
+    assert e.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0
+    assert e._etcd is None, "the failed etcd attempt left nothing behind"
+    assert e.send_probe(e.session_id) == 0
+    e.close()
+
+
 def test_protocol_to_transport_rule(monkeypatch):
     monkeypatch.delenv("KVWIRE_MOONCAKE_TRANSPORT", raising=False)
     monkeypatch.delenv("MC_FORCE_TCP", raising=False)
