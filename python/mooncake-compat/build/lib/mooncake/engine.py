@@ -240,14 +240,25 @@ def _memory_of(addr, location):
     if loc.startswith("cpu"):
         return "DRAM", 0
     lib = _cuda_lib()
-    if lib is not None:
+    if lib is None:
+        return "DRAM", 0
+    ptr = ctypes.c_uint64(addr)
+    get_attr = getattr(lib, "cuPointerGetAttribute", None)
+    if get_attr is not None:
         mtype = ctypes.c_uint(0)
         # CU_POINTER_ATTRIBUTE_MEMORY_TYPE = 2; CU_MEMORYTYPE_DEVICE = 2
-        if lib.cuPointerGetAttribute(ctypes.byref(mtype), 2, ctypes.c_uint64(addr)) == 0 and mtype.value == 2:
+        if get_attr(ctypes.byref(mtype), 2, ptr) == 0 and mtype.value == 2:
             dev = ctypes.c_int(0)
-            # CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL = 9
-            lib.cuPointerGetAttribute(ctypes.byref(dev), 9, ctypes.c_uint64(addr))
+            get_attr(ctypes.byref(dev), 9, ptr)  # CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL
             return "VRAM", dev.value
+        return "DRAM", 0
+    # a driver without cuPointerGetAttribute: device memory is what
+    # cuMemGetAddressRange knows (device 0)
+    get_range = getattr(lib, "cuMemGetAddressRange_v2", None)
+    if get_range is not None:
+        base, size = ctypes.c_uint64(0), ctypes.c_size_t(0)
+        if get_range(ctypes.byref(base), ctypes.byref(size), ptr) == 0 and size.value:
+            return "VRAM", 0
     return "DRAM", 0
 
 
@@ -560,13 +571,20 @@ class TransferEngine:
                 else:
                     try:
                         mem, dev = _memory_of(addr, location)
-                        core.register(addr, n, mem, dev)
-                        self._regs[addr] = n
-                        done.append((addr, n))
-                        continue
-                    except NixlCoreError as e:
-                        logger.error("register_memory %#x+%d: %s", addr, n, e.args[-1])
-                        rc = ERR_ADDRESS_OVERLAPPED if "overlap" in str(e).lower() else ERR_INVALID_ARGUMENT
+                    except (ValueError, OSError, AttributeError, ctypes.ArgumentError) as e:
+                        logger.error("register_memory %#x: location %r: %s", addr, location, e)
+                        mem = None
+                    if mem is None:
+                        rc = ERR_INVALID_ARGUMENT
+                    else:
+                        try:
+                            core.register(addr, n, mem, dev)
+                            self._regs[addr] = n
+                            done.append((addr, n))
+                            continue
+                        except (NixlCoreError, OverflowError) as e:
+                            logger.error("register_memory %#x+%d: %s", addr, n, e.args[-1])
+                            rc = ERR_ADDRESS_OVERLAPPED if "overlap" in str(e).lower() else ERR_INVALID_ARGUMENT
                 for a, k in done:  # all or nothing
                     try:
                         core.deregister(a, k)
