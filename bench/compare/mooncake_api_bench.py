@@ -1,0 +1,172 @@
+#!/usr/bin/env python3
+"""The same Mooncake-API benchmark for the real Mooncake wheel
+(mooncake-transfer-engine-non-cuda) and kvwire's `mooncake` package.
+
+Written against `mooncake.engine.TransferEngine` only. Two processes: a
+target that registers BYTES and answers fill/sha commands on stdin, and this
+initiator, which moves all of it as pages of 4 KiB, 64 KiB and 1 MiB
+scattered by a permutation with batch_transfer_sync_write and
+batch_transfer_sync_read, and verifies the bytes (sha256 of the target's
+buffer against the expected permutation after a WRITE; the read-back buffer
+against the target's known contents after a READ). Reports GB/s (best of
+REPS) and the calling thread's CPU time per page of each call.
+
+The target is started as `$MC_BENCH_TARGET_PREFIX python this --target`
+(e.g. `ip netns exec A`), so the two can sit in different network
+namespaces; its sessions are P2PHANDSHAKE.
+
+Env: MC_BENCH_HOST (this side's local_hostname, default 127.0.0.1),
+MC_BENCH_TARGET_HOST (the target's, default MC_BENCH_HOST),
+MC_BENCH_PROTOCOL (default tcp), MC_BENCH_BYTES (default 256 MiB),
+MC_BENCH_REPS (default 3), MC_BENCH_BATCH (descriptors per call, 0 = all in
+one call; default 0), MC_BENCH_PAGES (comma list, default 4096,65536,1048576),
+MC_BENCH_TARGET_PREFIX. Prints one JSON object on stdout.
+"""
+
+import hashlib
+import json
+import os
+import shlex
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+BYTES = int(os.environ.get("MC_BENCH_BYTES", str(256 << 20)))
+REPS = int(os.environ.get("MC_BENCH_REPS", "3"))
+BATCH = int(os.environ.get("MC_BENCH_BATCH", "0"))
+PAGES = [int(p) for p in os.environ.get("MC_BENCH_PAGES", "4096,65536,1048576").split(",")]
+PROTOCOL = os.environ.get("MC_BENCH_PROTOCOL", "tcp")
+HOST = os.environ.get("MC_BENCH_HOST", "127.0.0.1")
+TARGET_HOST = os.environ.get("MC_BENCH_TARGET_HOST", HOST)
+
+
+def engine(host):
+    from mooncake.engine import TransferEngine
+
+    e = TransferEngine()
+    rc = e.initialize(host, "P2PHANDSHAKE", PROTOCOL, "")
+    if rc != 0:
+        raise SystemExit(f"initialize({host!r}) returned {rc}")
+    return e
+
+
+def content(seed):
+    return np.frombuffer(np.random.default_rng(seed).bytes(BYTES), np.uint8)
+
+
+def run_target():
+    e = engine(TARGET_HOST)
+    buf = np.zeros(BYTES, np.uint8)
+    if e.register_memory(buf.ctypes.data, BYTES) != 0:
+        raise SystemExit("target register_memory failed")
+    session = f"{TARGET_HOST}:{e.get_rpc_port()}"
+    print(json.dumps({"session": session, "addr": buf.ctypes.data}), flush=True)
+    for line in sys.stdin:
+        cmd = json.loads(line)
+        if cmd["op"] == "fill":
+            buf[:] = content(cmd["seed"]) if cmd["seed"] is not None else 0
+            out = {}
+        elif cmd["op"] == "sha":
+            out = {"sha": hashlib.sha256(buf).hexdigest()}
+        else:
+            break
+        print(json.dumps(out), flush=True)
+
+
+class Target:
+    def __init__(self):
+        prefix = shlex.split(os.environ.get("MC_BENCH_TARGET_PREFIX", ""))
+        self.proc = subprocess.Popen(prefix + [sys.executable, os.path.abspath(__file__), "--target"],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        hello = json.loads(self.proc.stdout.readline())
+        self.session, self.addr = hello["session"], hello["addr"]
+
+    def call(self, **cmd):
+        self.proc.stdin.write(json.dumps(cmd) + "\n")
+        self.proc.stdin.flush()
+        line = self.proc.stdout.readline()
+        if not line:
+            raise SystemExit("target died")
+        return json.loads(line)
+
+    def close(self):
+        try:
+            self.call(op="exit")
+        except (SystemExit, BrokenPipeError, ValueError):
+            pass
+        self.proc.kill()
+        self.proc.wait()
+
+
+def moved(e, fn, session, locals_, remotes, page):
+    """One batch op over all pages, in calls of BATCH descriptors; returns
+    (seconds, caller CPU seconds)."""
+    n = len(locals_)
+    step = BATCH or n
+    lens = [page] * min(step, n)
+    t, c = time.perf_counter(), time.thread_time()
+    for i in range(0, n, step):
+        k = min(step, n - i)
+        rc = getattr(e, fn)(session, locals_[i:i + k], remotes[i:i + k], lens[:k])
+        if rc != 0:
+            raise SystemExit(f"{fn} returned {rc} (page {page})")
+    return time.perf_counter() - t, time.thread_time() - c
+
+
+def main():
+    import mooncake.engine as me
+
+    impl = "kvwire" if getattr(me, "KVWIRE", False) else "mooncake"
+    e = engine(HOST)
+    src = np.zeros(BYTES, np.uint8)
+    back = np.zeros(BYTES, np.uint8)
+    for a in (src, back):
+        if e.register_memory(a.ctypes.data, BYTES) != 0:
+            raise SystemExit("register_memory failed")
+    tgt = Target()
+    results = []
+    try:
+        for page in PAGES:
+            n = BYTES // page
+            perm = np.random.default_rng(page).permutation(n)
+            srcs = [src.ctypes.data + i * page for i in range(n)]
+            backs = [back.ctypes.data + i * page for i in range(n)]
+            dsts = [tgt.addr + int(p) * page for p in perm]
+            for op in ("WRITE", "READ"):
+                best, cpu = None, None
+                for rep in range(REPS):
+                    seed = page * 10 + rep
+                    if op == "WRITE":
+                        src[:] = content(seed)
+                        tgt.call(op="fill", seed=None)
+                        dt, ct = moved(e, "batch_transfer_sync_write", tgt.session, srcs, dsts, page)
+                        expect = np.empty_like(src).reshape(n, page)
+                        expect[perm] = src.reshape(n, page)
+                        ok = tgt.call(op="sha")["sha"] == hashlib.sha256(expect).hexdigest()
+                    else:
+                        tgt.call(op="fill", seed=seed)
+                        back[:] = 0
+                        dt, ct = moved(e, "batch_transfer_sync_read", tgt.session, backs, dsts, page)
+                        ok = bool((back.reshape(n, page) == content(seed).reshape(n, page)[perm]).all())
+                    if not ok:
+                        raise SystemExit(f"{op} page {page}: bytes differ")
+                    if best is None or dt < best:
+                        best, cpu = dt, ct
+                results.append({"page": page, "op": op, "gbps": round(BYTES / best / 1e9, 3),
+                                "seconds": round(best, 4), "calls": -(-n // (BATCH or n)),
+                                "caller_cpu_ns_per_page": round(cpu / n * 1e9, 1)})
+                print(f"{impl:8} {page:>8} {op:5} {BYTES / best / 1e9:7.3f} GB/s", file=sys.stderr, flush=True)
+    finally:
+        tgt.close()
+    print(json.dumps({"impl": impl, "transport": getattr(e, "_transport", None) or PROTOCOL, "protocol": PROTOCOL,
+                      "host": HOST, "target_host": TARGET_HOST, "bytes": BYTES, "reps": REPS, "batch": BATCH,
+                      "results": results}))
+
+
+if __name__ == "__main__":
+    if "--target" in sys.argv:
+        run_target()
+    else:
+        main()

@@ -1,0 +1,224 @@
+"""The "rpc port" of a kvwire-backed Mooncake engine: a small TCP side
+channel that hands this engine's description (kvwire agent metadata and
+the list of registered buffers) to a peer that names the session
+``host:rpc_port``, and answers liveness probes.
+
+kvwire's own wire, not Mooncake's: a real Mooncake engine cannot talk to it.
+
+Frames are a 4-byte big-endian length and a payload. On accept the server
+sends ``CHALLENGE`` = ``b"MCKV1" + nonce(16)``. The asker answers with one
+frame ``cmd(1) + proof(32) + body``:
+
+- ``P`` (probe): answered ``b"+ok"``; needs no proof (it reveals nothing).
+- ``M`` (describe): answered ``b"+" + JSON`` with the description, or
+  ``b"-" + reason``. The description carries the agent metadata, and the
+  metadata carries the secret that lets a peer connect to the transport
+  (docs/SECURITY.md), so it is handed out only to
+
+  * an asker that proves it holds the deployment token
+    (``KVWIRE_MOONCAKE_TOKEN``, the same string on every host):
+    ``proof = HMAC-SHA256(token, nonce + cmd)``; or
+  * without a token, a *local* asker: its TCP socket is in this network
+    namespace's ``/proc/net/tcp{,6}`` and is owned by this process's uid.
+
+Everything a peer sends is bounded (``MAX_FRAME``) and every socket has a
+timeout, so a silent or hostile asker costs a thread for at most
+``IO_TIMEOUT_S``.
+"""
+
+import hashlib
+import hmac
+import ipaddress
+import json
+import logging
+import os
+import socket
+import struct
+import threading
+
+logger = logging.getLogger("mooncake.kvwire")
+
+MAGIC = b"MCKV1"
+MAX_FRAME = 64 << 20
+IO_TIMEOUT_S = 5.0
+TOKEN_ENV = "KVWIRE_MOONCAKE_TOKEN"
+
+
+class RpcRefused(Exception):
+    """The peer answered, but refused to describe itself (reason in args)."""
+
+
+def _token():
+    t = os.environ.get(TOKEN_ENV, "")
+    return t.encode() if t else None
+
+
+def _recv_exact(sock, n):
+    buf = bytearray()
+    while len(buf) < n:
+        chunk = sock.recv(n - len(buf))
+        if not chunk:
+            raise ConnectionError("peer closed the connection")
+        buf += chunk
+    return bytes(buf)
+
+
+def recv_frame(sock):
+    (n,) = struct.unpack(">I", _recv_exact(sock, 4))
+    if n > MAX_FRAME:
+        raise ValueError(f"frame of {n} bytes exceeds {MAX_FRAME}")
+    return _recv_exact(sock, n)
+
+
+def send_frame(sock, payload):
+    sock.sendall(struct.pack(">I", len(payload)) + payload)
+
+
+def _proof(token, nonce, cmd):
+    if token is None:
+        return b"\0" * 32
+    return hmac.new(token, nonce + cmd, hashlib.sha256).digest()
+
+
+# -- the local-asker rule ------------------------------------------------
+
+def _parse_proc_addr(text):
+    """`/proc/net/tcp{,6}` address ``HEX:PORT`` -> (ip_address, port)."""
+    h, p = text.split(":")
+    raw = bytes.fromhex(h)
+    if len(raw) == 4:
+        ip = ipaddress.IPv4Address(raw[::-1])
+    else:
+        # four 32-bit words, each in host (little-endian) order
+        ip = ipaddress.IPv6Address(b"".join(raw[i:i + 4][::-1] for i in range(0, 16, 4)))
+        if ip.ipv4_mapped is not None:
+            ip = ip.ipv4_mapped
+    return ip, int(p, 16)
+
+
+def _norm(addr):
+    ip = ipaddress.ip_address(addr[0].split("%")[0])
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        ip = ip.ipv4_mapped
+    return ip, int(addr[1])
+
+
+def socket_owner_uid(local, remote):
+    """uid owning the TCP socket whose local end is `local` and remote end
+    is `remote` in this network namespace, or None when there is none."""
+    want_l, want_r = _norm(local), _norm(remote)
+    for path in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            with open(path) as f:
+                lines = f.read().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            cols = line.split()
+            if len(cols) < 8:
+                continue
+            try:
+                if _parse_proc_addr(cols[1]) == want_l and _parse_proc_addr(cols[2]) == want_r:
+                    return int(cols[7])
+            except ValueError:
+                continue
+    return None
+
+
+def is_local_same_user(conn):
+    """True when the asker on `conn` is a process of this uid in this network namespace."""
+    try:
+        uid = socket_owner_uid(conn.getpeername(), conn.getsockname())
+    except OSError:
+        return False
+    return uid is not None and uid == os.getuid()
+
+
+# -- server --------------------------------------------------------------
+
+class RpcServer:
+    """Serves `describe()` (bytes, a JSON document) on `sock` (bound, listening)."""
+
+    def __init__(self, sock, describe):
+        self._token = _token()  # read once, at initialize
+        self._sock = sock
+        self._describe = describe
+        self.port = sock.getsockname()[1]
+        self._stop = False
+        self._thread = threading.Thread(target=self._serve, name="mooncake-kvwire-rpc", daemon=True)
+        self._thread.start()
+
+    def _serve(self):
+        while not self._stop:
+            try:
+                conn, _ = self._sock.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._handle, args=(conn,), name="mooncake-kvwire-rpc-conn", daemon=True).start()
+
+    def _handle(self, conn):
+        with conn:
+            try:
+                conn.settimeout(IO_TIMEOUT_S)
+                nonce = os.urandom(16)
+                send_frame(conn, MAGIC + nonce)
+                frame = recv_frame(conn)
+                if len(frame) < 33:
+                    return
+                cmd, proof = frame[:1], frame[1:33]
+                if cmd == b"P":
+                    send_frame(conn, b"+ok")
+                elif cmd == b"M":
+                    token = self._token
+                    if token is not None:
+                        ok = hmac.compare_digest(proof, _proof(token, nonce, cmd))
+                        why = f"wrong or missing {TOKEN_ENV} proof"
+                    else:
+                        ok = is_local_same_user(conn)
+                        why = (f"asker {conn.getpeername()[0]} is not a local process of this user; "
+                               f"set the same {TOKEN_ENV} on every host to serve remote peers")
+                    if ok:
+                        send_frame(conn, b"+" + self._describe())
+                    else:
+                        logger.warning("mooncake rpc: refused to describe this engine: %s", why)
+                        send_frame(conn, b"-" + why.encode())
+            except Exception as e:  # noqa: BLE001 - a bad asker must not stop the server
+                logger.debug("mooncake rpc: %s", e)
+
+    def close(self):
+        self._stop = True
+        try:
+            self._sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self._sock.close()
+
+
+# -- client --------------------------------------------------------------
+
+def _ask(host, port, cmd, timeout):
+    with socket.create_connection((host, port), timeout=timeout) as s:
+        s.settimeout(timeout)
+        hello = recv_frame(s)
+        if not hello.startswith(MAGIC) or len(hello) != len(MAGIC) + 16:
+            raise ConnectionError(f"{host}:{port} is not a kvwire Mooncake rpc port")
+        nonce = hello[len(MAGIC):]
+        send_frame(s, cmd + _proof(_token() if cmd == b"M" else None, nonce, cmd))
+        return recv_frame(s)
+
+
+def describe(host, port, timeout=IO_TIMEOUT_S):
+    """The peer's description (a dict). Raises OSError/ConnectionError when
+    it cannot be reached, RpcRefused when it refused."""
+    reply = _ask(host, port, b"M", timeout)
+    if reply[:1] != b"+":
+        raise RpcRefused(reply[1:].decode(errors="replace"))
+    return json.loads(reply[1:])
+
+
+def probe(host, port, timeout=IO_TIMEOUT_S):
+    """True when the peer's rpc port answers a probe."""
+    try:
+        return _ask(host, port, b"P", timeout) == b"+ok"
+    except (OSError, ValueError, ConnectionError):
+        return False

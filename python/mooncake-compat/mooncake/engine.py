@@ -1,0 +1,992 @@
+"""``mooncake.engine``: Mooncake Transfer Engine 0.3's Python API
+(``TransferEngine``, ``TransferOpcode``, ``TransferNotify``) over kvwire.
+
+Written from Mooncake's public API description; no Mooncake code. Every
+transfer call returns Mooncake's integer codes and never raises; the
+features kvwire cannot stand in for raise ``NotImplementedError`` naming
+the reason and the alternative. See docs/MOONCAKE.md.
+
+Transport rule (``initialize(..., protocol, device_name)``):
+
+1. ``KVWIRE_MOONCAKE_TRANSPORT=shm|tcp|verbs`` wins when set.
+2. ``MC_FORCE_TCP`` set (to anything but 0/false/off/no): tcp.
+3. ``protocol="rdma"``: verbs when an RDMA port is ACTIVE on this host
+   (``device_name``: comma list of NICs, the first is used); else, as
+   Mooncake falls back to TCP, the tcp rule below.
+4. ``protocol="tcp"``: shm when ``local_hostname`` is a loopback address
+   (every peer that can reach a loopback session is on this host), else tcp.
+5. any other protocol (efa, cxi, nvlink, hip, ...): ``initialize`` returns -1.
+
+Peers are found by session id ``host:rpc_port`` (``P2PHANDSHAKE``): the rpc
+port is kvwire's own side channel (``mooncake._rpc``) that hands the
+engine's kvwire metadata and buffer list to a local or token-holding asker.
+``etcd://host:port`` keeps ``segment name -> host:rpc_port`` in etcd (v3 JSON
+gateway) and then does the same.
+"""
+
+import array
+import base64
+import ctypes
+import enum
+import glob
+import ipaddress
+import json
+import logging
+import mmap
+import os
+import random
+import socket
+import threading
+import time
+import urllib.error
+import urllib.request
+import uuid
+
+import numpy as np
+
+from kvwire._kvwire import NixlCore, NixlCoreError
+
+from . import _rpc
+
+logger = logging.getLogger("mooncake.kvwire")
+if not logger.handlers and not logging.getLogger().handlers:
+    _h = logging.StreamHandler()
+    _h.setFormatter(logging.Formatter("mooncake(kvwire) %(levelname)s: %(message)s"))
+    logger.addHandler(_h)
+    logger.setLevel(os.environ.get("KVWIRE_MOONCAKE_LOG", "WARNING").upper())
+
+P2PHANDSHAKE = "P2PHANDSHAKE"
+
+# Mooncake's error codes (mooncake-transfer-engine/include/error.h).
+ERR_INVALID_ARGUMENT = -1
+ERR_ADDRESS_NOT_REGISTERED = -3
+ERR_DEVICE_NOT_FOUND = -6
+ERR_ADDRESS_OVERLAPPED = -7
+ERR_SOCKET = -102
+ERR_METADATA = -200
+
+SUPPORT_EFA = False
+SUPPORT_HIP = False
+SUPPORT_MNNVL = False
+SUPPORT_MUSA = False
+SUPPORT_INTRA_NVLINK = False
+SUPPORT_CUDA = False
+#: Marks this implementation: ``mooncake.engine.KVWIRE`` is absent in Mooncake's.
+KVWIRE = True
+
+# NIXL status codes the kvwire core raises (kvwire python/src/nixl.rs).
+_NOT_FOUND = -4
+_REMOTE_DISCONNECT = -10
+
+_OFF = {"", "0", "false", "off", "no"}
+
+
+class TransferOpcode(enum.IntEnum):
+    Read = 0
+    Write = 1
+
+
+Read = TransferOpcode.Read
+Write = TransferOpcode.Write
+
+
+class TransferNotify:
+    """A notification: ``name`` and ``msg`` (strings), as Mooncake's."""
+
+    def __init__(self, name="", msg=""):
+        self.name = name
+        self.msg = msg
+
+    def __repr__(self):
+        return f"TransferNotify(name={self.name!r}, msg={self.msg!r})"
+
+    def __eq__(self, other):
+        return isinstance(other, TransferNotify) and (self.name, self.msg) == (other.name, other.msg)
+
+
+_ABSENT = {
+    "InnerTransferEngine": "Mooncake's C++ engine object has no kvwire counterpart (see TransferEngine.get_engine)",
+    "SharedSegment": "Mooncake's shared segments belong to Mooncake Store",
+    "RpcInterface": "Mooncake's coro-RPC tensor channel is not part of kvwire",
+    "CoroRPCInterface": "Mooncake's coro-RPC tensor channel is not part of kvwire",
+    "ReceivedData": "Mooncake's coro-RPC tensor channel is not part of kvwire",
+    "ReceivedTensor": "Mooncake's coro-RPC tensor channel is not part of kvwire",
+    "create_rpc_client": "Mooncake's coro-RPC tensor channel is not part of kvwire",
+    "create_rpc_server": "Mooncake's coro-RPC tensor channel is not part of kvwire",
+}
+
+
+def __getattr__(name):
+    if name in _ABSENT:
+        raise AttributeError(f"mooncake.engine.{name} is not provided by kvwire: {_ABSENT[name]}")
+    raise AttributeError(f"module 'mooncake.engine' has no attribute {name!r}")
+
+
+def _not_supported(what, why):
+    return NotImplementedError(f"mooncake (kvwire): {what} is not supported: {why}")
+
+
+def _env_on(name):
+    v = os.environ.get(name)
+    return v is not None and v.strip().lower() not in _OFF
+
+
+def _active_rdma_port():
+    for state in glob.glob("/sys/class/infiniband/*/ports/*/state"):
+        try:
+            with open(state) as f:
+                if "ACTIVE" in f.read():
+                    return True
+        except OSError:
+            pass
+    return False
+
+
+def _split_host_port(name):
+    """``host:port`` / ``[v6]:port`` / ``host`` -> (host, port or None)."""
+    name = str(name).strip()
+    if name.startswith("["):
+        host, _, rest = name[1:].partition("]")
+        rest = rest.lstrip(":")
+        return host, int(rest) if rest.isdigit() else None
+    host, sep, port = name.rpartition(":")
+    if sep and port.isdigit() and ":" not in host:
+        return host, int(port)
+    return name, None
+
+
+def _resolve(host):
+    try:
+        return socket.getaddrinfo(host, None, socket.AF_INET, socket.SOCK_STREAM)[0][4][0]
+    except (OSError, IndexError):
+        return None
+
+
+def _is_loopback(host):
+    ip = _resolve(host) if host else None
+    return ip is not None and ipaddress.ip_address(ip).is_loopback
+
+
+def transport_for(protocol, local_host):
+    """The kvwire transport for `protocol` on `local_host` (module docs), or
+    None with the reason when there is none."""
+    forced = os.environ.get("KVWIRE_MOONCAKE_TRANSPORT", "").strip().lower()
+    if forced:
+        if forced in ("shm", "tcp", "verbs"):
+            return forced, ""
+        return None, f"KVWIRE_MOONCAKE_TRANSPORT={forced!r}: expected shm, tcp or verbs"
+    protocol = (protocol or "").strip().lower()
+    if _env_on("MC_FORCE_TCP"):
+        return "tcp", ""
+    if protocol == "rdma" and _active_rdma_port():
+        return "verbs", ""
+    if protocol in ("rdma", "tcp"):
+        return ("shm" if _is_loopback(local_host) else "tcp"), ""
+    return None, (f"protocol {protocol!r} is not offered by kvwire (rdma -> verbs, tcp -> tcp/shm); "
+                  "use protocol='rdma' or 'tcp'")
+
+
+def _first_device(device_name):
+    """The first NIC of Mooncake's ``device_name``: a comma list
+    (``"mlx5_0,mlx5_1"``, ``"mlx5_0:1"``) or a JSON map of GPU -> NICs
+    (``{"0": "mlx5_0,mlx5_1"}``, as SGLang's --disaggregation-ib-device
+    accepts); "" for none."""
+    text = (device_name or "").strip()
+    if text.startswith("{"):
+        try:
+            first = next(iter(json.loads(text).values()), "")
+        except (ValueError, AttributeError):
+            return ""
+        text = ",".join(first) if isinstance(first, list) else str(first)
+    return text.split(",")[0].split(":")[0].strip()
+
+
+def _timeout_s():
+    raw = os.environ.get("MC_TRANSFER_TIMEOUT")
+    if raw is None:
+        return 30.0
+    try:
+        return float(max(5, int(raw)))
+    except ValueError:
+        return 30.0
+
+
+# -- CUDA pointers (optional; without libcuda everything is host memory) --
+
+_cuda = None
+_cuda_tried = False
+
+
+def _cuda_lib():
+    global _cuda, _cuda_tried
+    if not _cuda_tried:
+        _cuda_tried = True
+        try:
+            lib = ctypes.CDLL("libcuda.so.1")
+            if lib.cuInit(0) == 0:
+                _cuda = lib
+        except OSError:
+            _cuda = None
+    return _cuda
+
+
+def _memory_of(addr, location):
+    """(``"DRAM"``/``"VRAM"``, device) for a buffer, from Mooncake's
+    ``location`` (``"cuda:N"``, ``"cpu:N"``, ``"*"``) or, for ``"*"``, the
+    CUDA driver's view of the pointer when libcuda is present."""
+    loc = (location or "*").strip().lower()
+    if loc.startswith(("cuda:", "gpu:")):
+        return "VRAM", int(loc.split(":", 1)[1] or 0)
+    if loc.startswith("cpu"):
+        return "DRAM", 0
+    lib = _cuda_lib()
+    if lib is None:
+        return "DRAM", 0
+    ptr = ctypes.c_uint64(addr)
+    get_attr = getattr(lib, "cuPointerGetAttribute", None)
+    if get_attr is not None:
+        mtype = ctypes.c_uint(0)
+        # CU_POINTER_ATTRIBUTE_MEMORY_TYPE = 2; CU_MEMORYTYPE_DEVICE = 2
+        if get_attr(ctypes.byref(mtype), 2, ptr) == 0 and mtype.value == 2:
+            dev = ctypes.c_int(0)
+            get_attr(ctypes.byref(dev), 9, ptr)  # CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL
+            return "VRAM", dev.value
+        return "DRAM", 0
+    # a driver without cuPointerGetAttribute: device memory is what
+    # cuMemGetAddressRange knows (device 0)
+    get_range = getattr(lib, "cuMemGetAddressRange_v2", None)
+    if get_range is not None:
+        base, size = ctypes.c_uint64(0), ctypes.c_size_t(0)
+        if get_range(ctypes.byref(base), ctypes.byref(size), ptr) == 0 and size.value:
+            return "VRAM", 0
+    return "DRAM", 0
+
+
+# -- etcd (v3 JSON gateway) ---------------------------------------------
+
+class _Etcd:
+    PREFIX = "mooncake/kvwire/rpc/"
+
+    def __init__(self, endpoints):
+        self.endpoints = [e if "://" in e else "http://" + e for e in endpoints.split(",") if e.strip()]
+
+    def _post(self, path, body):
+        last = None
+        for ep in self.endpoints:
+            try:
+                req = urllib.request.Request(ep.rstrip("/") + path, data=json.dumps(body).encode(),
+                                             headers={"Content-Type": "application/json"})
+                with urllib.request.urlopen(req, timeout=5) as r:
+                    return json.loads(r.read() or b"{}")
+            except (OSError, urllib.error.URLError, ValueError) as e:
+                last = e
+        raise OSError(f"etcd {self.endpoints}: {last}")
+
+    @staticmethod
+    def _b64(s):
+        return base64.b64encode(s.encode()).decode()
+
+    def put(self, name, value):
+        self._post("/v3/kv/put", {"key": self._b64(self.PREFIX + name), "value": self._b64(value)})
+
+    def get(self, name):
+        kvs = self._post("/v3/kv/range", {"key": self._b64(self.PREFIX + name)}).get("kvs") or []
+        return base64.b64decode(kvs[0]["value"]).decode() if kvs else None
+
+    def delete(self, name):
+        self._post("/v3/kv/deleterange", {"key": self._b64(self.PREFIX + name)})
+
+
+class _Session:
+    __slots__ = ("name", "host", "port", "agent", "instance", "buffers", "transport")
+
+    def __init__(self, name, host, port, desc):
+        self.name, self.host, self.port = name, host, port
+        self.agent = desc["agent"]
+        self.instance = desc["instance"]
+        self.buffers = [tuple(b) for b in desc["buffers"]]
+        self.transport = desc["transport"]
+
+
+class _Batch:
+    __slots__ = ("rid", "deadline", "session")
+
+    def __init__(self, rid, deadline, session):
+        self.rid, self.deadline, self.session = rid, deadline, session
+
+
+_NOTIFY_MAGIC = b"MCKVN1"
+
+
+def _pack_notify(name, msg):
+    n, m = str(name).encode(), str(msg).encode()
+    return _NOTIFY_MAGIC + len(n).to_bytes(4, "big") + n + m
+
+
+def _unpack_notify(sender, payload):
+    if payload.startswith(_NOTIFY_MAGIC) and len(payload) >= len(_NOTIFY_MAGIC) + 4:
+        k = len(_NOTIFY_MAGIC)
+        n = int.from_bytes(payload[k:k + 4], "big")
+        name = payload[k + 4:k + 4 + n].decode(errors="replace")
+        return TransferNotify(name, payload[k + 4 + n:].decode(errors="replace"))
+    return TransferNotify(sender, payload.decode(errors="replace"))
+
+
+def _opcode(opcode):
+    """TransferOpcode, or None (the transfer then fails with Mooncake's code)."""
+    try:
+        return TransferOpcode(int(opcode))
+    except (TypeError, ValueError):
+        logger.error("unknown opcode %r (TransferOpcode.Read or .Write)", opcode)
+        return None
+
+
+def _ints(x, code):
+    """A sequence of ints as a 1-D numpy array (``"Q"`` uint64, ``"q"``
+    int64). Lists go through ``array.array`` (half the cost of
+    ``np.asarray`` per element); raises TypeError/ValueError/OverflowError
+    (e.g. a negative address) on bad input."""
+    dtype = np.uint64 if code == "Q" else np.int64
+    if isinstance(x, np.ndarray):
+        return x.astype(dtype, copy=False).reshape(-1)
+    try:
+        return np.frombuffer(array.array(code, x), dtype=dtype)
+    except TypeError:
+        return np.asarray(x, dtype=dtype).reshape(-1)
+
+
+def _rows(addrs, lens):
+    """(addr, len) rows as the kvwire core takes them: little-endian u64 pairs."""
+    a = np.empty((len(addrs), 2), dtype="<u8")
+    a[:, 0] = addrs
+    a[:, 1] = lens
+    return a.tobytes()
+
+
+class TransferEngine:
+    """Mooncake's ``TransferEngine`` over kvwire (see the module docs)."""
+
+    TransferOpcode = TransferOpcode
+
+    def __init__(self):
+        self._core = None
+        self._lock = threading.RLock()
+        self._regs = {}  # addr -> length, in registration order
+        self._managed = {}  # addr -> mmap
+        self._sessions = {}  # session id -> _Session
+        self._batches = {}  # id -> _Batch
+        self._next_batch = 0
+        self._server = None
+        self._etcd = None
+        self._names = set()
+        self.session_id = ""
+        self._instance = uuid.uuid4().hex
+        self._timeout = _timeout_s()
+        self._transport = None
+
+    # -- setup ----------------------------------------------------------
+    def initialize(self, local_hostname, metadata_server, protocol, device_name):
+        ms = str(metadata_server or "")
+        if ms == P2PHANDSHAKE:
+            return self.initialize_ext(local_hostname, P2PHANDSHAKE, protocol, device_name, "")
+        if "://" in ms:
+            kind, _, rest = ms.partition("://")
+        else:
+            kind, rest = "etcd", ms  # Mooncake's default metadata type
+        return self.initialize_ext(local_hostname, rest, protocol, device_name, kind)
+
+    def initialize_ext(self, local_hostname, metadata_server, protocol, device_name, metadata_type):
+        try:
+            return self._init(str(local_hostname or ""), str(metadata_server or ""), str(protocol or ""),
+                              str(device_name or ""), str(metadata_type or ""))
+        except Exception as e:  # noqa: BLE001 - Mooncake returns -1, never raises
+            logger.error("initialize failed: %s", e)
+            self._teardown()
+            return -1
+
+    def _init(self, local_hostname, metadata_server, protocol, device_name, metadata_type):
+        if self._core is not None:
+            logger.error("initialize: this engine is already initialized")
+            return -1
+        self._etcd = None  # from a failed earlier attempt
+        host, port = _split_host_port(local_hostname)
+        if not host:
+            logger.error("initialize: empty local_hostname")
+            return -1
+        p2p = metadata_server == P2PHANDSHAKE or metadata_type in ("p2p", "P2PHANDSHAKE")
+        if not p2p:
+            if metadata_type != "etcd":
+                logger.error("initialize: metadata server type %r is not supported by kvwire "
+                             "(use P2PHANDSHAKE or etcd://host:port)", metadata_type)
+                return -1
+            self._etcd = _Etcd(metadata_server)
+        transport, why = transport_for(protocol, host)
+        if transport is None:
+            logger.error("initialize: %s", why)
+            return -1
+        # The rpc port: random in [MC_MIN_RPC_PORT, MC_MAX_RPC_PORT]
+        # (15000..17000), as Mooncake picks it.
+        sock = self._bind_rpc()
+        if sock is None:
+            logger.error("initialize: no free rpc port in the MC_MIN_RPC_PORT..MC_MAX_RPC_PORT range")
+            return -1
+        rpc_port = sock.getsockname()[1]
+        self.session_id = f"{host}:{rpc_port}" if p2p else local_hostname
+        self._names = {self.session_id, local_hostname}
+        options = []
+        ip = _resolve(host)
+        if transport == "tcp" and ip and not os.environ.get("KVWIRE_TCP_LISTEN"):
+            bind = os.environ.get("MC_TCP_BIND_ADDRESS") or ip
+            options.append(("listen", f"{bind}:0"))
+        if transport == "verbs":
+            dev = _first_device(device_name)
+            if dev:
+                options.append(("device", dev))
+        try:
+            self._core = NixlCore(self.session_id, transport, 2, int(self._timeout * 1000), options)
+        except (NixlCoreError, ValueError) as e:
+            sock.close()
+            logger.error("initialize: kvwire %s transport: %s", transport, e)
+            return -1
+        self._transport = transport
+        self._server = _rpc.RpcServer(sock, self._describe)
+        if self._etcd is not None:
+            try:
+                self._etcd.put(self.session_id, f"{ip or host}:{rpc_port}")
+            except OSError as e:
+                logger.error("initialize: %s", e)
+                self._teardown()
+                return -1
+        logger.info("engine %s on kvwire %s", self.session_id, transport)
+        return 0
+
+    @staticmethod
+    def _bind_rpc():
+        lo, hi = 15000, 17000
+        try:
+            lo = int(os.environ.get("MC_MIN_RPC_PORT") or os.environ.get("MC_MIN_PRC_PORT") or lo)
+            hi = int(os.environ.get("MC_MAX_RPC_PORT") or os.environ.get("MC_MAX_PRC_PORT") or hi)
+        except ValueError:
+            pass
+        if not (1024 < lo <= hi < 65536):
+            lo, hi = 15000, 17000
+        ports = list(range(lo, hi + 1))
+        random.shuffle(ports)
+        for p in ports[:500]:
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a restarted peer gets its port back
+            try:
+                s.bind(("0.0.0.0", p))
+                s.listen(128)
+                return s
+            except OSError:
+                s.close()
+        return None
+
+    def _teardown(self):
+        if self._server is not None:
+            self._server.close()
+            self._server = None
+        if self._etcd is not None and self.session_id:
+            try:
+                self._etcd.delete(self.session_id)
+            except OSError:
+                pass
+        self._core = None
+
+    def get_rpc_port(self):
+        return self._server.port if self._server is not None else -1
+
+    def get_local_topology(self, device_name=None):
+        devs = sorted(os.path.basename(d) for d in glob.glob("/sys/class/infiniband/*"))
+        if device_name:
+            keep = {d.split(":")[0].strip() for d in str(device_name).split(",")}
+            devs = [d for d in devs if d in keep]
+        return json.dumps({"cpu:0": [devs, []]})
+
+    def get_engine(self):
+        raise _not_supported("get_engine()", "Mooncake's C++ TransferEngine object (for mooncake.pg / "
+                             "mooncake.store / EP buffers) does not exist in kvwire; use torch.distributed "
+                             "process groups, and this TransferEngine's Python methods for KV transfers")
+
+    def get_engine_ptr(self):
+        raise _not_supported("get_engine_ptr()", "there is no C++ engine object to point at; see get_engine()")
+
+    def warmup_efa_segment(self, segment_name):
+        return 0  # Mooncake returns 0 where EFA is not installed
+
+    def close(self):
+        """Stop serving and drop the kvwire engine (kvwire extension; Mooncake
+        frees on destruction)."""
+        with self._lock:
+            self._teardown()
+            for m in self._managed.values():
+                try:
+                    m.close()
+                except BufferError:
+                    pass
+            self._managed.clear()
+
+    def __del__(self):
+        try:
+            if self._server is not None:
+                self._server.close()
+        except Exception:  # noqa: BLE001
+            pass
+
+    # -- this engine's description, served on the rpc port ---------------
+    def _describe(self):
+        core = self._core
+        if core is None:
+            raise RuntimeError("engine closed")
+        with self._lock:
+            bufs = [[a, n] for a, n in self._regs.items()]
+        md = bytes(core.metadata())
+        return json.dumps({"v": 1, "agent": core.name, "instance": self._instance, "transport": self._transport,
+                           "buffers": bufs, "md": base64.b64encode(md).decode()}).encode()
+
+    # -- memory -----------------------------------------------------------
+    def register_memory(self, buffer_addr, capacity, location="*"):
+        return self.batch_register_memory([buffer_addr], [capacity], location)
+
+    def batch_register_memory(self, buffer_addresses, capacities, location="*"):
+        core = self._core
+        if core is None:
+            logger.error("register_memory before initialize")
+            return ERR_INVALID_ARGUMENT
+        try:
+            addrs, caps = list(buffer_addresses), list(capacities)
+            if len(addrs) != len(caps):
+                raise ValueError(f"{len(addrs)} addresses but {len(caps)} capacities")
+            pairs = [(int(a), int(n)) for a, n in zip(addrs, caps)]
+        except (TypeError, ValueError) as e:
+            logger.error("batch_register_memory: %s", e)
+            return ERR_INVALID_ARGUMENT
+        done = []
+        with self._lock:
+            for addr, n in pairs:
+                if addr in self._regs:
+                    logger.error("register_memory: %#x is already registered", addr)
+                    rc = ERR_ADDRESS_OVERLAPPED
+                else:
+                    try:
+                        mem, dev = _memory_of(addr, location)
+                    except (ValueError, OSError, AttributeError, ctypes.ArgumentError) as e:
+                        logger.error("register_memory %#x: location %r: %s", addr, location, e)
+                        mem = None
+                    if mem is None:
+                        rc = ERR_INVALID_ARGUMENT
+                    else:
+                        try:
+                            core.register(addr, n, mem, dev)
+                            self._regs[addr] = n
+                            done.append((addr, n))
+                            continue
+                        except (NixlCoreError, OverflowError) as e:
+                            logger.error("register_memory %#x+%d: %s", addr, n, e.args[-1])
+                            rc = ERR_ADDRESS_OVERLAPPED if "overlap" in str(e).lower() else ERR_INVALID_ARGUMENT
+                for a, k in done:  # all or nothing
+                    try:
+                        core.deregister(a, k)
+                    except NixlCoreError:
+                        pass
+                    self._regs.pop(a, None)
+                return rc
+        return 0
+
+    def unregister_memory(self, buffer_addr):
+        return self.batch_unregister_memory([buffer_addr])
+
+    def batch_unregister_memory(self, buffer_addresses):
+        core = self._core
+        if core is None:
+            return ERR_INVALID_ARGUMENT
+        rc = 0
+        with self._lock:
+            for a in buffer_addresses:
+                a = int(a)
+                n = self._regs.get(a)
+                if n is None:
+                    logger.error("unregister_memory: %#x is not registered", a)
+                    rc = ERR_ADDRESS_NOT_REGISTERED
+                    continue
+                try:
+                    core.deregister(a, n)
+                    del self._regs[a]
+                except NixlCoreError as e:
+                    logger.error("unregister_memory %#x: %s", a, e.args[-1])
+                    rc = ERR_INVALID_ARGUMENT
+        return rc
+
+    def allocate_managed_buffer(self, length):
+        length = int(length)
+        if length <= 0 or self._core is None:
+            return 0
+        try:
+            m = mmap.mmap(-1, length, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        except (OSError, ValueError) as e:
+            logger.error("allocate_managed_buffer(%d): %s", length, e)
+            return 0
+        addr = ctypes.addressof(ctypes.c_char.from_buffer(m))
+        if self.register_memory(addr, length) != 0:
+            m.close()
+            return 0
+        with self._lock:
+            self._managed[addr] = m
+        return addr
+
+    def free_managed_buffer(self, buffer_addr, length):
+        addr = int(buffer_addr)
+        with self._lock:
+            m = self._managed.get(addr)
+            if m is None:
+                logger.error("free_managed_buffer: %#x was not allocated here", addr)
+                return ERR_INVALID_ARGUMENT
+            rc = self.unregister_memory(addr)
+            if rc != 0:
+                return rc
+            del self._managed[addr]
+        try:
+            m.close()
+        except BufferError:
+            pass  # a ctypes view still exists; the mapping goes with it
+        return 0
+
+    def get_first_buffer_address(self, segment_name):
+        if segment_name in self._names:
+            with self._lock:
+                return next(iter(self._regs), 0)
+        s = self._session(segment_name, refresh=True)
+        return s.buffers[0][0] if s is not None and s.buffers else 0
+
+    @staticmethod
+    def write_bytes_to_buffer(dest_address, src_ptr, length):
+        data = bytes(src_ptr)
+        ctypes.memmove(int(dest_address), data, min(int(length), len(data)))
+        return 0
+
+    @staticmethod
+    def read_bytes_from_buffer(source_address, length):
+        return ctypes.string_at(int(source_address), int(length))
+
+    # -- sessions ---------------------------------------------------------
+    def _locate(self, name):
+        """(host, rpc port) of session `name`, or None."""
+        if self._etcd is not None:
+            try:
+                ep = self._etcd.get(name)
+            except OSError as e:
+                logger.error("session %s: %s", name, e)
+                return None
+            if ep is None:
+                logger.error("session %s: not in etcd", name)
+                return None
+            name = ep
+        host, port = _split_host_port(name)
+        if port is None:
+            logger.error("session %r: expected host:rpc_port", name)
+            return None
+        return host, port
+
+    def _session(self, name, refresh=False):
+        """The open session `name` (fetching the peer's description on first
+        use or when `refresh`), or None (logged)."""
+        core = self._core
+        if core is None:
+            return None
+        name = str(name)
+        if name in self._names:
+            return _Session(name, "", 0, {"agent": core.name, "instance": self._instance,
+                                          "buffers": list(self._regs.items()), "transport": self._transport})
+        with self._lock:
+            s = self._sessions.get(name)
+            if s is not None and not refresh:
+                return s
+        where = self._locate(name)
+        if where is None:
+            return None
+        try:
+            desc = _rpc.describe(where[0], where[1], timeout=min(5.0, self._timeout))
+        except _rpc.RpcRefused as e:
+            logger.error("session %s refused to describe itself: %s", name, e)
+            return None
+        except (OSError, ValueError, ConnectionError) as e:
+            logger.error("session %s unreachable: %s", name, e)
+            self._drop(name)
+            return None
+        if desc.get("transport") != self._transport:
+            logger.error("session %s uses kvwire %s, this engine %s (see the transport rule in "
+                         "docs/MOONCAKE.md; KVWIRE_MOONCAKE_TRANSPORT sets both)", name, desc.get("transport"),
+                         self._transport)
+            return None
+        new = _Session(name, where[0], where[1], desc)
+        with self._lock:
+            old = self._sessions.get(name)
+            try:
+                if old is not None and old.instance != new.instance:
+                    self._forget(old.agent)  # a restarted peer: new secret, new regions
+                elif old is None and core.is_loaded(new.agent):
+                    self._forget(new.agent)  # loaded by an earlier, dropped session
+                core.load(base64.b64decode(desc["md"]))
+            except NixlCoreError as e:
+                logger.error("session %s: loading its metadata failed: %s", name, e.args[-1])
+                self._sessions.pop(name, None)
+                return None
+            self._sessions[name] = new
+        return new
+
+    def _forget(self, agent):
+        try:
+            self._core.forget(agent)
+        except NixlCoreError:
+            pass
+
+    def _drop(self, name):
+        with self._lock:
+            s = self._sessions.pop(name, None)
+            if s is not None and self._core is not None:
+                self._forget(s.agent)
+
+    # -- transfers --------------------------------------------------------
+    def _submit(self, target, op, buffers, peer_addrs, lengths, notify=None):
+        """Post a transfer; returns (request id, session, total bytes) or
+        (None, ..., ...) after logging why. A request id of 0 means nothing
+        to move."""
+        core = self._core
+        if core is None:
+            logger.error("transfer before initialize")
+            return None, None, 0
+        if op is None:
+            return None, None, 0
+        try:
+            bufs, peers, lens = _ints(buffers, "Q"), _ints(peer_addrs, "Q"), _ints(lengths, "q")
+        except (TypeError, ValueError, OverflowError) as e:
+            logger.error("transfer arguments: %s", e)
+            return None, None, 0
+        if not (len(bufs) == len(peers) == len(lens)):
+            logger.error("buffers, peer_buffer_addresses and lengths have different size")
+            return None, None, 0
+        if len(lens) and lens.min() <= 0:
+            if lens.min() < 0:
+                logger.error("negative length")
+                return None, None, 0
+            keep = lens > 0  # zero-length entries move nothing
+            bufs, peers, lens = bufs[keep], peers[keep], lens[keep]
+        s = self._session(target)
+        if s is None:
+            return None, None, 0
+        total = int(lens.sum())
+        if not len(bufs):
+            return 0, s, 0
+        local, remote = _rows(bufs, lens), _rows(peers, lens)
+        notif = _pack_notify(notify.name, notify.msg) if notify is not None else None
+        for attempt in (0, 1):
+            try:
+                rid = core.create("WRITE" if op == TransferOpcode.Write else "READ", local, s.agent, remote, 2, notif)
+                break
+            except NixlCoreError as e:
+                status, msg = e.args
+                if status == _NOT_FOUND and attempt == 0 and s.host:
+                    try:
+                        core.check(s.agent, remote, 2)
+                        remote_ok = True
+                    except NixlCoreError:
+                        remote_ok = False
+                    if not remote_ok:
+                        # Registered after we fetched its description? Ask again.
+                        s = self._session(target, refresh=True)
+                        if s is None:
+                            return None, None, 0
+                        continue
+                logger.error("transfer to %s: %s", target, msg)
+                if status == _REMOTE_DISCONNECT or "unknown agent" in msg.lower():
+                    self._drop(target)
+                return None, None, 0
+        try:
+            core.post(rid)
+        except NixlCoreError as e:
+            logger.error("transfer to %s: %s", target, e.args[-1])
+            self._release(rid)
+            if e.args[0] == _REMOTE_DISCONNECT:
+                self._drop(target)
+            return None, None, 0
+        return rid, s, total
+
+    def _release(self, rid):
+        try:
+            self._core.release(rid)
+        except (NixlCoreError, AttributeError):
+            pass
+
+    def _poll(self, rid, target):
+        """1 done, 0 running, -1 failed (request released when not running)."""
+        try:
+            st = self._core.state(rid)
+        except NixlCoreError as e:
+            logger.error("transfer to %s failed: %s", target, e.args[-1])
+            self._release(rid)
+            if e.args[0] == _REMOTE_DISCONNECT:
+                self._drop(target)
+            return -1
+        except AttributeError:  # closed meanwhile
+            return -1
+        if st == 0:
+            self._release(rid)
+            return 1
+        return 0
+
+    def _deadline(self, total):
+        return time.monotonic() + self._timeout + total / 1e9  # Mooncake: + 1 GiB/s
+
+    def _wait(self, rid, target, deadline):
+        n = 0
+        while True:
+            r = self._poll(rid, target)
+            if r != 0:
+                return 0 if r == 1 else -1
+            if time.monotonic() > deadline:
+                logger.error("transfer to %s timed out (MC_TRANSFER_TIMEOUT=%gs)", target, self._timeout)
+                self._release(rid)  # cancels; returns once no byte can still move
+                return -1
+            n += 1
+            if n > 200:
+                time.sleep(0.0002 if n < 2000 else 0.001)
+
+    def _sync(self, target, op, buffers, peer_addrs, lengths, notify=None):
+        rid, _s, total = self._submit(target, op, buffers, peer_addrs, lengths, notify)
+        if rid is None:
+            return -1
+        if rid == 0:
+            return 0
+        return self._wait(rid, str(target), self._deadline(total))
+
+    def transfer_sync_write(self, target_hostname, buffer, peer_buffer_address, length, transport_hint=""):
+        return self._sync(target_hostname, TransferOpcode.Write, [buffer], [peer_buffer_address], [length])
+
+    def transfer_sync_read(self, target_hostname, buffer, peer_buffer_address, length, transport_hint=""):
+        return self._sync(target_hostname, TransferOpcode.Read, [buffer], [peer_buffer_address], [length])
+
+    def transfer_sync(self, target_hostname, buffer, peer_buffer_address, length, opcode, notify=None,
+                      transport_hint=""):
+        return self._sync(target_hostname, _opcode(opcode), [buffer], [peer_buffer_address], [length],
+                          notify)
+
+    def batch_transfer_sync_write(self, target_hostname, buffers, peer_buffer_addresses, lengths,
+                                  transport_hint=""):
+        return self._sync(target_hostname, TransferOpcode.Write, buffers, peer_buffer_addresses, lengths)
+
+    def batch_transfer_sync_read(self, target_hostname, buffers, peer_buffer_addresses, lengths,
+                                 transport_hint=""):
+        return self._sync(target_hostname, TransferOpcode.Read, buffers, peer_buffer_addresses, lengths)
+
+    def batch_transfer_sync(self, target_hostname, buffers, peer_buffer_addresses, lengths, opcode, notify=None,
+                            transport_hint=""):
+        return self._sync(target_hostname, _opcode(opcode), buffers, peer_buffer_addresses, lengths,
+                          notify)
+
+    def _async(self, target, op, buffers, peer_addrs, lengths):
+        rid, s, total = self._submit(target, op, buffers, peer_addrs, lengths)
+        if rid is None:
+            return 0  # Mooncake's failure id
+        with self._lock:
+            self._next_batch += 1
+            bid = self._next_batch
+            self._batches[bid] = _Batch(rid, self._deadline(total), str(target))
+        return bid
+
+    def batch_transfer_async_write(self, target_hostname, buffers, peer_buffer_addresses, lengths,
+                                   transport_hint=""):
+        return self._async(target_hostname, TransferOpcode.Write, buffers, peer_buffer_addresses, lengths)
+
+    def batch_transfer_async_read(self, target_hostname, buffers, peer_buffer_addresses, lengths,
+                                  transport_hint=""):
+        return self._async(target_hostname, TransferOpcode.Read, buffers, peer_buffer_addresses, lengths)
+
+    def batch_transfer_async(self, target_hostname, buffers, peer_buffer_addresses, lengths, opcode,
+                             transport_hint=""):
+        return self._async(target_hostname, _opcode(opcode), buffers, peer_buffer_addresses, lengths)
+
+    def transfer_submit_write(self, target_hostname, buffer, peer_buffer_address, length, transport_hint=""):
+        return self._async(target_hostname, TransferOpcode.Write, [buffer], [peer_buffer_address], [length])
+
+    def _take(self, bid):
+        with self._lock:
+            return self._batches.pop(int(bid), None)
+
+    def transfer_check_status(self, batch_id):
+        """1 done, 0 running, -1 failed, -2 timed out (the transfer is
+        cancelled). After 1, -1 or -2 the id is freed."""
+        with self._lock:
+            b = self._batches.get(int(batch_id))
+        if b is None:
+            logger.error("transfer_check_status: unknown batch id %s", batch_id)
+            return -1
+        r = 1 if b.rid == 0 else self._poll(b.rid, b.session)
+        if r == 0 and time.monotonic() > b.deadline:
+            self._release(b.rid)
+            r = -2
+        if r != 0:
+            self._take(batch_id)
+        return r
+
+    def get_batch_transfer_status(self, batch_ids):
+        """Waits for every batch: 0 when all completed, -1 on the first
+        failure or timeout (the rest are cancelled and freed)."""
+        batches = []
+        for bid in batch_ids:
+            b = self._take(bid)
+            if b is None:
+                logger.error("get_batch_transfer_status: unknown batch id %s", bid)
+                for o in batches:
+                    if o.rid:
+                        self._release(o.rid)
+                return -1
+            batches.append(b)
+        rc = 0
+        for i, b in enumerate(batches):
+            if b.rid == 0:
+                continue
+            if self._wait(b.rid, b.session, b.deadline) != 0:
+                rc = -1
+                for o in batches[i + 1:]:
+                    if o.rid:
+                        self._release(o.rid)
+                break
+        return rc
+
+    # -- CUDA-stream variants ---------------------------------------------
+    def _on_cuda(self, *args, **kwargs):
+        raise _not_supported("transfers ordered on a CUDA stream",
+                             "kvwire runs no CUDA host callbacks; synchronize the stream, then call "
+                             "batch_transfer_sync_write/read")
+
+    transfer_write_on_cuda = _on_cuda
+    transfer_read_on_cuda = _on_cuda
+    batch_transfer_write_on_cuda = _on_cuda
+    batch_transfer_read_on_cuda = _on_cuda
+
+    # -- notifications and liveness ---------------------------------------
+    def get_notifies(self):
+        core = self._core
+        if core is None:
+            return []
+        out = []
+        try:
+            got = core.notifs()
+        except NixlCoreError as e:
+            logger.error("get_notifies: %s", e.args[-1])
+            return out
+        for sender, msgs in got.items():
+            out.extend(_unpack_notify(sender, bytes(m)) for m in msgs)
+        return out
+
+    def send_probe(self, peer_server_name):
+        """0 when the session's rpc port answers, ERR_SOCKET (-102) otherwise."""
+        if self._core is None:
+            return -1
+        if peer_server_name in self._names:
+            return 0
+        where = self._locate(str(peer_server_name))
+        if where is None:
+            return ERR_SOCKET
+        return 0 if _rpc.probe(where[0], where[1], timeout=min(5.0, self._timeout)) else ERR_SOCKET

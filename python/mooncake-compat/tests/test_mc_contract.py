@@ -1,0 +1,431 @@
+"""Contract of mooncake.engine.TransferEngine (kvwire) in one process: every
+call, its Mooncake return codes, bytes verified, on shm and tcp."""
+
+import importlib
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+import mooncake.engine as me
+from mooncake import _rpc
+from mooncake.engine import TransferEngine, TransferNotify, TransferOpcode
+
+PAGE = 4096
+
+
+def reg(engine, n, fill=None):
+    a = np.zeros(n, dtype=np.uint8) if fill is None else np.frombuffer(np.random.default_rng(fill).bytes(n),
+                                                                         dtype=np.uint8).copy()
+    assert engine.register_memory(a.ctypes.data, a.nbytes) == 0
+    return a
+
+
+# -- setup ----------------------------------------------------------------
+
+def test_initialize_p2p_session_and_rpc_port(transport):
+    e = TransferEngine()
+    assert e.get_rpc_port() == -1
+    assert e.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0
+    port = e.get_rpc_port()
+    assert 15000 <= port <= 17000
+    assert e.session_id == f"127.0.0.1:{port}"
+    assert e._transport == transport
+    assert e.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == -1, "a second initialize must fail"
+    e.close()
+
+
+def test_rpc_port_range_env(transport, monkeypatch):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        free = s.getsockname()[1]
+    monkeypatch.setenv("MC_MIN_RPC_PORT", str(free))
+    monkeypatch.setenv("MC_MAX_RPC_PORT", str(free))
+    e = TransferEngine()
+    assert e.initialize("127.0.0.1:12345", "P2PHANDSHAKE", "tcp", "") == 0
+    assert e.get_rpc_port() == free
+    e2 = TransferEngine()
+    assert e2.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == -1, "the only port is taken"
+    e.close()
+
+
+def test_initialize_ext_and_bad_arguments(transport):
+    e = TransferEngine()
+    assert e.initialize_ext("127.0.0.1", "P2PHANDSHAKE", "tcp", "", "p2p") == 0
+    e.close()
+    assert TransferEngine().initialize("127.0.0.1", "http://127.0.0.1:8080/metadata", "tcp", "") == -1
+    assert TransferEngine().initialize("127.0.0.1", "redis://127.0.0.1:6379", "tcp", "") == -1
+    assert TransferEngine().initialize("", "P2PHANDSHAKE", "tcp", "") == -1
+
+
+def test_failed_initialize_can_be_retried(transport):
+    e = TransferEngine()
+    assert e.initialize("127.0.0.1", "etcd://127.0.0.1:1", "efa", "") == -1
+    assert e.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0
+    assert e._etcd is None, "the failed etcd attempt left nothing behind"
+    assert e.send_probe(e.session_id) == 0
+    e.close()
+
+
+def test_protocol_to_transport_rule(monkeypatch):
+    monkeypatch.delenv("KVWIRE_MOONCAKE_TRANSPORT", raising=False)
+    monkeypatch.delenv("MC_FORCE_TCP", raising=False)
+    monkeypatch.setattr(me, "_active_rdma_port", lambda: False)
+    assert me.transport_for("tcp", "127.0.0.1") == ("shm", "")
+    assert me.transport_for("tcp", "localhost") == ("shm", "")
+    assert me.transport_for("rdma", "127.0.0.1") == ("shm", ""), "rdma without a NIC falls back like Mooncake"
+    assert me.transport_for("tcp", "192.0.2.7") == ("tcp", "")
+    t, why = me.transport_for("efa", "127.0.0.1")
+    assert t is None and "efa" in why
+    monkeypatch.setattr(me, "_active_rdma_port", lambda: True)
+    assert me.transport_for("rdma", "192.0.2.7") == ("verbs", "")
+    assert me.transport_for("tcp", "192.0.2.7") == ("tcp", "")
+    monkeypatch.setenv("MC_FORCE_TCP", "1")
+    assert me.transport_for("rdma", "127.0.0.1") == ("tcp", "")
+    monkeypatch.setenv("MC_FORCE_TCP", "false")
+    assert me.transport_for("rdma", "192.0.2.7") == ("verbs", "")
+    monkeypatch.setenv("KVWIRE_MOONCAKE_TRANSPORT", "tcp")
+    assert me.transport_for("rdma", "127.0.0.1") == ("tcp", "")
+    monkeypatch.setenv("KVWIRE_MOONCAKE_TRANSPORT", "carrier-pigeon")
+    assert me.transport_for("tcp", "127.0.0.1")[0] is None
+
+
+def test_device_name_forms():
+    assert me._first_device("") == ""
+    assert me._first_device("mlx5_0") == "mlx5_0"
+    assert me._first_device("mlx5_1:1,mlx5_0") == "mlx5_1"
+    assert me._first_device('{"0": "mlx5_2,mlx5_3", "1": "mlx5_4"}') == "mlx5_2"
+    assert me._first_device('{"0": ["mlx5_5"]}') == "mlx5_5"
+    assert me._first_device("{not json") == ""
+
+
+def test_mc_force_tcp_initializes_tcp(monkeypatch):
+    monkeypatch.delenv("KVWIRE_MOONCAKE_TRANSPORT", raising=False)
+    monkeypatch.setenv("MC_FORCE_TCP", "true")
+    e = TransferEngine()
+    assert e.initialize("127.0.0.1", "P2PHANDSHAKE", "rdma", "") == 0
+    assert e._transport == "tcp"
+    e.close()
+
+
+def test_unsupported_protocol_returns_minus_one(monkeypatch):
+    monkeypatch.delenv("KVWIRE_MOONCAKE_TRANSPORT", raising=False)
+    assert TransferEngine().initialize("127.0.0.1", "P2PHANDSHAKE", "nvlink", "") == -1
+
+
+def test_transfer_timeout_env(monkeypatch):
+    monkeypatch.delenv("MC_TRANSFER_TIMEOUT", raising=False)
+    assert TransferEngine()._timeout == 30
+    monkeypatch.setenv("MC_TRANSFER_TIMEOUT", "1")
+    assert TransferEngine()._timeout == 5, "clamped to >= 5 s as Mooncake's binding does"
+    monkeypatch.setenv("MC_TRANSFER_TIMEOUT", "12")
+    assert TransferEngine()._timeout == 12
+
+
+def test_topology_and_unsupported_parts(transport):
+    e = TransferEngine()
+    assert e.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0
+    assert isinstance(e.get_local_topology(), str) and e.get_local_topology().startswith("{")
+    with pytest.raises(NotImplementedError, match="torch.distributed"):
+        e.get_engine()
+    with pytest.raises(NotImplementedError, match="C\\+\\+ engine"):
+        e.get_engine_ptr()
+    with pytest.raises(NotImplementedError, match="CUDA stream"):
+        e.transfer_write_on_cuda("x:1", 0, 0, 1, 0)
+    assert e.warmup_efa_segment("x:1") == 0
+    for mod in ("mooncake.store", "mooncake.pg", "mooncake.ep", "mooncake.allocator"):
+        sys.modules.pop(mod, None)
+        with pytest.raises(ImportError, match="kvwire"):
+            importlib.import_module(mod)
+    assert TransferOpcode.Read == 0 and TransferOpcode.Write == 1 and me.Write == TransferOpcode.Write
+    assert me.SUPPORT_CUDA is False
+    assert TransferEngine.TransferOpcode.Write == 1
+    with pytest.raises(AttributeError, match="coro-RPC"):
+        me.create_rpc_server  # noqa: B018
+    assert not hasattr(me, "SharedSegment")
+    e.close()
+
+
+# -- memory ---------------------------------------------------------------
+
+def test_register_unregister_and_codes(transport):
+    e = TransferEngine()
+    a = np.zeros(1 << 16, dtype=np.uint8)
+    assert e.register_memory(a.ctypes.data, a.nbytes) < 0, "before initialize"
+    assert e.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0
+    assert e.register_memory(a.ctypes.data, a.nbytes, "cpu:0") == 0
+    assert e.register_memory(a.ctypes.data, a.nbytes) < 0, "registered twice"
+    assert e.register_memory(a.ctypes.data + 4096, 4096) < 0, "overlaps a registration"
+    assert e.get_first_buffer_address(e.session_id) == a.ctypes.data
+    assert e.unregister_memory(a.ctypes.data) == 0
+    assert e.unregister_memory(a.ctypes.data) < 0, "not registered"
+    assert e.get_first_buffer_address(e.session_id) == 0
+    bufs = [np.zeros(8192, dtype=np.uint8) for _ in range(4)]
+    addrs = [b.ctypes.data for b in bufs]
+    assert e.batch_register_memory(addrs, [8192] * 4) == 0
+    assert e.batch_register_memory(addrs[:1], [8192, 8192]) < 0, "length mismatch"
+    assert e.batch_unregister_memory(addrs) == 0
+    # all or nothing: the second entry fails, the first is rolled back
+    assert e.batch_register_memory([addrs[0], addrs[0]], [8192, 8192]) < 0
+    assert e.register_memory(addrs[0], 8192) == 0, "rolled back, so it can be registered again"
+    e.close()
+
+
+def test_managed_buffers_and_bytes(transport):
+    e = TransferEngine()
+    assert e.allocate_managed_buffer(4096) == 0, "before initialize"
+    assert e.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0
+    assert e.get_first_buffer_address(e.session_id) == 0
+    p = e.allocate_managed_buffer(1 << 20)
+    assert p != 0
+    assert e.get_first_buffer_address(e.session_id) == p
+    assert e.write_bytes_to_buffer(p + 10, b"abcdef", 6) == 0
+    assert e.read_bytes_from_buffer(p + 10, 6) == b"abcdef"
+    assert e.write_bytes_to_buffer(p, b"xyz", 2) == 0
+    assert e.read_bytes_from_buffer(p, 3) == b"xy\0"
+    assert e.allocate_managed_buffer(0) == 0
+    assert e.free_managed_buffer(p, 1 << 20) == 0
+    assert e.free_managed_buffer(p, 1 << 20) < 0
+    assert e.get_first_buffer_address(e.session_id) == 0
+    e.close()
+
+
+# -- transfers ------------------------------------------------------------
+
+def test_sync_write_read_single(engines):
+    a, b = engines
+    src, dst = reg(a, 1 << 16, fill=1), reg(b, 1 << 16)
+    assert a.transfer_sync_write(b.session_id, src.ctypes.data + 100, dst.ctypes.data + 5000, 3000) == 0
+    assert (dst[5000:8000] == src[100:3100]).all()
+    assert not dst[:5000].any() and not dst[8000:].any(), "only the named range is written"
+    back = reg(a, 4096)
+    assert a.transfer_sync_read(b.session_id, back.ctypes.data, dst.ctypes.data + 5000, 3000) == 0
+    assert (back[:3000] == src[100:3100]).all()
+    assert a.transfer_sync(b.session_id, back.ctypes.data, dst.ctypes.data, 16, TransferOpcode.Read) == 0
+    assert not back[:16].any()
+    assert a.transfer_sync(b.session_id, src.ctypes.data, dst.ctypes.data, 16, TransferOpcode.Write) == 0
+    assert (dst[:16] == src[:16]).all()
+    assert a.get_first_buffer_address(b.session_id) == dst.ctypes.data
+
+
+def test_batch_sync_scattered_pages(engines):
+    a, b = engines
+    n = 512
+    src, dst = reg(a, n * PAGE, fill=2), reg(b, n * PAGE)
+    perm = np.random.default_rng(3).permutation(n)
+    srcs = [src.ctypes.data + i * PAGE for i in range(n)]
+    dsts = [dst.ctypes.data + int(p) * PAGE for p in perm]
+    assert a.batch_transfer_sync_write(b.session_id, srcs, dsts, [PAGE] * n) == 0
+    d, s = dst.reshape(n, PAGE), src.reshape(n, PAGE)
+    assert (d[perm] == s).all()
+    back = reg(a, n * PAGE)
+    backs = [back.ctypes.data + i * PAGE for i in range(n)]
+    assert a.batch_transfer_sync_read(b.session_id, backs, dsts, [PAGE] * n) == 0
+    assert (back == src).all()
+    assert a.batch_transfer_sync(b.session_id, backs[:2], dsts[:2], [PAGE, PAGE], TransferOpcode.Read) == 0
+    assert a.batch_transfer_sync_write(b.session_id, [], [], []) == 0, "an empty batch moves nothing"
+
+
+def test_async_batches_and_submit(engines):
+    a, b = engines
+    src, dst = reg(a, 64 * PAGE, fill=4), reg(b, 64 * PAGE)
+    ids = []
+    for half in (0, 32):
+        srcs = [src.ctypes.data + (half + i) * PAGE for i in range(32)]
+        dsts = [dst.ctypes.data + (half + i) * PAGE for i in range(32)]
+        bid = a.batch_transfer_async_write(b.session_id, srcs, dsts, [PAGE] * 32)
+        assert bid != 0
+        ids.append(bid)
+    assert a.get_batch_transfer_status(ids) == 0
+    assert (dst == src).all()
+    back = reg(a, 64 * PAGE)
+    bid = a.batch_transfer_async_read(b.session_id, [back.ctypes.data], [dst.ctypes.data], [64 * PAGE])
+    assert bid != 0 and a.get_batch_transfer_status([bid]) == 0
+    assert (back == src).all()
+    bid = a.batch_transfer_async(b.session_id, [back.ctypes.data], [dst.ctypes.data], [PAGE], TransferOpcode.Read)
+    assert bid != 0 and a.get_batch_transfer_status([bid]) == 0
+
+    dst[:] = 0
+    bid = a.transfer_submit_write(b.session_id, src.ctypes.data, dst.ctypes.data + PAGE, PAGE)
+    assert bid != 0
+    deadline = time.monotonic() + 10
+    while (rc := a.transfer_check_status(bid)) == 0:
+        assert time.monotonic() < deadline
+    assert rc == 1
+    assert (dst[PAGE:2 * PAGE] == src[:PAGE]).all()
+    assert a.transfer_check_status(bid) == -1, "a finished id is freed"
+    assert a.get_batch_transfer_status([12345678]) == -1, "unknown id"
+
+
+def test_failed_async_status(engines):
+    a, b = engines
+    src, dst = reg(a, PAGE, fill=11), reg(b, PAGE)
+    assert a.transfer_sync_write(b.session_id, src.ctypes.data, dst.ctypes.data, 8) == 0  # caches b's regions
+    dst[:] = 0
+    assert b.unregister_memory(dst.ctypes.data) == 0
+    # Accepted against the cached description and refused by the target
+    # (tcp), or refused at submission (shm checks when it posts): 0 is
+    # Mooncake's failed submission, otherwise the status must say -1.
+    bid = a.transfer_submit_write(b.session_id, src.ctypes.data, dst.ctypes.data, PAGE)
+    if bid != 0:
+        deadline = time.monotonic() + 10
+        while (rc := a.transfer_check_status(bid)) == 0:
+            assert time.monotonic() < deadline
+        assert rc == -1
+    bid = a.batch_transfer_async_write(b.session_id, [src.ctypes.data], [dst.ctypes.data], [PAGE])
+    assert bid == 0 or a.get_batch_transfer_status([bid]) == -1
+    assert not dst.any()
+
+
+def test_notifications(engines):
+    a, b = engines
+    src, dst = reg(a, PAGE, fill=5), reg(b, PAGE)
+    assert a.transfer_sync(b.session_id, src.ctypes.data, dst.ctypes.data, PAGE, TransferOpcode.Write,
+                           TransferNotify("req-7", "kv done")) == 0
+    assert (dst == src).all()
+    assert a.batch_transfer_sync(b.session_id, [src.ctypes.data], [dst.ctypes.data], [8], TransferOpcode.Write,
+                                 notify=TransferNotify("req-8", "aux")) == 0
+    got, deadline = [], time.monotonic() + 5
+    while len(got) < 2 and time.monotonic() < deadline:
+        got += b.get_notifies()
+        time.sleep(0.01)
+    assert sorted((n.name, n.msg) for n in got) == [("req-7", "kv done"), ("req-8", "aux")]
+    assert b.get_notifies() == []
+
+
+# -- errors are return codes, not exceptions ------------------------------
+
+def test_remote_range_outside_registrations(engines):
+    a, b = engines
+    src, dst = reg(a, 4 * PAGE, fill=6), reg(b, 4 * PAGE)
+    end = dst.ctypes.data + dst.nbytes
+    assert a.transfer_sync_write(b.session_id, src.ctypes.data, end - 10, 20) == -1, "crosses the end"
+    assert a.transfer_sync_write(b.session_id, src.ctypes.data, 4096, 16) == -1, "not registered at all"
+    assert a.transfer_sync_read(b.session_id, src.ctypes.data, end, 16) == -1
+    # a batch with one bad entry fails as a whole and writes nothing (stricter than Mooncake)
+    srcs = [src.ctypes.data, src.ctypes.data + PAGE]
+    assert a.batch_transfer_sync_write(b.session_id, srcs, [dst.ctypes.data, end], [PAGE, PAGE]) == -1
+    assert not dst.any()
+    assert a.batch_transfer_async_write(b.session_id, srcs, [dst.ctypes.data, end], [PAGE, PAGE]) == 0
+    # the session stays usable
+    assert a.transfer_sync_write(b.session_id, src.ctypes.data, dst.ctypes.data, PAGE) == 0
+    assert (dst[:PAGE] == src[:PAGE]).all()
+
+
+def test_local_buffer_must_be_registered(engines):
+    a, b = engines
+    dst = reg(b, PAGE)
+    loose = np.ones(PAGE, dtype=np.uint8)
+    assert a.transfer_sync_write(b.session_id, loose.ctypes.data, dst.ctypes.data, PAGE) == -1
+    assert not dst.any()
+
+
+def test_bad_arguments_are_codes(engines):
+    a, b = engines
+    src, dst = reg(a, PAGE), reg(b, PAGE)
+    assert a.batch_transfer_sync_write(b.session_id, [src.ctypes.data], [dst.ctypes.data], [1, 2]) == -1
+    assert a.batch_transfer_async_write(b.session_id, [src.ctypes.data], [], [1]) == 0
+    assert a.transfer_sync_write(b.session_id, src.ctypes.data, dst.ctypes.data, -1) == -1
+    assert a.transfer_sync_write("no-port-here", src.ctypes.data, dst.ctypes.data, 8) == -1
+    assert a.transfer_sync(b.session_id, src.ctypes.data, dst.ctypes.data, 8, 7) == -1, "no opcode 7"
+    assert a.batch_transfer_async(b.session_id, [src.ctypes.data], [dst.ctypes.data], [8], 7) == 0
+
+
+def test_unknown_and_dead_sessions(engines):
+    a, b = engines
+    src = reg(a, PAGE)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        closed = f"127.0.0.1:{s.getsockname()[1]}"
+    t = time.monotonic()
+    assert a.transfer_sync_write(closed, src.ctypes.data, 0, 16) == -1
+    assert a.batch_transfer_sync_read(closed, [src.ctypes.data], [0], [16]) == -1
+    assert a.transfer_submit_write(closed, src.ctypes.data, 0, 16) == 0
+    assert a.send_probe(closed) == -102
+    assert time.monotonic() - t < 5, "a closed port fails fast"
+    # Mooncake's own test name: an unresolvable host (its lookup time is the resolver's)
+    assert a.batch_transfer_async_write("unreachable_peer:9", [0], [0], [16]) == 0
+    assert a.send_probe("unreachable_peer:9") != 0
+    assert a.send_probe(b.session_id) == 0
+    assert a.send_probe(a.session_id) == 0
+
+
+def test_peer_registers_after_session_opened(engines):
+    a, b = engines
+    src, first = reg(a, PAGE, fill=8), reg(b, PAGE)
+    assert a.transfer_sync_write(b.session_id, src.ctypes.data, first.ctypes.data, PAGE) == 0
+    later = reg(b, PAGE)  # a's cached description does not have it yet
+    assert a.transfer_sync_write(b.session_id, src.ctypes.data, later.ctypes.data, PAGE) == 0
+    assert (later == src).all()
+
+
+def test_peer_unregisters_after_session_opened(engines):
+    a, b = engines
+    src, dst = reg(a, PAGE, fill=9), reg(b, PAGE)
+    assert a.transfer_sync_write(b.session_id, src.ctypes.data, dst.ctypes.data, PAGE) == 0
+    dst[:] = 0
+    assert b.unregister_memory(dst.ctypes.data) == 0
+    # a still caches the old description; the target checks its current registrations
+    assert a.transfer_sync_write(b.session_id, src.ctypes.data, dst.ctypes.data, PAGE) == -1
+    assert not dst.any()
+
+
+def test_loopback_to_own_session(engines):
+    a, _ = engines
+    x, y = reg(a, PAGE, fill=10), reg(a, PAGE)
+    assert a.transfer_sync_write(a.session_id, x.ctypes.data, y.ctypes.data, PAGE) == 0
+    assert (x == y).all()
+
+
+def test_transfer_before_initialize_is_a_code():
+    e = TransferEngine()
+    assert e.transfer_sync_write("127.0.0.1:1", 0, 0, 8) == -1
+    assert e.transfer_submit_write("127.0.0.1:1", 0, 0, 8) == 0
+    assert e.get_notifies() == []
+    assert e.send_probe("127.0.0.1:1") < 0
+
+
+# -- the rpc port hands metadata only to local or token-holding askers -----
+
+def test_rpc_owner_lookup_finds_this_process():
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(1)
+    c = socket.create_connection(srv.getsockname())
+    conn, _ = srv.accept()
+    assert _rpc.socket_owner_uid(conn.getpeername(), conn.getsockname()) == os.getuid()
+    assert _rpc.is_local_same_user(conn)
+    for s in (c, conn, srv):
+        s.close()
+
+
+def test_rpc_token(transport, monkeypatch):
+    monkeypatch.setenv("KVWIRE_MOONCAKE_TOKEN", "s3cret")
+    e = TransferEngine()
+    assert e.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0
+    assert _rpc.describe("127.0.0.1", e.get_rpc_port())["agent"] == e.session_id
+    monkeypatch.setenv("KVWIRE_MOONCAKE_TOKEN", "wrong")
+    with pytest.raises(_rpc.RpcRefused, match="KVWIRE_MOONCAKE_TOKEN"):
+        _rpc.describe("127.0.0.1", e.get_rpc_port())
+    assert _rpc.probe("127.0.0.1", e.get_rpc_port()), "probes need no token"
+    e.close()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to ask as another uid")
+def test_rpc_refuses_another_local_user(transport):
+    e = TransferEngine()
+    assert e.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0
+    code = ("import os, sys; sys.path[:0] = %r\n"
+            "from mooncake import _rpc\n"
+            "import socket; socket.getaddrinfo('127.0.0.1', 1); ''.encode('idna')\n"
+            "os.setgid(65534); os.setuid(65534)\n"
+            "try:\n    _rpc.describe('127.0.0.1', %d); print('served')\n"
+            "except _rpc.RpcRefused as e:\n    print('refused', e)\n") % (sys.path, e.get_rpc_port())
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=30)
+    assert out.stdout.startswith("refused"), out.stdout + out.stderr
+    assert "not a local process of this user" in out.stdout
+    e.close()

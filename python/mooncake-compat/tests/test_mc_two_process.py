@@ -1,0 +1,213 @@
+"""Two processes, each with its own engine, on shm and tcp: the calls in
+both directions, bytes verified; a peer killed mid-batch gives -1 within
+MC_TRANSFER_TIMEOUT, and a restarted peer is reachable again."""
+
+import hashlib
+import socket
+import threading
+import time
+
+import numpy as np
+from conftest import DEVICE
+import pytest
+
+from mooncake.engine import TransferEngine, TransferNotify, TransferOpcode
+
+PAGE = 4096
+
+
+def local_engine():
+    e = TransferEngine()
+    assert e.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", DEVICE) == 0
+    return e
+
+
+def reg(engine, n, seed=None):
+    a = np.zeros(n, dtype=np.uint8)
+    if seed is not None:
+        a[:] = np.frombuffer(np.random.default_rng(seed).bytes(n), dtype=np.uint8)
+    assert engine.register_memory(a.ctypes.data, a.nbytes) == 0
+    return a
+
+
+def sha(a):
+    return hashlib.sha256(a.tobytes()).hexdigest()
+
+
+def test_write_read_batch_async_notify(transport, peer_factory):
+    peer = peer_factory()
+    info = peer.call(op="init")
+    assert info["rc"] == 0 and info["transport"] == transport
+    session = info["session"]
+    (dst,) = peer.call(op="alloc", sizes=[256 * PAGE])["addrs"]
+    e = local_engine()
+    src = reg(e, 256 * PAGE, seed=1)
+    assert e.send_probe(session) == 0
+    assert e.get_first_buffer_address(session) == dst
+
+    assert e.transfer_sync_write(session, src.ctypes.data, dst, 1000) == 0
+    assert peer.call(op="read", addr=dst, len=1000)["hex"] == src[:1000].tobytes().hex()
+
+    perm = np.random.default_rng(2).permutation(256)
+    srcs = [src.ctypes.data + i * PAGE for i in range(256)]
+    dsts = [dst + int(p) * PAGE for p in perm]
+    assert e.batch_transfer_sync_write(session, srcs, dsts, [PAGE] * 256) == 0
+    expect = np.zeros_like(src).reshape(256, PAGE)
+    expect[perm] = src.reshape(256, PAGE)
+    assert peer.call(op="sha", pieces=[[dst, 256 * PAGE]])["sha"] == sha(expect)
+
+    back = reg(e, 256 * PAGE)
+    assert e.batch_transfer_sync_read(session, [back.ctypes.data + i * PAGE for i in range(256)], dsts,
+                                      [PAGE] * 256) == 0
+    assert (back == src).all()
+
+    back[:] = 0
+    bid = e.batch_transfer_async_read(session, [back.ctypes.data], [dst], [256 * PAGE])
+    assert bid != 0 and e.get_batch_transfer_status([bid]) == 0
+    assert sha(back) == sha(expect)
+
+    bid = e.transfer_submit_write(session, src.ctypes.data, dst, PAGE)
+    deadline = time.monotonic() + 10
+    while (rc := e.transfer_check_status(bid)) == 0:
+        assert time.monotonic() < deadline
+    assert rc == 1
+    assert peer.call(op="read", addr=dst, len=PAGE)["hex"] == src[:PAGE].tobytes().hex()
+
+    assert e.transfer_sync(session, src.ctypes.data, dst, 8, TransferOpcode.Write, TransferNotify("r1", "m1")) == 0
+    deadline, got = time.monotonic() + 5, []
+    while not got and time.monotonic() < deadline:
+        got = peer.call(op="notifies")["got"]
+    assert got == [["r1", "m1"]]
+
+    # out of the peer's registrations: -1, nothing written there
+    assert e.transfer_sync_write(session, src.ctypes.data, dst + 256 * PAGE - 8, 16) == -1
+    # the peer as initiator towards us
+    mine = reg(e, PAGE)
+    assert peer.call(op="transfer", fn="transfer_sync_read",
+                     args=[e.session_id, dst, mine.ctypes.data, PAGE])["rc"] == 0
+    assert peer.call(op="read", addr=dst, len=PAGE)["hex"] == mine.tobytes().hex()
+    peer.close()
+    e.close()
+
+
+def test_target_unregisters(transport, peer_factory):
+    peer = peer_factory()
+    session = peer.call(op="init")["session"]
+    (dst,) = peer.call(op="alloc", sizes=[PAGE])["addrs"]
+    e = local_engine()
+    src = reg(e, PAGE, seed=3)
+    assert e.transfer_sync_write(session, src.ctypes.data, dst, PAGE) == 0
+    peer.call(op="write", addr=dst, hex="00" * PAGE)
+    assert peer.call(op="unregister", addrs=[dst])["rc"] == 0
+    assert e.transfer_sync_write(session, src.ctypes.data, dst, PAGE) == -1
+    assert peer.call(op="read", addr=dst, len=PAGE)["hex"] == "00" * PAGE
+    # and a buffer it registers later is found without reconnecting
+    (dst2,) = peer.call(op="alloc", sizes=[PAGE])["addrs"]
+    assert e.transfer_sync_write(session, src.ctypes.data, dst2, PAGE) == 0
+    assert peer.call(op="read", addr=dst2, len=PAGE)["hex"] == src.tobytes().hex()
+    e.close()
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_peer_killed_mid_batch_then_restarted(transport, peer_factory, monkeypatch):
+    timeout_s = 5
+    monkeypatch.setenv("MC_TRANSFER_TIMEOUT", str(timeout_s))
+    port = free_port()
+    env = {"MC_MIN_RPC_PORT": str(port), "MC_MAX_RPC_PORT": str(port)}
+    peer = peer_factory(env)
+    session = peer.call(op="init")["session"]
+    assert session == f"127.0.0.1:{port}"
+    size = 256 << 20
+    (dst,) = peer.call(op="alloc", sizes=[size])["addrs"]
+    e = local_engine()
+    src = reg(e, size, seed=None)
+    big = 64 << 10  # 1,024 pages of 64 KiB per batch: each call is in flight for a while
+    n = size // big
+    bsrcs = [src.ctypes.data + i * big for i in range(n)]
+    bdsts = [dst + i * big for i in range(n)]
+    srcs = [src.ctypes.data + i * PAGE for i in range(64)]
+    dsts = [dst + i * PAGE for i in range(64)]
+    assert e.batch_transfer_sync_write(session, srcs[:16], dsts[:16], [PAGE] * 16) == 0  # connected
+
+    results, started = [], threading.Event()
+
+    def writer():
+        # batches of 1,024 pages (SGLang's bound), until one fails
+        for rnd in range(1000):
+            for i in range(0, n, 1024):
+                started.set()
+                t = time.monotonic()
+                rc = e.batch_transfer_sync_write(session, bsrcs[i:i + 1024], bdsts[i:i + 1024], [big] * 1024)
+                results.append((rc, t, time.monotonic()))
+                if rc != 0:
+                    return
+
+    th = threading.Thread(target=writer)
+    th.start()
+    assert started.wait(10)
+    time.sleep(0.3)
+    killed = time.monotonic()
+    peer.kill()
+    th.join(timeout_s + 10)
+    assert not th.is_alive(), "a batch to a killed peer hung"
+    rc, t0, t1 = results[-1]
+    assert rc == -1
+    assert t0 < killed, "the failed batch was in flight when the peer died"
+    assert t1 - killed < timeout_s, f"-1 came {t1 - killed:.2f}s after the kill"
+    t = time.monotonic()
+    assert e.batch_transfer_sync_write(session, srcs[:4], dsts[:4], [PAGE] * 4) == -1
+    assert e.send_probe(session) == -102
+    assert time.monotonic() - t < timeout_s
+
+    # restarted on the same rpc port: same session id, new instance
+    peer2 = peer_factory(env)
+    assert peer2.call(op="init")["session"] == session
+    (dst2,) = peer2.call(op="alloc", sizes=[64 * PAGE])["addrs"]
+    src[:64 * PAGE] = np.frombuffer(np.random.default_rng(5).bytes(64 * PAGE), dtype=np.uint8)
+    assert e.send_probe(session) == 0
+    assert e.batch_transfer_sync_write(session, srcs[:64], [dst2 + i * PAGE for i in range(64)], [PAGE] * 64) == 0
+    assert peer2.call(op="sha", pieces=[[dst2, 64 * PAGE]])["sha"] == sha(src[:64 * PAGE])
+    peer2.close()
+    e.close()
+
+
+def test_frozen_peer_is_bounded_by_the_timeout(transport, peer_factory, monkeypatch):
+    """A peer that stops answering (SIGSTOP) never makes a call hang: each
+    returns a code within MC_TRANSFER_TIMEOUT (+ 1 s/GiB + slack); once it
+    runs again the session works."""
+    import os
+    import signal
+
+    timeout_s = 5
+    monkeypatch.setenv("MC_TRANSFER_TIMEOUT", str(timeout_s))
+    peer = peer_factory()
+    session = peer.call(op="init")["session"]
+    (dst,) = peer.call(op="alloc", sizes=[16 * PAGE])["addrs"]
+    e = local_engine()
+    src = reg(e, 16 * PAGE, seed=12)
+    assert e.transfer_sync_write(session, src.ctypes.data, dst, PAGE) == 0
+    os.kill(peer.proc.pid, signal.SIGSTOP)
+    try:
+        t = time.monotonic()
+        rc = e.batch_transfer_sync_write(session, [src.ctypes.data + i * PAGE for i in range(16)],
+                                         [dst + i * PAGE for i in range(16)], [PAGE] * 16)
+        took = time.monotonic() - t
+        assert took < timeout_s + 3, f"a call to a frozen peer took {took:.1f}s"
+        if transport == "tcp":
+            assert rc == -1, "the frozen target never acknowledges"
+        t = time.monotonic()
+        assert e.send_probe(session) == -102
+        assert time.monotonic() - t < timeout_s + 3
+    finally:
+        os.kill(peer.proc.pid, signal.SIGCONT)
+    src[:] = 7
+    deadline = time.monotonic() + 3 * timeout_s
+    while e.transfer_sync_write(session, src.ctypes.data, dst, PAGE) != 0:
+        assert time.monotonic() < deadline, "the session did not recover after SIGCONT"
+    assert peer.call(op="read", addr=dst, len=PAGE)["hex"] == src[:PAGE].tobytes().hex()
+    e.close()
