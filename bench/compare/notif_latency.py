@@ -4,7 +4,9 @@
 
 Two processes on one host. The sender stamps each notification with
 `time.perf_counter_ns()` (CLOCK_MONOTONIC: one clock for every process of the
-host) and sends it with `send_notif` at random gaps of 0.2-2 ms (no queueing).
+host) and sends it with `send_notif` at random gaps of 0.2-2 ms (no queueing),
+calling `get_new_notifs` in the gaps as an engine loop does (UCX progresses
+a send only inside NIXL calls).
 The receiver polls `get_new_notifs()` the way vLLM's engine loop does:
 `tight` polls back to back; `step` does ~200 µs of Python work between polls
 (an engine step with nothing else to do). Latency = the receiver's
@@ -90,7 +92,11 @@ def main():
         # the first notification also waits for the connection
         for _ in range(COUNT):
             agent.send_notif(rx, struct.pack("<q", time.perf_counter_ns()) + b"n")
-            busy(rng.randint(200, 2000))
+            # the gap: an engine loop that keeps calling into its agent (real
+            # NIXL's UCX makes progress for sends only inside its calls)
+            end = time.perf_counter_ns() + rng.randint(200, 2000) * 1000
+            while time.perf_counter_ns() < end:
+                agent.get_new_notifs()
     res = parent.recv()
     p.join(30)
     print(json.dumps({"module": MOD, "backend": BACKEND, "count": COUNT, "latency_us": res}))
