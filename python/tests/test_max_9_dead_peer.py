@@ -73,3 +73,40 @@ def test_tcp_send_to_a_dead_peer_raises_at_the_call():
         assert info.value.kind == "peer_died"
     finally:
         a.cleanup()
+
+
+# Issue 32 item 3: a dead peer stays known until the caller removes it,
+# removing it never raises, and a restarted peer under the same name connects
+# and moves bytes at once (on shm and tcp).
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+def test_dead_peer_stays_known_then_disconnect_and_reconnect(transport):
+    name = f"e9-restart-{transport}"
+    p, conn, md = start_peer(name, transport)
+    a = kvwire.KVTransferEngine(f"e9-r-{transport}", mem(), transport=transport, peer_timeout_s=1.0)
+    try:
+        a.connect(md)
+        conn.send("die")
+        p.join(30)
+        import time
+
+        deadline = time.time() + 20
+        kinds = []
+        while len(kinds) < 2:
+            assert time.time() < deadline, kinds
+            try:
+                req = a.initiate_send_transfer(md, {"0": [1]}, {"0": [2]})
+                a.sync_and_release(req, timeout_s=10)
+            except kvwire.TransferError as e:
+                kinds.append(e.kind)
+        assert set(kinds) == {"peer_died"}, kinds
+        assert a.is_connected(name), "a dead peer stays known until disconnect"
+        a.disconnect(name)  # never raises for a dead peer
+        assert not a.is_connected(name)
+        p2, conn2, md2 = start_peer(name, transport)
+        a.connect(md2)
+        req = a.initiate_send_transfer(md2, {"0": [1, 2]}, {"0": [3, 4]})
+        a.sync_and_release(req, timeout_s=10)
+        conn2.send("die")
+        p2.join(30)
+    finally:
+        a.cleanup()
