@@ -5,7 +5,9 @@
 # tier and the KV engine's validation over VRAM shard buffers, picks a NIC per
 # GPU, and (row python_cuda_tensors_as_vram) hands CUDA tensors from Python
 # (`__cuda_array_interface__` + `__dlpack_device__`) to kvwire.KVCacheMemory
-# as VRAM; prints a compact pass/fail table. A missing GPU fails (no skipping).
+# as VRAM; rows nixl_vram_descriptors and mooncake_device_pointers run the
+# `nixl` and `mooncake` packages' device-memory checks; prints a compact
+# pass/fail table. A missing GPU fails (no skipping).
 #
 # The python row needs the kvwire Python package: the one staged by
 # scripts/gpu-stage.sh (GPU_CHECK_BINS/python), else the venv of
@@ -99,5 +101,32 @@ if [[ "$py_result" == FAIL && -s "$py_out" ]]; then
     echo "--- $py_row ---"
     tail -20 "$py_out"
 fi
+# The pure-Python faces over the same extension (issue 31): kvwire's `nixl`
+# with VRAM descriptors, and `mooncake` with device pointers. Each prints
+# its OK line; "skip" with the reason when the package is not there.
+face_row() {  # row, check script (repo path), staged name, OK marker, import
+    local row=$1 script=$2 staged=$3 ok=$4 mod=$5 out path=$py_path file
+    out=$(mktemp)
+    file="$root/$script"
+    if [[ -n "${GPU_CHECK_BINS:-}" && -f "$GPU_CHECK_BINS/python/$staged" ]]; then
+        file="$(cd "$GPU_CHECK_BINS/python" && pwd)/$staged"
+    elif [[ -z "$py_skip" ]]; then
+        # from the source tree: the package directory next to its tests
+        path="${py_path:+$py_path:}$root/$(dirname "$(dirname "$script")")"
+    fi
+    if [[ -n "$py_skip" ]] || ! (cd /tmp && PYTHONPATH="$path" "${py[@]}" -c "import $mod") >/dev/null 2>&1; then
+        echo "  info: $row: skipped: ${py_skip:-no $mod package importable}"
+        printf '%-66s %s\n' "$row" skip
+    elif (cd /tmp && PYTHONPATH="$path" timeout 120 "${py[@]}" "$file") >"$out" 2>&1 && grep -q "^$ok\$" "$out"; then
+        sed -n 's/^\(nixl-vram\|mooncake\): /  info: \1: /p' "$out"
+        printf '%-66s %s\n' "$row" pass
+    else
+        printf '%-66s %s\n' "$row" FAIL
+        tail -20 "$out"
+        rc=1
+    fi
+}
+face_row nixl_vram_descriptors python/nixl-compat/tests/nixl_cuda_check.py nixl_cuda_check.py NIXL-CUDA-CHECK-OK nixl._api
+face_row mooncake_device_pointers python/mooncake-compat/tests/mc_cuda_check.py mc_cuda_check.py CUDA-CHECK-OK mooncake.engine
 echo "overall: $([[ $rc -eq 0 ]] && echo PASS || echo FAIL)"
 exit $rc

@@ -14,7 +14,8 @@
 # with PYTHONPATH, no pip). That needs maturin: from the venv of
 # scripts/python-tests.sh (KVWIRE_VENV, default target/python-venv) or PATH;
 # without it the package is not staged, with the reason printed, and the
-# row says "skip" there. GPU_STAGE_PYTHON=0 leaves it out.
+# row says "skip" there. GPU_STAGE_PYTHON=0 leaves it out. The `nixl` and
+# `mooncake` packages (pure Python over it) and their GPU checks go beside it.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 dir=${1:-.gpu-stage}
@@ -41,6 +42,9 @@ else
     python3 -m zipfile -e "$wheels"/kvwire-*.whl "$dir/python"
     rm -rf "$dir/python"/kvwire-*.dist-info "$wheels"
     strip --strip-unneeded "$dir/python/kvwire/"_kvwire*.so 2>/dev/null || true
+    # the pure-Python faces over the same extension, and their GPU checks
+    cp -r python/nixl-compat/nixl python/mooncake-compat/mooncake "$dir/python/"
+    cp python/nixl-compat/tests/nixl_cuda_check.py python/mooncake-compat/tests/mc_cuda_check.py "$dir/python/"
 fi
 ls -l "$dir" "$dir/python/kvwire" 2>/dev/null
 du -sh "$dir"
