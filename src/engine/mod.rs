@@ -128,6 +128,8 @@ pub struct TransferEngine {
     pending_notifs: Vec<peers::PendingNotif>,
     scratch_completions: Vec<Completion>,
     scratch_notifs: Vec<Notification>,
+    /// This agent's series in the process's metrics registry.
+    stats: crate::metrics::AgentHandle,
     _not_sync: PhantomData<Cell<()>>,
 }
 
@@ -154,13 +156,25 @@ impl TransferEngine {
     /// backend is unavailable here.
     pub fn new(name: &str, kind: TransportKind, config: &TransportConfig) -> Result<Self, EngineError> {
         peers::check_agent_name(name)?;
+        let started = Instant::now();
         let transport = transport::create(kind, name, config)?;
-        Ok(Self::with_transport(name, transport))
+        let nic = match kind {
+            TransportKind::Verbs => config.option("device").unwrap_or("default").to_string(),
+            other => other.to_string(),
+        };
+        Ok(Self::build(name, transport, &nic, started))
     }
 
     /// Create agent `name` over an existing transport.
     pub fn with_transport(name: &str, transport: Box<dyn Transport>) -> Self {
+        let nic = transport.kind().to_string();
+        Self::build(name, transport, &nic, Instant::now())
+    }
+
+    fn build(name: &str, transport: Box<dyn Transport>, nic: &str, started: Instant) -> Self {
+        let stats = crate::metrics::global().agent(name, &transport.kind().to_string(), nic, started.elapsed());
         Self {
+            stats,
             name: name.to_string(),
             hostname: metadata::hostname(),
             transport,
@@ -206,8 +220,11 @@ impl TransferEngine {
         if overlaps_prev || overlaps_next {
             return Err(EngineError::OverlappingRegistration { addr: desc.addr, len_bytes: desc.len_bytes });
         }
+        let began = Instant::now();
         let reg = self.transport.register(backing.as_ref())?;
+        crate::metrics::global().registered(&self.stats, desc.len_bytes, began.elapsed());
         self.regs.insert(pos, LocalRegistration { desc, reg, _backing: backing, inflight: 0 });
+        self.stats.regions.store(self.regs.len() as u64, std::sync::atomic::Ordering::Relaxed);
         self.rebuild_spans();
         self.generation += 1;
         Ok(RegistrationHandle(reg.lkey))
@@ -226,6 +243,7 @@ impl TransferEngine {
         }
         self.transport.deregister(handle.0)?;
         self.regs.remove(pos);
+        self.stats.regions.store(self.regs.len() as u64, std::sync::atomic::Ordering::Relaxed);
         self.rebuild_spans();
         self.generation += 1;
         Ok(())
@@ -395,6 +413,7 @@ impl TransferEngine {
         let peer = agent.peer;
         let id = self.next_xfer;
         let mut lkeys: Vec<LocalKey> = Vec::with_capacity(1);
+        let nsegs = segments.len() as u64;
         let mut bytes = 0u64;
         for s in segments.iter() {
             bytes += s.len_bytes;
@@ -416,6 +435,9 @@ impl TransferEngine {
             return Err(e.into());
         }
         let post_duration = posted.elapsed();
+        if !internal {
+            self.stats.link.posted(local.len() as u64, nsegs, bytes);
+        }
         self.next_xfer += 1;
         for k in &lkeys {
             if let Some(r) = self.regs.iter_mut().find(|r| r.reg.lkey == *k) {
@@ -453,6 +475,9 @@ impl TransferEngine {
             Ok(()) => TransferStatus::Done,
             Err(reason) => {
                 let cause = telemetry::classify(&reason);
+                if reason.kind == transport::FailureKind::PeerTimeout {
+                    self.stats.link.stalls.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                }
                 if cause == FailureCause::PeerLost {
                     lost = Some((t.remote.clone(), t.peer));
                 }
@@ -591,6 +616,7 @@ impl TransferEngine {
 
 impl Drop for TransferEngine {
     fn drop(&mut self) {
+        crate::metrics::global().agent_dropped(&self.stats);
         // Cancel what is still moving so no copy outlives the registrations.
         let ids: Vec<u64> =
             self.transfers.iter().filter(|(_, t)| t.status == TransferStatus::InProgress).map(|(id, _)| *id).collect();

@@ -274,6 +274,7 @@ impl TransferEngine {
             r.dead = Some("peer disconnected".to_string());
         }
         tracing::warn!("agent {name}: peer lost; transfers to it fail until it is removed or re-loaded");
+        self.stats.link.disconnects.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let ids: Vec<u64> = self
             .transfers
             .iter()

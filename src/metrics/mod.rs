@@ -25,7 +25,9 @@ use std::fmt::Write as _;
 use std::sync::{Mutex, OnceLock};
 use std::time::Duration;
 
+mod agent;
 mod cache;
+pub use agent::{AgentHandle, LinkCounters, STARTUP_BUCKETS_S, link};
 pub use cache::KVCacheMetrics;
 
 /// Upper bounds (ms) of the latency histogram buckets (`+Inf` follows).
@@ -64,6 +66,7 @@ struct Stats {
 struct State {
     transfers: BTreeMap<(MetricOp, String), Stats>,
     connectors: BTreeMap<String, KVCacheMetrics>,
+    agents: agent::AgentState,
 }
 
 /// A metrics registry (see the module doc); [`global`] is the process's.
@@ -158,6 +161,7 @@ impl Registry {
                 }
             }
         }
+        agent::render(&s.agents, &mut fams);
         fams.render()
     }
 }

@@ -1,0 +1,181 @@
+//! Agent-level series (issue 29): what an operator needs to see start-up,
+//! registration and link health of every [`TransferEngine`]
+//! (crate::engine::TransferEngine) in the process, beside MAX's transfer
+//! series. Hot-path counters are atomics held by the engine (one relaxed add
+//! per post, never a lock); the registry reads them when scraped.
+//!
+//! | metric | type | labels | unit |
+//! |---|---|---|---|
+//! | `kvwire_agent_startup_seconds` | histogram | `transport` | seconds from `TransferEngine::new` to ready |
+//! | `kvwire_registrations_total` | counter | `transport` | registrations |
+//! | `kvwire_registered_bytes_total` | counter | `transport` | bytes registered |
+//! | `kvwire_registration_seconds_total` | counter | `transport` | seconds spent registering (divide by `kvwire_registered_bytes_total` / 2^30 for s/GiB) |
+//! | `kvwire_regions` | gauge | `agent`, `transport` | regions an agent has registered now |
+//! | `kvwire_posted_descriptors_total` / `kvwire_posted_segments_total` | counter | `transport`, `nic` | descriptors callers posted / segments they became after coalescing (the ratio is the coalescing ratio) |
+//! | `kvwire_nic_bytes_total` | counter | `transport`, `nic` | bytes posted through that NIC (verbs `device`, else the transport) |
+//! | `kvwire_peer_disconnects_total` | counter | `transport`, `nic` | peers found dead |
+//! | `kvwire_transfer_stalls_total` | counter | `transport`, `nic` | transfers failed because the peer made no progress within the timeout |
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::time::Duration;
+
+/// Upper bounds (s) of the start-up histogram (`+Inf` follows).
+pub const STARTUP_BUCKETS_S: [f64; 9] = [0.0005, 0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0];
+
+/// Counters of one (transport, NIC) pair, shared by every engine on it and
+/// kept for the life of the process (so counters never go backwards when an
+/// engine is dropped).
+#[derive(Debug, Default)]
+pub struct LinkCounters {
+    /// Descriptors posted (before coalescing).
+    pub descriptors: AtomicU64,
+    /// Segments posted (after coalescing).
+    pub segments: AtomicU64,
+    /// Bytes posted.
+    pub bytes: AtomicU64,
+    /// Peers found dead.
+    pub disconnects: AtomicU64,
+    /// Transfers failed by a peer timeout.
+    pub stalls: AtomicU64,
+}
+
+impl LinkCounters {
+    /// Count one post.
+    pub fn posted(&self, descriptors: u64, segments: u64, bytes: u64) {
+        self.descriptors.fetch_add(descriptors, Relaxed);
+        self.segments.fetch_add(segments, Relaxed);
+        self.bytes.fetch_add(bytes, Relaxed);
+    }
+}
+
+#[derive(Debug, Default)]
+struct Startup {
+    buckets: [u64; STARTUP_BUCKETS_S.len() + 1],
+    sum_s: f64,
+}
+
+#[derive(Debug, Default)]
+struct Registration {
+    count: u64,
+    bytes: u64,
+    seconds: f64,
+}
+
+/// The agent part of the registry.
+#[derive(Debug, Default)]
+pub(super) struct AgentState {
+    startup: BTreeMap<String, Startup>,
+    registration: BTreeMap<String, Registration>,
+    links: BTreeMap<(String, String), Arc<LinkCounters>>,
+    /// agent name -> (transport, regions now)
+    regions: BTreeMap<String, (String, Arc<AtomicU64>)>,
+}
+
+/// What an engine holds to report into the registry (see [`super::Registry::agent`]).
+#[derive(Debug, Clone)]
+pub struct AgentHandle {
+    /// Its link's counters.
+    pub link: Arc<LinkCounters>,
+    /// Its current region count.
+    pub regions: Arc<AtomicU64>,
+    agent: String,
+    transport: String,
+}
+
+impl AgentHandle {
+    /// The agent's name.
+    pub fn agent(&self) -> &str {
+        &self.agent
+    }
+}
+
+impl super::Registry {
+    /// Register an engine: `agent` on `transport` through `nic` (the verbs
+    /// device, or the transport's name), ready after `startup`.
+    pub fn agent(&self, agent: &str, transport: &str, nic: &str, startup: Duration) -> AgentHandle {
+        let mut s = self.lock();
+        let a = &mut s.agents;
+        let st = a.startup.entry(transport.to_string()).or_default();
+        let secs = startup.as_secs_f64();
+        let b = STARTUP_BUCKETS_S.iter().position(|&ub| secs <= ub).unwrap_or(STARTUP_BUCKETS_S.len());
+        st.buckets[b] += 1;
+        st.sum_s += secs;
+        let link = a.links.entry((transport.to_string(), nic.to_string())).or_default().clone();
+        let regions = Arc::new(AtomicU64::new(0));
+        a.regions.insert(agent.to_string(), (transport.to_string(), regions.clone()));
+        AgentHandle { link, regions, agent: agent.to_string(), transport: transport.to_string() }
+    }
+
+    /// Count one registration of `bytes` on `h`'s transport that took `took`.
+    pub fn registered(&self, h: &AgentHandle, bytes: u64, took: Duration) {
+        let mut s = self.lock();
+        let r = s.agents.registration.entry(h.transport.clone()).or_default();
+        r.count += 1;
+        r.bytes = r.bytes.saturating_add(bytes);
+        r.seconds += took.as_secs_f64();
+    }
+
+    /// The engine `h` is gone: its region gauge goes (its counters stay).
+    pub fn agent_dropped(&self, h: &AgentHandle) {
+        let mut s = self.lock();
+        if s.agents.regions.get(&h.agent).is_some_and(|(_, r)| Arc::ptr_eq(r, &h.regions)) {
+            s.agents.regions.remove(&h.agent);
+        }
+    }
+}
+
+pub(super) fn render(a: &AgentState, fams: &mut super::Families) {
+    use super::escape;
+    let h = "kvwire_agent_startup_seconds";
+    let help = "Seconds from TransferEngine::new to a ready agent.";
+    for (t, st) in &a.startup {
+        let t = escape(t);
+        let mut cum = 0;
+        for (i, ub) in STARTUP_BUCKETS_S.iter().enumerate() {
+            cum += st.buckets[i];
+            fams.add(h, "histogram", help, format!("{h}_bucket{{transport=\"{t}\",le=\"{ub}\"}} {cum}"));
+        }
+        cum += st.buckets[STARTUP_BUCKETS_S.len()];
+        fams.add(h, "histogram", help, format!("{h}_bucket{{transport=\"{t}\",le=\"+Inf\"}} {cum}"));
+        fams.add(h, "histogram", help, format!("{h}_sum{{transport=\"{t}\"}} {}", st.sum_s));
+        fams.add(h, "histogram", help, format!("{h}_count{{transport=\"{t}\"}} {cum}"));
+    }
+    for (t, r) in &a.registration {
+        let t = escape(t);
+        let n = "kvwire_registrations_total";
+        fams.add(n, "counter", "Memory registrations.", format!("{n}{{transport=\"{t}\"}} {}", r.count));
+        let n = "kvwire_registered_bytes_total";
+        fams.add(n, "counter", "Bytes registered.", format!("{n}{{transport=\"{t}\"}} {}", r.bytes));
+        let n = "kvwire_registration_seconds_total";
+        fams.add(n, "counter", "Seconds spent registering memory.", format!("{n}{{transport=\"{t}\"}} {}", r.seconds));
+    }
+    for (agent, (t, n)) in &a.regions {
+        let g = "kvwire_regions";
+        fams.add(
+            g,
+            "gauge",
+            "Memory regions an agent has registered now.",
+            format!("{g}{{agent=\"{}\",transport=\"{}\"}} {}", escape(agent), escape(t), n.load(Relaxed)),
+        );
+    }
+    for ((t, nic), c) in &a.links {
+        let l = format!("transport=\"{}\",nic=\"{}\"", escape(t), escape(nic));
+        for (name, help, v) in [
+            ("kvwire_posted_descriptors_total", "Descriptors posted, before coalescing.", &c.descriptors),
+            ("kvwire_posted_segments_total", "Segments posted, after coalescing.", &c.segments),
+            ("kvwire_nic_bytes_total", "Bytes posted through the NIC (verbs device, else the transport).", &c.bytes),
+            ("kvwire_peer_disconnects_total", "Peers found dead.", &c.disconnects),
+            ("kvwire_transfer_stalls_total", "Transfers failed because the peer made no progress in time.", &c.stalls),
+        ] {
+            fams.add(name, "counter", help, format!("{name}{{{l}}} {}", v.load(Relaxed)));
+        }
+    }
+}
+
+/// Process-wide lock-free accessor for tests: the counters of (transport, nic).
+pub fn link(transport: &str, nic: &str) -> Option<Arc<LinkCounters>> {
+    let s = super::global().lock();
+    s.agents.links.get(&(transport.to_string(), nic.to_string())).cloned()
+}
