@@ -21,15 +21,20 @@ export SOFTROCE_TIMEOUT=${SOFTROCE_TIMEOUT:-900}
 stage=$(mktemp -d "${TMPDIR:-/tmp}/kvwire-softroce.XXXXXX")
 trap 'rm -rf "$stage"' EXIT
 # Only the verbs test binaries (cargo also lists the kvwire binary).
-cargo test -p kvwire --no-run --message-format=json --test verbs_transport --test verbs_layer --test verbs_kv --test verbs_edge |
-  sed -n 's/.*"executable":"\([^"]*\/verbs_[^"]*\)".*/\1/p' | sort -u > "$stage/.list"
+cargo test -p kvwire --no-run --message-format=json --test verbs_transport --test verbs_layer --test verbs_kv --test verbs_edge \
+  --test transport_contract |
+  sed -n 's/.*"executable":"\([^"]*\/\(verbs_\|transport_contract\)[^"]*\)".*/\1/p' | sort -u > "$stage/.list"
+# The kvwire command (crate kvwire-cli) for the replay below.
+cargo build -q -p kvwire-cli --bin kvwire
 [ -s "$stage/.list" ] || { echo "softroce-tests: no verbs test binaries built" >&2; exit 125; }
 {
   echo '#!/bin/sh'
   echo 'rc=0'
   while read -r exe; do
     b=$(basename "$exe"); cp "$exe" "$stage/$b"
-    printf 'echo "### %s"; ./%s --include-ignored --test-threads=1 --nocapture "$@"; r=$?; [ $r = 0 ] || { echo "### %s exited $r"; [ $rc = 0 ] && rc=$r; }\n' "$b" "$b" "$b"
+    # the contract suite: its verbs half (shm and tcp run in scripts/test.sh)
+    filter=""; case "$b" in transport_contract*) filter="verbs::" ;; esac
+    printf 'echo "### %s"; ./%s %s --include-ignored --test-threads=1 --nocapture "$@"; r=$?; [ $r = 0 ] || { echo "### %s exited $r"; [ $rc = 0 ] && rc=$r; }\n' "$b" "$b" "$filter" "$b"
   done < "$stage/.list"
   # The main job over verbs: `kvwire replay` (prefill on rxe1, its decode
   # child on rxe0) of a 4-request trace small enough for the guest (tokens

@@ -1,0 +1,260 @@
+//! The transport contract (issue 28 item 2): one body of rules every backend
+//! keeps, run over shm, tcp and verbs. Each rule is a function taking a
+//! [`Backend`]; the macro at the end makes one test per rule and backend.
+//! Verbs needs an RDMA device (the Soft-RoCE guest of
+//! `scripts/softroce-tests.sh` runs this binary there); elsewhere its tests
+//! print `<test>: skipped: <reason>` and, with `KVWIRE_REQUIRE_RDMA=1`, fail.
+//!
+//! Rules: descriptors outside a peer's regions are refused before anything
+//! moves (one error kind everywhere); a notification is delivered only after
+//! its transfer's data; standalone notifications keep their order; a dead
+//! peer fails transfers within the peer timeout and is refused fast after;
+//! release of an in-flight transfer fences the memory (no byte lands after
+//! it returns); deregistering memory a transfer still uses is refused; a
+//! removed peer reconnects and moves bytes again.
+
+mod verbs_util;
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use kvwire::HostBuffer;
+use kvwire::engine::{Desc, EngineError, TransferEngine, TransferStatus};
+use kvwire::transport::{Op, TransportConfig, TransportError, TransportKind};
+
+#[derive(Clone, Copy, Debug)]
+enum Backend {
+    Shm,
+    Tcp,
+    Verbs,
+}
+
+/// Engines `a` (initiator) and `b` (target) of `backend`, or why not.
+fn pair(backend: Backend, test: &str, extra: &[(&str, &str)]) -> Option<(TransferEngine, TransferEngine)> {
+    let tag = format!("{test}-{}", std::process::id());
+    let (kind, ca, cb) = match backend {
+        Backend::Shm | Backend::Tcp => {
+            let mut c = TransportConfig::default();
+            c.peer_timeout = Duration::from_secs(2);
+            for (k, v) in extra {
+                c.options.push((k.to_string(), v.to_string()));
+            }
+            let kind = if matches!(backend, Backend::Shm) { TransportKind::Shm } else { TransportKind::Tcp };
+            (kind, c.clone(), c)
+        }
+        Backend::Verbs => match verbs_util::devices() {
+            Ok((tdev, idev)) => {
+                let mut ca = verbs_util::config(&idev, extra);
+                let mut cb = verbs_util::config(&tdev, extra);
+                ca.peer_timeout = Duration::from_secs(5);
+                cb.peer_timeout = Duration::from_secs(5);
+                (TransportKind::Verbs, ca, cb)
+            }
+            Err(why) => {
+                if std::env::var("KVWIRE_REQUIRE_RDMA").as_deref() == Ok("1") {
+                    panic!("{test}: no RDMA device ({why}) and KVWIRE_REQUIRE_RDMA=1");
+                }
+                eprintln!("{test}: skipped: no RDMA device ({why})");
+                return None;
+            }
+        },
+    };
+    let a = TransferEngine::new(&format!("a-{tag}"), kind, &ca).unwrap();
+    let b = TransferEngine::new(&format!("b-{tag}"), kind, &cb).unwrap();
+    Some((a, b))
+}
+
+fn buf(len: usize, seed: u8) -> Arc<HostBuffer> {
+    let b = Arc::new(HostBuffer::new(len).unwrap());
+    b.fill_with(0, len, |i| (i as u8).wrapping_mul(31).wrapping_add(seed));
+    b
+}
+
+fn wait(e: &mut TransferEngine, h: kvwire::engine::TransferHandle) -> TransferStatus {
+    e.wait(h, Duration::from_secs(60)).unwrap()
+}
+
+fn notifs(e: &mut TransferEngine, from: &str, n: usize) -> Vec<Vec<u8>> {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let mut got = Vec::new();
+    while got.len() < n {
+        assert!(Instant::now() < deadline, "{n} notifications expected, got {}", got.len());
+        got.extend(e.get_notifs().remove(from).unwrap_or_default());
+    }
+    got
+}
+
+fn out_of_bounds_is_refused_before_anything_moves(be: Backend) {
+    let Some((mut a, mut b)) = pair(be, "bounds", &[]) else { return };
+    let (src, dst) = (buf(1 << 16, 1), buf(1 << 16, 0));
+    a.register(src.clone()).unwrap();
+    b.register(dst.clone()).unwrap();
+    a.connect(&b.metadata()).unwrap();
+    let bn = b.name().to_string();
+    let l = [Desc::new(src.addr(), 4096)];
+    // past the end, before the start, straddling the end: one kind everywhere
+    for r in [dst.addr() + (1 << 16), dst.addr() - 4096, dst.addr() + (1 << 16) - 100] {
+        let e = a.post(Op::Write, &l, &bn, &[Desc::new(r, 4096)], None).unwrap_err();
+        assert!(matches!(e, EngineError::RemoteOutOfBounds { .. }), "{be:?}: {e}");
+    }
+    // an unregistered local range: the local check, one kind everywhere
+    let stray = buf(4096, 9);
+    let e = a.post(Op::Write, &[Desc::new(stray.addr(), 4096)], &bn, &[Desc::new(dst.addr(), 4096)], None).unwrap_err();
+    assert!(matches!(e, EngineError::LocalOutOfBounds { .. }), "{be:?}: {e}");
+    assert_eq!(a.num_transfers(), 0);
+    let zeros = buf(1 << 16, 0);
+    assert_eq!(dst.to_vec(..), zeros.to_vec(..), "{be:?}: nothing moved");
+}
+
+fn a_notification_arrives_after_its_data(be: Backend) {
+    let Some((mut a, mut b)) = pair(be, "notifdata", &[]) else { return };
+    let len = 8 << 20;
+    let (src, dst) = (buf(len, 7), Arc::new(HostBuffer::new(len).unwrap()));
+    a.register(src.clone()).unwrap();
+    b.register(dst.clone()).unwrap();
+    a.connect(&b.metadata()).unwrap();
+    let an = a.name().to_string();
+    for round in 0..3u8 {
+        src.fill_with(0, len, |i| (i as u8).wrapping_add(round.wrapping_mul(17)));
+        // scattered pages, so the data moves as many segments
+        let pages = len / 4096;
+        let l: Vec<Desc> = (0..pages).map(|p| Desc::new(src.addr() + (p * 4096) as u64, 4096)).collect();
+        let r: Vec<Desc> = (0..pages).map(|p| Desc::new(dst.addr() + ((pages - 1 - p) * 4096) as u64, 4096)).collect();
+        let h = a.post(Op::Write, &l, b.name(), &r, Some(vec![round])).unwrap();
+        // the moment the target sees the notification, every byte is there
+        assert_eq!(notifs(&mut b, &an, 1), vec![vec![round]], "{be:?}");
+        for p in (0..pages).step_by(97) {
+            let want = src.to_vec(p * 4096..(p + 1) * 4096);
+            let at = (pages - 1 - p) * 4096;
+            assert_eq!(dst.to_vec(at..at + 4096), want, "{be:?}: page {p} not there at the notification");
+        }
+        assert_eq!(wait(&mut a, h), TransferStatus::Done);
+        a.release(h).unwrap();
+    }
+}
+
+fn standalone_notifications_keep_their_order(be: Backend) {
+    let Some((mut a, mut b)) = pair(be, "notiforder", &[]) else { return };
+    a.connect(&b.metadata()).unwrap();
+    let an = a.name().to_string();
+    let sent: Vec<Vec<u8>> = (0..200u32).map(|i| i.to_le_bytes().to_vec()).collect();
+    for m in &sent {
+        a.notify(b.name(), m.clone()).unwrap();
+        a.progress();
+    }
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let mut got = Vec::new();
+    while got.len() < sent.len() {
+        assert!(Instant::now() < deadline, "{be:?}: {} of {}", got.len(), sent.len());
+        a.progress();
+        got.extend(b.get_notifs().remove(&an).unwrap_or_default());
+    }
+    assert_eq!(got, sent, "{be:?}");
+}
+
+fn a_dead_peer_fails_within_the_timeout_then_fast(be: Backend) {
+    let Some((mut a, mut b)) = pair(be, "deadpeer", &[]) else { return };
+    let (src, dst) = (buf(1 << 20, 3), Arc::new(HostBuffer::new(1 << 20).unwrap()));
+    a.register(src.clone()).unwrap();
+    b.register(dst.clone()).unwrap();
+    a.connect(&b.metadata()).unwrap();
+    let bn = b.name().to_string();
+    drop(b);
+    let (l, r) = ([Desc::new(src.addr(), 1 << 20)], [Desc::new(dst.addr(), 1 << 20)]);
+    // the first posts may be accepted; each ends (never hangs) and the peer
+    // is found dead within a few peer timeouts
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while a.is_connected(&bn) {
+        assert!(Instant::now() < deadline, "{be:?}: the dead peer was not noticed");
+        if let Ok(h) = a.post(Op::Write, &l, &bn, &r, None) {
+            assert_ne!(wait(&mut a, h), TransferStatus::InProgress, "{be:?}: a transfer to a dead peer hung");
+            a.release(h).unwrap();
+        }
+    }
+    let e = a.post(Op::Write, &l, &bn, &r, None).unwrap_err();
+    assert!(matches!(e, EngineError::Transport(TransportError::PeerDisconnected(_))), "{be:?}: {e}");
+    a.disconnect(&bn).unwrap();
+}
+
+fn release_fences_the_memory(be: Backend) {
+    let Some((mut a, mut b)) = pair(be, "fence", &[]) else { return };
+    let len = 32 << 20;
+    let (src, dst) = (buf(len, 5), Arc::new(HostBuffer::new(len).unwrap()));
+    a.register(src.clone()).unwrap();
+    b.register(dst.clone()).unwrap();
+    a.connect(&b.metadata()).unwrap();
+    let pages = len / 4096;
+    let l: Vec<Desc> = (0..pages).map(|p| Desc::new(src.addr() + (p * 4096) as u64, 4096)).collect();
+    let r: Vec<Desc> = (0..pages).map(|p| Desc::new(dst.addr() + ((pages - 1 - p) * 4096) as u64, 4096)).collect();
+    for _ in 0..3 {
+        let h = a.post(Op::Write, &l, b.name(), &r, None).unwrap();
+        a.release(h).unwrap();
+        // after release returns, nothing more lands
+        let snap = dst.to_vec(..);
+        std::thread::sleep(Duration::from_millis(100));
+        assert!(dst.to_vec(..) == snap, "{be:?}: bytes landed after release returned");
+    }
+    // the link still works afterwards
+    let h = a.post(Op::Write, &l[..8], b.name(), &r[..8], None).unwrap();
+    assert_eq!(wait(&mut a, h), TransferStatus::Done, "{be:?}");
+    a.release(h).unwrap();
+}
+
+fn deregistering_memory_in_use_is_refused(be: Backend) {
+    let Some((mut a, mut b)) = pair(be, "dereg", &[]) else { return };
+    let len = 64 << 20;
+    let (src, dst) = (buf(len, 2), Arc::new(HostBuffer::new(len).unwrap()));
+    let hs = a.register(src.clone()).unwrap();
+    b.register(dst.clone()).unwrap();
+    a.connect(&b.metadata()).unwrap();
+    let pages = len / 4096;
+    let l: Vec<Desc> = (0..pages).map(|p| Desc::new(src.addr() + (p * 4096) as u64, 4096)).collect();
+    let r: Vec<Desc> = (0..pages).map(|p| Desc::new(dst.addr() + ((pages - 1 - p) * 4096) as u64, 4096)).collect();
+    let h = a.post(Op::Write, &l, b.name(), &r, None).unwrap();
+    match a.deregister(hs) {
+        Err(EngineError::RegistrationInUse { .. }) => {
+            assert_eq!(wait(&mut a, h), TransferStatus::Done, "{be:?}");
+            a.release(h).unwrap();
+            a.deregister(hs).unwrap();
+        }
+        // the transfer had already finished: allowed, and then it is done
+        Ok(()) => assert_eq!(a.status(h).unwrap(), TransferStatus::Done, "{be:?}: deregistered under a live transfer"),
+        Err(e) => panic!("{be:?}: {e}"),
+    }
+}
+
+fn a_removed_peer_reconnects(be: Backend) {
+    let Some((mut a, mut b)) = pair(be, "reconnect", &[]) else { return };
+    let (src, dst) = (buf(1 << 16, 4), Arc::new(HostBuffer::new(1 << 16).unwrap()));
+    a.register(src.clone()).unwrap();
+    b.register(dst.clone()).unwrap();
+    for _ in 0..3 {
+        a.connect(&b.metadata()).unwrap();
+        let h = a
+            .post(Op::Write, &[Desc::new(src.addr(), 1 << 16)], b.name(), &[Desc::new(dst.addr(), 1 << 16)], None)
+            .unwrap();
+        assert_eq!(wait(&mut a, h), TransferStatus::Done, "{be:?}");
+        a.release(h).unwrap();
+        assert_eq!(dst.to_vec(..), src.to_vec(..));
+        a.disconnect(b.name()).unwrap();
+        assert!(!a.is_connected(b.name()));
+    }
+}
+
+macro_rules! contract {
+    ($($rule:ident),* $(,)?) => {
+        mod shm { $(#[test] fn $rule() { super::$rule(super::Backend::Shm) })* }
+        mod tcp { $(#[test] fn $rule() { super::$rule(super::Backend::Tcp) })* }
+        mod verbs { $(#[test] #[ignore = "needs an RDMA device (scripts/softroce-tests.sh runs it in the Soft-RoCE guest)"] fn $rule() { super::$rule(super::Backend::Verbs) })* }
+    };
+}
+
+contract!(
+    out_of_bounds_is_refused_before_anything_moves,
+    a_notification_arrives_after_its_data,
+    standalone_notifications_keep_their_order,
+    a_dead_peer_fails_within_the_timeout_then_fast,
+    release_fences_the_memory,
+    deregistering_memory_in_use_is_refused,
+    a_removed_peer_reconnects,
+);
