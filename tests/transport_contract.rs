@@ -34,8 +34,7 @@ fn pair(backend: Backend, test: &str, extra: &[(&str, &str)]) -> Option<(Transfe
     let tag = format!("{test}-{}", std::process::id());
     let (kind, ca, cb) = match backend {
         Backend::Shm | Backend::Tcp => {
-            let mut c = TransportConfig::default();
-            c.peer_timeout = Duration::from_secs(2);
+            let mut c = TransportConfig { peer_timeout: Duration::from_secs(2), ..Default::default() };
             for (k, v) in extra {
                 c.options.push((k.to_string(), v.to_string()));
             }
