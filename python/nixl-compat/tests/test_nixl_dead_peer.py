@@ -238,3 +238,22 @@ def test_vllm_cleanup_path_survives_and_serves_a_restarted_prefill(backend, peer
         assert time.time() < deadline, got
     assert got == [b"req-2", b"HB:again"]
     p2.close()
+
+
+def test_metadata_calls_towards_a_dead_peer_do_not_raise(dead):
+    """fetch_remote_metadata / send_local_metadata / invalidate_local_metadata
+    towards the dead peer's (now closed) listener: NIXL queues them to its
+    metadata worker and returns; they never raise, and the dead peer's
+    loaded metadata is left as it was."""
+    import socket
+
+    d, _ = dead
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()  # nothing listens there any more, as after the peer's death
+    assert d.a.fetch_remote_metadata(d.pname, "127.0.0.1", port) is None
+    assert d.a.send_local_metadata("127.0.0.1", port) is None
+    assert d.a.invalidate_local_metadata("127.0.0.1", port) is None
+    assert d.a.check_remote_metadata(d.pname)
+    assert d.a.remove_remote_agent(d.pname) is None
