@@ -103,11 +103,17 @@ sleep 1
 # The README's two-host commands: "BLOCK|HOST|COMMAND" per line of the code
 # blocks under "### Across two hosts" (HOST from the "# A:" / "# B:" comment
 # above the command).
+# A block whose comment says "not run by scripts/netns-tests.sh" (the etcd
+# start-up: this script runs its own etcd in the hub namespace) is skipped;
+# lines ending in "\" are joined with the next.
 readme_commands() {
   awk '/^### Across two hosts/ { s = 1; next } s && /^##/ { s = 0 }
-       s && /^```/ { if (code) { code = 0 } else { code = 1; block++ }; next }
+       s && /^```/ { if (code) { code = 0 } else { code = 1; skip = 0; block++ }; next }
+       s && code && /not run by scripts\/netns-tests.sh/ { skip = 1; next }
+       s && code && skip { next }
        s && code && /^# [AB]/ { host = substr($2, 1, 1); next }
-       s && code && /^[^#]/ && NF { print block "|" host "|" $0 }' README.md
+       s && code && /^[^#]/ && NF { line = line $0; if (sub(/\\$/, "", line)) next;
+                                     print block "|" host "|" line; line = "" }' README.md
 }
 REMOTE=""
 if command -v gcc >/dev/null; then
