@@ -38,11 +38,18 @@ void log_error(const std::string &agent, const std::string &what) {
     std::fprintf(stderr, "KVWIRE backend (agent %s): %s\n", agent.c_str(), what.c_str());
 }
 
-/* A registration of this agent (NIXL's local metadata; also its
-   loadLocalMD output, so unloadMD leaves it alone). */
+/* A registration of this agent (NIXL's local metadata, freed by
+   deregisterMem). */
 struct LocalMD : nixlBackendMD {
     uint64_t reg = 0;
     LocalMD() : nixlBackendMD(true) {}
+};
+
+/* loadLocalMD's output: this agent as the target of its own transfers
+   (kvwire's loopback). An object of its own, freed by unloadMD: NIXL's
+   agent destructor unloads it after the local registration is gone. */
+struct SelfMD : nixlBackendMD {
+    SelfMD() : nixlBackendMD(false) {}
 };
 
 /* A region of a remote agent (kvwire validates addresses against the
@@ -164,12 +171,10 @@ public:
         return known ? NIXL_SUCCESS : NIXL_ERR_NOT_FOUND;
     }
 
+    /* Only ever given what loadRemoteMD / loadLocalMD made. */
     nixl_status_t unloadMD(nixlBackendMD *input) override {
-        if (auto *r = dynamic_cast<RemoteMD *>(input)) {
-            delete r;
-            return NIXL_SUCCESS;
-        }
-        return dynamic_cast<LocalMD *>(input) ? NIXL_SUCCESS : NIXL_ERR_INVALID_PARAM;
+        delete input;
+        return NIXL_SUCCESS;
     }
 
     nixl_status_t getPublicData(const nixlBackendMD *meta, std::string &str) const override {
@@ -201,7 +206,7 @@ public:
 
     nixl_status_t loadLocalMD(nixlBackendMD *input, nixlBackendMD *&output) override {
         if (!dynamic_cast<LocalMD *>(input)) return NIXL_ERR_INVALID_PARAM;
-        output = input;
+        output = new SelfMD();
         return NIXL_SUCCESS;
     }
 
