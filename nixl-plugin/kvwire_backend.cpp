@@ -164,7 +164,7 @@ public:
     nixl_status_t disconnect(const std::string &remote_agent) override {
         if (remote_agent == localAgent) return NIXL_SUCCESS;
         std::lock_guard<std::mutex> g(mu_);
-        const bool known = known_.erase(remote_agent) > 0;
+        const bool known = known_.erase(remote_agent) + dead_.erase(remote_agent) > 0;
         const KvwStatus rc = kvw_disconnect(engine_, remote_agent.c_str());
         if (rc == KVW_OK) return NIXL_SUCCESS;
         /* kvwire already dropped a peer it found dead */
