@@ -25,6 +25,12 @@
 // regions, or metadata older than what is loaded).
 #define KVW_LOAD_UNCHANGED 2
 
+// [`kvw_register_mem`]'s `mem_type` for host memory.
+#define KVW_MEM_DRAM 0
+
+// [`kvw_register_mem`]'s `mem_type` for GPU memory (a device address).
+#define KVW_MEM_VRAM 1
+
 // [`kvw_wait`]'s `timeout_us` for "no limit".
 #define KVW_WAIT_FOREVER UINT64_MAX
 
@@ -151,6 +157,25 @@ enum KvwStatus kvw_register(struct KvwEngine *engine,
                             uint64_t addr,
                             uint64_t len_bytes,
                             uint64_t *out_reg);
+
+// Register `len_bytes` at `addr` of memory type `mem_type` on device
+// `device_id` for transfers, like [`kvw_register`] (which is this with
+// [`KVW_MEM_DRAM`]). [`KVW_MEM_VRAM`] is a device address of GPU
+// `device_id` (`cudaMalloc`, `cuMemAlloc`, a mapped VMM range): the
+// `verbs` backend registers it with the NIC (dma-buf, else
+// nvidia-peermem); `shm` and `tcp`, which copy with the CPU, refuse it with
+// `KVW_ERR_TRANSPORT`. An unknown `mem_type` is `KVW_ERR_INVALID_ARG`.
+// `device_id` is ignored for DRAM.
+//
+// # Safety
+// As [`kvw_register`]; for VRAM the range is device memory of that GPU
+// that stays allocated until it is deregistered or the engine destroyed.
+enum KvwStatus kvw_register_mem(struct KvwEngine *engine,
+                                uint64_t addr,
+                                uint64_t len_bytes,
+                                int32_t mem_type,
+                                uint32_t device_id,
+                                uint64_t *out_reg);
 
 // Deregister memory. Fails with `KVW_ERR_IN_USE` while a transfer uses it.
 //

@@ -122,20 +122,26 @@ public:
     bool supportsRemote() const override { return true; }
     bool supportsLocal() const override { return true; }
     bool supportsNotif() const override { return true; }
-    nixl_mem_list_t getSupportedMems() const override { return {DRAM_SEG}; }
+    /* GPU memory only where the NIC reaches it: shm and tcp copy with the CPU. */
+    nixl_mem_list_t getSupportedMems() const override {
+        if (transport_ == "verbs") return {DRAM_SEG, VRAM_SEG};
+        return {DRAM_SEG};
+    }
 
     nixl_status_t registerMem(const nixlBlobDesc &mem, const nixl_mem_t &nixl_mem, nixlBackendMD *&out) override {
-        if (nixl_mem != DRAM_SEG) {
-            log_error(localAgent, "only DRAM_SEG memory is supported (kvwire's C ABI registers host memory)");
+        if (nixl_mem != DRAM_SEG && nixl_mem != VRAM_SEG) {
+            log_error(localAgent, "only DRAM_SEG and VRAM_SEG memory can be registered");
             return NIXL_ERR_NOT_SUPPORTED;
         }
         std::lock_guard<std::mutex> g(mu_);
         auto *md = new LocalMD();
-        const KvwStatus rc = kvw_register(engine_, mem.addr, mem.len, &md->reg);
+        const KvwStatus rc = kvw_register_mem(engine_, mem.addr, mem.len, nixl_mem == VRAM_SEG ? KVW_MEM_VRAM : KVW_MEM_DRAM,
+                                              static_cast<uint32_t>(mem.devId), &md->reg);
         if (rc != KVW_OK) {
             log_error(localAgent, std::string("registerMem: ") + kvw_last_error());
             delete md;
-            return rc == KVW_ERR_BAD_DESC ? NIXL_ERR_INVALID_PARAM : NIXL_ERR_BACKEND;
+            if (rc == KVW_ERR_BAD_DESC) return NIXL_ERR_INVALID_PARAM;
+            return nixl_mem == VRAM_SEG ? NIXL_ERR_NOT_SUPPORTED : NIXL_ERR_BACKEND;
         }
         out = md;
         return NIXL_SUCCESS;
@@ -196,7 +202,7 @@ public:
 
     nixl_status_t loadRemoteMD(const nixlBlobDesc &input, const nixl_mem_t &nixl_mem, const std::string &remote_agent,
                                nixlBackendMD *&output) override {
-        if (nixl_mem != DRAM_SEG) return NIXL_ERR_NOT_SUPPORTED;
+        if (nixl_mem != DRAM_SEG && nixl_mem != VRAM_SEG) return NIXL_ERR_NOT_SUPPORTED;
         std::lock_guard<std::mutex> g(mu_);
         const nixl_status_t st = load(remote_agent, input.metaInfo);
         if (st != NIXL_SUCCESS) return st;
@@ -214,7 +220,8 @@ public:
                            const nixl_meta_dlist_t &remote, const std::string &remote_agent, nixlBackendReqH *&handle,
                            const nixl_opt_b_args_t *) const override {
         if (operation != NIXL_READ && operation != NIXL_WRITE) return NIXL_ERR_INVALID_PARAM;
-        if (local.getType() != DRAM_SEG || remote.getType() != DRAM_SEG) return NIXL_ERR_NOT_SUPPORTED;
+        auto mem_ok = [](nixl_mem_t m) { return m == DRAM_SEG || m == VRAM_SEG; };
+        if (!mem_ok(local.getType()) || !mem_ok(remote.getType())) return NIXL_ERR_NOT_SUPPORTED;
         if (local.descCount() != remote.descCount() || local.descCount() == 0) return NIXL_ERR_INVALID_PARAM;
         {
             std::lock_guard<std::mutex> g(mu_);
@@ -344,7 +351,7 @@ private:
     /* Turn NIXL's backend parameters into a kvwire transport and option
        string; false (with `why`) on an unknown key or a bad value. */
     bool parse(const nixl_b_params_t &params, std::string &transport, std::string &options, std::string &why) {
-        const char *env = std::getenv("KVWIRE_NIXL_TRANSPORT");
+        const char *env = std::getenv("KVWIRE_TRANSPORT"); /* as kvwire's `nixl` package reads it */
         transport = env && *env ? env : "auto";
         std::string devices, threads, timeout, extra;
         for (const auto &[k, v] : params) {
@@ -357,10 +364,13 @@ private:
             } else if (k == "peer_timeout_ms") {
                 timeout = v;
             } else if (k == "kvwire_options") {
-                extra = v;
+                if (!v.empty()) extra += (extra.empty() ? "" : ",") + v;
+            } else if (k.rfind("kvwire.", 0) == 0 && k.size() > 7) {
+                /* kvwire.<key>=<value>: one kvwire transport option, as in kvwire's `nixl` package */
+                extra += (extra.empty() ? "" : ",") + k.substr(7) + "=" + v;
             } else {
                 why = "unknown backend parameter '" + k + "' (valid: kvwire_transport, device_list, num_threads, "
-                      "peer_timeout_ms, kvwire_options)";
+                      "peer_timeout_ms, kvwire_options, kvwire.<option>)";
                 return false;
             }
         }
@@ -464,7 +474,9 @@ nixl_b_params_t backend_options() {
             {"kvwire_options", ""}};
 }
 
-nixl_mem_list_t backend_mems() { return {DRAM_SEG}; }
+/* VRAM_SEG with kvwire_transport=verbs (or auto picking verbs) only: each
+   engine's getSupportedMems says what it takes. */
+nixl_mem_list_t backend_mems() { return {DRAM_SEG, VRAM_SEG}; }
 
 nixlBackendPlugin plugin = {NIXL_PLUGIN_API_VERSION, create_engine, destroy_engine, plugin_name,
                             plugin_version,          backend_options, backend_mems};

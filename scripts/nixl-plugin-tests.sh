@@ -70,7 +70,7 @@ deselect="names_enums_and_errors or plugins_backends or telemetry_fields or util
 deselect="$deselect or bad_backend_init_params or released_handles"
 for t in shm tcp; do
     # shellcheck disable=SC2086
-    KVWIRE_NIXL_REAL=1 KVWIRE_NIXL_TEST_BACKENDS=KVWIRE KVWIRE_NIXL_TRANSPORT=$t NIXL_LOG_LEVEL=WARN \
+    KVWIRE_NIXL_REAL=1 KVWIRE_NIXL_TEST_BACKENDS=KVWIRE KVWIRE_TRANSPORT=$t NIXL_LOG_LEVEL=WARN \
         "$venv/bin/python" -m pytest -q -p no:cacheprovider ${PYTEST_ARGS:-} -k "not ($deselect)" \
         python/nixl-compat/tests/test_nixl_contract.py python/nixl-compat/tests/test_nixl_two_process.py \
         python/nixl-compat/tests/test_nixl_sglang.py

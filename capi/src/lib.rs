@@ -378,6 +378,55 @@ pub unsafe extern "C" fn kvw_register(
     })
 }
 
+/// [`kvw_register_mem`]'s `mem_type` for host memory.
+pub const KVW_MEM_DRAM: i32 = 0;
+/// [`kvw_register_mem`]'s `mem_type` for GPU memory (a device address).
+pub const KVW_MEM_VRAM: i32 = 1;
+
+/// Register `len_bytes` at `addr` of memory type `mem_type` on device
+/// `device_id` for transfers, like [`kvw_register`] (which is this with
+/// [`KVW_MEM_DRAM`]). [`KVW_MEM_VRAM`] is a device address of GPU
+/// `device_id` (`cudaMalloc`, `cuMemAlloc`, a mapped VMM range): the
+/// `verbs` backend registers it with the NIC (dma-buf, else
+/// nvidia-peermem); `shm` and `tcp`, which copy with the CPU, refuse it with
+/// `KVW_ERR_TRANSPORT`. An unknown `mem_type` is `KVW_ERR_INVALID_ARG`.
+/// `device_id` is ignored for DRAM.
+///
+/// # Safety
+/// As [`kvw_register`]; for VRAM the range is device memory of that GPU
+/// that stays allocated until it is deregistered or the engine destroyed.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn kvw_register_mem(
+    engine: *mut KvwEngine,
+    addr: u64,
+    len_bytes: u64,
+    mem_type: i32,
+    device_id: u32,
+    out_reg: *mut u64,
+) -> KvwStatus {
+    guard(|| {
+        // SAFETY: per the contract.
+        let e = unsafe { engine_arg(engine) }?;
+        if out_reg.is_null() {
+            return Err(invalid("out_reg is NULL"));
+        }
+        let (kind, device_id) = match mem_type {
+            KVW_MEM_DRAM => (MemoryKind::Dram, 0),
+            KVW_MEM_VRAM => (MemoryKind::Vram, device_id),
+            other => return Err(invalid(format!("unknown mem_type {other} (KVW_MEM_DRAM 0, KVW_MEM_VRAM 1)"))),
+        };
+        let desc = MemoryDesc { addr, len_bytes, kind, device_id };
+        // SAFETY: the caller guarantees the range stays valid while registered.
+        let raw = unsafe { RawMemory::new(desc) };
+        let h = e.engine.register(Arc::new(raw))?;
+        let id = e.next_reg;
+        e.next_reg += 1;
+        e.regs.insert(id, h);
+        // SAFETY: checked non-null; writable per the contract.
+        unsafe { write_out(out_reg, id, "out_reg") }
+    })
+}
+
 /// Deregister memory. Fails with `KVW_ERR_IN_USE` while a transfer uses it.
 ///
 /// # Safety

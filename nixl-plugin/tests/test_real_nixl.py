@@ -88,7 +88,18 @@ def test_nixl_lists_and_describes_the_plugin():
     assert "KVWIRE" in agent.get_plugin_list()
     params = agent.get_plugin_params("KVWIRE")
     assert set(params) == {"kvwire_transport", "device_list", "num_threads", "peer_timeout_ms", "kvwire_options"}
-    assert agent.get_plugin_mem_types("KVWIRE") == ["DRAM_SEG"]
+    assert agent.get_plugin_mem_types("KVWIRE") == ["DRAM_SEG", "VRAM_SEG"]
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_vram_on_a_cpu_copy_transport_is_refused(transport):
+    """shm and tcp engines take DRAM only (getSupportedMems), so NIXL finds no
+    backend for VRAM registrations instead of the plugin accepting them."""
+    agent = make_agent(f"vram-{transport}", transport)
+    assert agent.get_backend_mem_types("KVWIRE") == ["DRAM_SEG"]
+    buf = np.zeros(4096, np.uint8)
+    with pytest.raises(nixl._bindings.nixlNotFoundError):
+        agent.register_memory([(buf.ctypes.data, 4096, 0, "")], "VRAM")
 
 
 @pytest.mark.parametrize("params", [
@@ -97,12 +108,22 @@ def test_nixl_lists_and_describes_the_plugin():
     {"kvwire_transport": "shm", "peer_timeout_ms": "soon"},
     {"kvwire_transport": "shm", "device_list": "mlx5_0"},
     {"kvwire_transport": "tcp", "kvwire_options": "listen=not-an-address"},
+    {"kvwire_transport": "tcp", "kvwire.listen": "not-an-address"},
+    {"kvwire_transport": "tcp", "kvwire.no_such_option": "1"},
 ])
 def test_backend_options_are_refused_with_a_nixl_error(params):
     agent = nixl_agent("refuser", nixl_agent_config(backends=[]))
     with pytest.raises(nixl._bindings.nixlBackendError):
         agent.create_backend("KVWIRE", params)
     assert "KVWIRE" not in agent.backends
+
+
+def test_kvwire_options_reach_the_transport():
+    agent = nixl_agent("opts", nixl_agent_config(backends=[]))
+    agent.create_backend("KVWIRE", {"kvwire_transport": "tcp", "kvwire.listen": "127.0.0.1:0",
+                                    "kvwire_options": "conns_per_peer=2", "num_threads": "1",
+                                    "peer_timeout_ms": "1500"})
+    assert "KVWIRE" in agent.backends
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)

@@ -322,6 +322,28 @@ int main(void) {
         free(c);
     }
 
+    /* kvw_register_mem: DRAM as kvw_register; VRAM refused by the CPU-copy
+       backends (shm, tcp) with a message; unknown memory types refused */
+    {
+        enum { N = 8192 };
+        uint8_t *m = calloc(1, N);
+        KvwEngine *me = NULL;
+        uint64_t r1 = 0, r2 = 0;
+        CHECK(kvw_engine_create("c-mem", "shm", &me) == KVW_OK);
+        CHECK(kvw_register_mem(me, (uint64_t)(uintptr_t)m, N / 2, KVW_MEM_DRAM, 7, &r1) == KVW_OK);
+        CHECK(kvw_register_mem(me, (uint64_t)(uintptr_t)(m + N / 2), N / 2, KVW_MEM_VRAM, 0, &r2) == KVW_ERR_TRANSPORT);
+        CHECK(strstr(kvw_last_error(), "DRAM") != NULL); /* "moves host (DRAM) memory only" */
+        CHECK(kvw_register_mem(me, (uint64_t)(uintptr_t)(m + N / 2), N / 2, 5, 0, &r2) == KVW_ERR_INVALID_ARG);
+        CHECK(kvw_register_mem(me, (uint64_t)(uintptr_t)(m + N / 2), N / 2, KVW_MEM_DRAM, 0, NULL) == KVW_ERR_INVALID_ARG);
+        CHECK(kvw_deregister(me, r1) == KVW_OK);
+        kvw_engine_destroy(me);
+        KvwEngine *te = NULL;
+        CHECK(kvw_engine_create_with_options("c-mem-tcp", "tcp", "listen=127.0.0.1:0", &te) == KVW_OK);
+        CHECK(kvw_register_mem(te, (uint64_t)(uintptr_t)m, N, KVW_MEM_VRAM, 0, &r2) == KVW_ERR_TRANSPORT);
+        kvw_engine_destroy(te);
+        free(m);
+    }
+
     /* engine options: engine keys, backend keys, refusals naming the key */
     KvwEngine *opt = NULL;
     CHECK(kvw_engine_create_with_options("c-opt", "shm", "copy_threads=1, peer_timeout_ms=2000", &opt) == KVW_OK);
