@@ -14,7 +14,7 @@ export CARGO_TARGET_DIR=${CARGO_TARGET_DIR:-$repo/target}
 export SOFTROCE_TIMEOUT=${SOFTROCE_TIMEOUT:-600}
 stage=$(mktemp -d "${TMPDIR:-/tmp}/kvwire-cuda-softroce.XXXXXX")
 trap 'rm -rf "$stage"' EXIT
-exe=$(cargo test --features cuda --no-run --message-format=json --test cuda_verbs |
+exe=$(cargo test -p kvwire --features cuda --no-run --message-format=json --test cuda_verbs |
   sed -n 's/.*"executable":"\([^"]*\/cuda_verbs-[^"]*\)".*/\1/p' | head -1)
 [ -n "$exe" ] || { echo "cuda-softroce-check: no cuda_verbs binary built" >&2; exit 125; }
 cp "$exe" "$stage/cuda_verbs"

@@ -45,8 +45,8 @@ if [[ -n "${GPU_CHECK_BINS:-}" ]]; then
         "$GPU_CHECK_BINS/$t" --include-ignored --show-output --test-threads=1 >>"$log" 2>>"$err" || rc=$?
     done
 else
-    cargo build --tests --features cuda -q || exit 1
-    cargo test --features cuda --test cuda_gpu --test cuda_nogpu --test cuda_verbs -- --include-ignored --show-output --test-threads=1 >"$log" 2>"$err"
+    cargo build -p kvwire --tests --features cuda -q || exit 1
+    cargo test -p kvwire --features cuda --test cuda_gpu --test cuda_nogpu --test cuda_verbs -- --include-ignored --show-output --test-threads=1 >"$log" 2>"$err"
     rc=$?
 fi
 grep -hE "^(cuda::probe|dma-buf export|GPU [0-9]+ \(|registration_path_is_reported: GPU)" "$log" "$err" | sed 's/^/  info: /'

@@ -19,7 +19,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 dir=${1:-.gpu-stage}
 mkdir -p "$dir"
-json=$(cargo test --release --features cuda --test cuda_gpu --test cuda_nogpu --test cuda_verbs --no-run \
+json=$(cargo test -p kvwire --release --features cuda --test cuda_gpu --test cuda_nogpu --test cuda_verbs --no-run \
     --message-format=json 2>/dev/null)
 for t in cuda_gpu cuda_nogpu cuda_verbs; do
     exe=$(printf '%s\n' "$json" | grep -F "\"name\":\"$t\"" | grep -o '"executable":"[^"]*"' | cut -d'"' -f4 | tail -1)

@@ -56,30 +56,30 @@ summary() {
 
 # Lints and the build: nothing after them means much if they fail.
 lint_ok=1
-step fmt cargo fmt --check || lint_ok=0
-[ $lint_ok = 1 ] && { step clippy cargo clippy --all-targets -- -D warnings || lint_ok=0; }
-[ $lint_ok = 1 ] && { step "clippy (no default features)" cargo clippy --all-targets --no-default-features -- -D warnings || lint_ok=0; }
+step fmt cargo fmt --all --check || lint_ok=0
+[ $lint_ok = 1 ] && { step clippy cargo clippy --workspace --all-targets -- -D warnings || lint_ok=0; }
+[ $lint_ok = 1 ] && { step "clippy (no default features)" cargo clippy -p kvwire --all-targets --no-default-features -- -D warnings || lint_ok=0; }
 [ $lint_ok = 1 ] && { step build cargo build --release --bins || lint_ok=0; }
 if [ $lint_ok = 0 ]; then summary; exit 1; fi
 
 # Release: the replay and bench tests move gigabytes and verify every byte.
 # Tests that need hardware are #[ignore]d with their reason; the hardware
 # suites below run them with --include-ignored.
-if step "cargo test" cargo test --release --all-targets; then
-  ran[${#ran[@]}-1]="cargo test --all-targets: $(libtest_totals "$logs/cargo_test.log")"
+if step "cargo test" cargo test --release --workspace --exclude kvwire-python --all-targets; then
+  ran[${#ran[@]}-1]="cargo test --workspace --all-targets (less the Python crate, tested by its suites): $(libtest_totals "$logs/cargo_test.log")"
 fi
 ignored_reasons "$logs/cargo_test.log" >"$logs/ignored.txt"
 # The etcd tests are #[ignore]d ("needs etcd"); run them where etcd exists.
 if [ -n "${KVWIRE_ETCD:-}" ] || command -v etcd >/dev/null; then
-  if step "etcd tests" cargo test --release --test discovery_etcd -- --ignored --skip child_publisher; then
-    ran[${#ran[@]}-1]="etcd tests (tests/discovery_etcd.rs --ignored): $(libtest_totals "$logs/etcd_tests.log")"
+  if step "etcd tests" cargo test --release -p kvwire-cli --test discovery_etcd -- --ignored --skip child_publisher; then
+    ran[${#ran[@]}-1]="etcd tests (crates/kvwire-cli/tests/discovery_etcd.rs --ignored): $(libtest_totals "$logs/etcd_tests.log")"
   fi
 elif [ "${KVWIRE_REQUIRE_ETCD:-0}" = 1 ]; then
-  failed+=("tests/discovery_etcd.rs: no etcd and KVWIRE_REQUIRE_ETCD=1")
+  failed+=("crates/kvwire-cli/tests/discovery_etcd.rs: no etcd and KVWIRE_REQUIRE_ETCD=1")
 else
-  skipped+=("tests/discovery_etcd.rs: no etcd (apt-get install -y etcd-server); its tests are reported as ignored")
+  skipped+=("crates/kvwire-cli/tests/discovery_etcd.rs: no etcd (apt-get install -y etcd-server); its tests are reported as ignored")
 fi
-if step "doc-tests" cargo test --release --doc; then
+if step "doc-tests" cargo test --release --workspace --exclude kvwire-python --doc; then
   ran[${#ran[@]}-1]="doc-tests (lib docs and README): $(libtest_totals "$logs/doc-tests.log")"
 fi
 
@@ -94,7 +94,7 @@ else
 fi
 skipped+=("gpu-check (real GPU): not part of this command; run scripts/gpu-check.sh on a machine with an NVIDIA GPU")
 
-for suite in softroce-tests cuda-softroce-check netns-tests python-tests nixl-tests nixl-softroce-check capi-tests nixl-plugin-tests; do
+for suite in softroce-tests cuda-softroce-check netns-tests python-tests nixl-tests nixl-real-check nixl-softroce-check capi-tests nixl-plugin-tests; do
   [ -f "scripts/$suite.sh" ] && step "$suite" bash "scripts/$suite.sh"
 done
 summary

@@ -47,13 +47,14 @@
 
 pub mod connector;
 pub mod cuda;
-pub mod discovery;
 pub mod engine;
 pub mod kv;
 pub mod metrics;
 pub mod sidechannel;
 pub mod transport;
-pub mod verbs;
+/// The libibverbs layer (crate `kvwire-verbs`): ffi mirror, run-time
+/// loader, RAII objects.
+pub use kvwire_verbs as verbs;
 
 pub use transport::shm::HostBuffer;
 

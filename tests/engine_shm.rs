@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 use common::{ChildTarget, Cmd, Reply, fnv, pattern, wait};
 use kvwire::HostBuffer;
 use kvwire::engine::{Desc, EngineError, TransferEngine, TransferStatus};
-use kvwire::transport::{FailureKind, Op, RemoteAccessKind, TransportConfig, TransportKind};
+use kvwire::transport::{FailureKind, Op, RemoteAccessKind, TransportConfig, TransportError, TransportKind};
 
 const PAGE: u64 = 4096;
 
@@ -137,11 +137,11 @@ fn a_killed_peer_fails_transfers_within_the_timeout() {
     // ...and from now on every transfer to the dead peer fails, never hangs.
     let failed = loop {
         match e.post(Op::Write, &l[..1], "target", &r[..1], Some(b"n".to_vec())) {
-            Err(EngineError::Transport(err)) => break err.to_string(),
-            // A peer found dead drops its metadata (as NIXL does: SGLang waits for that).
-            Err(EngineError::UnknownAgent(name)) => {
-                assert!(!e.is_connected(&name));
-                break format!("peer {name} failed and its metadata was dropped");
+            // A peer found dead stays loaded and refuses posts at once (NIXL 1.5.1).
+            Err(EngineError::Transport(err)) => {
+                assert!(matches!(err, TransportError::PeerDisconnected(_)), "{err}");
+                assert!(e.is_remote_loaded("target") && !e.is_connected("target"));
+                break err.to_string();
             }
             Ok(h) => {
                 if let TransferStatus::Failed(why) = wait(&mut e, h, Duration::from_secs(5)) {

@@ -6,8 +6,9 @@ import::
 
     from kvwire import KVCacheMemory, KVTransferEngine, TransferReqData
 
-Every KV buffer is a writable host array, 2-D ``uint8`` of shape
-``[num_pages, bytes_per_page]`` per TP shard (null block included).
+Every KV buffer is 2-D ``uint8`` of shape ``[num_pages, bytes_per_page]`` per
+TP shard (null block included): a writable host array, or a CUDA tensor
+(VRAM; tested against a fake libcuda only, see docs/GPU.md).
 See docs/PYTHON.md, table "MAX 26.7 -> kvwire".
 """
 
@@ -23,7 +24,6 @@ from ._kvwire import (
     KVTransferEngineMetadata,
     TensorAgentMetadata,
     TransferError,
-    TransferReqData,
     ValidationError,
     metrics_text,
 )
@@ -38,9 +38,23 @@ from ._max import (
     dkv_tier_degraded,
 )
 
+try:
+    import msgspec as _msgspec
+except ImportError:  # not installed (a declared dependency; `pip install --no-deps` skips it)
+    _msgspec = None
+if _msgspec is not None:
+    # MAX's msgspec struct: msgspec.msgpack/json.encode(req) give MAX's bytes.
+    from ._reqdata import TransferReqData
+else:
+    # The extension's class: the same constructor, attributes, bytes and
+    # to_*/from_* methods, but msgspec cannot encode it and its decoder
+    # refuses integers outside -2^63..2^64.
+    from ._kvwire import TransferReqData
+
 
 def _rebuild_req(fields):
-    """Unpickle a ``TransferReqData`` from its constructor keywords."""
+    """Unpickle a ``TransferReqData`` from its constructor keywords (the
+    extension's class pickles this way)."""
     return TransferReqData(**fields)
 
 

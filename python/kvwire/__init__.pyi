@@ -10,7 +10,6 @@ from ._kvwire import (
     KVTransferEngineMetadata as KVTransferEngineMetadata,
     TensorAgentMetadata as TensorAgentMetadata,
     TransferError as TransferError,
-    TransferReqData as TransferReqData,
     ValidationError as ValidationError,
     metrics_text as metrics_text,
 )
@@ -24,3 +23,4 @@ from ._max import (
     NullConnector as NullConnector,
     dkv_tier_degraded as dkv_tier_degraded,
 )
+from ._reqdata import TransferReqData as TransferReqData

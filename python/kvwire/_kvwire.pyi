@@ -2,6 +2,11 @@
 
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
+from ._reqdata import TransferReqData as _Req
+
+Options = Union[Mapping[str, Union[str, int]], str, Sequence[Union[str, Tuple[str, Union[str, int]]]]]
+"""Transport options: ``{"key": value}``, ``"key=value"``, or a list of ``"key=value"`` / ``(key, value)``."""
+
 PageIdxs = Union[Sequence[int], Mapping[str, Sequence[int]]]
 """Page indices: one list for every leaf, or ``{leaf_id: [page, ...]}``."""
 
@@ -99,7 +104,10 @@ class KVTransferEngineMetadata:
         """Raises ValueError on malformed data."""
 
 class TransferReqData:
-    """MAX's ``TransferReqData`` (msgspec, tag=True, kw_only=True, omit_defaults=True)."""
+    """The extension's ``TransferReqData``: ``kvwire.TransferReqData`` only
+    where msgspec is not installed (otherwise it is ``kvwire._reqdata``'s
+    msgspec struct, MAX's own kind of class). Same constructor, attributes
+    and bytes."""
 
     def __init__(
         self,
@@ -171,7 +179,7 @@ class KVTransferEngine:
         transport: str = "shm",
         peer_timeout_s: float = 5.0,
         copy_threads: int = 2,
-        options: Optional[Sequence[Tuple[str, str]]] = None,
+        options: Optional[Options] = None,
     ) -> None: ...
     @property
     def name(self) -> str: ...
@@ -196,14 +204,14 @@ class KVTransferEngine:
     @property
     def remote_agent_to_engine(self) -> Dict[str, str]: ...
     @property
-    def inflight_send_transfers(self) -> Dict[str, TransferReqData]: ...
+    def inflight_send_transfers(self) -> Dict[str, _Req]: ...
     @property
-    def inflight_read_transfers(self) -> Dict[str, TransferReqData]: ...
+    def inflight_read_transfers(self) -> Dict[str, _Req]: ...
     @property
     def completed_recv_transfers(self) -> Dict[str, Dict[str, int]]: ...
     @classmethod
     def from_paged_kv_cache(cls, name: str, kv_cache: Any, *, transport: str = "shm", peer_timeout_s: float = 5.0,
-                            copy_threads: int = 2, options: Optional[Sequence[Tuple[str, str]]] = None) -> "KVTransferEngine": ...
+                            copy_threads: int = 2, options: Optional[Options] = None) -> "KVTransferEngine": ...
     @property
     def metadata(self) -> KVTransferEngineMetadata: ...
     def connect(self, remote: KVTransferEngineMetadata) -> None:
@@ -219,7 +227,7 @@ class KVTransferEngine:
         dst_idxs: PageIdxs,
         src_replica_idx: int = 0,
         dst_replica_idx: int = 0,
-    ) -> TransferReqData:
+    ) -> _Req:
         """WRITE local pages to ``remote``. Raises ValueError, TransferError."""
     def initiate_read_transfer(
         self,
@@ -228,14 +236,14 @@ class KVTransferEngine:
         dst_idxs: PageIdxs,
         src_replica_idx: int = 0,
         dst_replica_idx: int = 0,
-    ) -> TransferReqData:
+    ) -> _Req:
         """READ ``remote``'s pages into local pages. Raises ValueError, TransferError."""
-    def is_complete(self, req: TransferReqData) -> bool:
+    def is_complete(self, req: Union[_Req, TransferReqData]) -> bool:
         """Either side. Raises TransferError when a shard request failed."""
-    def cleanup_transfer(self, req: TransferReqData) -> None:
+    def cleanup_transfer(self, req: Union[_Req, TransferReqData]) -> None:
         """Raises ValueError when not complete or unknown."""
-    def cancel_transfer(self, req: TransferReqData) -> None: ...
-    def sync_and_release(self, req: TransferReqData, timeout_s: float = 30.0) -> None:
+    def cancel_transfer(self, req: Union[_Req, TransferReqData]) -> None: ...
+    def sync_and_release(self, req: Union[_Req, TransferReqData], timeout_s: float = 30.0) -> None:
         """Wait (seconds), then release. Raises TimeoutError (after cancelling)."""
     def cleanup(self) -> None: ...
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import sys
 from dataclasses import dataclass, field
 from typing import Dict, List, Mapping, Optional, Sequence
 
@@ -212,38 +213,57 @@ class KVCacheMetrics:
         return type(self)(**out)
 
 
-def _pct(part: int, total: int) -> float:
-    return 100 * part / total if total else 0.0
+# MAX 26.7 declares both counts ``@dataclass(frozen=True, slots=True)``
+# (``max/pipelines/kv_cache/kv_connector.py``): plain records, neither
+# tuples (not unpackable, not indexable) nor related to each other.
+# ``slots=`` needs Python 3.10; on 3.9 they keep a ``__dict__``.
+_SLOTS = {"slots": True} if sys.version_info >= (3, 10) else {}
 
 
-@dataclass(frozen=True)
-class _Occupancy:
-    """`free` of `total` units, with MAX's derived `used` and percentages."""
+@dataclass(frozen=True, **_SLOTS)
+class BlockCount:
+    """A point-in-time snapshot of a device block pool's occupancy (blocks)."""
 
     free: int
     total: int
 
     @property
     def used(self) -> int:
+        """Blocks in use."""
         return self.total - self.free
 
     @property
     def used_pct(self) -> float:
-        return _pct(self.used, self.total)
+        """Percentage of blocks in use, in ``[0, 100]``; ``0`` when ``total`` is ``0``."""
+        return 100 * self.used / self.total if self.total else 0.0
 
     @property
     def free_pct(self) -> float:
-        return _pct(self.free, self.total)
+        """Percentage of blocks free, in ``[0, 100]``; ``0`` when ``total`` is ``0``."""
+        return 100 * self.free / self.total if self.total else 0.0
 
 
-@dataclass(frozen=True)
-class BlockCount(_Occupancy):
-    """Occupancy of a device block pool (blocks)."""
+@dataclass(frozen=True, **_SLOTS)
+class ByteCount:
+    """A point-in-time snapshot of a connector's host or disk tier occupancy (bytes)."""
 
+    free: int
+    total: int
 
-@dataclass(frozen=True)
-class ByteCount(_Occupancy):
-    """Occupancy of a connector's host or disk tier (bytes)."""
+    @property
+    def used(self) -> int:
+        """Bytes in use."""
+        return self.total - self.free
+
+    @property
+    def used_pct(self) -> float:
+        """Percentage of bytes in use, in ``[0, 100]``; ``0`` when ``total`` is ``0``."""
+        return 100 * self.used / self.total if self.total else 0.0
+
+    @property
+    def free_pct(self) -> float:
+        """Percentage of bytes free, in ``[0, 100]``; ``0`` when ``total`` is ``0``."""
+        return 100 * self.free / self.total if self.total else 0.0
 
 
 class CompletedTransfer:

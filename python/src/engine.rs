@@ -11,7 +11,7 @@ use pyo3::types::PyDict;
 
 use crate::errors::kv_err;
 use crate::metadata::{PyKVCacheMemory, PyMetadata, memory_type_py};
-use crate::reqdata::{PyTransferReqData, page_idxs};
+use crate::reqdata::{core_of, page_idxs, req_py};
 
 /// KV-cache transfer engine with DP and TP, as MAX's
 /// `max.pipelines.kv_cache.KVTransferEngine`.
@@ -24,6 +24,20 @@ use crate::reqdata::{PyTransferReqData, page_idxs};
 pub struct PyKVTransferEngine {
     inner: Mutex<KVTransferEngine>,
     name: String,
+    /// Peers in the order they were connected: MAX's `remote_connections`
+    /// is a dict, so it lists (and `remote_agent_to_engine` maps) them in
+    /// that order, before and after `cleanup()`.
+    peer_order: Mutex<Vec<String>>,
+    /// `completed_recv_transfers` as `cleanup()` found it: MAX's cleanup
+    /// leaves that dict alone, the core engine clears it.
+    recv_at_cleanup: Mutex<Option<RecvMap>>,
+}
+
+/// `[(remote engine, [(transfer_name, notifications received)])]`.
+type RecvMap = Vec<(String, Vec<(String, usize)>)>;
+
+fn lock<T>(m: &Mutex<T>) -> PyResult<std::sync::MutexGuard<'_, T>> {
+    m.lock().map_err(|_| PyRuntimeError::new_err("engine poisoned by an earlier panic"))
 }
 
 /// The peer of a transfer: its name or its metadata.
@@ -45,7 +59,7 @@ fn remote_of(obj: &Bound<'_, PyAny>) -> PyResult<Remote> {
 fn reqs_dict(py: Python<'_>, v: Vec<TransferReqData>) -> PyResult<Bound<'_, PyDict>> {
     let d = PyDict::new(py);
     for r in v {
-        d.set_item(r.transfer_name.clone(), PyTransferReqData::from_core(&r))?;
+        d.set_item(r.transfer_name.clone(), req_py(py, &r)?)?;
     }
     Ok(d)
 }
@@ -89,20 +103,21 @@ impl PyKVTransferEngine {
         transport: &str,
         peer_timeout_s: f64,
         copy_threads: usize,
-        options: Option<Vec<(String, String)>>,
+        options: Vec<(String, String)>,
     ) -> PyResult<Self> {
         let kind: TransportKind = transport.parse().map_err(|e| PyValueError::new_err(format!("{e}")))?;
         if !(peer_timeout_s.is_finite() && peer_timeout_s > 0.0) {
             return Err(PyValueError::new_err("peer_timeout_s must be a positive number of seconds"));
         }
-        let cfg = TransportConfig {
-            peer_timeout: Duration::from_secs_f64(peer_timeout_s),
-            copy_threads,
-            options: options.unwrap_or_default(),
-        };
+        let cfg = TransportConfig { peer_timeout: Duration::from_secs_f64(peer_timeout_s), copy_threads, options };
         let engine = crate::gil::without_gil(py, || KVTransferEngine::new(&name, groups, leaf_ids, kind, &cfg))
             .map_err(kv_err)?;
-        Ok(Self { inner: Mutex::new(engine), name })
+        Ok(Self {
+            inner: Mutex::new(engine),
+            name,
+            peer_order: Mutex::new(Vec::new()),
+            recv_at_cleanup: Mutex::new(None),
+        })
     }
 
     /// Run `f` on the engine with the GIL released. The lock is taken
@@ -124,15 +139,34 @@ impl PyKVTransferEngine {
         self.run(py, |e| Ok(f(e)))
     }
 
-    fn initiate(
+    /// MAX's `remote_connections` in connect order (peers the core lists
+    /// that this wrapper never saw connect, if any, come last by name).
+    fn peers(&self, py: Python<'_>) -> PyResult<Vec<(String, KVTransferEngineMetadata)>> {
+        let mut v: Vec<(String, KVTransferEngineMetadata)> =
+            self.get(py, |e| e.remote_connections().into_iter().map(|(n, m)| (n.to_string(), m.clone())).collect())?;
+        let order = lock(&self.peer_order)?;
+        v.sort_by_key(|(n, _)| order.iter().position(|o| o == n).unwrap_or(usize::MAX));
+        Ok(v)
+    }
+
+    fn recv_map(&self, py: Python<'_>) -> PyResult<RecvMap> {
+        self.get(py, |e| {
+            e.completed_recv_transfers()
+                .iter()
+                .map(|(n, m)| (n.clone(), m.iter().map(|(t, c)| (t.clone(), *c)).collect()))
+                .collect()
+        })
+    }
+
+    fn initiate<'py>(
         &self,
-        py: Python<'_>,
+        py: Python<'py>,
         remote: &Bound<'_, PyAny>,
         src_idxs: &Bound<'_, PyAny>,
         dst_idxs: &Bound<'_, PyAny>,
         replicas: (i64, i64),
         read: bool,
-    ) -> PyResult<PyTransferReqData> {
+    ) -> PyResult<Bound<'py, PyAny>> {
         let remote = remote_of(remote)?;
         // MAX: `if not (0 <= src_replica_idx < dp): raise ValueError(...)`.
         let local_dp = self.get(py, |e| e.dp())?;
@@ -164,16 +198,16 @@ impl PyKVTransferEngine {
                 (Remote::Meta(m), true) => e.initiate_read_transfer(m, &src, &dst, s, d),
             }
         })?;
-        Ok(PyTransferReqData::from_core(&inner))
+        req_py(py, &inner)
     }
 
     fn with_req<T: Send>(
         &self,
         py: Python<'_>,
-        req: &PyTransferReqData,
+        req: &Bound<'_, PyAny>,
         f: impl FnOnce(&mut KVTransferEngine, &TransferReqData) -> Result<T, kvwire::kv::KvError> + Send,
     ) -> PyResult<T> {
-        let r = req.core()?;
+        let r = core_of(req)?;
         self.run(py, |e| f(e, &r))
     }
 }
@@ -191,7 +225,7 @@ impl PyKVTransferEngine {
         transport: &str,
         peer_timeout_s: f64,
         copy_threads: usize,
-        options: Option<Vec<(String, String)>>,
+        options: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Self> {
         let mut groups: Vec<Vec<KVCacheMemory>> = Vec::new();
         for replica in memory.try_iter()? {
@@ -205,6 +239,7 @@ impl PyKVTransferEngine {
             }
             groups.push(row);
         }
+        let options = crate::options::transport_options(options)?;
         Self::build(py, name, groups, leaf_ids, transport, peer_timeout_s, copy_threads, options)
     }
 
@@ -258,10 +293,8 @@ impl PyKVTransferEngine {
     /// connected (a snapshot; `cleanup()` leaves it as it was, as MAX's).
     #[getter]
     fn remote_connections<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        let v: Vec<(String, KVTransferEngineMetadata)> =
-            self.get(py, |e| e.remote_connections().into_iter().map(|(n, m)| (n.to_string(), m.clone())).collect())?;
         let d = PyDict::new(py);
-        for (n, m) in v {
+        for (n, m) in self.peers(py)? {
             d.set_item(n, PyMetadata { inner: m })?;
         }
         Ok(d)
@@ -269,10 +302,11 @@ impl PyKVTransferEngine {
     /// `{remote agent name: remote engine name}` (a snapshot).
     #[getter]
     fn remote_agent_to_engine<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        let v = self.get(py, |e| e.remote_agent_to_engine())?;
         let d = PyDict::new(py);
-        for (a, n) in v {
-            d.set_item(a, n)?;
+        for (n, m) in self.peers(py)? {
+            for a in m.agents_meta.iter().flatten() {
+                d.set_item(&a.agent_name, &n)?;
+            }
         }
         Ok(d)
     }
@@ -288,15 +322,15 @@ impl PyKVTransferEngine {
         let v: Vec<TransferReqData> = self.get(py, |e| e.inflight_read_transfers().values().cloned().collect())?;
         reqs_dict(py, v)
     }
-    /// `{remote engine: {transfer_name: notifications received}}` (passive side; a snapshot).
+    /// `{remote engine: {transfer_name: notifications received}}` (passive
+    /// side; a snapshot). `cleanup()` leaves it as it was, as MAX's does.
     #[getter]
     fn completed_recv_transfers<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        let v: Vec<(String, Vec<(String, usize)>)> = self.get(py, |e| {
-            e.completed_recv_transfers()
-                .iter()
-                .map(|(n, m)| (n.clone(), m.iter().map(|(t, c)| (t.clone(), *c)).collect()))
-                .collect()
-        })?;
+        let kept = lock(&self.recv_at_cleanup)?.clone();
+        let v = match kept {
+            Some(v) => v,
+            None => self.recv_map(py)?,
+        };
         let d = PyDict::new(py);
         for (n, m) in v {
             let inner = PyDict::new(py);
@@ -328,7 +362,7 @@ impl PyKVTransferEngine {
         transport: &str,
         peer_timeout_s: f64,
         copy_threads: usize,
-        options: Option<Vec<(String, String)>>,
+        options: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Self> {
         let py = cls.py();
         let params = kv_cache.getattr("params")?;
@@ -356,6 +390,7 @@ impl PyKVTransferEngine {
             }
             memory.push(row);
         }
+        let options = crate::options::transport_options(options)?;
         Self::build(py, name, memory, Some(leaf_ids), transport, peer_timeout_s, copy_threads, options)
     }
 
@@ -377,12 +412,19 @@ impl PyKVTransferEngine {
             .get()
             .inner
             .clone();
-        self.run(py, |e| e.connect(&m))
+        let name = m.name.clone();
+        self.run(py, |e| e.connect(&m))?;
+        let mut order = lock(&self.peer_order)?;
+        order.retain(|n| *n != name);
+        order.push(name);
+        Ok(())
     }
 
     /// Forget a connected peer. Raises `ValueError` when not connected.
     fn disconnect(&self, py: Python<'_>, remote_name: &str) -> PyResult<()> {
-        self.run(py, |e| e.disconnect(remote_name))
+        self.run(py, |e| e.disconnect(remote_name))?;
+        lock(&self.peer_order)?.retain(|n| n != remote_name);
+        Ok(())
     }
 
     /// True when connected to `remote_name`.
@@ -398,55 +440,55 @@ impl PyKVTransferEngine {
     /// Raises `ValueError` for bad replicas, leaves or pages,
     /// `kvwire.TransferError` when a request cannot be posted.
     #[pyo3(signature = (remote, src_idxs, dst_idxs, src_replica_idx=0, dst_replica_idx=0))]
-    fn initiate_send_transfer(
+    fn initiate_send_transfer<'py>(
         &self,
-        py: Python<'_>,
+        py: Python<'py>,
         remote: &Bound<'_, PyAny>,
         src_idxs: &Bound<'_, PyAny>,
         dst_idxs: &Bound<'_, PyAny>,
         src_replica_idx: i64,
         dst_replica_idx: i64,
-    ) -> PyResult<PyTransferReqData> {
+    ) -> PyResult<Bound<'py, PyAny>> {
         self.initiate(py, remote, src_idxs, dst_idxs, (src_replica_idx, dst_replica_idx), false)
     }
 
     /// READ pages `src_idxs` of replica `src_replica_idx` of `remote` into
     /// local pages `dst_idxs` of replica `dst_replica_idx` (`is_read=True`).
     #[pyo3(signature = (remote, src_idxs, dst_idxs, src_replica_idx=0, dst_replica_idx=0))]
-    fn initiate_read_transfer(
+    fn initiate_read_transfer<'py>(
         &self,
-        py: Python<'_>,
+        py: Python<'py>,
         remote: &Bound<'_, PyAny>,
         src_idxs: &Bound<'_, PyAny>,
         dst_idxs: &Bound<'_, PyAny>,
         src_replica_idx: i64,
         dst_replica_idx: i64,
-    ) -> PyResult<PyTransferReqData> {
+    ) -> PyResult<Bound<'py, PyAny>> {
         self.initiate(py, remote, src_idxs, dst_idxs, (src_replica_idx, dst_replica_idx), true)
     }
 
     /// Poll a transfer on either side: True once every shard request landed
     /// (initiator) or every expected notification arrived (passive side).
     /// Raises `kvwire.TransferError` when a shard request failed.
-    fn is_complete(&self, py: Python<'_>, req: &PyTransferReqData) -> PyResult<bool> {
+    fn is_complete(&self, py: Python<'_>, req: &Bound<'_, PyAny>) -> PyResult<bool> {
         self.with_req(py, req, |e, r| e.is_complete(r))
     }
 
     /// Release a completed transfer's resources (either side).
     /// Raises `ValueError` when it is not complete or unknown.
-    fn cleanup_transfer(&self, py: Python<'_>, req: &PyTransferReqData) -> PyResult<()> {
+    fn cleanup_transfer(&self, py: Python<'_>, req: &Bound<'_, PyAny>) -> PyResult<()> {
         self.with_req(py, req, |e, r| e.cleanup_transfer(r))
     }
 
     /// Cancel an in-flight transfer (initiator); returns once no copy can touch its pages.
-    fn cancel_transfer(&self, py: Python<'_>, req: &PyTransferReqData) -> PyResult<()> {
+    fn cancel_transfer(&self, py: Python<'_>, req: &Bound<'_, PyAny>) -> PyResult<()> {
         self.with_req(py, req, |e, r| e.cancel_transfer(r))
     }
 
     /// Wait (GIL released) up to `timeout_s` seconds for the transfer, then
     /// release it. Raises `TimeoutError` (the transfer is cancelled first).
     #[pyo3(signature = (req, timeout_s=30.0))]
-    fn sync_and_release(&self, py: Python<'_>, req: &PyTransferReqData, timeout_s: f64) -> PyResult<()> {
+    fn sync_and_release(&self, py: Python<'_>, req: &Bound<'_, PyAny>, timeout_s: f64) -> PyResult<()> {
         if !(timeout_s.is_finite() && timeout_s >= 0.0) {
             return Err(PyValueError::new_err("timeout_s must be a non-negative number of seconds"));
         }
@@ -455,7 +497,13 @@ impl PyKVTransferEngine {
     }
 
     /// Cancel everything in flight, disconnect every peer and deregister memory.
+    ///
+    /// As MAX's: `remote_connections`, `remote_agent_to_engine` and
+    /// `completed_recv_transfers` stay as they were (so `connect` to one of
+    /// those peers raises "already connected"); the in-flight maps empty.
     fn cleanup(&self, py: Python<'_>) -> PyResult<()> {
+        let recv = self.recv_map(py)?;
+        lock(&self.recv_at_cleanup)?.get_or_insert(recv);
         self.run(py, |e| e.cleanup())
     }
 

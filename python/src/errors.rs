@@ -75,6 +75,8 @@ pub fn kv_err(e: KvError) -> PyErr {
     match e {
         KvError::Unsupported(_) => PyNotImplementedError::new_err(msg),
         KvError::Timeout { .. } => PyTimeoutError::new_err(msg),
+        // A bad `options=` entry is the caller's mistake, not a transfer failure.
+        KvError::Engine(EngineError::Transport(TransportError::InvalidOption { .. })) => PyValueError::new_err(msg),
         KvError::PostFailed { .. } | KvError::TransferFailed { .. } | KvError::Engine(_) => transfer_error(msg, kind),
         KvError::Decode(_) => DecodeError::new_err(msg),
         KvError::Validation(_) => ValidationError::new_err(msg),

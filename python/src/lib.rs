@@ -17,6 +17,7 @@ mod gil;
 mod metadata;
 #[allow(unsafe_code)]
 mod nixl;
+mod options;
 mod reqdata;
 
 use pyo3::prelude::*;

@@ -54,7 +54,12 @@ fn err(code: i32, msg: impl Into<String>) -> PyErr {
 
 /// NIXL's status for an engine error.
 fn engine_err(e: EngineError) -> PyErr {
-    let code = match &e {
+    err(engine_code(&e), e.to_string())
+}
+
+/// NIXL's status code for an engine error.
+fn engine_code(e: &EngineError) -> i32 {
+    match e {
         EngineError::UnknownAgent(_)
         | EngineError::UnknownRegistration
         | EngineError::LocalOutOfBounds { .. }
@@ -68,8 +73,7 @@ fn engine_err(e: EngineError) -> PyErr {
         EngineError::Transport(_) => status::BACKEND,
         EngineError::NotCompleted(_) => status::IN_PROG,
         _ => status::INVALID_PARAM,
-    };
-    err(code, e.to_string())
+    }
 }
 
 /// A repostable transfer request (NIXL `nixlXferReqH`).
@@ -81,6 +85,10 @@ struct Request {
     notif: Option<Vec<u8>>,
     /// The latest post, until the next post or release.
     handle: Option<TransferHandle>,
+    /// The latest post was refused because the peer is dead: `state`
+    /// raises this (NIXL 1.5.1's `check_xfer_state` of such a handle raises
+    /// `nixlRemoteDisconnectError`, not `nixlNotPostedError`).
+    refused: Option<(i32, String)>,
 }
 
 struct Core {
@@ -111,7 +119,11 @@ impl Core {
 
     /// NIXL status of request `id`: SUCCESS, IN_PROG, or a raise.
     fn state(&mut self, id: u64) -> PyResult<i32> {
-        let h = self.req(id)?.handle.ok_or_else(|| err(status::NOT_POSTED, "transfer request was never posted"))?;
+        let r = self.req(id)?;
+        if let Some((code, why)) = &r.refused {
+            return Err(err(*code, why.clone()));
+        }
+        let h = r.handle.ok_or_else(|| err(status::NOT_POSTED, "transfer request was never posted"))?;
         match self.engine.status(h).map_err(engine_err)? {
             TransferStatus::Done => Ok(status::SUCCESS),
             TransferStatus::InProgress => Ok(status::IN_PROG),
@@ -136,7 +148,13 @@ pub struct PyNixlCore {
     transport: TransportKind,
     /// `state` calls in a row that found a transfer in progress.
     busy_polls: std::sync::atomic::AtomicU32,
+    /// `notifs` calls in a row that found nothing.
+    empty_polls: std::sync::atomic::AtomicU32,
 }
+
+/// Empty `notifs` answers in a row per yield of the caller's core (see
+/// `PyNixlCore::notifs`).
+const EMPTY_POLLS_PER_YIELD: u32 = 1024;
 
 /// In-progress `state` polls in a row that spin before each further one
 /// yields the core (see `PyNixlCore::state`): the first keep a short
@@ -200,7 +218,13 @@ impl PyNixlCore {
             segments: Vec::new(),
             spare: Vec::new(),
         };
-        Ok(Self { inner: Mutex::new(core), name, transport: kind, busy_polls: Default::default() })
+        Ok(Self {
+            inner: Mutex::new(core),
+            name,
+            transport: kind,
+            busy_polls: Default::default(),
+            empty_polls: Default::default(),
+        })
     }
 
     /// The agent name.
@@ -270,7 +294,8 @@ impl PyNixlCore {
         self.run(py, |c| c.engine.disconnect(&name).map_err(engine_err))
     }
 
-    /// True when `name`'s metadata is loaded (false once it was found dead).
+    /// True when `name`'s metadata is loaded; a peer found dead stays loaded
+    /// until `forget` (NIXL 1.5.1's `check_remote_metadata`).
     fn is_loaded(&self, py: Python<'_>, name: String) -> PyResult<bool> {
         self.run(py, |c| {
             c.engine.progress();
@@ -344,7 +369,7 @@ impl PyNixlCore {
             gather(rd, remote_idx, width, &mut remote).map_err(|m| err(status::INVALID_PARAM, m))?;
             let agent = agent.clone();
             let id = c.id();
-            c.reqs.insert(id, Request { op, agent, local, remote, notif, handle: None });
+            c.reqs.insert(id, Request { op, agent, local, remote, notif, handle: None, refused: None });
             Ok(id)
         })
     }
@@ -369,7 +394,7 @@ impl PyNixlCore {
             c.engine.check_local(&l).map_err(engine_err)?;
             c.engine.check_remote(&agent, &r).map_err(engine_err)?;
             let id = c.id();
-            c.reqs.insert(id, Request { op, agent, local: l, remote: r, notif, handle: None });
+            c.reqs.insert(id, Request { op, agent, local: l, remote: r, notif, handle: None, refused: None });
             Ok(id)
         })
     }
@@ -392,8 +417,16 @@ impl PyNixlCore {
             if let Some(old) = r.handle.take() {
                 let _ = engine.release(old);
             }
-            let h =
-                engine.post_with(r.op, &r.local, &r.agent, &r.remote, r.notif.clone(), segments).map_err(engine_err)?;
+            r.refused = None;
+            let h = match engine.post_with(r.op, &r.local, &r.agent, &r.remote, r.notif.clone(), segments) {
+                Ok(h) => h,
+                Err(e) => {
+                    if engine_code(&e) == status::REMOTE_DISCONNECT {
+                        r.refused = Some((status::REMOTE_DISCONNECT, e.to_string()));
+                    }
+                    return Err(engine_err(e));
+                }
+            };
             r.handle = Some(h);
             c.state(id)
         })
@@ -426,6 +459,9 @@ impl PyNixlCore {
     /// `(start_us, post_us, xfer_us, bytes, desc_count)` of the last post.
     fn telemetry(&self, py: Python<'_>, id: u64) -> PyResult<(u64, u64, u64, u64, u64)> {
         self.run(py, |c| {
+            // A failed post or transfer answers with its status, as NIXL's
+            // getXferTelemetry returns the request's status when not SUCCESS.
+            c.state(id)?;
             let h = c.req(id)?.handle.ok_or_else(|| err(status::NOT_POSTED, "transfer request was never posted"))?;
             let t = c.engine.telemetry(h).map_err(engine_err)?;
             Ok((t.start_us, t.post_us, t.xfer_us, t.bytes, t.desc_count))
@@ -451,12 +487,25 @@ impl PyNixlCore {
     }
 
     /// Notifications received so far, `{agent: [bytes, ...]}`, taken.
+    ///
+    /// Never sleeps or yields while notifications arrive: an empty answer
+    /// yields the calling thread's core only on every
+    /// [`EMPTY_POLLS_PER_YIELD`]th empty call in a row. vLLM polls
+    /// `get_new_notifs` once per engine step, and a yield there can park
+    /// the caller behind other runnable threads for a scheduler slice
+    /// (milliseconds); a tight loop that never yields would instead starve
+    /// the copy threads where cores are few. One yield per 1,024 empty polls
+    /// keeps both (docs/PERFORMANCE.md, notification delivery latency).
     fn notifs<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        use std::sync::atomic::Ordering::Relaxed;
         let got = self.run(py, |c| Ok(c.engine.get_notifs()))?;
         if got.is_empty() {
-            // A target spinning on get_new_notifs gives way to the copy
-            // threads that are about to deliver (see `state`).
-            crate::gil::without_gil(py, std::thread::yield_now);
+            let n = self.empty_polls.fetch_add(1, Relaxed).wrapping_add(1);
+            if n.is_multiple_of(EMPTY_POLLS_PER_YIELD) {
+                crate::gil::without_gil(py, std::thread::yield_now);
+            }
+        } else {
+            self.empty_polls.store(0, Relaxed);
         }
         let d = PyDict::new(py);
         for (agent, msgs) in got {

@@ -4,7 +4,8 @@ use kvwire::kv::msgspec::MsgInt;
 use kvwire::kv::{PageIdxs, TransferReqData, WireIdxs, WireTransferReqData};
 use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
-use pyo3::types::{PyBytes, PyDict, PyList, PyString};
+use pyo3::sync::GILOnceCell;
+use pyo3::types::{PyBytes, PyDict, PyList, PyString, PyType};
 
 use crate::errors::kv_err;
 
@@ -36,16 +37,36 @@ fn ints(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<Vec<MsgInt>> {
     if obj.is_instance_of::<PyString>() {
         return Err(PyValueError::new_err(format!("{what} must be a list of ints, got str")));
     }
-    let v: Vec<i128> =
-        obj.extract().map_err(|_| PyValueError::new_err(format!("{what} must be a list of ints in -2^63..2^64")))?;
-    v.into_iter().map(|x| int(x, what)).collect()
+    let items = obj.try_iter().map_err(|_| PyValueError::new_err(format!("{what} must be a list of ints")))?;
+    let mut out = Vec::new();
+    for item in items {
+        let item = item?;
+        if item.is_instance_of::<pyo3::types::PyBool>() {
+            return Err(PyValueError::new_err(format!("{what} must be a list of ints, got bool")));
+        }
+        match item.extract::<i128>() {
+            Ok(x) => out.push(int(x, what)?),
+            Err(_) if item.is_instance_of::<pyo3::types::PyInt>() => {
+                return Err(PyValueError::new_err(format!(
+                    "{what}: {item} is outside -2^63..2^64 (msgpack and 64-bit NIXL handles cannot carry it)"
+                )));
+            }
+            Err(_) => {
+                let ty = item.get_type().name().map_or_else(|_| "?".to_string(), |n| n.to_string());
+                return Err(PyValueError::new_err(format!("{what} must be a list of ints, got {ty}")));
+            }
+        }
+    }
+    Ok(out)
 }
 
 fn int(x: i128, what: &str) -> PyResult<MsgInt> {
     if (MsgInt::MIN..=MsgInt::MAX).contains(&x) {
         Ok(MsgInt(x))
     } else {
-        Err(PyValueError::new_err(format!("{what}: {x} is outside -2^63..2^64 (msgpack cannot carry it)")))
+        Err(PyValueError::new_err(format!(
+            "{what}: {x} is outside -2^63..2^64 (msgpack and 64-bit NIXL handles cannot carry it)"
+        )))
     }
 }
 
@@ -89,6 +110,76 @@ fn bytes_arg(data: &Bound<'_, PyAny>, what: &str) -> PyResult<Vec<u8>> {
     data.extract::<Vec<u8>>()
         .or_else(|_| data.call_method0("__bytes__").and_then(|b| b.extract()))
         .map_err(|_| PyTypeError::new_err(format!("{what} takes bytes, bytearray, memoryview or str")))
+}
+
+/// `kvwire.TransferReqData`: the msgspec struct of `kvwire/_reqdata.py`, or
+/// [`PyTransferReqData`] where msgspec is not installed.
+fn req_class(py: Python<'_>) -> PyResult<&Bound<'_, PyType>> {
+    static CLASS: GILOnceCell<Py<PyType>> = GILOnceCell::new();
+    CLASS.import(py, "kvwire", "TransferReqData")
+}
+
+/// An engine's record as a `kvwire.TransferReqData`.
+pub fn req_py<'py>(py: Python<'py>, r: &TransferReqData) -> PyResult<Bound<'py, PyAny>> {
+    let cls = req_class(py)?;
+    if cls.is(&py.get_type::<PyTransferReqData>()) {
+        return Ok(Bound::new(py, PyTransferReqData::from_core(r))?.into_any());
+    }
+    let w: WireTransferReqData = r.into();
+    let kw = PyDict::new(py);
+    kw.set_item("dst_name", &w.dst_name)?;
+    kw.set_item("src_name", &w.src_name)?;
+    kw.set_item("transfer_name", &w.transfer_name)?;
+    kw.set_item("transfer_ids", w.transfer_ids.iter().map(|x| x.0).collect::<Vec<_>>())?;
+    kw.set_item("src_idxs", idxs_to_py(py, &w.src_idxs)?)?;
+    kw.set_item("dst_idxs", idxs_to_py(py, &w.dst_idxs)?)?;
+    kw.set_item("src_replica_idx", w.src_replica_idx.0)?;
+    kw.set_item("dst_replica_idx", w.dst_replica_idx.0)?;
+    kw.set_item("is_read", w.is_read)?;
+    kw.set_item("tp_shard_count", w.tp_shard_count.0)?;
+    kw.set_item("local_shards_used", w.local_shards_used.iter().map(|x| x.0).collect::<Vec<_>>())?;
+    cls.call((), Some(&kw))
+}
+
+fn field_int(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<MsgInt> {
+    let v = obj.getattr(name)?;
+    if v.is_instance_of::<pyo3::types::PyBool>() {
+        return Err(PyValueError::new_err(format!("{name} must be an int, got bool")));
+    }
+    let x: i128 = v.extract().map_err(|_| {
+        PyValueError::new_err(format!(
+            "{name} must be an int in -2^63..2^64, got {}",
+            v.repr().map_or_else(|_| "?".into(), |r| r.to_string())
+        ))
+    })?;
+    int(x, name)
+}
+
+/// The engine's record of any `TransferReqData` (kvwire's msgspec struct,
+/// the extension's class, or an object with the same attributes, such as
+/// MAX's struct), with the checks MAX makes at use (`ValueError`).
+pub fn core_of(obj: &Bound<'_, PyAny>) -> PyResult<TransferReqData> {
+    if let Ok(r) = obj.downcast::<PyTransferReqData>() {
+        return r.get().core();
+    }
+    let s = |name: &str| -> PyResult<String> {
+        obj.getattr(name)?.extract().map_err(|_| PyValueError::new_err(format!("{name} must be a str")))
+    };
+    let is_read = obj.getattr("is_read")?;
+    let wire = WireTransferReqData {
+        dst_name: s("dst_name")?,
+        src_name: s("src_name")?,
+        transfer_name: s("transfer_name")?,
+        transfer_ids: ints(&obj.getattr("transfer_ids")?, "transfer_ids")?,
+        src_idxs: wire_idxs(&obj.getattr("src_idxs")?)?,
+        dst_idxs: wire_idxs(&obj.getattr("dst_idxs")?)?,
+        src_replica_idx: field_int(obj, "src_replica_idx")?,
+        dst_replica_idx: field_int(obj, "dst_replica_idx")?,
+        is_read: is_read.extract().map_err(|_| PyValueError::new_err("is_read must be a bool"))?,
+        tp_shard_count: field_int(obj, "tp_shard_count")?,
+        local_shards_used: ints(&obj.getattr("local_shards_used")?, "local_shards_used")?,
+    };
+    TransferReqData::try_from(&wire).map_err(kv_err)
 }
 
 /// Metadata of one transfer request, as MAX 26.7's

@@ -81,6 +81,59 @@ def test_byte_and_block_counts():
     assert c.g0_blocks_per_leaf == {"0": [1, 2]}
 
 
+# Issue 30, MAX parity 5. What MAX 26.7's ByteCount (max/pipelines/kv_cache/
+# kv_connector.py: ``@dataclass(frozen=True, slots=True)``, not a NamedTuple)
+# printed for each expression, under CPython 3.11.
+MAX_BYTECOUNT = [
+    ("repr(b)", "ByteCount(free=25, total=100)"),
+    ("(b.free, b.total, b.used, b.used_pct, b.free_pct)", (25, 100, 75, 75.0, 25.0)),
+    ("[f.name for f in dataclasses.fields(b)]", ["free", "total"]),
+    ("dataclasses.astuple(b)", (25, 100)),
+    ("type(b).__match_args__", ("free", "total")),
+    ("b == kvwire.ByteCount(25, 100) and hash(b) == hash(kvwire.ByteCount(25, 100))", True),
+    ("b == (25, 100)", False),
+    ("kvwire.ByteCount(0, 0) == kvwire.BlockCount(0, 0)", False),
+    ("pickle.loads(pickle.dumps(b)) == b", True),
+    ("kvwire.ByteCount(free=0, total=0).used_pct", 0.0),
+    ("type(b).__mro__[1:]", (object,)),
+]
+MAX_BYTECOUNT_RAISES = [
+    ("free, total = b", TypeError, "cannot unpack non-iterable ByteCount object"),
+    ("b[0]", TypeError, "'ByteCount' object is not subscriptable"),
+    ("tuple(b)", TypeError, "'ByteCount' object is not iterable"),
+    ("len(b)", TypeError, "object of type 'ByteCount' has no len()"),
+    ("b.free = 1", dataclasses.FrozenInstanceError, "cannot assign to field 'free'"),
+]
+
+
+@pytest.mark.parametrize("expr, value", MAX_BYTECOUNT)
+def test_byte_count_is_maxs(expr, value):
+    import pickle
+
+    b = kvwire.ByteCount(free=25, total=100)
+    assert eval(expr) == value
+
+
+@pytest.mark.parametrize("stmt, exc, message", MAX_BYTECOUNT_RAISES)
+def test_byte_count_refuses_what_maxs_refuses(stmt, exc, message):
+    b = kvwire.ByteCount(free=25, total=100)  # noqa: F841 (used by stmt)
+    with pytest.raises(exc) as info:
+        exec(stmt)
+    assert str(info.value) == message
+
+
+def test_null_connector_byte_counts_are_maxs():
+    import sys
+
+    c = kvwire.NullConnector()
+    for count in (c.host_byte_count, c.disk_byte_count):
+        assert type(count) is kvwire.ByteCount
+        assert repr(count) == "ByteCount(free=0, total=0)"
+        assert (count.free, count.total, count.used, count.used_pct, count.free_pct) == (0, 0, 0, 0.0, 0.0)
+        if sys.version_info >= (3, 10):
+            assert not hasattr(count, "__dict__")  # slots=True, as MAX's
+
+
 def test_tier_connector_metrics_are_kvcachemetrics():
     import numpy as np
 

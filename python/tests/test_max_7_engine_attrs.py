@@ -53,3 +53,50 @@ def test_disconnect_forgets_the_peer():
     finally:
         a.cleanup()
         b.cleanup()
+
+
+def test_cleanup_leaves_maxs_dicts_in_connect_order():
+    # Issue 30, MAX parity 4. MAX 26.7's cleanup() releases the in-flight
+    # transfers and invalidates its peers' metadata, and leaves the plain
+    # dicts remote_connections, remote_agent_to_engine and
+    # completed_recv_transfers as they were: peers in the order connect()
+    # added them, agents in [replica][shard] order.
+    names = ["e7-z", "e7-m", "e7-x10"]
+    a = kvwire.KVTransferEngine("e7-hub", [[mem(tp=1)]])
+    peers = {n: kvwire.KVTransferEngine(n, [[mem(tp=1)], [mem(tp=1)]] if n == "e7-x10" else [[mem(tp=1)]])
+             for n in names}
+    try:
+        for n in names:
+            a.connect(peers[n].metadata)
+            peers[n].connect(a.metadata)
+        expect_rc = ["e7-z", "e7-m", "e7-x10"]
+        expect_agents = {"e7-z_0_0": "e7-z", "e7-m_0_0": "e7-m", "e7-x10_0_0": "e7-x10", "e7-x10_1_0": "e7-x10"}
+        assert list(a.remote_connections) == expect_rc
+        assert list(a.remote_agent_to_engine.items()) == list(expect_agents.items())
+        # One transfer from "e7-m" lands here and is released; one from "e7-z" is not.
+        done = peers["e7-m"].initiate_send_transfer(a.metadata, [1], [2], 0, 0)
+        a.sync_and_release(done, timeout_s=10)
+        peers["e7-m"].sync_and_release(done, timeout_s=10)
+        pending = peers["e7-z"].initiate_send_transfer(a.metadata, [1], [3], 0, 0)
+        peers["e7-z"].sync_and_release(pending, timeout_s=10)
+        import time
+
+        deadline = time.monotonic() + 10
+        while not a.is_complete(pending) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        recv = a.completed_recv_transfers
+        assert recv["e7-z"] == {pending.transfer_name: 1} and recv["e7-m"] == {}
+        out = a.initiate_send_transfer(peers["e7-x10"].metadata, [4], [5], 0, 1)
+        assert list(a.inflight_send_transfers) == [out.transfer_name]
+        a.cleanup()
+        assert list(a.remote_connections) == expect_rc
+        assert all(a.remote_connections[n] == peers[n].metadata for n in names)
+        assert list(a.remote_agent_to_engine.items()) == list(expect_agents.items())
+        assert a.completed_recv_transfers == recv
+        assert (a.inflight_send_transfers, a.inflight_read_transfers) == ({}, {})
+        with pytest.raises(ValueError, match="already connected"):
+            a.connect(peers["e7-m"].metadata)
+    finally:
+        a.cleanup()
+        for p in peers.values():
+            p.cleanup()

@@ -19,3 +19,15 @@ def test_readme_example():
     decode.cleanup_transfer(on_decode)
     prefill.sync_and_release(req, timeout_s=30.0)
     assert (decode_kv[10:13] == prefill_kv[1:4]).all()
+
+
+def test_pip_install_brings_what_the_example_imports():
+    # Issue 30, newcomer: `pip install ./python` installs numpy (the example
+    # allocates its buffers with it) and msgspec (TransferReqData is a
+    # msgspec.Struct, as MAX's); both are what MAX 26.7 itself requires.
+    import importlib.metadata
+    import re
+
+    requires = {re.split(r"[<>=!~ ;\[]", r, 1)[0].lower() for r in importlib.metadata.requires("kvwire") or []
+                if "extra ==" not in r}
+    assert {"numpy", "msgspec"} <= requires, requires

@@ -30,7 +30,6 @@ use std::collections::BTreeMap;
 mod error;
 pub(crate) mod host;
 mod ledger;
-mod metrics;
 mod null;
 mod pages;
 pub mod replay;
@@ -42,9 +41,11 @@ mod vram;
 #[cfg(test)]
 mod tests;
 
+/// Defined with the metrics registry that exports it (a connector reports
+/// into [`crate::metrics`], never the other way round).
+pub use crate::metrics::KVCacheMetrics;
 pub use error::ConnectorError;
 pub use host::{HostTierConnector, WorkerPause};
-pub use metrics::KVCacheMetrics;
 pub use null::NullConnector;
 pub use pages::{DevicePages, HostPages};
 pub use transfer::{CompletedTransfer, KVConnectorTransfer, KVTransfer};

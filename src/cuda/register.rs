@@ -4,9 +4,10 @@
 //! (2) the plain device pointer (`ibv_reg_mr`, which works only with
 //! nvidia-peermem), (3) [`CudaError::Registration`] naming both causes.
 //!
-//! Generic over the verbs layer: the two registration calls are closures,
-//! so the chain is tested here with fakes, and the verbs transport plugs in
-//! `MemoryRegion::register_dmabuf` / `MemoryRegion::register`.
+//! The chain itself lives in the verbs transport
+//! (`transport::verbs::gpu`, re-exported here); this module adds
+//! [`GpuMemoryRegion`], which holds the backing with the region, and tests the
+//! chain with fakes.
 
 use std::fmt::Display;
 use std::os::fd::BorrowedFd;
@@ -15,41 +16,11 @@ use std::sync::Arc;
 use super::CudaError;
 use crate::transport::MemoryBacking;
 
-/// Which path registered the memory.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum RegistrationPath {
-    /// `ibv_reg_dmabuf_mr` on a dma-buf export.
-    DmaBuf,
-    /// `ibv_reg_mr` on the device pointer (nvidia-peermem).
-    PeerMem,
-}
+pub use crate::transport::verbs::gpu::{GpuRegistrationError, RegistrationPath, register_with_fallback};
 
-/// Run the chain for `[addr, addr + len_bytes)`. `dmabuf` is the exported
-/// `(fd, offset)` or why there is none; `reg_dmabuf(fd, offset, len, iova)`
-/// and `reg_ptr(addr, len)` are the two verbs calls.
-///
-/// # Errors
-/// [`CudaError::Registration`] with both causes when both paths fail.
-pub fn register_with_fallback<R, E1: Display, E2: Display>(
-    addr: u64,
-    len_bytes: u64,
-    dmabuf: Result<(BorrowedFd<'_>, u64), String>,
-    reg_dmabuf: impl FnOnce(BorrowedFd<'_>, u64, u64, u64) -> Result<R, E1>,
-    reg_ptr: impl FnOnce(u64, u64) -> Result<R, E2>,
-) -> Result<(R, RegistrationPath), CudaError> {
-    let dmabuf_cause = match dmabuf {
-        Ok((fd, offset)) => match reg_dmabuf(fd, offset, len_bytes, addr) {
-            Ok(r) => return Ok((r, RegistrationPath::DmaBuf)),
-            Err(e) => format!("ibv_reg_dmabuf_mr: {e}"),
-        },
-        Err(why) => format!("no dma-buf export: {why}"),
-    };
-    match reg_ptr(addr, len_bytes) {
-        Ok(r) => {
-            tracing::info!("GPU memory {addr:#x}+{len_bytes} registered through nvidia-peermem ({dmabuf_cause})");
-            Ok((r, RegistrationPath::PeerMem))
-        }
-        Err(e) => Err(CudaError::Registration { addr, len_bytes, dmabuf: dmabuf_cause, peermem: e.to_string() }),
+impl From<GpuRegistrationError> for CudaError {
+    fn from(e: GpuRegistrationError) -> Self {
+        CudaError::Registration { addr: e.addr, len_bytes: e.len_bytes, dmabuf: e.dmabuf, peermem: e.peermem }
     }
 }
 

@@ -78,6 +78,14 @@ struct LocalRegistration {
 struct RemoteAgent {
     peer: PeerId,
     meta: AgentMetadata,
+    /// Set once the peer was found dead: why. The agent stays known (its
+    /// metadata loaded, prep-time checks pass) and every post or
+    /// notification to it fails fast with
+    /// [`TransportError::PeerDisconnected`](transport::TransportError::PeerDisconnected)
+    /// until the caller removes it or loads a restarted peer's metadata, as
+    /// NIXL 1.5.1 keeps a disconnected agent's metadata until
+    /// `invalidateRemoteMD`.
+    dead: Option<String>,
 }
 
 struct TransferState {
@@ -264,7 +272,7 @@ impl TransferEngine {
         if meta.name == self.name {
             return Err(EngineError::SelfConnect(meta.name.clone()));
         }
-        if self.remotes.contains_key(&meta.name) {
+        if self.remotes.get(&meta.name).is_some_and(|r| r.dead.is_none()) {
             return Err(EngineError::AlreadyConnected(meta.name.clone()));
         }
         if meta.transport != self.transport.kind() {
@@ -275,22 +283,33 @@ impl TransferEngine {
             });
         }
         let peer = self.transport.connect(&meta.name, &meta.connection_info, &meta.regions)?;
-        self.remotes.insert(meta.name.clone(), RemoteAgent { peer, meta: meta.clone() });
+        // A dead peer of that name is replaced (its transport peer was
+        // disconnected when it was found dead).
+        self.remotes.insert(meta.name.clone(), RemoteAgent { peer, meta: meta.clone(), dead: None });
         Ok(())
     }
 
-    /// True when `name` is connected.
+    /// True when `name` is connected and not found dead.
     pub fn is_connected(&self, name: &str) -> bool {
-        self.remotes.contains_key(name)
+        self.remotes.get(name).is_some_and(|r| r.dead.is_none())
     }
 
     /// Disconnect a peer: in-flight transfers to it are cancelled (they turn
-    /// `Failed`), and `connect` accepts the name again afterwards.
+    /// `Failed`), and `connect` accepts the name again afterwards. A peer
+    /// found dead is removed the same way, without error (NIXL 1.5.1's
+    /// `invalidateRemoteMD` of a disconnected agent succeeds).
     ///
     /// # Errors
-    /// [`EngineError::UnknownAgent`].
+    /// [`EngineError::UnknownAgent`] when `name` was never loaded or was
+    /// already removed.
     pub fn disconnect(&mut self, name: &str) -> Result<(), EngineError> {
         let remote = self.remotes.remove(name).ok_or_else(|| EngineError::UnknownAgent(name.to_string()))?;
+        if remote.dead.is_some() {
+            // Its transfers already failed and its transport peer is gone.
+            self.pending_notifs.retain(|n| n.agent != name);
+            self.disconnect_idle_retired();
+            return Ok(());
+        }
         let ids: Vec<u64> = self
             .transfers
             .iter()

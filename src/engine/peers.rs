@@ -11,11 +11,11 @@ use std::time::{Duration, Instant};
 use super::desc::{check_local_descs, check_remote_descs};
 use super::metadata::MAX_NAME_BYTES;
 use super::{AgentMetadata, Desc, EngineError, RemoteAgent, TransferEngine, TransferStatus, XferId};
-use crate::transport::{Op, PeerId, TransferFailure};
+use crate::transport::{Op, PeerId, TransferFailure, TransportError};
 
 /// Largest standalone notification payload (bytes): the smallest limit of
 /// the transports (tcp's `MAX_NOTIFICATION_BYTES`, 64 KiB).
-pub const MAX_NOTIFY_BYTES: usize = 64 << 10;
+pub(super) const MAX_NOTIFY_BYTES: usize = 64 << 10;
 
 /// How long `notify` waits for an earlier standalone notification to the
 /// same agent before posting the next one anyway.
@@ -74,6 +74,13 @@ impl TransferEngine {
             self.connect(meta)?;
             return Ok(LoadOutcome::Connected);
         };
+        if known.dead.is_some() {
+            // A restarted peer under a dead one's name (or the dead one's
+            // metadata again): connect afresh, as NIXL reconnects on
+            // `loadRemoteMD` after the disconnect.
+            self.connect(meta)?;
+            return Ok(LoadOutcome::Connected);
+        }
         if known.meta.connection_info != meta.connection_info || known.meta.transport != meta.transport {
             return Err(EngineError::MetadataConflict(meta.name.clone()));
         }
@@ -81,7 +88,8 @@ impl TransferEngine {
             return Ok(LoadOutcome::Unchanged);
         }
         let peer = self.transport.connect(&meta.name, &meta.connection_info, &meta.regions)?;
-        if let Some(old) = self.remotes.insert(meta.name.clone(), RemoteAgent { peer, meta: meta.clone() }) {
+        if let Some(old) = self.remotes.insert(meta.name.clone(), RemoteAgent { peer, meta: meta.clone(), dead: None })
+        {
             self.retired.push(old.peer);
         }
         self.disconnect_idle_retired();
@@ -94,9 +102,17 @@ impl TransferEngine {
     }
 
     /// True when `name`'s metadata is loaded (NIXL `checkRemoteMD` without
-    /// descriptors). Turns false once the peer is found dead.
+    /// descriptors). Stays true after the peer is found dead, until
+    /// [`TransferEngine::disconnect`] removes it or a restarted peer's
+    /// metadata replaces it (NIXL 1.5.1: `check_remote_metadata` of a dead
+    /// agent is `True`).
     pub fn is_remote_loaded(&self, name: &str) -> bool {
         self.remotes.contains_key(name)
+    }
+
+    /// Why `name` was found dead, or `None` while it is alive (or unknown).
+    pub fn remote_dead_reason(&self, name: &str) -> Option<&str> {
+        self.remotes.get(name).and_then(|r| r.dead.as_deref())
     }
 
     /// Check that every descriptor lies inside one local registration,
@@ -209,9 +225,17 @@ impl TransferEngine {
     }
 
     /// The connected agent `name`, or the loopback connection for our own name.
+    ///
+    /// # Errors
+    /// [`EngineError::UnknownAgent`]; [`TransportError::PeerDisconnected`]
+    /// (as [`EngineError::Transport`]) when `name` was found dead.
     pub(super) fn remote_ref(&self, name: &str) -> Result<&RemoteAgent, EngineError> {
         let found = if name == self.name { self.loopback.as_ref() } else { self.remotes.get(name) };
-        found.ok_or_else(|| EngineError::UnknownAgent(name.to_string()))
+        let r = found.ok_or_else(|| EngineError::UnknownAgent(name.to_string()))?;
+        match &r.dead {
+            Some(why) => Err(TransportError::PeerDisconnected(format!("agent {name}: {why}")).into()),
+            None => Ok(r),
+        }
     }
 
     /// Connect this agent to itself, or refresh that connection after the
@@ -222,29 +246,34 @@ impl TransferEngine {
         }
         let meta = self.metadata();
         let peer = self.transport.connect(&self.name, &meta.connection_info, &meta.regions)?;
-        if let Some(old) = self.loopback.replace(RemoteAgent { peer, meta }) {
+        if let Some(old) = self.loopback.replace(RemoteAgent { peer, meta, dead: None }) {
             self.retired.push(old.peer);
         }
         self.disconnect_idle_retired();
         Ok(())
     }
 
-    /// Drop `name`'s metadata and connection after its transport `peer` was
-    /// found dead: the rest of its in-progress transfers fail, queued
-    /// notifications to it are dropped, and `is_remote_loaded(name)` turns
-    /// false, as NIXL invalidates a disconnected peer (SGLang's recovery
-    /// re-adds it on that signal). A no-op when `name` was re-loaded since.
+    /// Mark `name` dead after its transport `peer` was found dead: the rest
+    /// of its in-progress transfers fail, queued notifications to it are
+    /// dropped, its transport connection is closed, and later posts and
+    /// notifications to it fail fast with `PeerDisconnected`. Its metadata
+    /// stays loaded (`is_remote_loaded(name)` stays true) until the caller
+    /// removes it with [`TransferEngine::disconnect`] or loads a restarted
+    /// peer's metadata, as NIXL 1.5.1 does: vLLM's cleanup path checks
+    /// `check_remote_metadata` and then calls `remove_remote_agent`, which
+    /// must not fail. A no-op when `name` was re-loaded since or is already
+    /// marked.
     pub(super) fn drop_dead_peer(&mut self, name: &str, peer: PeerId) {
         let current = if name == self.name { self.loopback.as_ref() } else { self.remotes.get(name) };
-        if current.is_none_or(|r| r.peer != peer) {
+        if current.is_none_or(|r| r.peer != peer || r.dead.is_some()) {
             return;
         }
         if name == self.name {
             self.loopback = None;
-        } else {
-            self.remotes.remove(name);
+        } else if let Some(r) = self.remotes.get_mut(name) {
+            r.dead = Some("peer disconnected".to_string());
         }
-        tracing::warn!("agent {name}: peer lost, its metadata is dropped");
+        tracing::warn!("agent {name}: peer lost; transfers to it fail until it is removed or re-loaded");
         let ids: Vec<u64> = self
             .transfers
             .iter()

@@ -36,8 +36,9 @@ pub struct XferTelemetry {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum FailureCause {
-    /// The peer died or closed its connection; the engine dropped its
-    /// metadata (`is_connected` turns false, as NIXL invalidates it).
+    /// The peer died or closed its connection; the engine marks it dead
+    /// (`is_connected` turns false, `is_remote_loaded` stays true until the
+    /// caller removes it, as NIXL 1.5.1 keeps a disconnected agent loaded).
     PeerLost,
     /// `disconnect` removed the peer while the transfer was moving.
     Removed,

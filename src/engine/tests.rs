@@ -7,6 +7,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use super::*;
+use crate::transport::TransportError;
 use crate::transport::shm::HostBuffer;
 
 fn config(kind: TransportKind) -> TransportConfig {
@@ -143,14 +144,14 @@ fn telemetry_counts_user_descriptors_and_never_reports_zero_durations(kind: Tran
     assert!(matches!(a.telemetry(h), Err(EngineError::UnknownHandle(_))));
 }
 
-fn a_dead_peer_fails_its_transfers_and_drops_its_metadata(kind: TransportKind) {
+fn a_dead_peer_fails_fast_and_stays_known_until_removed(kind: TransportKind) {
     let ((mut a, ab), (b, bb)) = pair(kind, 1 << 20);
     let (l, r) = ([Desc::new(ab.addr(), 1 << 20)], [Desc::new(bb.addr(), 1 << 20)]);
     drop(b);
     // The peer's death shows up either at post or as the transfer's failure.
     let deadline = Instant::now() + Duration::from_secs(10);
     let mut cause = None;
-    while a.is_remote_loaded("b") && Instant::now() < deadline {
+    while a.is_connected("b") && Instant::now() < deadline {
         match a.post(Op::Write, &l, "b", &r, None) {
             Ok(h) => {
                 if let TransferStatus::Failed(_) = wait(&mut a, h) {
@@ -158,17 +159,69 @@ fn a_dead_peer_fails_its_transfers_and_drops_its_metadata(kind: TransportKind) {
                 }
                 a.release(h).unwrap();
             }
-            Err(EngineError::Transport(_)) | Err(EngineError::UnknownAgent(_)) => {}
+            Err(EngineError::Transport(TransportError::PeerDisconnected(_))) => {}
             Err(e) => panic!("{kind}: {e}"),
         }
         std::thread::sleep(Duration::from_millis(5));
     }
-    assert!(!a.is_remote_loaded("b"), "{kind}: metadata still loaded");
+    assert!(!a.is_connected("b"), "{kind}: death not noticed");
     assert!(cause.is_none() || cause == Some(FailureCause::PeerLost), "{kind}: {cause:?}");
-    assert!(matches!(a.post(Op::Write, &l, "b", &r, None), Err(EngineError::UnknownAgent(_))));
-    // A restarted peer of the same name loads again.
-    let (b2, _b2b) = agent("b", kind, 4096);
+    // Known, dead: loaded, prep-time checks pass, posts and notifications
+    // fail fast with the typed reason (NIXL 1.5.1's REMOTE_DISCONNECT).
+    assert!(a.is_remote_loaded("b"), "{kind}: a dead peer stays loaded until removed");
+    assert!(a.remote_dead_reason("b").is_some());
+    a.check_remote("b", &r).unwrap();
+    for _ in 0..3 {
+        assert!(
+            matches!(
+                a.post(Op::Write, &l, "b", &r, None),
+                Err(EngineError::Transport(TransportError::PeerDisconnected(_)))
+            ),
+            "{kind}"
+        );
+        assert!(
+            matches!(a.notify("b", b"HB".to_vec()), Err(EngineError::Transport(TransportError::PeerDisconnected(_)))),
+            "{kind}"
+        );
+    }
+    assert_eq!(a.num_transfers(), 0, "{kind}: nothing was left in flight");
+    // Removing it never errors; removing it twice is an unknown agent.
+    a.disconnect("b").unwrap();
+    assert!(!a.is_remote_loaded("b"));
+    assert!(matches!(a.disconnect("b"), Err(EngineError::UnknownAgent(_))));
+    // A restarted peer of the same name loads again and works at once.
+    let (mut b2, b2b) = agent("b", kind, 4096);
     assert_eq!(a.load_remote(&b2.metadata()).unwrap(), LoadOutcome::Connected, "{kind}");
+    ab.fill_with(0, 4096, |i| (i * 3) as u8);
+    let h = a
+        .post(Op::Write, &[Desc::new(ab.addr(), 4096)], "b", &[Desc::new(b2b.addr(), 4096)], Some(b"x".to_vec()))
+        .unwrap();
+    assert_eq!(wait(&mut a, h), TransferStatus::Done, "{kind}");
+    assert_eq!(b2b.to_vec(..), ab.to_vec(..4096));
+    assert_eq!(notifs(&mut b2, 1).remove("a"), Some(vec![b"x".to_vec()]));
+}
+
+fn a_restarted_peer_replaces_a_dead_one_without_removal(kind: TransportKind) {
+    let ((mut a, ab), (b, bb)) = pair(kind, 1 << 16);
+    let (l, r) = ([Desc::new(ab.addr(), 1 << 16)], [Desc::new(bb.addr(), 1 << 16)]);
+    drop(b);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while a.is_connected("b") && Instant::now() < deadline {
+        if let Ok(h) = a.post(Op::Write, &l, "b", &r, None) {
+            wait(&mut a, h);
+            a.release(h).unwrap();
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    assert!(a.is_remote_loaded("b") && !a.is_connected("b"), "{kind}");
+    // add_remote_agent of the restarted peer (new connection info) replaces it.
+    let (_b2, b2b) = agent("b", kind, 4096);
+    assert_eq!(a.load_remote(&_b2.metadata()).unwrap(), LoadOutcome::Connected, "{kind}");
+    assert!(a.is_connected("b"));
+    b2b.fill_with(0, 4096, |_| 0x77);
+    let h = a.post(Op::Read, &[Desc::new(ab.addr(), 4096)], "b", &[Desc::new(b2b.addr(), 4096)], None).unwrap();
+    assert_eq!(wait(&mut a, h), TransferStatus::Done, "{kind}");
+    assert!(ab.to_vec(..4096).iter().all(|&x| x == 0x77));
 }
 
 fn transfers_and_notifications_to_the_own_name_are_loopback(kind: TransportKind) {
@@ -270,7 +323,8 @@ per_transport!(
     reloading_a_known_agent_updates_regions_and_refuses_changed_connection_info,
     descriptors_are_checked_without_posting,
     telemetry_counts_user_descriptors_and_never_reports_zero_durations,
-    a_dead_peer_fails_its_transfers_and_drops_its_metadata,
+    a_dead_peer_fails_fast_and_stays_known_until_removed,
+    a_restarted_peer_replaces_a_dead_one_without_removal,
     transfers_and_notifications_to_the_own_name_are_loopback,
     wait_blocks_until_the_transfer_ends,
     a_notification_queued_behind_a_waited_transfer_leaves_without_more_calls,

@@ -178,7 +178,7 @@ pub fn from_msgpack<T: DeserializeOwned>(what: &str, data: &[u8]) -> Result<T, K
 pub(crate) mod b64 {
     const ALPHABET: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
 
-    pub fn encode(data: &[u8]) -> String {
+    pub(crate) fn encode(data: &[u8]) -> String {
         let mut out = String::with_capacity(data.len().div_ceil(3) * 4);
         for chunk in data.chunks(3) {
             let b = [chunk[0], *chunk.get(1).unwrap_or(&0), *chunk.get(2).unwrap_or(&0)];
@@ -194,7 +194,7 @@ pub(crate) mod b64 {
         out
     }
 
-    pub fn decode(text: &str) -> Result<Vec<u8>, String> {
+    pub(crate) fn decode(text: &str) -> Result<Vec<u8>, String> {
         let bytes = text.as_bytes();
         if !bytes.len().is_multiple_of(4) {
             return Err(format!("base64 length {} is not a multiple of 4", bytes.len()));

@@ -6,7 +6,8 @@ use std::time::{Duration, Instant};
 
 use super::*;
 use crate::HostBuffer;
-use crate::transport::{TransportConfig, TransportKind};
+use crate::engine::EngineError;
+use crate::transport::{TransportConfig, TransportError, TransportKind};
 
 static NEXT: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
 
@@ -546,4 +547,74 @@ fn each_gpu_shard_gets_its_pcie_closest_nic_unless_a_device_is_named() {
     named.options.push(("device".into(), "rxe0".into()));
     let c = agent_config(&named, verbs, MemoryType::Vram, 1, nic);
     assert_eq!(c.options, named.options, "an explicit device wins and is not doubled");
+}
+
+// ---------------------------------------------------------------- dead peers
+
+/// A peer engine that dies: transfers to it fail with a typed reason, it
+/// stays connected (known) until the caller disconnects it, disconnecting
+/// never errors, and a restarted engine under the same name connects and
+/// moves bytes at once (issue 32, item 3; NIXL 1.5.1's dead-agent rule).
+fn a_dead_peer_engine_fails_typed_and_stays_known_until_disconnected(kind: TransportKind) {
+    let g = [(16, 4096, false)];
+    let new = |name: &str| {
+        let (mem, hosts) = memory(1, 1, &g);
+        let e = KVTransferEngine::new(name, mem, Some(vec!["leaf0".into()]), kind, &cfg()).unwrap();
+        Eng { e, hosts }
+    };
+    let bname = uniq("dead-b");
+    let mut a = new(&uniq("dead-a"));
+    let b = new(&bname);
+    a.e.connect(&b.e.metadata()).unwrap();
+    drop(b);
+    let pages = PageIdxs::per_leaf([("leaf0", (0..16).collect())]);
+    let is_dead = |e: &KvError| match e {
+        KvError::PostFailed { source: EngineError::Transport(TransportError::PeerDisconnected(_)), .. } => true,
+        KvError::TransferFailed { reason, .. } => {
+            matches!(reason.kind, crate::transport::FailureKind::PeerDied | crate::transport::FailureKind::PeerTimeout)
+        }
+        _ => false,
+    };
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let mut post_refused = 0;
+    while post_refused < 3 {
+        assert!(Instant::now() < deadline, "{kind}: the death was not noticed");
+        match a.e.initiate_send_transfer(bname.as_str(), &pages, &pages, 0, 0) {
+            Ok(req) => match a.e.sync_and_release(&req, Duration::from_secs(10)) {
+                Ok(()) => panic!("{kind}: a transfer to a dead engine completed"),
+                Err(e) => assert!(is_dead(&e), "{kind}: {e}"),
+            },
+            Err(e) => {
+                assert!(
+                    matches!(
+                        &e,
+                        KvError::PostFailed { source: EngineError::Transport(TransportError::PeerDisconnected(_)), .. }
+                    ),
+                    "{kind}: {e}"
+                );
+                post_refused += 1;
+            }
+        }
+    }
+    assert!(a.e.is_connected(&bname), "{kind}: a dead engine stays known until disconnected");
+    assert_eq!(a.e.num_inflight(), 0);
+    a.e.disconnect(&bname).unwrap();
+    assert!(!a.e.is_connected(&bname));
+    // restarted under the same name: connects and moves bytes at once
+    let mut b2 = new(&bname);
+    fill(&a, &g);
+    a.e.connect(&b2.e.metadata()).unwrap();
+    let req = a.e.initiate_send_transfer(bname.as_str(), &pages, &pages, 0, 0).unwrap();
+    wait_both(&mut a.e, &mut b2.e, &req);
+    assert_eq!(page(&b2.hosts[0][0][0], 5, 4096), page(&a.hosts[0][0][0], 5, 4096), "{kind}");
+}
+
+#[test]
+fn a_dead_peer_engine_over_shm() {
+    a_dead_peer_engine_fails_typed_and_stays_known_until_disconnected(TransportKind::Shm);
+}
+
+#[test]
+fn a_dead_peer_engine_over_tcp() {
+    a_dead_peer_engine_fails_typed_and_stays_known_until_disconnected(TransportKind::Tcp);
 }

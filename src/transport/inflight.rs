@@ -22,7 +22,7 @@ use super::{Completion, Op, TransferFailure, XferId};
 
 /// The state of one posted transfer that every worker-driven backend keeps.
 #[derive(Debug)]
-pub struct XferState {
+pub(super) struct XferState {
     /// Id reported in the completion.
     pub id: XferId,
     /// READ or WRITE.
@@ -39,7 +39,7 @@ pub struct XferState {
 
 impl XferState {
     /// A transfer of `chunks` chunks that no worker has started.
-    pub fn new(id: XferId, op: Op, notification: Option<Vec<u8>>, chunks: usize) -> Self {
+    pub(super) fn new(id: XferId, op: Op, notification: Option<Vec<u8>>, chunks: usize) -> Self {
         Self {
             id,
             op,
@@ -51,7 +51,7 @@ impl XferState {
     }
 
     /// Record a failure; only the first one is reported.
-    pub fn fail(&self, why: TransferFailure) {
+    pub(super) fn fail(&self, why: TransferFailure) {
         let mut e = self.error.lock().unwrap_or_else(|p| p.into_inner());
         if e.is_none() {
             *e = Some(why);
@@ -59,13 +59,13 @@ impl XferState {
     }
 
     /// True while the next chunk is worth moving: neither cancelled nor failed.
-    pub fn live(&self) -> bool {
+    pub(super) fn live(&self) -> bool {
         !self.cancelled.load(Ordering::Acquire) && self.error.lock().map(|e| e.is_none()).unwrap_or(false)
     }
 
     /// Count one chunk finished (moved, skipped or failed). True for the
     /// last one: the caller then calls [`XferState::complete`].
-    pub fn chunk_done(&self) -> bool {
+    pub(super) fn chunk_done(&self) -> bool {
         self.pending.fetch_sub(1, Ordering::AcqRel) == 1
     }
 
@@ -73,7 +73,7 @@ impl XferState {
     /// transfer was cancelled, which reports nothing. The result is the
     /// first failure, else what `then` returns (it runs only when every
     /// chunk succeeded: the backend's last checks and the notification).
-    pub fn complete(&self, done: &Sender<Completion>, then: impl FnOnce() -> Result<(), TransferFailure>) {
+    pub(super) fn complete(&self, done: &Sender<Completion>, then: impl FnOnce() -> Result<(), TransferFailure>) {
         // Last chunk: nothing touches the transfer's buffers any more.
         if self.cancelled.load(Ordering::Acquire) {
             return;
@@ -89,7 +89,7 @@ impl XferState {
 /// The posted transfers of one transport, by id, and the queue their
 /// workers report completions on. `T` is the backend's transfer type,
 /// which embeds an [`XferState`].
-pub struct InFlight<T> {
+pub(super) struct InFlight<T> {
     xfers: HashMap<u64, Arc<T>>,
     done_tx: Sender<Completion>,
     done: Receiver<Completion>,
@@ -108,19 +108,19 @@ fn state<T: AsRef<XferState>>(x: &Arc<T>) -> &XferState {
 
 impl<T: AsRef<XferState>> InFlight<T> {
     /// Where workers send completions (for [`XferState::complete`]).
-    pub fn sender(&self) -> Sender<Completion> {
+    pub(super) fn sender(&self) -> Sender<Completion> {
         self.done_tx.clone()
     }
 
     /// Track a posted transfer until it completes or is cancelled.
-    pub fn insert(&mut self, x: Arc<T>) {
+    pub(super) fn insert(&mut self, x: Arc<T>) {
         let id = state(&x).id;
         self.xfers.insert(id.0, x);
     }
 
     /// Append the completions of tracked transfers to `out` and forget those
     /// transfers. Never blocks.
-    pub fn poll(&mut self, out: &mut Vec<Completion>) {
+    pub(super) fn poll(&mut self, out: &mut Vec<Completion>) {
         self.drain(out);
     }
 
@@ -140,7 +140,7 @@ impl<T: AsRef<XferState>> InFlight<T> {
     /// As [`InFlight::poll`], blocking until a completion arrives or
     /// `timeout` passes. A completion of a cancelled transfer ends the wait
     /// too (with nothing appended); callers wait again.
-    pub fn wait(&mut self, out: &mut Vec<Completion>, timeout: Duration) {
+    pub(super) fn wait(&mut self, out: &mut Vec<Completion>, timeout: Duration) {
         if self.drain(out) > 0 {
             return;
         }
@@ -156,7 +156,7 @@ impl<T: AsRef<XferState>> InFlight<T> {
     /// inside one of its chunks, so that nothing touches its buffers once
     /// this returns. Its completion, if one was already queued, is dropped
     /// by [`InFlight::poll`]. Unknown or finished ids are ignored.
-    pub fn cancel(&mut self, xfer: XferId) {
+    pub(super) fn cancel(&mut self, xfer: XferId) {
         let Some(x) = self.xfers.remove(&xfer.0) else { return };
         let x = state(&x);
         x.cancelled.store(true, Ordering::Release);
@@ -164,7 +164,7 @@ impl<T: AsRef<XferState>> InFlight<T> {
     }
 
     /// [`InFlight::cancel`] every tracked transfer, one after the other.
-    pub fn cancel_all(&mut self) {
+    pub(super) fn cancel_all(&mut self) {
         let ids: Vec<u64> = self.xfers.keys().copied().collect();
         for id in ids {
             self.cancel(XferId(id));

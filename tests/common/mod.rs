@@ -2,7 +2,7 @@
 //! two-process harness for engine integration tests.
 #![allow(dead_code)]
 
-pub mod shm_client;
+pub(crate) mod shm_client;
 
 use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
@@ -16,7 +16,7 @@ use serde::{Deserialize, Serialize};
 
 /// Commands from the test (initiator) to the child (target).
 #[derive(Debug, Serialize, Deserialize)]
-pub enum Cmd {
+pub(crate) enum Cmd {
     /// Fill region `region` with `f(i) = (i * mul + add) as u8`.
     Fill { region: usize, mul: u64, add: u64 },
     /// Return FNV-1a of `[offset, offset+len)` of `region`.
@@ -29,7 +29,7 @@ pub enum Cmd {
 
 /// Answers from the child.
 #[derive(Debug, Serialize, Deserialize, PartialEq)]
-pub enum Reply {
+pub(crate) enum Reply {
     /// Done.
     Ok,
     /// A hash, and the sender of the notification if any.
@@ -39,17 +39,17 @@ pub enum Reply {
 }
 
 /// FNV-1a, the checksum both processes compute.
-pub fn fnv(bytes: &[u8]) -> u64 {
+pub(crate) fn fnv(bytes: &[u8]) -> u64 {
     bytes.iter().fold(0xcbf29ce484222325u64, |h, &b| (h ^ b as u64).wrapping_mul(0x100000001b3))
 }
 
 /// Deterministic fill used on both sides.
-pub fn pattern(i: u64, mul: u64, add: u64) -> u8 {
+pub(crate) fn pattern(i: u64, mul: u64, add: u64) -> u8 {
     (i.wrapping_mul(mul).wrapping_add(add) % 251) as u8
 }
 
 /// A spawned child target.
-pub struct ChildTarget {
+pub(crate) struct ChildTarget {
     pub child: Child,
     pub chan: SideChannel,
     pub meta: AgentMetadata,
@@ -59,12 +59,12 @@ impl ChildTarget {
     /// Spawn this test binary's `child_entry` test as the target. `regions`
     /// are (len_bytes, memfd?) pairs: memfd-backed HostBuffers or plain heap
     /// memory (reached with cross-memory attach).
-    pub fn spawn(regions: &[(usize, bool)]) -> Self {
+    pub(crate) fn spawn(regions: &[(usize, bool)]) -> Self {
         Self::spawn_named("target", regions)
     }
 
     /// [`ChildTarget::spawn`] with agent name `name`.
-    pub fn spawn_named(name: &str, regions: &[(usize, bool)]) -> Self {
+    pub(crate) fn spawn_named(name: &str, regions: &[(usize, bool)]) -> Self {
         let (l, addr) = SideChannel::bind("127.0.0.1:0").unwrap();
         let spec = serde_json::to_string(regions).unwrap();
         let child = Command::new(std::env::current_exe().unwrap())
@@ -83,7 +83,7 @@ impl ChildTarget {
     }
 
     /// Send a command and get the reply.
-    pub fn call(&mut self, cmd: &Cmd) -> Reply {
+    pub(crate) fn call(&mut self, cmd: &Cmd) -> Reply {
         self.chan.send(cmd).unwrap();
         self.chan.recv().unwrap()
     }
@@ -105,7 +105,7 @@ impl Drop for ChildTarget {
 }
 
 /// Body of the child process. Call from an `#[ignore]`d test named `child_entry`.
-pub fn child_main() {
+pub(crate) fn child_main() {
     let Ok(addr) = std::env::var("KVWIRE_CHILD_ADDR") else {
         eprintln!("skipped: child_entry only runs as a child process of another test");
         return;
@@ -184,7 +184,7 @@ pub fn child_main() {
 }
 
 /// Poll `h` until it leaves `InProgress` or `limit` passes; its last status.
-pub fn wait(e: &mut TransferEngine, h: TransferHandle, limit: Duration) -> TransferStatus {
+pub(crate) fn wait(e: &mut TransferEngine, h: TransferHandle, limit: Duration) -> TransferStatus {
     let deadline = Instant::now() + limit;
     loop {
         let s = e.status(h).unwrap();

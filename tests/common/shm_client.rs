@@ -9,7 +9,7 @@ use kvwire::transport::shm::wire::{self, Channel, Msg, ShmInfo};
 
 /// Everything the target sent, and the descriptors that came with it.
 #[derive(Debug, Default)]
-pub struct Handshake {
+pub(crate) struct Handshake {
     /// Messages in order (up to `Ready`, `Refused` or the end of stream).
     pub msgs: Vec<Msg>,
     /// Descriptors received with them.
@@ -18,12 +18,12 @@ pub struct Handshake {
 
 impl Handshake {
     /// True when the target refused us with a `Refused` message.
-    pub fn refused(&self) -> bool {
+    pub(crate) fn refused(&self) -> bool {
         self.msgs.iter().any(|m| matches!(m, Msg::Refused { .. }))
     }
 
     /// The `Region` messages received.
-    pub fn regions(&self) -> usize {
+    pub(crate) fn regions(&self) -> usize {
         self.msgs.iter().filter(|m| matches!(m, Msg::Region { .. })).count()
     }
 }
@@ -31,13 +31,13 @@ impl Handshake {
 /// Connect to the target of `info`, answer its challenge with a proof made
 /// from `secret` (the real one, or a guess), ask for `rkeys` and collect
 /// the answer.
-pub fn hello(info: &ShmInfo, secret: &AgentSecret, agent: &str, rkeys: &[u32]) -> Handshake {
+pub(crate) fn hello(info: &ShmInfo, secret: &AgentSecret, agent: &str, rkeys: &[u32]) -> Handshake {
     hello_and_stay(info, secret, agent, rkeys).0
 }
 
 /// As [`hello`], and keep the connection: the caller holds an initiator
 /// that the target counts as live but that answers nothing further.
-pub fn hello_and_stay(info: &ShmInfo, secret: &AgentSecret, agent: &str, rkeys: &[u32]) -> (Handshake, Channel) {
+pub(crate) fn hello_and_stay(info: &ShmInfo, secret: &AgentSecret, agent: &str, rkeys: &[u32]) -> (Handshake, Channel) {
     let ch = Channel::connect(&info.socket, Duration::from_secs(5)).expect("connect to the target socket");
     let out = handshake(&ch, secret, agent, rkeys);
     (out, ch)
@@ -81,7 +81,7 @@ fn handshake(ch: &Channel, secret: &AgentSecret, agent: &str, rkeys: &[u32]) -> 
 
 /// Send raw bytes with `fds` attached (SCM_RIGHTS), as a hostile local
 /// process would.
-pub fn send_with_fds(ch: &Channel, body: &[u8], fds: &[std::os::fd::RawFd]) {
+pub(crate) fn send_with_fds(ch: &Channel, body: &[u8], fds: &[std::os::fd::RawFd]) {
     use std::os::fd::AsRawFd;
     // SAFETY: CMSG_SPACE only computes a size.
     let space = unsafe { libc::CMSG_SPACE(std::mem::size_of_val(fds) as u32) } as usize;

@@ -11,13 +11,13 @@ use kvwire::connector::{
 };
 
 /// Bytes per page of every test leaf.
-pub const BPP: usize = 64;
+pub(crate) const BPP: usize = 64;
 /// Pages per shard (block 0 is the null block and never used).
-pub const PAGES: usize = 32;
+pub(crate) const PAGES: usize = 32;
 
 /// `(leaf, group, num_shards, replicated)`: a TP=2 full-attention leaf, a
 /// replicated (MLA) one, and a one-shard sliding-window leaf.
-pub fn leaf_specs() -> Vec<(&'static str, KVCacheGroupId, usize, bool)> {
+pub(crate) fn leaf_specs() -> Vec<(&'static str, KVCacheGroupId, usize, bool)> {
     vec![
         ("full", KVCacheGroupId::full(), 2, false),
         ("mla", KVCacheGroupId::full(), 2, true),
@@ -26,19 +26,19 @@ pub fn leaf_specs() -> Vec<(&'static str, KVCacheGroupId, usize, bool)> {
 }
 
 /// Host row bytes per leaf: full 128, mla 64, swa 64.
-pub fn row_bytes(leaf: &str) -> u64 {
+pub(crate) fn row_bytes(leaf: &str) -> u64 {
     match leaf {
         "full" => 2 * BPP as u64,
         _ => BPP as u64,
     }
 }
 
-pub fn leaves() -> BTreeMap<LeafId, KVCacheGroupId> {
+pub(crate) fn leaves() -> BTreeMap<LeafId, KVCacheGroupId> {
     leaf_specs().into_iter().map(|(l, g, _, _)| (LeafId::from(l), g)).collect()
 }
 
 /// A connector under test plus the device pages it serves (`pages[replica][leaf]`).
-pub struct Fixture {
+pub(crate) struct Fixture {
     pub conn: Box<dyn KVConnector>,
     pub pages: Vec<BTreeMap<LeafId, Arc<HostPages>>>,
     /// Whether offloaded blocks can be loaded back (false for Null).
@@ -51,19 +51,19 @@ pub struct Fixture {
 }
 
 impl Fixture {
-    pub fn page(&self, replica: usize, leaf: &str, shard: usize, block: u32) -> Vec<u8> {
+    pub(crate) fn page(&self, replica: usize, leaf: &str, shard: usize, block: u32) -> Vec<u8> {
         self.pages[replica][leaf].page(shard, BlockId(block)).to_vec()
     }
 
     /// Write `content(hash, leaf, shard)` into `block` on every leaf of `replica`.
-    pub fn fill(&self, replica: usize, block: u32, hash: u64) {
+    pub(crate) fn fill(&self, replica: usize, block: u32, hash: u64) {
         for (leaf, p) in &self.pages[replica] {
             fill_page(p, leaf.as_str(), block, hash);
         }
     }
 
     /// Every page of every leaf and shard of `replica`.
-    pub fn snapshot(&self, replica: usize) -> Vec<Vec<u8>> {
+    pub(crate) fn snapshot(&self, replica: usize) -> Vec<Vec<u8>> {
         let mut all = Vec::new();
         for p in self.pages[replica].values() {
             for shard in 0..p.num_shards() {
@@ -74,7 +74,7 @@ impl Fixture {
     }
 
     /// Assert `block` on every leaf of `replica` holds `content(hash, ..)`.
-    pub fn assert_holds(&self, replica: usize, block: u32, hash: u64) {
+    pub(crate) fn assert_holds(&self, replica: usize, block: u32, hash: u64) {
         for (leaf, p) in &self.pages[replica] {
             for shard in 0..p.num_shards() {
                 let want = content(hash, leaf.as_str(), if p.replicated() { 0 } else { shard });
@@ -85,7 +85,7 @@ impl Fixture {
 }
 
 /// Recognizable page bytes for `hash` on `leaf`/`shard`.
-pub fn content(hash: u64, leaf: &str, shard: usize) -> Vec<u8> {
+pub(crate) fn content(hash: u64, leaf: &str, shard: usize) -> Vec<u8> {
     let salt = leaf.bytes().fold(0u64, |a, b| a.wrapping_mul(31).wrapping_add(b as u64));
     (0..BPP)
         .map(|i| (hash.wrapping_mul(131).wrapping_add(salt * 7 + shard as u64 * 13 + i as u64) % 251) as u8)
@@ -94,7 +94,7 @@ pub fn content(hash: u64, leaf: &str, shard: usize) -> Vec<u8> {
 
 /// Fill `block` of `pages` with `content(hash, leaf, shard)` (shard 0's bytes on
 /// every shard of a replicated leaf).
-pub fn fill_page(pages: &HostPages, leaf: &str, block: u32, hash: u64) {
+pub(crate) fn fill_page(pages: &HostPages, leaf: &str, block: u32, hash: u64) {
     for shard in 0..pages.num_shards() {
         let c = content(hash, leaf, if pages.replicated() { 0 } else { shard });
         pages.write_page(shard, BlockId(block), &c).unwrap();
@@ -115,7 +115,7 @@ fn alloc_pages(num_replicas: usize) -> Vec<BTreeMap<LeafId, Arc<HostPages>>> {
 }
 
 /// A host tier of `capacity_bytes` over `num_replicas` replicas of the test leaves.
-pub fn host_fixture(capacity_bytes: u64, num_replicas: usize) -> (Arc<HostTierConnector>, Fixture) {
+pub(crate) fn host_fixture(capacity_bytes: u64, num_replicas: usize) -> (Arc<HostTierConnector>, Fixture) {
     let pages = alloc_pages(num_replicas);
     let dyn_pages =
         pages.iter().map(|r| r.iter().map(|(l, p)| (l.clone(), p.clone() as Arc<dyn DevicePages>)).collect()).collect();
@@ -125,7 +125,7 @@ pub fn host_fixture(capacity_bytes: u64, num_replicas: usize) -> (Arc<HostTierCo
 }
 
 /// A null connector over the test leaves (pages allocated for symmetry).
-pub fn null_fixture(num_replicas: usize) -> Fixture {
+pub(crate) fn null_fixture(num_replicas: usize) -> Fixture {
     Fixture {
         conn: Box::new(NullConnector::new(leaves())),
         pages: alloc_pages(num_replicas),
@@ -135,28 +135,28 @@ pub fn null_fixture(num_replicas: usize) -> Fixture {
 }
 
 /// Every connector, each with 2 replicas and (host) room for 16 blocks of every leaf.
-pub fn all_fixtures() -> Vec<Fixture> {
+pub(crate) fn all_fixtures() -> Vec<Fixture> {
     vec![null_fixture(2), host_fixture(16 * 256, 2).1]
 }
 
-pub fn h(v: u64) -> BlockHash {
+pub(crate) fn h(v: u64) -> BlockHash {
     BlockHash::from_u64(v)
 }
 
-pub fn hs(vs: &[u64]) -> Vec<BlockHash> {
+pub(crate) fn hs(vs: &[u64]) -> Vec<BlockHash> {
     vs.iter().map(|&v| h(v)).collect()
 }
 
-pub fn ids(vs: &[u32]) -> Vec<BlockId> {
+pub(crate) fn ids(vs: &[u32]) -> Vec<BlockId> {
     vs.iter().map(|&v| BlockId(v)).collect()
 }
 
 /// The same list on every test leaf.
-pub fn every_leaf<T: Clone>(v: Vec<T>) -> PerLeaf<T> {
+pub(crate) fn every_leaf<T: Clone>(v: Vec<T>) -> PerLeaf<T> {
     leaves().into_keys().map(|l| (l, v.clone())).collect()
 }
 
 /// `(block_ids, block_hashes)` on every leaf.
-pub fn args(blocks: &[u32], hashes: &[u64]) -> (PerLeaf<BlockId>, PerLeaf<BlockHash>) {
+pub(crate) fn args(blocks: &[u32], hashes: &[u64]) -> (PerLeaf<BlockId>, PerLeaf<BlockHash>) {
     (every_leaf(ids(blocks)), every_leaf(hs(hashes)))
 }

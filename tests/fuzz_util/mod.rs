@@ -5,25 +5,25 @@
 use std::path::Path;
 
 /// xorshift64*: small, seeded, reproducible.
-pub struct Rng(pub u64);
+pub(crate) struct Rng(pub u64);
 
 impl Rng {
-    pub fn next(&mut self) -> u64 {
+    pub(crate) fn next(&mut self) -> u64 {
         self.0 ^= self.0 >> 12;
         self.0 ^= self.0 << 25;
         self.0 ^= self.0 >> 27;
         self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
     }
-    pub fn below(&mut self, n: usize) -> usize {
+    pub(crate) fn below(&mut self, n: usize) -> usize {
         (self.next() % n.max(1) as u64) as usize
     }
 }
 
-pub const INTERESTING: [u64; 10] = [0, 1, 0x7f, 0x80, 0xff, 0xffff, 0x7fff_ffff, 0xffff_ffff, 1 << 40, u64::MAX];
+pub(crate) const INTERESTING: [u64; 10] = [0, 1, 0x7f, 0x80, 0xff, 0xffff, 0x7fff_ffff, 0xffff_ffff, 1 << 40, u64::MAX];
 
 /// One to four random edits of `input`: bit flips, interesting bytes and
 /// integers, inserted/deleted/duplicated ranges, truncation, splicing.
-pub fn mutate(rng: &mut Rng, input: &[u8], corpus: &[Vec<u8>]) -> Vec<u8> {
+pub(crate) fn mutate(rng: &mut Rng, input: &[u8], corpus: &[Vec<u8>]) -> Vec<u8> {
     let mut v = input.to_vec();
     for _ in 0..1 + rng.below(4) {
         let len = v.len();
@@ -76,11 +76,11 @@ pub fn mutate(rng: &mut Rng, input: &[u8], corpus: &[Vec<u8>]) -> Vec<u8> {
     v
 }
 
-pub fn iters(default: usize) -> usize {
+pub(crate) fn iters(default: usize) -> usize {
     std::env::var("KVWIRE_FUZZ_ITERS").ok().and_then(|v| v.parse().ok()).unwrap_or(default)
 }
 
-pub fn corpus(dir: &str) -> Vec<Vec<u8>> {
+pub(crate) fn corpus(dir: &str) -> Vec<Vec<u8>> {
     let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/corpus").join(dir);
     let mut files: Vec<_> = std::fs::read_dir(&path)
         .unwrap_or_else(|e| panic!("corpus {}: {e}", path.display()))
@@ -94,7 +94,7 @@ pub fn corpus(dir: &str) -> Vec<Vec<u8>> {
 
 /// With `KVWIRE_WRITE_CORPUS` set, (re)write `tests/corpus/<dir>/<name>`
 /// (how the committed corpus files were made).
-pub fn write_corpus(dir: &str, name: &str, bytes: &[u8]) {
+pub(crate) fn write_corpus(dir: &str, name: &str, bytes: &[u8]) {
     if std::env::var_os("KVWIRE_WRITE_CORPUS").is_some() {
         let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/corpus").join(dir);
         std::fs::create_dir_all(&dir).unwrap();

@@ -11,12 +11,12 @@ use kvwire::transport::auth::{self, AgentSecret, Nonce};
 use kvwire::transport::tcp::{TcpConnectionInfo, wire};
 use kvwire::transport::{Completion, Transport, TransportConfig};
 
-pub fn cfg(timeout_ms: u64) -> TransportConfig {
+pub(crate) fn cfg(timeout_ms: u64) -> TransportConfig {
     TransportConfig { peer_timeout: Duration::from_millis(timeout_ms), ..Default::default() }
 }
 
 /// Read the target's challenge from a fresh connection.
-pub fn read_challenge(s: &mut TcpStream) -> Nonce {
+pub(crate) fn read_challenge(s: &mut TcpStream) -> Nonce {
     let mut b = [0u8; wire::HEADER_BYTES];
     s.read_exact(&mut b).unwrap();
     let h = wire::Header::decode(&b).unwrap();
@@ -27,7 +27,7 @@ pub fn read_challenge(s: &mut TcpStream) -> Nonce {
 }
 
 /// A hello frame for `name` carrying `proof`.
-pub fn hello_frame(name: &[u8], proof: &[u8]) -> Vec<u8> {
+pub(crate) fn hello_frame(name: &[u8], proof: &[u8]) -> Vec<u8> {
     let h = wire::Header { kind: wire::Kind::Hello, count: name.len() as u32, id: wire::MAGIC_VERSION, len: 0 };
     let mut f = h.encode().to_vec();
     f.extend_from_slice(name);
@@ -38,7 +38,7 @@ pub fn hello_frame(name: &[u8], proof: &[u8]) -> Vec<u8> {
 /// Connect to the target of `info` and authenticate with `secret` (the
 /// target's own when `None`). Returns the stream and the target's answer
 /// header (`HelloAck` when accepted).
-pub fn raw_client(info: &[u8], name: &str, secret: Option<&AgentSecret>) -> (TcpStream, wire::Header) {
+pub(crate) fn raw_client(info: &[u8], name: &str, secret: Option<&AgentSecret>) -> (TcpStream, wire::Header) {
     let info = TcpConnectionInfo::decode(info).unwrap();
     let mut s = TcpStream::connect(&info.addr).unwrap();
     s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
@@ -53,14 +53,14 @@ pub fn raw_client(info: &[u8], name: &str, secret: Option<&AgentSecret>) -> (Tcp
 }
 
 /// An authenticated raw client; panics unless the target accepted it.
-pub fn authed_client(info: &[u8], name: &str) -> TcpStream {
+pub(crate) fn authed_client(info: &[u8], name: &str) -> TcpStream {
     let (s, h) = raw_client(info, name, None);
     assert_eq!(h.kind, wire::Kind::HelloAck, "the right proof is accepted");
     s
 }
 
 /// Read one response (header and reason).
-pub fn read_resp(s: &mut TcpStream) -> (wire::Header, Vec<u8>) {
+pub(crate) fn read_resp(s: &mut TcpStream) -> (wire::Header, Vec<u8>) {
     let mut b = [0u8; wire::HEADER_BYTES];
     s.read_exact(&mut b).unwrap();
     let h = wire::Header::decode(&b).unwrap();
@@ -69,7 +69,7 @@ pub fn read_resp(s: &mut TcpStream) -> (wire::Header, Vec<u8>) {
     (h, body)
 }
 
-pub fn completion(t: &mut dyn Transport, limit: Duration) -> Option<Completion> {
+pub(crate) fn completion(t: &mut dyn Transport, limit: Duration) -> Option<Completion> {
     let t0 = Instant::now();
     let mut out = Vec::new();
     while t0.elapsed() < limit {

@@ -8,10 +8,10 @@ use kvwire::engine::{TransferEngine, TransferHandle, TransferStatus};
 use kvwire::transport::TransportConfig;
 
 /// How long a test waits for a transfer (the guest is slow).
-pub const WAIT: Duration = Duration::from_secs(60);
+pub(crate) const WAIT: Duration = Duration::from_secs(60);
 
 /// Verbs options for `device` (and `$SOFTROCE_GID_IDX` as `gid_index`), plus `extra`.
-pub fn config(device: &str, extra: &[(&str, &str)]) -> TransportConfig {
+pub(crate) fn config(device: &str, extra: &[(&str, &str)]) -> TransportConfig {
     let mut c = TransportConfig::default();
     c.options.push(("device".into(), device.into()));
     if let Ok(i) = std::env::var("SOFTROCE_GID_IDX") {
@@ -26,7 +26,7 @@ pub fn config(device: &str, extra: &[(&str, &str)]) -> TransportConfig {
 /// Wait for `h` with [`TransferEngine::wait`] (sleeping on the verbs
 /// transport's completion channel) until it leaves `InProgress` or [`WAIT`]
 /// passed; its last status.
-pub fn wait(e: &mut TransferEngine, h: TransferHandle) -> TransferStatus {
+pub(crate) fn wait(e: &mut TransferEngine, h: TransferHandle) -> TransferStatus {
     let t0 = Instant::now();
     let s = e.wait(h, WAIT).unwrap();
     // `wait` returns early only with a final status.
@@ -35,7 +35,7 @@ pub fn wait(e: &mut TransferEngine, h: TransferHandle) -> TransferStatus {
 }
 
 /// `(target device, initiator device)` (Soft-RoCE: rxe0, rxe1) or the reason to skip.
-pub fn devices() -> Result<(String, String), String> {
+pub(crate) fn devices() -> Result<(String, String), String> {
     if let Ok(devs) = std::env::var("SOFTROCE_DEVS") {
         let d: Vec<&str> = devs.split_whitespace().collect();
         if d.len() >= 2 {

@@ -5,6 +5,8 @@ import sys
 
 import pytest
 
+import nixl_alias  # noqa: F401  (before `nixl`: KVWIRE_NIXL_TEST_MODULE)
+
 # KVWIRE_NIXL_TEST_BACKENDS (comma separated) replaces the default backends:
 # scripts/nixl-softroce-check.sh runs the flow with KVWIRE_VERBS,UCX in the
 # Soft-RoCE guest. KVWIRE_NIXL_TEST_PEER_DEVICE sets the child peer's
@@ -37,9 +39,12 @@ class Peer:
     def call(self, **cmd):
         self.proc.stdin.write(json.dumps(cmd) + "\n")
         self.proc.stdin.flush()
-        line = self.proc.stdout.readline()
-        assert line, f"peer died on {cmd['op']}"
-        return json.loads(line)
+        while True:
+            line = self.proc.stdout.readline()
+            assert line, f"peer died on {cmd['op']}"
+            # real NIXL logs to stdout ("... NIXL INFO ..."): skip such lines
+            if line.startswith("{"):
+                return json.loads(line)
 
     def kill(self):
         self.proc.kill()

@@ -13,6 +13,8 @@ import sys
 
 import numpy as np
 
+import nixl_alias  # noqa: F401  (before `nixl`: KVWIRE_NIXL_TEST_MODULE)
+
 from nixl._api import nixl_agent, nixl_agent_config
 
 

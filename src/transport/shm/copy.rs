@@ -22,7 +22,7 @@ use crate::transport::{Completion, Op, RemoteAccessKind, Segment, TransferFailur
 
 /// How the initiator reaches one region of a peer.
 #[derive(Debug)]
-pub enum PeerMem {
+pub(super) enum PeerMem {
     /// Mapped here; `base` is the local address of the region's first byte.
     Mapped {
         /// Local address of the region start.
@@ -39,7 +39,7 @@ pub enum PeerMem {
 
 /// A peer region as the target reported it at connect time.
 #[derive(Debug)]
-pub struct PeerRegion {
+pub(super) struct PeerRegion {
     /// Start address in the target (bytes).
     pub addr: u64,
     /// Length (bytes).
@@ -58,7 +58,7 @@ impl PeerRegion {
     /// Start an access: false (and nothing held) when the region is revoked.
     /// `SeqCst` pairs with [`PeerRegion::revoke`]: either the revoker sees
     /// our count, or we see its flag.
-    pub fn enter(&self) -> bool {
+    pub(super) fn enter(&self) -> bool {
         self.active.fetch_add(1, Ordering::SeqCst);
         if self.revoked.load(Ordering::SeqCst) {
             self.active.fetch_sub(1, Ordering::SeqCst);
@@ -68,14 +68,14 @@ impl PeerRegion {
     }
 
     /// End an access started by a successful [`PeerRegion::enter`].
-    pub fn exit(&self) {
+    pub(super) fn exit(&self) {
         self.active.fetch_sub(1, Ordering::SeqCst);
     }
 
     /// Revoke: refuse new accesses, wait for those in progress, then drop
     /// the mapping of the target's memory (issue 18 item 8: a deregistered
     /// region must not stay mapped, and pinned, in every initiator).
-    pub fn revoke(&self) {
+    pub(super) fn revoke(&self) {
         self.revoked.store(true, Ordering::SeqCst);
         crate::transport::wait_until(|| self.active.load(Ordering::SeqCst) == 0);
         if let PeerMem::Mapped { _map, .. } = &self.mem {
@@ -105,7 +105,7 @@ impl PeerRegion {
 
 /// One connected peer, shared by the engine thread and the workers.
 #[derive(Debug)]
-pub struct PeerShared {
+pub(super) struct PeerShared {
     /// Agent name.
     pub name: String,
     /// Side channel (notifications go out on it).
@@ -120,7 +120,7 @@ pub struct PeerShared {
 
 /// A posted transfer being copied.
 #[derive(Debug)]
-pub struct XferShared {
+pub(super) struct XferShared {
     /// Id, op, notification, chunks not yet finished (one per entry of
     /// `chunks`), cancel flag and first failure.
     pub core: XferState,
@@ -151,7 +151,7 @@ impl Drop for XferShared {
 /// Python at 65,536 descriptors) wherever the allocator had returned the
 /// previous list to the kernel.
 #[derive(Debug, Default)]
-pub struct SpareSegments(Mutex<Vec<Vec<Segment>>>);
+pub(super) struct SpareSegments(Mutex<Vec<Vec<Segment>>>);
 
 impl SpareSegments {
     /// How many lists are kept: enough for a few transfers finishing
@@ -163,7 +163,7 @@ impl SpareSegments {
     pub(crate) const MIN_CAPACITY: usize = 4096;
 
     /// Keep `v` (cleared) unless enough are kept already.
-    pub fn put(&self, mut v: Vec<Segment>) {
+    pub(super) fn put(&self, mut v: Vec<Segment>) {
         if v.capacity() < Self::MIN_CAPACITY {
             return;
         }
@@ -175,7 +175,7 @@ impl SpareSegments {
     }
 
     /// A kept list, empty, if any.
-    pub fn take(&self) -> Option<Vec<Segment>> {
+    pub(super) fn take(&self) -> Option<Vec<Segment>> {
         self.0.lock().unwrap_or_else(|p| p.into_inner()).pop()
     }
 }
@@ -189,7 +189,7 @@ impl AsRef<XferState> for XferShared {
 /// A transfer for a worker to help with: it claims chunks until none are left.
 /// At most one job per worker is queued per transfer, so a transfer wakes
 /// at most `copy_threads` threads whatever its size.
-pub struct Job {
+pub(super) struct Job {
     /// The transfer.
     pub xfer: Arc<XferShared>,
     /// Where the transfer's completion goes (its transport's queue).
@@ -217,7 +217,7 @@ struct Queued {
 static POOL: std::sync::OnceLock<SharedPool> = std::sync::OnceLock::new();
 
 /// A handle on the shared pool, making sure it has at least `threads` workers.
-pub struct CopyPool {
+pub(super) struct CopyPool {
     jobs: Sender<Queued>,
 }
 
@@ -226,7 +226,7 @@ impl CopyPool {
     ///
     /// # Errors
     /// Spawning a worker failed.
-    pub fn new(threads: usize) -> std::io::Result<Self> {
+    pub(super) fn new(threads: usize) -> std::io::Result<Self> {
         let pool = POOL.get_or_init(|| {
             let (jobs, queue) = crossbeam_channel::unbounded::<Queued>();
             SharedPool { jobs, queue, threads: Mutex::new(0) }
@@ -250,7 +250,7 @@ impl CopyPool {
     }
 
     /// Queue a job.
-    pub fn submit(&self, job: Job) {
+    pub(super) fn submit(&self, job: Job) {
         self.submit_helpers(job, 1);
     }
 
@@ -263,7 +263,7 @@ impl CopyPool {
     /// median 3.0 ns/page at 65,536 4 KiB pages (0–7.5, 4 runs), 0.5 with
     /// this chained wake-up (0.1–1.3, the same 4 interleaved runs; machine
     /// under load 12–16, where other processes preempt the poster too).
-    pub fn submit_helpers(&self, job: Job, helpers: usize) {
+    pub(super) fn submit_helpers(&self, job: Job, helpers: usize) {
         // The shared pool's workers never stop, so the queue stays open.
         let _ = self.jobs.send(Queued { job, more: helpers.max(1) - 1 });
     }
@@ -272,7 +272,7 @@ impl CopyPool {
 /// Copy `job`'s chunks until none is left, then finish the transfer: what
 /// each copy worker does, and what `post` does itself for a small transfer
 /// (`super::INLINE_BYTES`).
-pub fn run_job(job: Job) {
+pub(super) fn run_job(job: Job) {
     let (x, done) = (&job.xfer, &job.done);
     let stream = streams(x.chunks.len());
     loop {
@@ -445,7 +445,7 @@ fn cma_flush(op: Op, pid: i32, batch: &mut Vec<(libc::iovec, libc::iovec)>) -> R
 }
 
 /// A checked transfer: [`plan`]'s result.
-pub struct Plan {
+pub(super) struct Plan {
     /// The segments (those longer than a chunk split).
     pub segments: Vec<Segment>,
     /// Segment ranges of about [`super::CHUNK_BYTES`].
@@ -467,7 +467,7 @@ pub struct Plan {
 ///
 /// # Errors
 /// The first violation, as the remote-access failure the transfer fails with.
-pub fn plan(peer: &PeerShared, segments: Vec<Segment>) -> Result<Plan, TransferFailure> {
+pub(super) fn plan(peer: &PeerShared, segments: Vec<Segment>) -> Result<Plan, TransferFailure> {
     let mut last: Option<(u32, u64, u64)> = None;
     let mut chunks = Vec::with_capacity(segments.len() / 64 + 1);
     let (mut start, mut acc, mut total, mut large) = (0usize, 0u64, 0u64, false);

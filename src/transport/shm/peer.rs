@@ -27,7 +27,7 @@ use crate::transport::{Completion, RemoteRegion, TransferFailure, TransportError
 
 /// A transfer whose data is in place, waiting for its notification to be
 /// sent and acknowledged.
-pub struct Pending {
+pub(super) struct Pending {
     xfer: Arc<XferShared>,
     done: Sender<Completion>,
     deadline: Instant,
@@ -56,7 +56,7 @@ struct OutboxState {
 }
 
 /// What the copy threads and the peer thread share for sending.
-pub struct Outbox {
+pub(super) struct Outbox {
     state: Mutex<OutboxState>,
     /// eventfd that wakes the peer thread.
     wake: OwnedFd,
@@ -76,7 +76,7 @@ impl Outbox {
     ///
     /// # Errors
     /// `eventfd` failure.
-    pub fn new(timeout: Duration) -> Result<Self, TransportError> {
+    pub(super) fn new(timeout: Duration) -> Result<Self, TransportError> {
         // SAFETY: eventfd takes integer arguments and returns a new descriptor or -1.
         let fd = unsafe { libc::eventfd(0, libc::EFD_CLOEXEC | libc::EFD_NONBLOCK) };
         if fd < 0 {
@@ -105,7 +105,7 @@ impl Outbox {
     }
 
     /// Ask the peer thread to stop (disconnect); it fails what is pending.
-    pub fn stop(&self) {
+    pub(super) fn stop(&self) {
         self.stop.store(true, Ordering::Release);
         self.wake();
     }
@@ -123,7 +123,7 @@ impl PeerShared {
     /// Send `xfer`'s notification (its data is in place) and report the
     /// transfer when the target acknowledged it. Called by a copy thread:
     /// never waits for the peer.
-    pub fn notify(&self, xfer: Arc<XferShared>, done: Sender<Completion>) {
+    pub(super) fn notify(&self, xfer: Arc<XferShared>, done: Sender<Completion>) {
         let p = Pending { xfer, done, deadline: Instant::now() + self.outbox.timeout };
         let mut st = self.outbox.lock();
         if st.closed {
@@ -161,7 +161,7 @@ impl PeerShared {
 
 /// Body of the per-peer thread: runs until the target closes the
 /// connection or `disconnect` stops it, then fails what is still pending.
-pub fn peer_thread(peer: &PeerShared) {
+pub(super) fn peer_thread(peer: &PeerShared) {
     let why = serve(peer);
     peer.dead.store(true, Ordering::Release);
     let (queued, unacked) = {
@@ -306,7 +306,7 @@ fn expire(peer: &PeerShared) {
 /// [`TransportError::Connect`] when the target refuses us, answers
 /// malformed or lying region replies (a memfd smaller than the region, or
 /// not sealed against shrinking), or does not answer in time.
-pub fn handshake(
+pub(super) fn handshake(
     agent: &str,
     peer_name: &str,
     info: &ShmInfo,

@@ -22,7 +22,7 @@ use crate::transport::Notification;
 use crate::transport::auth::{self, AgentSecret, Nonce};
 
 /// One registered region as the target keeps it.
-pub struct LocalRegion {
+pub(super) struct LocalRegion {
     /// Start address (bytes).
     pub addr: u64,
     /// Length (bytes).
@@ -33,12 +33,12 @@ pub struct LocalRegion {
 }
 
 /// Regions by key.
-pub type RegionTable = Arc<Mutex<HashMap<u32, LocalRegion>>>;
+pub(super) type RegionTable = Arc<Mutex<HashMap<u32, LocalRegion>>>;
 /// Notifications received, for `take_notifications`.
-pub type NotifQueue = Arc<Mutex<Vec<Notification>>>;
+pub(super) type NotifQueue = Arc<Mutex<Vec<Notification>>>;
 
 /// An initiator connected to us.
-pub struct AcceptedPeer {
+pub(super) struct AcceptedPeer {
     /// Our number for it.
     pub id: u64,
     /// Its socket.
@@ -51,11 +51,11 @@ pub struct AcceptedPeer {
 }
 
 /// The initiators connected to us (closed on drop).
-pub type Accepted = Arc<Mutex<Vec<Arc<AcceptedPeer>>>>;
+pub(super) type Accepted = Arc<Mutex<Vec<Arc<AcceptedPeer>>>>;
 
 /// Revocation acknowledgements `(peer id, rkey)`, and a condvar to wait on.
 #[derive(Default)]
-pub struct Acks {
+pub(super) struct Acks {
     /// Keys a `deregister` is waiting for. Acknowledgements of other keys
     /// are dropped, so a peer cannot grow `got` by sending them.
     pub revoking: Mutex<HashSet<u32>>,
@@ -67,7 +67,7 @@ pub struct Acks {
 
 /// What the listener and its per-peer threads share with the transport.
 #[derive(Clone)]
-pub struct Shared {
+pub(super) struct Shared {
     /// Registered regions.
     pub regions: RegionTable,
     /// Received notifications.
@@ -89,7 +89,7 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 }
 
 /// Accept connections until the listener is shut down.
-pub fn accept_loop(listener: &Listener, stopping: &AtomicBool, shared: &Shared) {
+pub(super) fn accept_loop(listener: &Listener, stopping: &AtomicBool, shared: &Shared) {
     let mut next_id = 0u64;
     while let Ok(channel) = listener.accept() {
         if stopping.load(Ordering::Acquire) {

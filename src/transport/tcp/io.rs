@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 use super::wire;
 
 /// One contiguous memory range by raw address: `(addr, len_bytes)`.
-pub type Range = (u64, u64);
+pub(super) type Range = (u64, u64);
 
 fn iovecs(head: Option<&[u8]>, ranges: &[Range]) -> Vec<libc::iovec> {
     let mut v = Vec::with_capacity(ranges.len() + 1);
@@ -57,7 +57,7 @@ fn timed_out(e: io::Error) -> io::Error {
 /// So a peer that trickles bytes (each gap below `peer_timeout`) cannot
 /// stretch a request, or anything it holds, beyond the deadline.
 #[derive(Debug)]
-pub struct Deadline {
+pub(super) struct Deadline {
     at: Instant,
     base: Duration,
     cut: Cell<bool>,
@@ -65,7 +65,7 @@ pub struct Deadline {
 
 impl Deadline {
     /// A deadline `limit` from now on a socket whose timeouts are `base`.
-    pub fn new(limit: Duration, base: Duration) -> Self {
+    pub(super) fn new(limit: Duration, base: Duration) -> Self {
         Self { at: Instant::now() + limit, base, cut: Cell::new(false) }
     }
 
@@ -73,7 +73,7 @@ impl Deadline {
     ///
     /// # Errors
     /// `TimedOut` once the deadline passed; `setsockopt` errors.
-    pub fn check(&self, sock: &TcpStream) -> io::Result<()> {
+    pub(super) fn check(&self, sock: &TcpStream) -> io::Result<()> {
         let left = self.at.saturating_duration_since(Instant::now());
         if left.is_zero() {
             return Err(io::Error::new(io::ErrorKind::TimedOut, "request exceeded its deadline"));
@@ -91,7 +91,7 @@ impl Deadline {
     ///
     /// # Errors
     /// `setsockopt` errors.
-    pub fn restore(&self, sock: &TcpStream) -> io::Result<()> {
+    pub(super) fn restore(&self, sock: &TcpStream) -> io::Result<()> {
         if self.cut.replace(false) {
             sock.set_read_timeout(Some(self.base))?;
             sock.set_write_timeout(Some(self.base))?;
@@ -115,7 +115,7 @@ fn check(deadline: Option<&Deadline>, sock: &TcpStream) -> io::Result<()> {
 /// # Safety
 /// Every range must be readable memory for the whole call (a live
 /// registration that nothing frees meanwhile).
-pub unsafe fn write_ranges(
+pub(super) unsafe fn write_ranges(
     sock: &TcpStream,
     head: &[u8],
     ranges: &[Range],
@@ -166,7 +166,7 @@ pub unsafe fn write_ranges(
 /// # Safety
 /// Every range must be writable memory that no Rust reference aliases, for
 /// the whole call (or until `cancelled` is seen set).
-pub unsafe fn read_ranges(
+pub(super) unsafe fn read_ranges(
     sock: &TcpStream,
     ranges: &[Range],
     cancelled: &AtomicBool,
@@ -206,7 +206,7 @@ pub unsafe fn read_ranges(
 ///
 /// # Errors
 /// As [`read_exact`].
-pub fn drain(mut sock: &TcpStream, mut n: u64, deadline: Option<&Deadline>) -> io::Result<()> {
+pub(super) fn drain(mut sock: &TcpStream, mut n: u64, deadline: Option<&Deadline>) -> io::Result<()> {
     let mut scratch = [0u8; 64 << 10];
     while n > 0 {
         check(deadline, sock)?;
@@ -224,7 +224,7 @@ pub fn drain(mut sock: &TcpStream, mut n: u64, deadline: Option<&Deadline>) -> i
 ///
 /// # Errors
 /// `UnexpectedEof` when the peer closed; `TimedOut`; other socket errors.
-pub fn read_exact(mut sock: &TcpStream, buf: &mut [u8]) -> io::Result<()> {
+pub(super) fn read_exact(mut sock: &TcpStream, buf: &mut [u8]) -> io::Result<()> {
     sock.read_exact(buf).map_err(timed_out)
 }
 
@@ -232,7 +232,7 @@ pub fn read_exact(mut sock: &TcpStream, buf: &mut [u8]) -> io::Result<()> {
 ///
 /// # Errors
 /// As [`read_exact`]; `TimedOut` past the deadline.
-pub fn read_exact_by(mut sock: &TcpStream, mut buf: &mut [u8], deadline: &Deadline) -> io::Result<()> {
+pub(super) fn read_exact_by(mut sock: &TcpStream, mut buf: &mut [u8], deadline: &Deadline) -> io::Result<()> {
     while !buf.is_empty() {
         deadline.check(sock)?;
         match sock.read(buf) {

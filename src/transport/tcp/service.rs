@@ -30,18 +30,18 @@ use crate::transport::{Notification, TransportError};
 
 /// Slowest data rate a request may have before its deadline cuts it off
 /// (bytes per second): see [`request_limit`].
-pub const MIN_REQUEST_RATE: u64 = 16 << 20;
+pub(super) const MIN_REQUEST_RATE: u64 = 16 << 20;
 
 /// The longest a request carrying `len` data bytes may take, from its header
 /// to its response: `peer_timeout` + `len` / [`MIN_REQUEST_RATE`] (a 4 MiB
 /// chunk: `peer_timeout` + 0.25 s). Past it the connection is dropped.
-pub fn request_limit(peer_timeout: Duration, len: u64) -> Duration {
+pub(super) fn request_limit(peer_timeout: Duration, len: u64) -> Duration {
     peer_timeout + Duration::from_secs_f64(len as f64 / MIN_REQUEST_RATE as f64)
 }
 
 /// A registered local region, as the service checks requests against it.
 #[derive(Debug)]
-pub struct LocalRegion {
+pub(super) struct LocalRegion {
     /// Start address (bytes).
     pub addr: u64,
     /// Length (bytes).
@@ -52,23 +52,23 @@ pub struct LocalRegion {
 
 impl LocalRegion {
     /// A region of `len_bytes` at `addr`.
-    pub fn new(addr: u64, len_bytes: u64) -> Self {
+    pub(super) fn new(addr: u64, len_bytes: u64) -> Self {
         Self { addr, len_bytes, busy: RwLock::new(()) }
     }
 
     /// Wait until no request touches the region (call after removing it
     /// from the table, so no new request can find it). Bounded by the
     /// deadline of the requests in progress.
-    pub fn wait_idle(&self) {
+    pub(super) fn wait_idle(&self) {
         drop(self.busy.write().unwrap_or_else(|p| p.into_inner()));
     }
 }
 
 /// Regions by remote key. Looked up under the read lock for a moment; see
 /// the module docs.
-pub type RegionTable = Arc<RwLock<HashMap<u32, Arc<LocalRegion>>>>;
+pub(super) type RegionTable = Arc<RwLock<HashMap<u32, Arc<LocalRegion>>>>;
 /// Notifications received, drained by `take_notifications`.
-pub type NotifQueue = Arc<Mutex<Vec<Notification>>>;
+pub(super) type NotifQueue = Arc<Mutex<Vec<Notification>>>;
 
 struct Shared {
     secret: AgentSecret,
@@ -80,7 +80,7 @@ struct Shared {
 }
 
 /// The listener and its service threads; dropping it stops them all.
-pub struct Service {
+pub(super) struct Service {
     listener: Arc<TcpListener>,
     shared: Arc<Shared>,
     accept: Option<JoinHandle<()>>,
@@ -91,7 +91,7 @@ impl Service {
     ///
     /// # Errors
     /// [`TransportError::Io`] when the thread cannot be spawned.
-    pub fn start(
+    pub(super) fn start(
         listener: TcpListener,
         secret: AgentSecret,
         regions: RegionTable,

@@ -22,7 +22,7 @@ use crate::transport::{Completion, Op, RemoteAccessKind, Segment, TransferFailur
 
 /// One connected peer, shared by the transport and its workers.
 #[derive(Debug)]
-pub struct PeerShared {
+pub(super) struct PeerShared {
     /// Agent name.
     pub name: String,
     /// Set once any connection to the peer failed; the peer is then unusable.
@@ -36,7 +36,7 @@ pub struct PeerShared {
 impl PeerShared {
     /// Mark the peer dead for `why` and shut every connection down, which
     /// wakes the workers blocked on them.
-    pub fn kill(&self, why: TransferFailure) {
+    pub(super) fn kill(&self, why: TransferFailure) {
         {
             let mut r = self.reason.lock().unwrap_or_else(|p| p.into_inner());
             if r.is_none() {
@@ -52,7 +52,7 @@ impl PeerShared {
     /// Check the connections without blocking: a connection the peer closed
     /// (end of stream with nothing left to read) or reset means the peer is
     /// dead. `MSG_PEEK` leaves any bytes for the worker reading them.
-    pub fn probe(&self) -> Option<TransferFailure> {
+    pub(super) fn probe(&self) -> Option<TransferFailure> {
         use nix::sys::socket::{MsgFlags, recv};
         let streams = self.streams.lock().unwrap_or_else(|p| p.into_inner());
         let mut b = [0u8; 1];
@@ -70,7 +70,7 @@ impl PeerShared {
     }
 
     /// The failure message for transfers to a dead peer.
-    pub fn failure(&self) -> TransferFailure {
+    pub(super) fn failure(&self) -> TransferFailure {
         let r = self.reason.lock().unwrap_or_else(|p| p.into_inner());
         r.clone().unwrap_or_else(|| TransferFailure::peer_died(format!("peer {} disconnected", self.name)))
     }
@@ -78,7 +78,7 @@ impl PeerShared {
 
 /// A posted transfer being moved.
 #[derive(Debug)]
-pub struct XferShared {
+pub(super) struct XferShared {
     /// Id, op, notification, chunks not yet finished (one per [`Job`], at
     /// least one), cancel flag and first failure.
     pub core: XferState,
@@ -95,7 +95,7 @@ impl AsRef<XferState> for XferShared {
 }
 
 /// A contiguous range of a transfer's segments: one request on the wire.
-pub struct Job {
+pub(super) struct Job {
     /// The transfer.
     pub xfer: Arc<XferShared>,
     /// Segment indices.
@@ -216,7 +216,7 @@ impl Conn {
 }
 
 /// Run a worker over `sock` until the job queue closes.
-pub fn run(sock: TcpStream, jobs: Receiver<Job>, done: Sender<Completion>) {
+pub(super) fn run(sock: TcpStream, jobs: Receiver<Job>, done: Sender<Completion>) {
     let mut conn = Conn { sock, next_id: 0, head: Vec::new(), ranges: Vec::new() };
     for job in jobs.iter() {
         let x = &job.xfer;

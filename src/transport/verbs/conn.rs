@@ -38,15 +38,15 @@ use crate::verbs::{MemoryRegion, QpEndpoint, QueuePair};
 
 /// Receives posted per target QP (notifications in flight per QP; more
 /// make the initiator's NIC retry on RNR, never lose one).
-pub const RECVS_PER_QP: u32 = 64;
+pub(super) const RECVS_PER_QP: u32 = 64;
 
 /// Version of the handshake below; a target refuses any other. 2: QP
 /// endpoints carry the responder READ depth (`QpEndpoint::rd_atom`); 3: the
 /// target challenges the initiator ([`Handshake::Challenge`]).
-pub const HANDSHAKE_VERSION: u32 = 3;
+pub(super) const HANDSHAKE_VERSION: u32 = 3;
 
 /// How often (ms) a thread blocked on a liveness channel looks at its stop flag.
-pub const WATCH_MS: u64 = 100;
+pub(super) const WATCH_MS: u64 = 100;
 
 /// What the initiator proves knowledge of the target's secret for.
 fn auth_context(initiator: &str) -> Vec<u8> {
@@ -55,7 +55,7 @@ fn auth_context(initiator: &str) -> Vec<u8> {
 
 /// Handshake messages.
 #[derive(Debug, Serialize, Deserialize)]
-pub enum Handshake {
+pub(super) enum Handshake {
     /// Initiator → target.
     Hello {
         /// [`HANDSHAKE_VERSION`] of the initiator.
@@ -239,7 +239,7 @@ fn verbs_err(e: crate::verbs::VerbsError) -> TransportError {
 }
 
 /// Most QPs one hello may ask for (`qps_per_peer` is at most 64).
-pub const MAX_QPS_PER_HELLO: usize = 64;
+pub(super) const MAX_QPS_PER_HELLO: usize = 64;
 
 /// Initiator side: hello to `addr` with `local` endpoints, answering the
 /// target's challenge with `secret` (from its connection info); returns the

@@ -64,11 +64,14 @@ mod conn;
 mod deadline;
 #[doc(hidden)]
 pub mod engine;
+pub mod gpu;
 pub mod nic;
 mod ops;
 mod progress;
 #[doc(hidden)]
+#[cfg(any(test, feature = "sim"))]
 pub mod sim;
+#[cfg(any(test, feature = "sim"))]
 mod sim_bench;
 mod state;
 #[cfg(test)]
@@ -427,7 +430,7 @@ impl Transport for VerbsTransport {
             // else an error naming both causes (the chain of `cuda::register`).
             MemoryKind::Vram => {
                 let dmabuf = backing.dmabuf_fd().ok_or_else(|| "the memory exports no dma-buf".to_string());
-                crate::cuda::register_with_fallback(
+                gpu::register_with_fallback(
                     d.addr,
                     d.len_bytes,
                     dmabuf,

@@ -9,7 +9,7 @@ use super::state::{NOTIF_SLOT_BYTES, PostLimits, State, Xfer};
 use crate::transport::{Op, PostRequest, TransferFailure, TransportError};
 
 /// Notification slots per peer on the initiator (notifications in flight).
-pub const NOTIF_SLOTS: u32 = 256;
+pub(super) const NOTIF_SLOTS: u32 = 256;
 
 impl<Q: NicQp> State<Q> {
     /// Accept `req` for a peer named `peer_name` whose QPs are `qpns`: take

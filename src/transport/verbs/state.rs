@@ -17,9 +17,9 @@ use crate::verbs::ffi::{IBV_WC_SUCCESS, IBV_WC_WR_FLUSH_ERR, wc_status_name};
 use crate::verbs::{WorkCompletion, WrBatch, WrId};
 
 /// Largest notification payload (bytes): one receive slot.
-pub const NOTIF_SLOT_BYTES: usize = 4096;
+pub(super) const NOTIF_SLOT_BYTES: usize = 4096;
 /// Largest single WR (bytes); longer segments are split.
-pub const MAX_WR_BYTES: u64 = 1 << 30;
+pub(super) const MAX_WR_BYTES: u64 = 1 << 30;
 
 /// One unit of queued work: an RDMA WR or a notification SEND.
 #[derive(Debug, Clone, Copy)]
@@ -166,7 +166,7 @@ pub struct PostLimits {
 /// most `room` and `limits.max_batch`, and ending with the WR that brings
 /// the batch to `limits.batch_bytes` bytes (when non-zero). At least one
 /// when the queue and `room` are non-empty.
-pub fn batch_len(queue: &VecDeque<Work>, room: usize, limits: &PostLimits) -> usize {
+pub(super) fn batch_len(queue: &VecDeque<Work>, room: usize, limits: &PostLimits) -> usize {
     let n = room.min(limits.max_batch as usize).min(queue.len());
     if limits.batch_bytes == 0 {
         return n;
@@ -185,7 +185,7 @@ pub fn batch_len(queue: &VecDeque<Work>, room: usize, limits: &PostLimits) -> us
 }
 
 /// Receive chunk ids have the top bit set; the rest is the slot.
-pub const RECV_BIT: u64 = 1 << 63;
+pub(super) const RECV_BIT: u64 = 1 << 63;
 
 impl<Q: NicQp> State<Q> {
     /// Empty state for a completion queue of `cqes` entries.

@@ -8,7 +8,7 @@ use crate::verbs::{VerbsError, WorkCompletion};
 
 /// The typed failure for an error work completion, keeping its status and
 /// vendor syndrome as the source (`enum ibv_wc_status`, verbs.h).
-pub fn wc_failure(wc: &WorkCompletion) -> TransferFailure {
+pub(super) fn wc_failure(wc: &WorkCompletion) -> TransferFailure {
     // Values of `enum ibv_wc_status`.
     let kind = match wc.status {
         1 | 2 | 4 | 8 => FailureKind::LocalProtection, // LOC_LEN, LOC_QP_OP, LOC_PROT, LOC_ACCESS
@@ -28,7 +28,7 @@ pub fn wc_failure(wc: &WorkCompletion) -> TransferFailure {
 /// The typed failure for an `ibv_post_send` that returned an error: a
 /// transport error with the errno as the source (`ENOMEM`: the send queue
 /// is full; `EINVAL`: a bad WR, as rdma-core's providers return them).
-pub fn post_failure(e: &VerbsError) -> TransferFailure {
+pub(super) fn post_failure(e: &VerbsError) -> TransferFailure {
     let errno = match e {
         VerbsError::Call { source, .. } => source.raw_os_error(),
         _ => None,

@@ -21,13 +21,13 @@ use crate::transport::{
 use crate::verbs::WorkCompletion;
 
 /// Bytes per test page.
-pub const PAGE: u64 = 4096;
+pub(super) const PAGE: u64 = 4096;
 /// Bytes of each target's region (the source has twice as many).
 const REGION: usize = 4 << 20;
 
 /// Shape of the pair (the transport options of the same names).
 #[derive(Debug, Clone, Copy)]
-pub struct Opts {
+pub(super) struct Opts {
     pub qps: u32,
     pub max_send_wr: u32,
     pub post_list: u32,
@@ -55,7 +55,7 @@ impl Default for Opts {
 }
 
 /// One side: its device and state machine.
-pub struct Side {
+pub(super) struct Side {
     pub nic: SimNic,
     pub st: State<SimQp>,
     done: Receiver<Completion>,
@@ -78,7 +78,7 @@ struct Remote {
 type Moved = ((u64, u32), Vec<(u64, u64)>);
 
 /// The initiator `i`, its first target `t` (peer `peer`) and more targets.
-pub struct Pair {
+pub(super) struct Pair {
     pub fabric: SimFabric,
     pub i: Side,
     pub t: Side,
@@ -108,7 +108,7 @@ pub struct Pair {
 
 impl Pair {
     /// A connected pair on a fabric seeded with `seed`.
-    pub fn new(seed: u64, opts: Opts) -> Self {
+    pub(super) fn new(seed: u64, opts: Opts) -> Self {
         let fabric = SimFabric::new(seed);
         let i = side(&fabric, 0, opts.cq);
         let t = side(&fabric, 1, opts.cq_target);
@@ -151,7 +151,7 @@ impl Pair {
     }
 
     /// Connect another target (a device of its own); its peer id.
-    pub fn add_peer(&mut self) -> u32 {
+    pub(super) fn add_peer(&mut self) -> u32 {
         let id = 2 + self.others.len() as u32;
         let mut t = side(&self.fabric, id, self.opts.cq_target);
         let dst = self.fabric.alloc(id, REGION);
@@ -163,12 +163,12 @@ impl Pair {
     }
 
     /// The QPs of peer `peer`.
-    pub fn peer_qpns(&self, peer: u32) -> Vec<u32> {
+    pub(super) fn peer_qpns(&self, peer: u32) -> Vec<u32> {
         if peer == self.peer { self.qpns.clone() } else { self.others[&peer].qpns.clone() }
     }
 
     /// Replace the first peer's QPs (the transport's `recover`).
-    pub fn reconnect(&mut self) {
+    pub(super) fn reconnect(&mut self) {
         for q in self.qpns.clone() {
             self.i.st.remove_peer_qp(q, self.peer, &self.limits);
         }
@@ -194,7 +194,7 @@ impl Pair {
 
     /// Post transfer `x` to peer `peer`: `segs` are (offset, bytes), the
     /// same offset in the source and the target's region.
-    pub fn post_to(
+    pub(super) fn post_to(
         &mut self,
         peer: u32,
         x: u64,
@@ -226,12 +226,24 @@ impl Pair {
     }
 
     /// [`post_to`](Self::post_to) the first peer.
-    pub fn post(&mut self, x: u64, op: Op, segs: &[(u64, u64)], notif: Option<&[u8]>) -> Result<(), TransportError> {
+    pub(super) fn post(
+        &mut self,
+        x: u64,
+        op: Op,
+        segs: &[(u64, u64)],
+        notif: Option<&[u8]>,
+    ) -> Result<(), TransportError> {
         self.post_to(self.peer, x, op, segs, notif)
     }
 
     /// Post to the first peer with a forged `rkey`.
-    pub fn post_with_rkey(&mut self, x: u64, op: Op, segs: &[(u64, u64)], rkey: u32) -> Result<(), TransportError> {
+    pub(super) fn post_with_rkey(
+        &mut self,
+        x: u64,
+        op: Op,
+        segs: &[(u64, u64)],
+        rkey: u32,
+    ) -> Result<(), TransportError> {
         let req = PostRequest {
             xfer: XferId(x),
             op,
@@ -243,13 +255,13 @@ impl Pair {
     }
 
     /// Move the clock on by `d`.
-    pub fn advance(&mut self, d: Duration) {
+    pub(super) fn advance(&mut self, d: Duration) {
         self.now += d;
         self.i.st.now = self.now;
     }
 
     /// Hand every queued completion to its side's state machine.
-    pub fn drain_cqs(&mut self) -> bool {
+    pub(super) fn drain_cqs(&mut self) -> bool {
         let mut any = false;
         let mut wcs = vec![WorkCompletion::default(); 16];
         loop {
@@ -310,21 +322,21 @@ impl Pair {
     }
 
     /// One step of the fabric, then the completions; false when nothing moved.
-    pub fn pump(&mut self) -> bool {
+    pub(super) fn pump(&mut self) -> bool {
         let stepped = self.fabric.step();
         self.advance(Duration::from_micros(10));
         self.drain_cqs() || stepped
     }
 
     /// `n` pumps.
-    pub fn steps(&mut self, n: usize) {
+    pub(super) fn steps(&mut self, n: usize) {
         for _ in 0..n {
             self.pump();
         }
     }
 
     /// Pump until nothing moves.
-    pub fn run(&mut self) {
+    pub(super) fn run(&mut self) {
         for _ in 0..10_000_000 {
             if !self.pump() {
                 return;
@@ -336,7 +348,7 @@ impl Pair {
     /// Cancel `x` as the engine does for `Cmd::Cancel`, pumping the fabric while
     /// it waits (flush after 50 pumps, destroy after 100); the fabric step at
     /// which it returned.
-    pub fn cancel(&mut self, x: u64) -> u64 {
+    pub(super) fn cancel(&mut self, x: u64) -> u64 {
         let started = self.fabric.world().steps;
         if self.i.st.cancel_start(x, &self.limits) {
             let mut flushed = false;
@@ -355,35 +367,35 @@ impl Pair {
     }
 
     /// The result of `x`, once reported.
-    pub fn result(&self, x: u64) -> Option<Result<(), TransferFailure>> {
+    pub(super) fn result(&self, x: u64) -> Option<Result<(), TransferFailure>> {
         self.results.get(&x).cloned()
     }
 
     /// Notification payloads the first target received so far.
-    pub fn notifs(&mut self) -> Vec<Vec<u8>> {
+    pub(super) fn notifs(&mut self) -> Vec<Vec<u8>> {
         self.collect();
         self.got.clone()
     }
 
     /// Fill the source with `f(byte index)`.
-    pub fn fill_src(&self, f: impl Fn(usize) -> u8) {
+    pub(super) fn fill_src(&self, f: impl Fn(usize) -> u8) {
         let data: Vec<u8> = (0..2 * REGION).map(f).collect();
         assert!(self.fabric.write(self.src.1, self.src.0, &data));
     }
 
     /// Fill the first target's region with `f(offset)` (the data a READ pulls).
-    pub fn fill_dst(&self, f: impl Fn(usize) -> u8) {
+    pub(super) fn fill_dst(&self, f: impl Fn(usize) -> u8) {
         let data: Vec<u8> = (0..REGION).map(f).collect();
         assert!(self.fabric.write(self.dst.1, self.dst.0, &data));
     }
 
     /// The first target's region.
-    pub fn dst_bytes(&self) -> Vec<u8> {
+    pub(super) fn dst_bytes(&self) -> Vec<u8> {
         self.fabric.read(self.dst.1, self.dst.0, REGION).unwrap()
     }
 
     /// Source and first target agree on `segs`.
-    pub fn assert_same(&self, segs: &[(u64, u64)]) {
+    pub(super) fn assert_same(&self, segs: &[(u64, u64)]) {
         for &(off, len) in segs {
             let a = self.fabric.read(self.src.1, self.src.0 + off, len as usize);
             let b = self.fabric.read(self.dst.1, self.dst.0 + off, len as usize);
@@ -394,7 +406,7 @@ impl Pair {
     /// What must hold at any time: no transfer reported twice, no CQ overrun,
     /// the CQE budget adds up, no notification ahead of its data, no WRITE
     /// `Done` before its data landed.
-    pub fn invariants(&mut self) {
+    pub(super) fn invariants(&mut self) {
         self.collect();
         assert!(self.duplicates.is_empty(), "reported more than once: {:?}", self.duplicates);
         assert!(self.fabric.world().overruns.is_empty(), "CQ overrun");

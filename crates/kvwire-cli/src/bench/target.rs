@@ -1,0 +1,100 @@
+//! The target side of `kvwire bench`: the `bench-target` child, or
+//! `kvwire bench --listen` on another host. It registers one buffer (filled
+//! for READ), sends its metadata, and on the initiator's `Verify` counts the
+//! notifications and checks the written blocks.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{Result, bail};
+use clap::Args;
+use kvwire::HostBuffer;
+use kvwire::engine::TransferEngine;
+use kvwire::sidechannel::SideChannel;
+use kvwire::transport::Op;
+
+use super::{Ctl, config, count_bad, destinations, fill_blocks};
+
+/// Options of the hidden `bench-target` child.
+#[derive(Args, Debug)]
+pub(crate) struct TargetArgs {
+    /// Side-channel address of the initiator.
+    #[arg(long)]
+    connect: String,
+}
+
+/// `kvwire bench-target`: the child started by `kvwire bench`.
+pub(crate) fn run_target(a: TargetArgs) -> Result<()> {
+    let mut chan = SideChannel::connect(&a.connect, Duration::from_secs(10))?;
+    let setup = chan.recv()?;
+    serve(chan, setup)
+}
+
+/// How long a `--listen` target waits for a new connection's Setup message
+/// before it drops that connection and waits for the next one.
+const SETUP_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// `bench --listen`: accept connections until one is a kvwire bench
+/// initiator (its first message is a Setup within [`SETUP_TIMEOUT`]);
+/// silent or foreign connections (a port scan, an HTTP client) are dropped
+/// with a warning instead of stalling or ending the target.
+pub(super) fn listen(l: &std::net::TcpListener) -> Result<()> {
+    loop {
+        let mut chan = SideChannel::accept(l)?;
+        chan.set_read_timeout(Some(SETUP_TIMEOUT))?;
+        match chan.recv::<Ctl>() {
+            Ok(setup @ Ctl::Setup { .. }) => {
+                chan.set_read_timeout(None)?;
+                return serve(chan, setup);
+            }
+            Ok(other) => eprintln!("kvwire bench: dropped a connection that sent {other:?} instead of a Setup"),
+            Err(e) => eprintln!("kvwire bench: dropped a connection that is not a kvwire bench initiator ({e})"),
+        }
+    }
+}
+
+fn serve(mut chan: SideChannel, setup: Ctl) -> Result<()> {
+    chan.send(&Ctl::Accepted)?;
+    let r = target_loop(&mut chan, setup);
+    if let Err(e) = &r {
+        // Tell the initiator why, so that it reports the cause (not "closed").
+        let _ = chan.send(&Ctl::Failed(format!("{e:#}")));
+    }
+    r
+}
+
+fn target_loop(chan: &mut SideChannel, setup: Ctl) -> Result<()> {
+    let Ctl::Setup { transport, op, block_size, blocks, options, copy_threads } = setup else {
+        bail!("expected Setup from the initiator");
+    };
+    let mut engine = TransferEngine::new("bench-target", transport, &config(copy_threads, options))?;
+    let buf = Arc::new(HostBuffer::new((block_size * blocks) as usize)?);
+    if op == Op::Read {
+        fill_blocks(&buf, block_size, blocks);
+    }
+    engine.register(buf.clone())?;
+    chan.send(&Ctl::Meta(engine.metadata().to_bytes()))?;
+    let mut seen = 0usize;
+    loop {
+        match chan.recv()? {
+            Ctl::Verify { seed, scatter, notifications } => {
+                let deadline = Instant::now() + Duration::from_secs(30);
+                loop {
+                    seen += engine.get_notifs().values().map(Vec::len).sum::<usize>();
+                    if seen >= notifications || Instant::now() >= deadline {
+                        break;
+                    }
+                    std::thread::yield_now();
+                }
+                let bad_blocks = if op == Op::Write {
+                    count_bad(&buf, block_size, &destinations(blocks, scatter, seed), Op::Write)
+                } else {
+                    0
+                };
+                chan.send(&Ctl::Verified { bad_blocks, notifications: seen })?;
+            }
+            Ctl::Exit => return Ok(()),
+            other => bail!("unexpected {other:?}"),
+        }
+    }
+}

@@ -1,0 +1,318 @@
+//! `kvwire replay`: disaggregated prefill → decode on one host, driven by a
+//! Mooncake-format request trace.
+//!
+//! The prefill engine (this process) and the decode engine (a child process)
+//! each own a paged KV cache (`KVTransferEngine`, `--dp` replicas × `--tp`
+//! shards, one group). Per request, decode allocates destination pages from
+//! its pool (waiting, in simulated time, for earlier requests to finish
+//! decoding when the pool is full), prefill fills `ceil(input/page_tokens)`
+//! pages with bytes derived from (request, page, shard), sends them with
+//! `initiate_send_transfer`, and decode verifies every byte and frees the
+//! pages once the request's `output_length` decode steps have elapsed.
+
+mod decode;
+pub(crate) mod model;
+pub(crate) mod pool;
+mod prefill;
+mod prefix;
+mod report;
+pub(crate) mod trace;
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use anyhow::Result;
+use clap::Args;
+use kvwire::sidechannel::SideChannel;
+use kvwire::transport::TransportKind;
+use serde::{Deserialize, Serialize};
+
+use crate::units::parse_kv;
+
+/// Options of `kvwire replay`.
+#[derive(Args, Debug, Clone)]
+pub(crate) struct ReplayArgs {
+    /// Mooncake-format trace (JSON lines); default: the bundled conversation trace.
+    #[arg(long)]
+    pub trace: Option<PathBuf>,
+    /// Model whose per-token KV geometry to use (llama3-8b, llama3-70b, qwen3-32b, deepseek-v3).
+    #[arg(long, default_value = "llama3-8b")]
+    pub model: String,
+    /// Layers to move (real per-layer geometry, fewer layers); default 1.
+    #[arg(long, default_value_t = 1)]
+    pub layers: u64,
+    /// Tensor-parallel shards of the prefill engine.
+    #[arg(long, default_value_t = 1)]
+    pub tp: usize,
+    /// Tensor-parallel shards of the decode engine (default: --tp). Differing
+    /// TP needs a replicated (MLA) model: BROADCAST.
+    #[arg(long)]
+    pub decode_tp: Option<usize>,
+    /// Data-parallel replicas on each side; request i uses replica i % dp.
+    #[arg(long, default_value_t = 1)]
+    pub dp: usize,
+    /// Tokens per page.
+    #[arg(long, default_value_t = 128)]
+    pub page_tokens: u64,
+    /// Pages in each decode replica's pool (null block included).
+    #[arg(long, default_value_t = 4096)]
+    pub decode_pages: u64,
+    /// Pages in each prefill replica's pool (default: enough for the largest request twice, at least 1024).
+    #[arg(long)]
+    pub prefill_pages: Option<u64>,
+    /// Replay only the first N requests.
+    #[arg(long)]
+    pub requests: Option<usize>,
+    /// Replay the timestamps X times faster than real time, 0.001..=1000000
+    /// (default: as fast as possible, in arrival order).
+    #[arg(long)]
+    pub speed: Option<f64>,
+    /// Simulated time per decode step (ms per output token, 0..=60000).
+    #[arg(long, default_value_t = 20.0)]
+    pub decode_step_ms: f64,
+    /// Requests in flight at once.
+    #[arg(long, default_value_t = 8)]
+    pub inflight: usize,
+    /// Transport: shm, verbs or tcp.
+    #[arg(long, default_value = "shm")]
+    pub transport: TransportKind,
+    /// Copy/progress threads of CPU-copying transports.
+    #[arg(long, default_value_t = 2)]
+    pub copy_threads: usize,
+    /// Backend option for the prefill side, `key=value` (repeatable).
+    #[arg(long = "option", value_parser = parse_kv)]
+    pub options: Vec<(String, String)>,
+    /// Backend option for the decode side, `key=value` (repeatable).
+    #[arg(long = "decode-option", value_parser = parse_kv)]
+    pub decode_options: Vec<(String, String)>,
+    /// Print one JSON object instead of the table.
+    #[arg(long)]
+    pub json: bool,
+    /// Discover the engines' metadata through etcd at this URL (e.g.
+    /// http://127.0.0.1:2379) instead of the side channel; each side
+    /// publishes its KV engine metadata under --etcd-prefix with a lease and
+    /// waits (up to 30 s) for the other's.
+    #[arg(long)]
+    pub etcd: Option<String>,
+    /// Key prefix for --etcd.
+    #[arg(long, default_value = "/kvwire/replay/")]
+    pub etcd_prefix: String,
+    /// External KV tier for prefix reuse: `none`, or `host` (a host-memory
+    /// tier with LRU eviction, sized by --host-tier-gib).
+    #[arg(long, default_value = "none", value_parser = ["none", "host"])]
+    pub connector: String,
+    /// Host tier size (GiB, 0..=1048576; default 4); needs `--connector host`.
+    #[arg(long)]
+    pub host_tier_gib: Option<f64>,
+    /// Test hook: fill page 0 of request N with the wrong bytes, to prove
+    /// that verification catches it (the replay must then fail).
+    #[arg(long, hide = true)]
+    pub inject_bad_page: Option<u64>,
+}
+
+/// Options of the hidden `replay-decode` child.
+#[derive(Args, Debug)]
+pub(crate) struct DecodeArgs {
+    /// Side-channel address of the prefill process.
+    #[arg(long)]
+    pub connect: String,
+}
+
+/// Geometry both sides agree on.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub(crate) struct Geometry {
+    /// Bytes of one page on one shard.
+    pub bytes_per_page: u64,
+    /// Shards of the decode engine.
+    pub decode_tp: usize,
+    /// Shards of the prefill engine.
+    pub prefill_tp: usize,
+    /// Replicas on each side.
+    pub dp: usize,
+    /// The group is replicated across shards (MLA).
+    pub mla: bool,
+}
+
+impl Geometry {
+    /// Which prefill shard's bytes decode shard `s` receives: the same shard
+    /// (DIRECT), or shard 0 fanned out (BROADCAST).
+    pub(crate) fn source_shard(&self, s: usize) -> usize {
+        if self.prefill_tp == self.decode_tp { s } else { 0 }
+    }
+}
+
+/// Key of the bytes a page with content key `key` holds on prefill shard `shard`.
+pub(crate) fn shard_key(key: u64, shard: usize) -> u64 {
+    crate::pattern::mix(key ^ (shard as u64).wrapping_mul(0xA24B_AED4_963E_E407))
+}
+
+/// Side-channel messages between prefill (P) and decode (D).
+#[derive(Debug, Serialize, Deserialize)]
+pub(crate) enum Msg {
+    /// P→D: build your engine.
+    Setup {
+        /// Page geometry.
+        geometry: Geometry,
+        /// Decode pool pages per replica.
+        num_pages: u64,
+        /// Transport.
+        transport: TransportKind,
+        /// Copy threads.
+        copy_threads: usize,
+        /// Decode-side backend options.
+        options: Vec<(String, String)>,
+        /// Simulated ms per decode step.
+        decode_step_ms: f64,
+        /// Real-time speed-up, if replaying timestamps.
+        speed: Option<f64>,
+        /// etcd URL and key prefix, when metadata goes through etcd.
+        etcd: Option<(String, String)>,
+    },
+    /// Either way: KV engine metadata bytes (empty: published in etcd).
+    Meta(Vec<u8>),
+    /// P→D: request `id` needs `pages` pages on `replica`.
+    Alloc {
+        /// Request id (trace order).
+        id: u64,
+        /// Pages.
+        pages: u64,
+        /// Replica.
+        replica: usize,
+        /// Arrival (trace ms).
+        arrival_ms: u64,
+        /// Output tokens (decode steps before the pages free).
+        output_len: u64,
+    },
+    /// D→P: destination pages for `id`.
+    Allocated {
+        /// Request id.
+        id: u64,
+        /// Destination page indices.
+        pages: Vec<u64>,
+    },
+    /// P→D: the transfer of `id` is posted.
+    Sent {
+        /// Request id.
+        id: u64,
+        /// `TransferReqData` JSON.
+        req: String,
+        /// Content key of each page, in request order (see `shard_key`).
+        keys: Vec<u64>,
+    },
+    /// D→P: `id` arrived and was checked.
+    Verified {
+        /// Request id.
+        id: u64,
+        /// Pages (× shards) whose bytes were wrong.
+        bad_pages: u64,
+        /// Transport error, if the transfer failed.
+        error: Option<String>,
+    },
+    /// P→D: the transfer of `id` failed and was cancelled; free its pages.
+    Abort {
+        /// Request id.
+        id: u64,
+        /// Why.
+        reason: String,
+    },
+    /// P→D: all done; report your pool high-water mark.
+    Finish,
+    /// D→P: final decode-side figures.
+    Finished {
+        /// Most decode pages in use at once (per replica, max).
+        high_water: u64,
+        /// Pool capacity.
+        capacity: u64,
+        /// Requests that waited for pages.
+        backpressured: u64,
+    },
+}
+
+/// Exchange KV engine metadata with the other side: over the side channel,
+/// or (with `etcd`) by publishing ours in etcd under `my_name` and looking
+/// theirs up under `their_name` (waiting up to 30 s for it to appear); the
+/// side channel then only says "published". Returns the peer's metadata and
+/// the store, which keeps our entry alive until dropped.
+pub(crate) fn exchange_metadata(
+    chan: &mut SideChannel,
+    etcd: Option<&(String, String)>,
+    mine: &kvwire::kv::KVTransferEngineMetadata,
+    their_name: &str,
+    first: bool,
+) -> Result<(kvwire::kv::KVTransferEngineMetadata, Option<kvwire_discovery::EtcdStore>)> {
+    use kvwire::kv::KVTransferEngineMetadata as Md;
+    let etcd_url = etcd.map(|(url, _)| url.clone()).unwrap_or_default();
+    let mut store = match etcd {
+        Some((url, prefix)) => Some(
+            kvwire_discovery::EtcdStore::connect(url, prefix, Duration::from_secs(10))
+                .map_err(|e| crate::failure::etcd_error(e, "connecting to", url))?,
+        ),
+        None => None,
+    };
+    let send = |chan: &mut SideChannel, store: &mut Option<kvwire_discovery::EtcdStore>| -> Result<()> {
+        match store {
+            Some(s) => {
+                s.publish_bytes(&mine.name, &mine.to_bytes())
+                    .map_err(|e| crate::failure::etcd_error(e, "publishing the engine's metadata in", &etcd_url))?;
+                chan.send(&Msg::Meta(Vec::new()))?;
+            }
+            None => chan.send(&Msg::Meta(mine.to_bytes()))?,
+        }
+        Ok(())
+    };
+    let recv = |chan: &mut SideChannel, store: &mut Option<kvwire_discovery::EtcdStore>| -> Result<Md> {
+        let Msg::Meta(bytes) = chan.recv()? else { anyhow::bail!("expected the {their_name} engine's metadata") };
+        let bytes = match store {
+            Some(s) if bytes.is_empty() => {
+                s.lookup_bytes(their_name, Duration::from_secs(30)).map_err(|e| match e {
+                    e @ kvwire_discovery::DiscoveryError::NotFound { .. } => anyhow::Error::new(e)
+                        .context(format!("the {their_name} engine's entry did not appear in etcd at {etcd_url}")),
+                    e => crate::failure::etcd_error(e, &format!("looking up the {their_name} engine in"), &etcd_url),
+                })?
+            }
+            _ => bytes,
+        };
+        Ok(Md::from_bytes(&bytes)?)
+    };
+    let theirs = if first {
+        send(chan, &mut store)?;
+        recv(chan, &mut store)?
+    } else {
+        let t = recv(chan, &mut store)?;
+        send(chan, &mut store)?;
+        t
+    };
+    Ok((theirs, store))
+}
+
+/// Default trace path: ./data/… when run from the repository, else the
+/// copy in the source tree this binary was built from.
+pub(crate) fn default_trace() -> PathBuf {
+    let local = PathBuf::from("data/mooncake_conversation_trace.jsonl");
+    if local.exists() {
+        return local;
+    }
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../data/mooncake_conversation_trace.jsonl")
+}
+
+/// `kvwire replay`.
+pub(crate) fn run(a: ReplayArgs) -> Result<()> {
+    crate::units::check_option_keys(a.transport, "--option", &a.options)?;
+    crate::units::check_option_keys(a.transport, "--decode-option", &a.decode_options)?;
+    let (l, addr) = SideChannel::bind("127.0.0.1:0")?;
+    let child = crate::child::Child::spawn("decode", &["replay-decode", "--connect", &addr.to_string()])?;
+    let chan = SideChannel::accept(&l)?;
+    chan.set_read_timeout(Some(Duration::from_secs(300)))?;
+    let report = child.finish(prefill::run(&a, chan))?;
+    report::print(&report, a.json);
+    if !report.verified {
+        anyhow::bail!("replay failed: {} bad pages, {} failed transfers", report.bad_pages, report.failed);
+    }
+    Ok(())
+}
+
+/// `kvwire replay-decode`: the decode engine, started by `replay`.
+pub(crate) fn run_decode(a: DecodeArgs) -> Result<()> {
+    let chan = SideChannel::connect(&a.connect, Duration::from_secs(10))?;
+    decode::run(chan)
+}

@@ -1,0 +1,418 @@
+//! The prefill side of the replay: fills and sends each request's pages.
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, bail};
+use crossbeam_channel::Receiver;
+use indicatif::{ProgressBar, ProgressStyle};
+use kvwire::HostBuffer;
+use kvwire::kv::{KVCacheMemory, KVTransferEngine, PageIdxs, TransferReqData};
+use kvwire::sidechannel::SideChannel;
+use kvwire::transport::TransportConfig;
+
+use super::model::ModelPreset;
+use super::pool::PagePool;
+use super::prefix::{PrefixTier, offload_landed, page_content_key, page_hashes};
+use super::report::Report;
+use super::trace::{self, TraceRequest};
+use super::{Geometry, Msg, ReplayArgs, default_trace, exchange_metadata, shard_key};
+use crate::pattern::fill_page;
+use crate::units::percentile;
+
+/// Leaf id of the one KV group.
+pub(super) const LEAF: &str = "kv";
+
+/// `--host-tier-gib` when not given (with `--connector host`).
+const DEFAULT_HOST_TIER_GIB: f64 = 4.0;
+
+/// Receive side-channel messages on a thread so the engine loop never blocks.
+pub(super) fn spawn_reader(chan: &SideChannel) -> Result<Receiver<Result<Msg, String>>> {
+    let mut rx_chan = chan.try_clone()?;
+    let (tx, rx) = crossbeam_channel::unbounded();
+    std::thread::Builder::new().name("replay-sidechannel".into()).spawn(move || {
+        loop {
+            let m = rx_chan.recv::<Msg>().map_err(|e| e.to_string());
+            let stop = m.is_err();
+            if tx.send(m).is_err() || stop {
+                return;
+            }
+        }
+    })?;
+    Ok(rx)
+}
+
+/// Back off when a loop iteration did nothing: spin, yield, then sleep, so
+/// the copy threads and the other process keep the cores.
+pub(super) struct Idle(u32);
+
+impl Idle {
+    /// A fresh backoff.
+    pub(super) fn new() -> Self {
+        Self(0)
+    }
+    /// Something happened.
+    pub(super) fn reset(&mut self) {
+        self.0 = 0;
+    }
+    /// Nothing happened.
+    pub(super) fn wait(&mut self) {
+        self.0 += 1;
+        if self.0 < 16 {
+            std::hint::spin_loop();
+        } else if self.0 < 64 {
+            std::thread::yield_now();
+        } else {
+            std::thread::sleep(Duration::from_micros(50));
+        }
+    }
+}
+
+/// Shape of one side's paged cache: `dp` replicas × `tp` shards × one group
+/// of `num_pages` pages of `bytes_per_page` bytes.
+#[derive(Clone, Copy)]
+pub(super) struct CacheShape {
+    /// Replicas.
+    pub dp: usize,
+    /// Shards.
+    pub tp: usize,
+    /// Pages per pool, null block included.
+    pub num_pages: u64,
+    /// Bytes of one page on one shard.
+    pub bytes_per_page: u64,
+    /// Replicated (MLA) group.
+    pub mla: bool,
+}
+
+/// Build a KV engine of `shape` in host memory; returns the shard buffers
+/// `[replica][shard]` too, for filling and checking pages.
+pub(super) fn build_engine(
+    name: &str,
+    shape: &CacheShape,
+    transport: kvwire::transport::TransportKind,
+    cfg: &TransportConfig,
+) -> Result<(KVTransferEngine, Vec<Vec<Arc<HostBuffer>>>)> {
+    let CacheShape { dp, tp, num_pages, bytes_per_page, mla } = *shape;
+    let mut memory = Vec::with_capacity(dp);
+    let mut hosts = Vec::with_capacity(dp);
+    for _ in 0..dp {
+        let (m, h) = KVCacheMemory::new_host(tp, num_pages, bytes_per_page, mla && tp >= 2)
+            .with_context(|| format!("allocating {num_pages} pages of {bytes_per_page} bytes x {tp} shards"))?;
+        memory.push(vec![m]);
+        hosts.push(h);
+    }
+    let engine = KVTransferEngine::new(name, memory, Some(vec![LEAF.to_string()]), transport, cfg)?;
+    Ok((engine, hosts))
+}
+
+struct Sending {
+    req: TransferReqData,
+    src: Vec<u64>,
+    replica: usize,
+    started: Instant,
+    /// The offload of this request's new full pages, which pins `src`.
+    offload: Option<kvwire::connector::KVConnectorTransfer>,
+}
+
+pub(super) fn run(a: &ReplayArgs, mut chan: SideChannel) -> Result<Report> {
+    let model = ModelPreset::by_name(&a.model)?;
+    if a.layers == 0 || a.layers > model.layers {
+        bail!("--layers must be 1..={} for {}", model.layers, model.name);
+    }
+    if a.requests == Some(0) {
+        bail!("--requests must be at least 1 (it replays the first N requests of the trace)");
+    }
+    if a.page_tokens == 0 || a.tp == 0 || a.dp == 0 || a.inflight == 0 || a.decode_tp == Some(0) {
+        bail!("--page-tokens, --tp, --decode-tp, --dp and --inflight must be at least 1");
+    }
+    if a.speed.is_some_and(|s| !(0.001..=1e6).contains(&s)) {
+        bail!("--speed must be 0.001..=1000000 (times real time)");
+    }
+    // Finite, non-negative and bounded: a tier of at most 1 PiB, a decode
+    // step of at most a minute.
+    let tier_gib = a.host_tier_gib.unwrap_or(DEFAULT_HOST_TIER_GIB);
+    if !(0.0..=(1u64 << 20) as f64).contains(&tier_gib) {
+        bail!("--host-tier-gib must be 0..=1048576 (GiB), got {tier_gib}");
+    }
+    if a.host_tier_gib.is_some() && a.connector != "host" {
+        bail!("--host-tier-gib sizes the host tier: it needs --connector host (the connector is {})", a.connector);
+    }
+    if !(0.0..=60_000.0).contains(&a.decode_step_ms) {
+        bail!("--decode-step-ms must be 0..=60000 (ms per output token), got {}", a.decode_step_ms);
+    }
+    let decode_tp = a.decode_tp.unwrap_or(a.tp);
+    let page_bytes = |tp: usize, flag: &str| -> Result<u64> {
+        let per_token = model.shard_bytes_per_token(a.layers, tp as u64).with_context(|| format!("{flag} {tp}"))?;
+        per_token.checked_mul(a.page_tokens).filter(|&b| b <= 1 << 30).with_context(|| {
+            format!("--page-tokens {} makes a page larger than 1 GiB ({per_token} bytes per token)", a.page_tokens)
+        })
+    };
+    let prefill_bpp = page_bytes(a.tp, "--tp")?;
+    let decode_bpp = page_bytes(decode_tp, "--decode-tp")?;
+    let path = a.trace.clone().unwrap_or_else(default_trace);
+    let reqs = trace::load(&path, a.requests)?;
+    let pages_of = |r: &TraceRequest| r.input_length.div_ceil(a.page_tokens);
+    let largest = reqs.iter().map(pages_of).max().unwrap_or(1);
+    let prefill_pages = a.prefill_pages.unwrap_or((2 * largest + 1).max(1024));
+    if largest >= prefill_pages || largest >= a.decode_pages {
+        bail!("the largest request needs {largest} pages: raise --prefill-pages/--decode-pages or --page-tokens");
+    }
+    let pool = |pages: u64, bpp: u64, tp: usize| pages as u128 * bpp as u128 * tp as u128 * a.dp as u128;
+    let (prefill_bytes, decode_bytes) =
+        (pool(prefill_pages, prefill_bpp, a.tp), pool(a.decode_pages, decode_bpp, decode_tp));
+    let tier_bytes = if a.connector == "host" { (tier_gib * (1u64 << 30) as f64) as u128 } else { 0 };
+    crate::memcheck::check(
+        "replay",
+        prefill_bytes + decode_bytes + tier_bytes,
+        &format!(
+            "prefill pool {:.1} GiB + decode pool {:.1} GiB + host tier {:.1} GiB",
+            prefill_bytes as f64 / (1u64 << 30) as f64,
+            decode_bytes as f64 / (1u64 << 30) as f64,
+            tier_bytes as f64 / (1u64 << 30) as f64
+        ),
+        "use fewer --decode-pages/--prefill-pages, fewer --layers, or a smaller --host-tier-gib",
+    )?;
+    let geometry = Geometry { bytes_per_page: decode_bpp, decode_tp, prefill_tp: a.tp, dp: a.dp, mla: model.mla };
+    chan.send(&Msg::Setup {
+        geometry: geometry.clone(),
+        num_pages: a.decode_pages,
+        transport: a.transport,
+        copy_threads: a.copy_threads,
+        options: a.decode_options.clone(),
+        decode_step_ms: a.decode_step_ms,
+        speed: a.speed,
+        etcd: a.etcd.clone().map(|url| (url, a.etcd_prefix.clone())),
+    })?;
+    let cfg =
+        TransportConfig { copy_threads: a.copy_threads, options: a.options.clone(), ..TransportConfig::default() };
+    let shape =
+        CacheShape { dp: a.dp, tp: a.tp, num_pages: prefill_pages, bytes_per_page: prefill_bpp, mla: model.mla };
+    let (mut engine, hosts) = build_engine("prefill", &shape, a.transport, &cfg)?;
+    let etcd = a.etcd.clone().map(|url| (url, a.etcd_prefix.clone()));
+    let (decode_md, _published) = exchange_metadata(&mut chan, etcd.as_ref(), &engine.metadata(), "decode", false)?;
+    engine.connect(&decode_md).context("connecting to the decode engine")?;
+    let inbox = spawn_reader(&chan)?;
+
+    let mut pools: Vec<PagePool> = (0..a.dp).map(|_| PagePool::new(prefill_pages)).collect();
+    let bar = ProgressBar::new(reqs.len() as u64);
+    bar.set_style(
+        ProgressStyle::with_template("{elapsed_precise} [{bar:40}] {pos}/{len} requests {msg}")
+            .expect("static template")
+            .progress_chars("=> "),
+    );
+    if a.json {
+        bar.set_draw_target(indicatif::ProgressDrawTarget::hidden());
+    }
+    let mut r = Report {
+        transport: a.transport.to_string(),
+        model: model.name.to_string(),
+        layers: a.layers,
+        tp: a.tp,
+        decode_tp,
+        dp: a.dp,
+        page_tokens: a.page_tokens,
+        bytes_per_token: model.shard_bytes_per_token(a.layers, a.tp as u64)? * a.tp as u64,
+        full_model_bytes_per_token: model.bytes_per_token(),
+        unlimited_prefix_hit_rate: trace::unlimited_hit_rate(&reqs),
+        decode_pool_capacity: a.decode_pages - 1,
+        ..Report::default()
+    };
+    let started = Instant::now();
+    let (mut next, mut open, mut verified) = (0usize, 0usize, 0usize);
+    let mut ready: VecDeque<(u64, Vec<u64>)> = VecDeque::new();
+    let mut sending: HashMap<u64, Sending> = HashMap::new();
+    let mut lat_ms = Vec::with_capacity(reqs.len());
+    let (mut busy, mut busy_since) = (Duration::ZERO, None::<Instant>);
+    let mut idle = Idle::new();
+    let mut tier = match a.connector.as_str() {
+        "host" => Some(PrefixTier::new(&engine, (tier_gib * (1u64 << 30) as f64) as u64, a.page_tokens)?),
+        _ => None,
+    };
+    let mut all_hashes: Vec<Vec<u64>> = Vec::new();
+    let mut pinned: Vec<(usize, Vec<u64>, kvwire::connector::KVConnectorTransfer)> = Vec::new();
+    // Where the bar is not drawn (stderr not a terminal: CI, a log file),
+    // one line every 5 s instead, so a long run is never silent.
+    let lines = !a.json && !std::io::IsTerminal::is_terminal(&std::io::stderr());
+    if !a.json {
+        eprintln!(
+            "replay: {} requests from {}; progress: requests verified, GB moved (1 GB = 1e9 bytes), GB/s since the start",
+            reqs.len(),
+            path.display()
+        );
+    }
+    let mut last_line = Instant::now();
+    while verified < reqs.len() {
+        if lines && last_line.elapsed() >= Duration::from_secs(5) {
+            last_line = Instant::now();
+            let secs = started.elapsed().as_secs_f64();
+            eprintln!(
+                "replay: {:>6.0} s  {verified}/{} requests  {:.1} GB  {:.2} GB/s",
+                secs,
+                reqs.len(),
+                r.bytes as f64 / 1e9,
+                r.bytes as f64 / 1e9 / secs.max(1e-9)
+            );
+        }
+        let mut progressed = false;
+        // 1. admit arrivals
+        while next < reqs.len() && open < a.inflight {
+            let q = &reqs[next];
+            if let Some(speed) = a.speed
+                && started.elapsed().as_secs_f64() * 1e3 * speed < q.timestamp as f64
+            {
+                break;
+            }
+            let id = next as u64;
+            chan.send(&Msg::Alloc {
+                id,
+                pages: pages_of(q),
+                replica: next % a.dp,
+                arrival_ms: q.timestamp,
+                output_len: q.output_length,
+            })?;
+            next += 1;
+            open += 1;
+            progressed = true;
+        }
+        // 2. messages from decode
+        while let Ok(m) = inbox.try_recv() {
+            progressed = true;
+            match m.map_err(|e| anyhow::anyhow!("decode process: {e}"))? {
+                Msg::Allocated { id, pages } => ready.push_back((id, pages)),
+                Msg::Verified { id, bad_pages, error } => {
+                    r.bad_pages += bad_pages;
+                    if let Some(e) = error {
+                        r.failed += 1;
+                        tracing::error!("request {id}: {e}");
+                    }
+                    verified += 1;
+                    open -= 1;
+                    bar.inc(1);
+                }
+                other => bail!("unexpected message from decode: {other:?}"),
+            }
+        }
+        // 3. fill and send what has destination pages, while source pages last
+        while let Some((id, dst)) = ready.front() {
+            let (id, q) = (*id, &reqs[*id as usize]);
+            let replica = id as usize % a.dp;
+            let Some(src) = pools[replica].alloc(dst.len() as u64) else { break };
+            let dst = ready.pop_front().expect("front exists").1;
+            let hashes = page_hashes(q, a.page_tokens);
+            let keys: Vec<u64> = (0..src.len()).map(|j| page_content_key(id, j, &hashes)).collect();
+            // Prefix reuse: pages the tier holds are loaded, not computed.
+            let hit = match tier.as_mut() {
+                Some(t) => t.load(&hashes, &src, replica)?,
+                None => 0,
+            };
+            for (s, host) in hosts[replica].iter().enumerate() {
+                for (j, &p) in src.iter().enumerate().skip(hit) {
+                    let corrupt = j == 0 && a.inject_bad_page == Some(id);
+                    let key = shard_key(keys[j], s) ^ u64::from(corrupt);
+                    let mut page = vec![0u8; prefill_bpp as usize];
+                    fill_page(&mut page, key);
+                    host.write((p * prefill_bpp) as usize, &page);
+                }
+            }
+            let offload = match tier.as_mut() {
+                Some(t) => {
+                    t.record(hit, hashes.len(), src.len(), prefill_bpp * a.tp as u64);
+                    all_hashes.push(hashes.clone());
+                    Some(t.offload(&hashes, &src, hit, replica)?)
+                }
+                None => None,
+            };
+            let t0 = Instant::now();
+            let req = engine.initiate_send_transfer(
+                decode_md.name.as_str(),
+                &PageIdxs::per_leaf([(LEAF, src.clone())]),
+                &PageIdxs::per_leaf([(LEAF, dst.clone())]),
+                replica,
+                replica,
+            )?;
+            busy_since.get_or_insert(t0);
+            chan.send(&Msg::Sent { id, req: req.to_json(), keys })?;
+            r.requests += 1;
+            r.tokens += q.input_length;
+            r.pages += src.len() as u64;
+            r.bytes += src.len() as u64 * prefill_bpp * a.tp as u64;
+            sending.insert(id, Sending { req, src, replica, started: t0, offload });
+            progressed = true;
+        }
+        // 4. completions of our sends
+        let mut finished = Vec::new();
+        for (id, s) in &sending {
+            match engine.is_complete(&s.req) {
+                Ok(false) => {}
+                Ok(true) => finished.push((*id, None)),
+                Err(e) => finished.push((*id, Some(e.to_string()))),
+            }
+        }
+        for (id, err) in finished {
+            let s = sending.remove(&id).expect("listed above");
+            lat_ms.push(s.started.elapsed().as_secs_f64() * 1e3);
+            match err {
+                None => engine.cleanup_transfer(&s.req)?,
+                Some(e) => {
+                    // Cancel what may still be moving before the pages go back.
+                    engine.cancel_transfer(&s.req)?;
+                    chan.send(&Msg::Abort { id, reason: e })?;
+                }
+            }
+            match s.offload {
+                Some(off) if !offload_landed(&off) => pinned.push((s.replica, s.src, off)),
+                _ => pools[s.replica].free(s.src),
+            }
+            progressed = true;
+        }
+        // 5. pages pinned by an offload go back once it landed
+        let mut k = 0;
+        while k < pinned.len() {
+            if offload_landed(&pinned[k].2) {
+                let (replica, src, _) = pinned.swap_remove(k);
+                pools[replica].free(src);
+                progressed = true;
+            } else {
+                k += 1;
+            }
+        }
+        if sending.is_empty()
+            && let Some(t) = busy_since.take()
+        {
+            busy += t.elapsed();
+        }
+        if progressed {
+            idle.reset();
+        } else {
+            idle.wait();
+        }
+    }
+    if let Some(t) = busy_since.take() {
+        busy += t.elapsed();
+    }
+    chan.send(&Msg::Finish)?;
+    let finished = loop {
+        match inbox.recv_timeout(Duration::from_secs(60)).context("waiting for decode's final figures")? {
+            Ok(Msg::Finished { high_water, backpressured, .. }) => {
+                r.backpressured = backpressured;
+                break high_water;
+            }
+            Ok(_) => continue,
+            Err(e) => bail!("decode process: {e}"),
+        }
+    };
+    bar.finish_and_clear();
+    r.elapsed_s = started.elapsed().as_secs_f64();
+    r.gb_per_s = r.bytes as f64 / 1e9 / r.elapsed_s;
+    r.wire_gb_per_s = r.bytes as f64 / 1e9 / busy.as_secs_f64().max(1e-9);
+    r.p50_ms = percentile(&mut lat_ms, 0.5);
+    r.p99_ms = percentile(&mut lat_ms, 0.99);
+    r.max_ms = percentile(&mut lat_ms, 1.0);
+    r.decode_pool_high_water = finished;
+    r.connector = a.connector.clone();
+    r.prefix = tier.map(|t| t.finish(&all_hashes));
+    r.verified = r.bad_pages == 0 && r.failed == 0 && r.requests == reqs.len() as u64;
+    engine.cleanup()?;
+    Ok(r)
+}
