@@ -224,9 +224,11 @@ public:
         if (!mem_ok(local.getType()) || !mem_ok(remote.getType())) return NIXL_ERR_NOT_SUPPORTED;
         if (local.descCount() != remote.descCount() || local.descCount() == 0) return NIXL_ERR_INVALID_PARAM;
         {
+            /* A peer found dead stays loaded until NIXL disconnects it (as UCX
+               behaves in NIXL 1.5.1): preparing against it works, posting fails. */
             std::lock_guard<std::mutex> g(mu_);
-            if (remote_agent != localAgent && !known_.count(remote_agent)) {
-                return dead_.count(remote_agent) ? NIXL_ERR_REMOTE_DISCONNECT : NIXL_ERR_NOT_FOUND;
+            if (remote_agent != localAgent && !known_.count(remote_agent) && !dead_.count(remote_agent)) {
+                return NIXL_ERR_NOT_FOUND;
             }
         }
         auto *req = new ReqH();
@@ -250,6 +252,7 @@ public:
         if (!req) return NIXL_ERR_INVALID_PARAM;
         const bool notif = opt_args && opt_args->hasNotif;
         std::lock_guard<std::mutex> g(mu_);
+        if (dead_.count(req->agent)) return NIXL_ERR_REMOTE_DISCONNECT;
         if (req->posted) {
             KvwXferState st = KVW_XFER_IN_PROGRESS;
             KvwStatus code = KVW_OK;
@@ -333,6 +336,7 @@ public:
 
     nixl_status_t genNotif(const std::string &remote_agent, const std::string &msg) const override {
         std::lock_guard<std::mutex> g(mu_);
+        if (dead_.count(remote_agent)) return NIXL_ERR_REMOTE_DISCONNECT;
         const KvwStatus rc = kvw_notify(engine_, remote_agent.c_str(), reinterpret_cast<const uint8_t *>(msg.data()),
                                         msg.size());
         if (rc == KVW_OK) return NIXL_SUCCESS;

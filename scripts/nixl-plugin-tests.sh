@@ -12,7 +12,7 @@
 #     peer -> NIXL's remote-disconnect error, release in flight, loopback);
 #  4. our C++ test against the wheel's libnixl.so (nixl-plugin/tests/
 #     agent_test.cpp, NIXL's C++ agent API), on shm and tcp;
-#  5. kvwire's NIXL contract suite and the vLLM- / SGLang-shaped flows
+#  5. kvwire's NIXL contract suite, the vLLM- / SGLang-shaped flows and the dead-peer suite
 #     (python/nixl-compat/tests) against real NIXL with backend KVWIRE
 #     (KVWIRE_NIXL_REAL=1 makes their conftest use real NIXL's agent).
 #
@@ -73,6 +73,6 @@ for t in shm tcp; do
     KVWIRE_NIXL_REAL=1 KVWIRE_NIXL_TEST_BACKENDS=KVWIRE KVWIRE_TRANSPORT=$t NIXL_LOG_LEVEL=WARN \
         "$venv/bin/python" -m pytest -q -p no:cacheprovider ${PYTEST_ARGS:-} -k "not ($deselect)" \
         python/nixl-compat/tests/test_nixl_contract.py python/nixl-compat/tests/test_nixl_two_process.py \
-        python/nixl-compat/tests/test_nixl_sglang.py
+        python/nixl-compat/tests/test_nixl_sglang.py python/nixl-compat/tests/test_nixl_dead_peer.py
 done
 echo "nixl-plugin-tests: passed"
