@@ -118,6 +118,20 @@ def test_backend_options_are_refused_with_a_nixl_error(params):
     assert "KVWIRE" not in agent.backends
 
 
+def test_auto_transport_falls_back_to_tcp_only_without_a_device_asked_for():
+    """auto: verbs where an RDMA device opens, else tcp; with a device named in
+    device_list there is no fallback (that device or a refusal)."""
+    has_rdma = os.path.isdir("/sys/class/infiniband") and os.listdir("/sys/class/infiniband")
+    agent = nixl_agent("auto", nixl_agent_config(backends=[]))
+    agent.create_backend("KVWIRE", {"kvwire_transport": "auto"})
+    assert "KVWIRE" in agent.backends
+    if not has_rdma:
+        assert agent.get_backend_mem_types("KVWIRE") == ["DRAM_SEG"]  # tcp, not verbs
+        other = nixl_agent("auto-dev", nixl_agent_config(backends=[]))
+        with pytest.raises(nixl._bindings.nixlBackendError):
+            other.create_backend("KVWIRE", {"kvwire_transport": "auto", "device_list": "no_such_dev0"})
+
+
 def test_kvwire_options_reach_the_transport():
     agent = nixl_agent("opts", nixl_agent_config(backends=[]))
     agent.create_backend("KVWIRE", {"kvwire_transport": "tcp", "kvwire.listen": "127.0.0.1:0",
