@@ -14,6 +14,23 @@
 // See [`KVW_OP_READ`].
 #define KVW_OP_WRITE 1
 
+// [`kvw_metadata_load_as`]'s outcome: a new agent, now connected.
+#define KVW_LOAD_CONNECTED 0
+
+// [`kvw_metadata_load_as`]'s outcome: a known agent whose regions were
+// replaced by the newer list in `md`.
+#define KVW_LOAD_UPDATED 1
+
+// [`kvw_metadata_load_as`]'s outcome: a known agent, nothing new (same
+// regions, or metadata older than what is loaded).
+#define KVW_LOAD_UNCHANGED 2
+
+// [`kvw_register_mem`]'s `mem_type` for host memory.
+#define KVW_MEM_DRAM 0
+
+// [`kvw_register_mem`]'s `mem_type` for GPU memory (a device address).
+#define KVW_MEM_VRAM 1
+
 // [`kvw_wait`]'s `timeout_us` for "no limit".
 #define KVW_WAIT_FOREVER UINT64_MAX
 
@@ -141,6 +158,25 @@ enum KvwStatus kvw_register(struct KvwEngine *engine,
                             uint64_t len_bytes,
                             uint64_t *out_reg);
 
+// Register `len_bytes` at `addr` of memory type `mem_type` on device
+// `device_id` for transfers, like [`kvw_register`] (which is this with
+// [`KVW_MEM_DRAM`]). [`KVW_MEM_VRAM`] is a device address of GPU
+// `device_id` (`cudaMalloc`, `cuMemAlloc`, a mapped VMM range): the
+// `verbs` backend registers it with the NIC (dma-buf, else
+// nvidia-peermem); `shm` and `tcp`, which copy with the CPU, refuse it with
+// `KVW_ERR_TRANSPORT`. An unknown `mem_type` is `KVW_ERR_INVALID_ARG`.
+// `device_id` is ignored for DRAM.
+//
+// # Safety
+// As [`kvw_register`]; for VRAM the range is device memory of that GPU
+// that stays allocated until it is deregistered or the engine destroyed.
+enum KvwStatus kvw_register_mem(struct KvwEngine *engine,
+                                uint64_t addr,
+                                uint64_t len_bytes,
+                                int32_t mem_type,
+                                uint32_t device_id,
+                                uint64_t *out_reg);
+
 // Deregister memory. Fails with `KVW_ERR_IN_USE` while a transfer uses it.
 //
 // # Safety
@@ -163,6 +199,26 @@ enum KvwStatus kvw_metadata_get(struct KvwEngine *engine,
 // # Safety
 // `engine` valid; `md` points to `len` readable bytes.
 enum KvwStatus kvw_metadata_load(struct KvwEngine *engine, const uint8_t *md, size_t len);
+
+// Load a peer's metadata like [`kvw_metadata_load`], but a known agent is
+// updated instead of refused (NIXL's `loadRemoteMD` merge): a new agent is
+// connected (`*out_outcome` = [`KVW_LOAD_CONNECTED`]); a known one with the
+// same connection info gets the newer region list
+// ([`KVW_LOAD_UPDATED`]; transfers already posted finish on the old
+// connection) or stays as it is when `md` is not newer
+// ([`KVW_LOAD_UNCHANGED`]). When `agent` is not NULL, metadata of any other
+// agent is refused with `KVW_ERR_METADATA`. A known agent whose connection
+// info or transport changed is refused with `KVW_ERR_STATE` (disconnect it
+// first). `md` is decoded with the same bounds as [`kvw_metadata_load`].
+//
+// # Safety
+// `engine` valid; `agent` NULL or NUL-terminated; `md` points to `len`
+// readable bytes; `out_outcome` NULL or writable.
+enum KvwStatus kvw_metadata_load_as(struct KvwEngine *engine,
+                                    const char *agent,
+                                    const uint8_t *md,
+                                    size_t len,
+                                    int32_t *out_outcome);
 
 // Forget a connected peer agent.
 //
@@ -251,6 +307,21 @@ enum KvwStatus kvw_get_notifs(struct KvwEngine *engine,
                               KvwNotifFn cb,
                               void *user,
                               size_t *out_count);
+
+// Send a standalone notification (NIXL `genNotif`): `len` bytes of `msg`
+// (binary-safe, at most 64 KiB) to connected agent `agent` (or this
+// engine's own name), delivered after the data of every transfer to that
+// agent in progress now and after earlier notifications to it. When such
+// transfers are still moving it is queued and sent by a later call that
+// polls ([`kvw_status`], [`kvw_wait`], [`kvw_get_notifs`]).
+//
+// Returns `KVW_ERR_NOT_FOUND` for an agent that is not connected,
+// `KVW_ERR_TRANSPORT` for a payload over the limit or a peer that is gone.
+//
+// # Safety
+// `engine` valid; `agent` NUL-terminated; `msg` NULL only when `len` is 0,
+// otherwise `len` readable bytes.
+enum KvwStatus kvw_notify(struct KvwEngine *engine, const char *agent, const uint8_t *msg, size_t len);
 
 #ifdef __cplusplus
 }  // extern "C"

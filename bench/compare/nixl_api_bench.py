@@ -3,7 +3,7 @@
 
 Two processes on one host: a target that registers BYTES of memory and spins
 on `get_new_notifs`, and an initiator that moves all of it as pages of 4 KiB
-and 64 KiB scattered by a permutation, WRITE and READ, with a notification,
+64 KiB and 1 MiB scattered by a permutation, WRITE and READ, with a notification,
 and verifies the bytes (sha256 of the target's buffer vs the expected
 permutation). Reports GB/s, `prep_xfer_dlist` ns/desc, `make_prepped_xfer` +
 `transfer` ns/desc (wall, and CPU time and minor page faults of the calling
@@ -11,7 +11,8 @@ thread), and one-page (4 KiB WRITE) latency p50/p99.
 
 Env: NIXL_BENCH_MODULE (default `nixl`; `nixl_cu12` for the bare wheel),
 NIXL_BENCH_BACKEND (default UCX), NIXL_BENCH_PARAMS (JSON backend init params),
-NIXL_BENCH_BYTES (default 256 MiB), NIXL_BENCH_REPS (default 3, best of).
+NIXL_BENCH_BYTES (default 256 MiB), NIXL_BENCH_REPS (default 3, best of),
+NIXL_BENCH_PAGES (default 4096,65536,1048576).
 Prints one JSON object on stdout.
 """
 
@@ -32,7 +33,7 @@ BACKEND = os.environ.get("NIXL_BENCH_BACKEND", "UCX")
 PARAMS = json.loads(os.environ.get("NIXL_BENCH_PARAMS", "{}"))
 BYTES = int(os.environ.get("NIXL_BENCH_BYTES", str(256 << 20)))
 REPS = int(os.environ.get("NIXL_BENCH_REPS", "3"))
-PAGES = [4096, 65536]
+PAGES = [int(p) for p in os.environ.get("NIXL_BENCH_PAGES", "4096,65536,1048576").split(",")]
 
 
 def api():

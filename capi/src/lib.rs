@@ -22,7 +22,7 @@ use std::time::Duration;
 mod xfer;
 pub use xfer::*;
 
-use kvwire::engine::{AgentMetadata, EngineError, RegistrationHandle, TransferEngine};
+use kvwire::engine::{AgentMetadata, EngineError, LoadOutcome, RegistrationHandle, TransferEngine};
 use kvwire::transport::{
     FailureKind, MAX_COPY_THREADS, MAX_PEER_TIMEOUT, MemoryDesc, MemoryKind, RawMemory, TransferFailure,
     TransportConfig, TransportError, TransportKind,
@@ -378,6 +378,55 @@ pub unsafe extern "C" fn kvw_register(
     })
 }
 
+/// [`kvw_register_mem`]'s `mem_type` for host memory.
+pub const KVW_MEM_DRAM: i32 = 0;
+/// [`kvw_register_mem`]'s `mem_type` for GPU memory (a device address).
+pub const KVW_MEM_VRAM: i32 = 1;
+
+/// Register `len_bytes` at `addr` of memory type `mem_type` on device
+/// `device_id` for transfers, like [`kvw_register`] (which is this with
+/// [`KVW_MEM_DRAM`]). [`KVW_MEM_VRAM`] is a device address of GPU
+/// `device_id` (`cudaMalloc`, `cuMemAlloc`, a mapped VMM range): the
+/// `verbs` backend registers it with the NIC (dma-buf, else
+/// nvidia-peermem); `shm` and `tcp`, which copy with the CPU, refuse it with
+/// `KVW_ERR_TRANSPORT`. An unknown `mem_type` is `KVW_ERR_INVALID_ARG`.
+/// `device_id` is ignored for DRAM.
+///
+/// # Safety
+/// As [`kvw_register`]; for VRAM the range is device memory of that GPU
+/// that stays allocated until it is deregistered or the engine destroyed.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn kvw_register_mem(
+    engine: *mut KvwEngine,
+    addr: u64,
+    len_bytes: u64,
+    mem_type: i32,
+    device_id: u32,
+    out_reg: *mut u64,
+) -> KvwStatus {
+    guard(|| {
+        // SAFETY: per the contract.
+        let e = unsafe { engine_arg(engine) }?;
+        if out_reg.is_null() {
+            return Err(invalid("out_reg is NULL"));
+        }
+        let (kind, device_id) = match mem_type {
+            KVW_MEM_DRAM => (MemoryKind::Dram, 0),
+            KVW_MEM_VRAM => (MemoryKind::Vram, device_id),
+            other => return Err(invalid(format!("unknown mem_type {other} (KVW_MEM_DRAM 0, KVW_MEM_VRAM 1)"))),
+        };
+        let desc = MemoryDesc { addr, len_bytes, kind, device_id };
+        // SAFETY: the caller guarantees the range stays valid while registered.
+        let raw = unsafe { RawMemory::new(desc) };
+        let h = e.engine.register(Arc::new(raw))?;
+        let id = e.next_reg;
+        e.next_reg += 1;
+        e.regs.insert(id, h);
+        // SAFETY: checked non-null; writable per the contract.
+        unsafe { write_out(out_reg, id, "out_reg") }
+    })
+}
+
 /// Deregister memory. Fails with `KVW_ERR_IN_USE` while a transfer uses it.
 ///
 /// # Safety
@@ -436,6 +485,74 @@ pub unsafe extern "C" fn kvw_metadata_load(engine: *mut KvwEngine, md: *const u8
         let bytes = unsafe { slice_arg(md, len, "md") }?;
         let meta = AgentMetadata::from_bytes(bytes).map_err(|err| Fail(KvwStatus::KvwErrMetadata, err.to_string()))?;
         e.engine.connect(&meta)?;
+        Ok(())
+    })
+}
+
+/// [`kvw_metadata_load_as`]'s outcome: a new agent, now connected.
+pub const KVW_LOAD_CONNECTED: i32 = 0;
+/// [`kvw_metadata_load_as`]'s outcome: a known agent whose regions were
+/// replaced by the newer list in `md`.
+pub const KVW_LOAD_UPDATED: i32 = 1;
+/// [`kvw_metadata_load_as`]'s outcome: a known agent, nothing new (same
+/// regions, or metadata older than what is loaded).
+pub const KVW_LOAD_UNCHANGED: i32 = 2;
+
+/// Load a peer's metadata like [`kvw_metadata_load`], but a known agent is
+/// updated instead of refused (NIXL's `loadRemoteMD` merge): a new agent is
+/// connected (`*out_outcome` = [`KVW_LOAD_CONNECTED`]); a known one with the
+/// same connection info gets the newer region list
+/// ([`KVW_LOAD_UPDATED`]; transfers already posted finish on the old
+/// connection) or stays as it is when `md` is not newer
+/// ([`KVW_LOAD_UNCHANGED`]). When `agent` is not NULL, metadata of any other
+/// agent is refused with `KVW_ERR_METADATA`. A known agent whose connection
+/// info or transport changed is refused with `KVW_ERR_STATE` (disconnect it
+/// first). `md` is decoded with the same bounds as [`kvw_metadata_load`].
+///
+/// # Safety
+/// `engine` valid; `agent` NULL or NUL-terminated; `md` points to `len`
+/// readable bytes; `out_outcome` NULL or writable.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn kvw_metadata_load_as(
+    engine: *mut KvwEngine,
+    agent: *const c_char,
+    md: *const u8,
+    len: usize,
+    out_outcome: *mut i32,
+) -> KvwStatus {
+    guard(|| {
+        // SAFETY: per the contract.
+        let e = unsafe { engine_arg(engine) }?;
+        let expected = if agent.is_null() {
+            None
+        } else {
+            // SAFETY: non-null, NUL-terminated per the contract.
+            Some(unsafe { str_arg(agent, "agent") }?)
+        };
+        // SAFETY: `len` readable bytes per the contract.
+        let bytes = unsafe { slice_arg(md, len, "md") }?;
+        let meta = AgentMetadata::from_bytes(bytes).map_err(|err| Fail(KvwStatus::KvwErrMetadata, err.to_string()))?;
+        if let Some(want) = expected
+            && meta.name != want
+        {
+            return Err(Fail(
+                KvwStatus::KvwErrMetadata,
+                format!("metadata is agent {:?}'s, expected agent {want:?}'s", meta.name),
+            ));
+        }
+        let outcome = e.engine.load_remote(&meta).map_err(|err| match err {
+            EngineError::MetadataConflict(_) => Fail(KvwStatus::KvwErrState, err.to_string()),
+            other => Fail::from(other),
+        })?;
+        let code = match outcome {
+            LoadOutcome::Connected => KVW_LOAD_CONNECTED,
+            LoadOutcome::Updated => KVW_LOAD_UPDATED,
+            LoadOutcome::Unchanged => KVW_LOAD_UNCHANGED,
+        };
+        if !out_outcome.is_null() {
+            // SAFETY: non-null and writable per the contract.
+            unsafe { out_outcome.write(code) };
+        }
         Ok(())
     })
 }

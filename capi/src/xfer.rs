@@ -224,3 +224,30 @@ pub unsafe extern "C" fn kvw_get_notifs(
         Ok(())
     })
 }
+
+/// Send a standalone notification (NIXL `genNotif`): `len` bytes of `msg`
+/// (binary-safe, at most 64 KiB) to connected agent `agent` (or this
+/// engine's own name), delivered after the data of every transfer to that
+/// agent in progress now and after earlier notifications to it. When such
+/// transfers are still moving it is queued and sent by a later call that
+/// polls ([`kvw_status`], [`kvw_wait`], [`kvw_get_notifs`]).
+///
+/// Returns `KVW_ERR_NOT_FOUND` for an agent that is not connected,
+/// `KVW_ERR_TRANSPORT` for a payload over the limit or a peer that is gone.
+///
+/// # Safety
+/// `engine` valid; `agent` NUL-terminated; `msg` NULL only when `len` is 0,
+/// otherwise `len` readable bytes.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn kvw_notify(engine: *mut KvwEngine, agent: *const c_char, msg: *const u8, len: usize) -> KvwStatus {
+    guard(|| {
+        // SAFETY: per the contract.
+        let e = unsafe { engine_arg(engine) }?;
+        // SAFETY: NUL-terminated per the contract.
+        let agent = unsafe { str_arg(agent, "agent") }?;
+        // SAFETY: `len` readable bytes per the contract.
+        let payload = unsafe { slice_arg(msg, len, "msg") }?.to_vec();
+        e.engine.notify(agent, payload)?;
+        Ok(())
+    })
+}

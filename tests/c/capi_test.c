@@ -256,6 +256,94 @@ int main(void) {
         free(b);
     }
 
+    /* kvw_metadata_load_as: connect, re-load unchanged, update with a new
+       region, refuse another agent's metadata; kvw_notify (genNotif) */
+    {
+        enum { N = 65536 };
+        uint8_t *a = calloc(1, N), *b = calloc(1, N), *c = malloc(N);
+        for (size_t k = 0; k < N; k++) c[k] = (uint8_t)(k * 13 + 1);
+        KvwEngine *lt = NULL, *li = NULL;
+        uint64_t ra = 0, rb = 0, rc = 0;
+        CHECK(kvw_engine_create("c-load-t", "shm", &lt) == KVW_OK);
+        CHECK(kvw_engine_create("c-load-i", "shm", &li) == KVW_OK);
+        CHECK(kvw_register(lt, (uint64_t)(uintptr_t)a, N, &ra) == KVW_OK);
+        CHECK(kvw_register(li, (uint64_t)(uintptr_t)c, N, &rc) == KVW_OK);
+        size_t l1 = 0, l2 = 0;
+        kvw_metadata_get(lt, NULL, 0, &l1);
+        uint8_t *md1 = malloc(l1);
+        CHECK(kvw_metadata_get(lt, md1, l1, &l1) == KVW_OK);
+        int32_t outcome = -1;
+        CHECK(kvw_metadata_load_as(li, "someone-else", md1, l1, &outcome) == KVW_ERR_METADATA);
+        CHECK(strstr(kvw_last_error(), "someone-else") != NULL);
+        CHECK(outcome == -1);
+        CHECK(kvw_metadata_load_as(li, "c-load-t", md1, l1, &outcome) == KVW_OK);
+        CHECK(outcome == KVW_LOAD_CONNECTED);
+        CHECK(kvw_metadata_load_as(li, NULL, md1, l1, &outcome) == KVW_OK);
+        CHECK(outcome == KVW_LOAD_UNCHANGED);
+        /* b is not in the loaded metadata yet: a WRITE to it is refused */
+        KvwDesc lc = {(uint64_t)(uintptr_t)c, N}, rbd = {(uint64_t)(uintptr_t)b, N};
+        uint64_t h2 = 0;
+        CHECK(kvw_post(li, KVW_OP_WRITE, &lc, 1, "c-load-t", &rbd, 1, NULL, 0, &h2) == KVW_ERR_BAD_DESC);
+        CHECK(kvw_register(lt, (uint64_t)(uintptr_t)b, N, &rb) == KVW_OK);
+        kvw_metadata_get(lt, NULL, 0, &l2);
+        uint8_t *md2 = malloc(l2);
+        CHECK(kvw_metadata_get(lt, md2, l2, &l2) == KVW_OK);
+        CHECK(kvw_metadata_load_as(li, "c-load-t", md2, l2, &outcome) == KVW_OK);
+        CHECK(outcome == KVW_LOAD_UPDATED);
+        /* the older snapshot does not take the new region away */
+        CHECK(kvw_metadata_load_as(li, "c-load-t", md1, l1, &outcome) == KVW_OK);
+        CHECK(outcome == KVW_LOAD_UNCHANGED);
+        CHECK(kvw_post(li, KVW_OP_WRITE, &lc, 1, "c-load-t", &rbd, 1, NULL, 0, &h2) == KVW_OK);
+        CHECK(wait_done(li, h2) == 0);
+        CHECK(kvw_release(li, h2) == KVW_OK);
+        CHECK(memcmp(b, c, N) == 0);
+        /* malformed metadata and NULL arguments */
+        CHECK(kvw_metadata_load_as(li, NULL, (const uint8_t *)"junk", 4, NULL) == KVW_ERR_METADATA);
+        CHECK(kvw_metadata_load_as(NULL, NULL, md1, l1, NULL) == KVW_ERR_INVALID_ARG);
+        /* kvw_notify: delivered with its sender's name, binary-safe */
+        const uint8_t payload[5] = {'n', 0, 't', 'f', 0};
+        CHECK(kvw_notify(li, "c-load-t", payload, sizeof payload) == KVW_OK);
+        CHECK(kvw_notify(li, "nobody", payload, sizeof payload) == KVW_ERR_NOT_FOUND);
+        uint8_t *big = calloc(1, (64 << 10) + 1);
+        CHECK(kvw_notify(li, "c-load-t", big, (64 << 10) + 1) == KVW_ERR_TRANSPORT);
+        free(big);
+        struct notifs nn = {0};
+        size_t got = 0;
+        for (long k = 0; k < 50000000L && nn.count == 0; k++) kvw_get_notifs(lt, on_notif, &nn, &got);
+        CHECK(nn.count == 1);
+        CHECK(strcmp(nn.agent, "c-load-i") == 0);
+        CHECK(nn.msg[0] == 'n' && nn.msg[1] == 0);
+        kvw_engine_destroy(li);
+        kvw_engine_destroy(lt);
+        free(md1);
+        free(md2);
+        free(a);
+        free(b);
+        free(c);
+    }
+
+    /* kvw_register_mem: DRAM as kvw_register; VRAM refused by the CPU-copy
+       backends (shm, tcp) with a message; unknown memory types refused */
+    {
+        enum { N = 8192 };
+        uint8_t *m = calloc(1, N);
+        KvwEngine *me = NULL;
+        uint64_t r1 = 0, r2 = 0;
+        CHECK(kvw_engine_create("c-mem", "shm", &me) == KVW_OK);
+        CHECK(kvw_register_mem(me, (uint64_t)(uintptr_t)m, N / 2, KVW_MEM_DRAM, 7, &r1) == KVW_OK);
+        CHECK(kvw_register_mem(me, (uint64_t)(uintptr_t)(m + N / 2), N / 2, KVW_MEM_VRAM, 0, &r2) == KVW_ERR_TRANSPORT);
+        CHECK(strstr(kvw_last_error(), "DRAM") != NULL); /* "moves host (DRAM) memory only" */
+        CHECK(kvw_register_mem(me, (uint64_t)(uintptr_t)(m + N / 2), N / 2, 5, 0, &r2) == KVW_ERR_INVALID_ARG);
+        CHECK(kvw_register_mem(me, (uint64_t)(uintptr_t)(m + N / 2), N / 2, KVW_MEM_DRAM, 0, NULL) == KVW_ERR_INVALID_ARG);
+        CHECK(kvw_deregister(me, r1) == KVW_OK);
+        kvw_engine_destroy(me);
+        KvwEngine *te = NULL;
+        CHECK(kvw_engine_create_with_options("c-mem-tcp", "tcp", "listen=127.0.0.1:0", &te) == KVW_OK);
+        CHECK(kvw_register_mem(te, (uint64_t)(uintptr_t)m, N, KVW_MEM_VRAM, 0, &r2) == KVW_ERR_TRANSPORT);
+        kvw_engine_destroy(te);
+        free(m);
+    }
+
     /* engine options: engine keys, backend keys, refusals naming the key */
     KvwEngine *opt = NULL;
     CHECK(kvw_engine_create_with_options("c-opt", "shm", "copy_threads=1, peer_timeout_ms=2000", &opt) == KVW_OK);

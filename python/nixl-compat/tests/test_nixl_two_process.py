@@ -14,6 +14,11 @@ import pytest
 import nixl._bindings as B
 from nixl._api import nixl_agent, nixl_agent_config
 
+# KVWIRE_NIXL_REAL=1: `nixl` is real NIXL with kvwire's backend plugin
+# (scripts/nixl-plugin-tests.sh), whose core differs from kvwire's package
+# where marked below (descriptor merging).
+REAL_NIXL = os.environ.get("KVWIRE_NIXL_REAL") == "1"
+
 BLOCK = 16 * 1024
 BLOCKS = 64
 
@@ -55,7 +60,10 @@ def test_vllm_shaped_pull_flow(backend, peer_factory):
     while d.check_xfer_state(h) != "DONE":
         assert time.time() < deadline
     t = d.get_xfer_telemetry(h)
-    assert (t.descCount, t.totalBytes) == (BLOCKS, size) and t.xferDuration >= t.postDuration > 0
+    # Real NIXL's core merges descriptors contiguous on both sides before the
+    # backend sees them, and its telemetry counts the merged list.
+    assert t.descCount <= BLOCKS if REAL_NIXL else t.descCount == BLOCKS
+    assert t.totalBytes == size and t.xferDuration >= t.postDuration > 0
     d.release_xfer_handle(h)
     # bytes: local block i holds remote block perm[i]
     for i in range(0, BLOCKS, 7):
