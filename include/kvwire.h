@@ -14,6 +14,12 @@
 // See [`KVW_OP_READ`].
 #define KVW_OP_WRITE 1
 
+// [`kvw_register_mem`]'s `mem_type` for host memory.
+#define KVW_MEM_DRAM 0
+
+// [`kvw_register_mem`]'s `mem_type` for GPU memory (a device address).
+#define KVW_MEM_VRAM 1
+
 // [`kvw_metadata_load_as`]'s outcome: a new agent, now connected.
 #define KVW_LOAD_CONNECTED 0
 
@@ -24,12 +30,6 @@
 // [`kvw_metadata_load_as`]'s outcome: a known agent, nothing new (same
 // regions, or metadata older than what is loaded).
 #define KVW_LOAD_UNCHANGED 2
-
-// [`kvw_register_mem`]'s `mem_type` for host memory.
-#define KVW_MEM_DRAM 0
-
-// [`kvw_register_mem`]'s `mem_type` for GPU memory (a device address).
-#define KVW_MEM_VRAM 1
 
 // [`kvw_wait`]'s `timeout_us` for "no limit".
 #define KVW_WAIT_FOREVER UINT64_MAX
@@ -321,7 +321,10 @@ enum KvwStatus kvw_get_notifs(struct KvwEngine *engine,
 // # Safety
 // `engine` valid; `agent` NUL-terminated; `msg` NULL only when `len` is 0,
 // otherwise `len` readable bytes.
-enum KvwStatus kvw_notify(struct KvwEngine *engine, const char *agent, const uint8_t *msg, size_t len);
+enum KvwStatus kvw_notify(struct KvwEngine *engine,
+                          const char *agent,
+                          const uint8_t *msg,
+                          size_t len);
 
 #ifdef __cplusplus
 }  // extern "C"
