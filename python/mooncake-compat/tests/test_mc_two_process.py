@@ -193,6 +193,22 @@ def test_frozen_peer_is_bounded_by_the_timeout(transport, peer_factory, monkeypa
     assert e.transfer_sync_write(session, src.ctypes.data, dst, PAGE) == 0
     os.kill(peer.proc.pid, signal.SIGSTOP)
     try:
+        # SIGSTOP takes effect per thread as each next leaves the kernel: on a
+        # loaded host a receiver thread can still acknowledge for a moment.
+        # Post only once every thread of the target is stopped.
+        deadline = time.monotonic() + 10
+        while True:
+            states = []
+            for task in os.listdir(f"/proc/{peer.proc.pid}/task"):
+                try:
+                    with open(f"/proc/{peer.proc.pid}/task/{task}/stat") as f:
+                        states.append(f.read().rsplit(")", 1)[1].split()[0])
+                except OSError:
+                    pass
+            if states and all(st in ("T", "t") for st in states):
+                break
+            assert time.monotonic() < deadline, f"the target did not stop: {states}"
+            time.sleep(0.01)
         t = time.monotonic()
         rc = e.batch_transfer_sync_write(session, [src.ctypes.data + i * PAGE for i in range(16)],
                                          [dst + i * PAGE for i in range(16)], [PAGE] * 16)
