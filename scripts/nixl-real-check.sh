@@ -27,5 +27,10 @@ fi
 cd "$root/python/nixl-compat/tests"
 # UCX over loopback TCP and shared memory; no RDMA device needed.
 # shellcheck disable=SC2086
+# -p hard_exit (nixl-plugin/tests/hard_exit.py): pytest ends with os._exit
+# after its report, as NIXL's UCX plugin can segfault at interpreter exit
+# (libnl's destructor), after every test passed.
 KVWIRE_NIXL_TEST_MODULE=nixl_cu12 KVWIRE_NIXL_TEST_BACKENDS=UCX UCX_NET_DEVICES=${UCX_NET_DEVICES:-lo} \
-    "$venv/bin/python" -m pytest -q -p no:cacheprovider --timeout=120 ${PYTEST_ARGS:-} test_nixl_dead_peer.py test_nixl_telemetry.py
+    PYTHONPATH="$root/nixl-plugin/tests${PYTHONPATH:+:$PYTHONPATH}" \
+    "$venv/bin/python" -m pytest -q -p no:cacheprovider -p hard_exit --timeout=120 ${PYTEST_ARGS:-} \
+    test_nixl_dead_peer.py test_nixl_telemetry.py
