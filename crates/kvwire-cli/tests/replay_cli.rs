@@ -355,3 +355,36 @@ fn a_corrupted_page_fails_the_decode_host_too() {
     let out = dec.wait_with_output().unwrap();
     assert!(!out.status.success(), "the decode host verified the bytes: it must fail too");
 }
+
+#[test]
+fn internal_subcommands_are_never_suggested_for_a_typo() {
+    for typo in ["replay-dec", "bench-targ"] {
+        let out = Command::new(env!("CARGO_BIN_EXE_kvwire")).arg(typo).output().unwrap();
+        assert!(!out.status.success());
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.contains("unrecognized subcommand"), "{err}");
+        assert!(!err.contains("replay-decode") && !err.contains("bench-target"), "{typo}: {err}");
+    }
+    // still reachable for the parent process that starts them
+    let out = Command::new(env!("CARGO_BIN_EXE_kvwire")).args(["replay-decode", "--help"]).output().unwrap();
+    assert!(out.status.success() && String::from_utf8_lossy(&out.stdout).contains("--connect"));
+}
+
+#[test]
+fn a_bad_trace_line_is_reported_at_one_location() {
+    let dir = std::env::temp_dir().join(format!("kvwire-trace-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("bad.jsonl");
+    std::fs::write(
+        &path,
+        "{\"timestamp\":0,\"input_length\":10,\"output_length\":1,\"hash_ids\":[1]}\n{\"timestamp\":1,\"input_length\":\"x\"}\n",
+    )
+    .unwrap();
+    let (ok, _, err) = replay(&["--trace", path.to_str().unwrap()]);
+    std::fs::remove_dir_all(&dir).unwrap();
+    assert!(!ok);
+    let want =
+        format!("error: {}:2:33: not a trace record: invalid type: string \"x\", expected u64\n", path.display());
+    assert!(err.contains(&want), "{err}");
+    assert!(!err.contains("at line 1"), "a second location: {err}");
+}
