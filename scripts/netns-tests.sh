@@ -103,12 +103,13 @@ sleep 1
 
 # The README's two-host commands: "BLOCK|HOST|COMMAND" per line of the code
 # blocks under "### Across two hosts" (HOST from the "# A:" / "# B:" comment
-# above the command).
+# above the command; lines under no such comment, e.g. the etcd block for
+# 10.0.0.1, which this script starts itself, are not run).
 readme_commands() {
   awk '/^### Across two hosts/ { s = 1; next } s && /^##/ { s = 0 }
-       s && /^```/ { if (code) { code = 0 } else { code = 1; block++ }; next }
+       s && /^```/ { if (code) { code = 0 } else { code = 1; block++; host = "" }; next }
        s && code && /^# [AB]/ { host = substr($2, 1, 1); next }
-       s && code && /^[^#]/ && NF { print block "|" host "|" $0 }' README.md
+       s && code && /^[^#]/ && NF && host != "" { print block "|" host "|" $0 }' README.md
 }
 REMOTE=""
 if command -v gcc >/dev/null; then
