@@ -388,3 +388,58 @@ fn a_bad_trace_line_is_reported_at_one_location() {
     assert!(err.contains(&want), "{err}");
     assert!(!err.contains("at line 1"), "a second location: {err}");
 }
+
+/// Start `kvwire ARGS`, wait for `ready` on its stderr, then `wait` more,
+/// send SIGINT (Ctrl-C) to it alone, and return (exit ok, stderr, seconds from SIGINT to exit).
+fn interrupt(args: &[&str], ready: &str, wait: std::time::Duration) -> (bool, String, f64) {
+    use std::io::{BufRead, BufReader};
+    let mut child = Command::new(env!("CARGO_BIN_EXE_kvwire"))
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .args(args)
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut err = BufReader::new(child.stderr.take().unwrap());
+    let mut seen = String::new();
+    while !seen.contains(ready) {
+        assert!(err.read_line(&mut seen).unwrap() > 0, "exited before {ready:?}: {seen}");
+    }
+    std::thread::sleep(wait);
+    let t0 = std::time::Instant::now();
+    // SAFETY: kill(2) on our own child's pid.
+    assert_eq!(unsafe { libc::kill(child.id() as i32, libc::SIGINT) }, 0);
+    let mut rest = String::new();
+    std::io::Read::read_to_string(&mut err, &mut rest).unwrap();
+    let status = child.wait().unwrap();
+    (status.success(), seen + &rest, t0.elapsed().as_secs_f64())
+}
+
+#[test]
+fn ctrl_c_prints_a_one_line_partial_summary() {
+    // 200 requests at real-time speed take minutes: interrupted after 2 s.
+    let (ok, err, secs) = interrupt(
+        &["replay", "--requests", "200", "--speed", "1", "--decode-pages", "2048"],
+        "replay: 200 requests from",
+        std::time::Duration::from_secs(2),
+    );
+    assert!(!ok);
+    assert!(secs < 10.0, "took {secs} s to stop");
+    let errors: Vec<&str> = err.lines().filter(|l| l.starts_with("error: ")).collect();
+    assert_eq!(errors.len(), 1, "{err}");
+    assert!(errors[0].contains("interrupted (Ctrl-C) after") && errors[0].contains("/200 requests verified"), "{err}");
+    // the same for bench, in its long latency phase
+    let (ok, err, _) = interrupt(
+        // a progress line (after 2 s) shows it is in the latency phase
+        &["bench", "--block-size", "1MiB", "--blocks", "8", "--iters", "1", "--lat-iters", "1000000"],
+        "single-block latency transfers",
+        std::time::Duration::ZERO,
+    );
+    assert!(!ok);
+    let errors: Vec<&str> = err.lines().filter(|l| l.starts_with("error: ")).collect();
+    assert_eq!(errors.len(), 1, "{err}");
+    assert!(
+        errors[0].contains("interrupted (Ctrl-C) after") && errors[0].contains("/1000000 single-block latency"),
+        "{err}"
+    );
+}

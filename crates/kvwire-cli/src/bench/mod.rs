@@ -375,6 +375,9 @@ pub(crate) fn run(mut a: BenchArgs) -> Result<()> {
         crate::dial::check_host_port(c)?;
     }
     a.transport = resolve_transport(&a)?;
+    if a.listen.is_none() {
+        crate::failure::catch_interrupt();
+    }
     a.lat_iters = a.lat_iters_flag.unwrap_or_else(|| default_lat_iters(a.block_size));
     check_counts(&a)?;
     crate::units::check_option_keys(a.transport, "--option", &a.options)?;
@@ -517,7 +520,7 @@ fn initiate(a: &BenchArgs, total: u64, chan: &mut SideChannel) -> Result<Report>
         let (h, t0) = inflight.pop_front().expect("the loop keeps one in flight");
         wait_done(&mut engine, h, a)?;
         lat_us.push(t0.elapsed().as_secs_f64() * 1e6);
-        progress.tick("measured transfers", lat_us.len(), a.iters);
+        progress.tick("measured transfers", lat_us.len(), a.iters)?;
     }
     moved_ns += phase.elapsed().as_nanos();
     let verified_local = op == Op::Write || count_bad(&buf, a.block_size, &dst, Op::Read) == 0;
@@ -528,7 +531,7 @@ fn initiate(a: &BenchArgs, total: u64, chan: &mut SideChannel) -> Result<Report>
         let h = engine.post_with(op, &local[k..k + 1], &meta.name, &remote[k..k + 1], None, &mut segments)?;
         wait_done(&mut engine, h, a)?;
         page_lat.push(t0.elapsed().as_secs_f64() * 1e6);
-        progress.tick("single-block latency transfers", page_lat.len(), a.lat_iters);
+        progress.tick("single-block latency transfers", page_lat.len(), a.lat_iters)?;
     }
     let notifications = if a.no_notify { 0 } else { a.warmup + a.iters };
     chan.send(&Ctl::Verify { seed: a.seed, scatter: a.scatter, notifications })?;
@@ -614,6 +617,7 @@ fn header(a: &BenchArgs, total: u64, segments: usize) -> String {
 /// that a large run is never silent.
 struct Progress {
     last: Instant,
+    started: Instant,
     quiet: bool,
     every: Duration,
 }
@@ -625,14 +629,22 @@ impl Progress {
             .ok()
             .and_then(|v| v.parse().ok())
             .map_or(PROGRESS_EVERY, Duration::from_millis);
-        Self { last: Instant::now(), quiet, every }
+        Self { last: Instant::now(), started: Instant::now(), quiet, every }
     }
 
-    fn tick(&mut self, what: &str, done: usize, of: usize) {
+    /// One more of `of` done; stops the run on Ctrl-C with what was done.
+    fn tick(&mut self, what: &str, done: usize, of: usize) -> Result<()> {
+        if crate::failure::interrupted() {
+            bail!(
+                "interrupted (Ctrl-C) after {done}/{of} {what} ({:.1} s into the run)",
+                self.started.elapsed().as_secs_f64()
+            );
+        }
         if !self.quiet && self.last.elapsed() >= self.every {
             self.last = Instant::now();
             eprintln!("kvwire bench: {done}/{of} {what}");
         }
+        Ok(())
     }
 }
 

@@ -337,6 +337,9 @@ pub(crate) fn default_trace() -> PathBuf {
 /// `kvwire replay`.
 pub(crate) fn run(a: ReplayArgs) -> Result<()> {
     prefill::validate(&a)?;
+    if a.role.as_deref() != Some("decode") {
+        crate::failure::catch_interrupt();
+    }
     match a.role.as_deref() {
         Some("decode") => return run_decode_role(&a),
         Some(_) => return run_prefill_role(&a),

@@ -303,6 +303,16 @@ pub(super) fn run(a: &ReplayArgs, mut chans: Vec<SideChannel>) -> Result<Report>
     }
     let mut last_line = Instant::now();
     while verified < reqs.len() {
+        if crate::failure::interrupted() {
+            let secs = started.elapsed().as_secs_f64();
+            bail!(
+                "interrupted (Ctrl-C) after {secs:.1} s: {verified}/{} requests verified, {:.2} GB sent, {} bad pages, {} failed transfers",
+                reqs.len(),
+                r.bytes as f64 / 1e9,
+                r.bad_pages,
+                r.failed
+            );
+        }
         if lines && last_line.elapsed() >= Duration::from_secs(5) {
             last_line = Instant::now();
             let secs = started.elapsed().as_secs_f64();
