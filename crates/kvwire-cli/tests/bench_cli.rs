@@ -374,7 +374,10 @@ fn zero_and_absurd_numbers_are_refused_without_panic_or_hang() {
         (vec!["replay", "--host-tier-gib", "1e30", "--connector", "host"], "--host-tier-gib must be 0..=1048576"),
         (vec!["replay", "--decode-step-ms", "1e300"], "--decode-step-ms must be 0..=60000"),
         (vec!["replay", "--inflight", "0"], "must be at least 1"),
-        (vec!["serve", "--name", "a", etcd[0], etcd[1], "--pull", "b", "--pages", "0"], "--rounds and --pages must be"),
+        (
+            vec!["serve", "--name", "a", etcd[0], etcd[1], "--pull", "b", "--pages", "0"],
+            "--pages must be at least 1 with --pull",
+        ),
         (vec!["serve", "--name", "a", etcd[0], etcd[1], "--pull", "b,b"], "--pull names b twice"),
         (vec!["serve", "--name", "a", etcd[0], etcd[1], "--pull", "a"], "this engine's own --name"),
     ];
