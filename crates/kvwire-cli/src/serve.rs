@@ -143,7 +143,11 @@ pub(crate) fn run(a: ServeArgs) -> Result<()> {
         let bound = kvwire::metrics::serve_http(addr).with_context(|| format!("--metrics {addr}"))?;
         println!("metrics at http://{bound}/metrics");
     }
-    let mut engine = TransferEngine::new(&a.name, a.transport, &config)?;
+    let mut engine = TransferEngine::new(&a.name, a.transport, &config).with_context(|| match &a.listen {
+        // A bind failure names the address.
+        Some(l) => format!("starting the {} transport on --listen {l}", a.transport),
+        None => format!("starting the {} transport", a.transport),
+    })?;
     let buf = Arc::new(HostBuffer::new(a.buffer as usize)?);
     let half_pages = a.buffer / 2 / a.page_size;
     let mut page = vec![0u8; a.page_size as usize];

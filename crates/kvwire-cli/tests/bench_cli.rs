@@ -478,3 +478,17 @@ fn the_header_comes_first_and_long_phases_print_progress() {
     std::io::Read::read_to_string(&mut child.stderr.take().unwrap(), &mut err).unwrap();
     assert!(err.contains("/20000 single-block latency transfers"), "{err}");
 }
+
+#[test]
+fn bind_errors_name_the_address() {
+    let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = taken.local_addr().unwrap().to_string();
+    let (_, err) = failing(&["bench", "--listen", &addr]);
+    assert_one_error(&err, &format!("--listen {addr}: bind: Address already in use"));
+    let (_, err) = failing(&["replay", "--role", "decode", "--listen", &addr]);
+    assert_one_error(&err, &format!("listening on {addr} (--listen): bind: Address already in use"));
+    let (_, err) = failing(&["replay", "--transport", "tcp", "--option", &format!("listen={addr}"), "--requests", "1"]);
+    assert_one_error(&err, &format!("transport on listen={addr}"));
+    let (_, err) = failing(&["serve", "--name", "x", "--etcd", "http://127.0.0.1:1", "--listen", &addr]);
+    assert_one_error(&err, &format!("starting the tcp transport on --listen {addr}"));
+}

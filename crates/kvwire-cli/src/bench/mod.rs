@@ -398,8 +398,13 @@ pub(crate) fn run(mut a: BenchArgs) -> Result<()> {
         "use fewer --blocks or a smaller --block-size",
     )?;
     if let Some(addr) = &a.listen {
-        let (l, bound) = SideChannel::bind(addr)
-            .with_context(|| format!("--listen {addr} (expected IP:PORT, e.g. 0.0.0.0:18515)"))?;
+        let (l, bound) = SideChannel::bind(addr).with_context(|| {
+            if addr.parse::<std::net::SocketAddr>().is_ok() {
+                format!("--listen {addr}")
+            } else {
+                format!("--listen {addr} (expected IP:PORT, e.g. 0.0.0.0:18515)")
+            }
+        })?;
         eprintln!("kvwire bench: target waiting for an initiator on {bound}");
         return target::listen(&l);
     }

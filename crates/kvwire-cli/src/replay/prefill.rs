@@ -102,7 +102,15 @@ pub(super) fn build_engine(
         memory.push(vec![m]);
         hosts.push(h);
     }
-    let engine = KVTransferEngine::new(name, memory, Some(vec![LEAF.to_string()]), transport, cfg)?;
+    let listen = cfg.options.iter().find(|(k, _)| k == "listen").map(|(_, v)| v.clone());
+    let engine =
+        KVTransferEngine::new(name, memory, Some(vec![LEAF.to_string()]), transport, cfg).with_context(|| {
+            // A bind failure names the address.
+            match listen {
+                Some(l) => format!("starting the {name} engine's {transport} transport on listen={l}"),
+                None => format!("starting the {name} engine's {transport} transport"),
+            }
+        })?;
     Ok((engine, hosts))
 }
 
