@@ -117,27 +117,6 @@ pub(crate) fn report(e: &anyhow::Error) {
     }
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn own_hint_wins_and_known_causes_get_one() {
-        let e = user_error("needs 96 GiB", "use fewer --blocks").context("bench");
-        assert_eq!(hint(&e).as_deref(), Some("use fewer --blocks"));
-        let e = anyhow::anyhow!("ibv_get_device_list: Function not implemented (os error 38)");
-        assert!(hint(&e).unwrap().contains("kvwire devices"));
-        assert!(hint(&anyhow::anyhow!("block size must be at least 1")).is_none());
-    }
-
-    #[test]
-    fn one_line_skips_a_cause_already_quoted() {
-        let io = std::io::Error::new(std::io::ErrorKind::ConnectionRefused, "Connection refused");
-        let e = anyhow::Error::new(io).context("connect: Connection refused").context("connecting to etcd at X");
-        assert_eq!(one_line(&e), "connecting to etcd at X: connect: Connection refused");
-    }
-}
-
 /// Set by SIGINT (Ctrl-C) once [`catch_interrupt`] installed the handler.
 static INTERRUPTED: AtomicBool = AtomicBool::new(false);
 
@@ -158,4 +137,25 @@ pub(crate) fn catch_interrupt() {
 /// Whether Ctrl-C was pressed since [`catch_interrupt`].
 pub(crate) fn interrupted() -> bool {
     INTERRUPTED.load(Ordering::Relaxed)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn own_hint_wins_and_known_causes_get_one() {
+        let e = user_error("needs 96 GiB", "use fewer --blocks").context("bench");
+        assert_eq!(hint(&e).as_deref(), Some("use fewer --blocks"));
+        let e = anyhow::anyhow!("ibv_get_device_list: Function not implemented (os error 38)");
+        assert!(hint(&e).unwrap().contains("kvwire devices"));
+        assert!(hint(&anyhow::anyhow!("block size must be at least 1")).is_none());
+    }
+
+    #[test]
+    fn one_line_skips_a_cause_already_quoted() {
+        let io = std::io::Error::new(std::io::ErrorKind::ConnectionRefused, "Connection refused");
+        let e = anyhow::Error::new(io).context("connect: Connection refused").context("connecting to etcd at X");
+        assert_eq!(one_line(&e), "connecting to etcd at X: connect: Connection refused");
+    }
 }
