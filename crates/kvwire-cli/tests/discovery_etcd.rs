@@ -361,3 +361,38 @@ fn serve_metrics_export_what_the_target_served() {
         assert!(body.lines().any(|l| l == want), "missing {want:?} in:\n{body}");
     }
 }
+
+#[test]
+#[ignore = "needs etcd (scripts/test.sh runs it where etcd exists)"]
+fn replay_roles_exchange_engine_metadata_through_etcd() {
+    use std::io::BufRead;
+    let Some(etcd) = etcd() else { return };
+    let prefix = unique_prefix("replay-roles");
+    let mut dec = Command::new(env!("CARGO_BIN_EXE_kvwire"))
+        .args(["replay", "--role", "decode", "--listen", "127.0.0.1:0", "--transport", "tcp", "--json"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut err = std::io::BufReader::new(dec.stderr.take().unwrap());
+    let mut line = String::new();
+    err.read_line(&mut line).unwrap();
+    let addr = line.strip_prefix("replay decode: listening on ").and_then(|r| r.split_whitespace().next()).unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_kvwire"))
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .args(["replay", "--role", "prefill", "--connect", addr, "--transport", "tcp", "--requests", "8"])
+        .args(["--decode-pages", "1024", "--json", "--etcd", &etcd.url, "--etcd-prefix", &prefix])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let d = dec.wait_with_output().unwrap();
+    assert!(d.status.success());
+    let (p, d) = (String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&d.stdout));
+    assert_eq!(p.lines().last(), d.lines().last(), "the same summary on both sides");
+    assert!(p.contains("\"verified\":true"), "{p}");
+    // the metadata went through etcd (the side channel carried empty Meta
+    // messages); both entries were withdrawn when the engines exited
+    let reader = EtcdStore::connect(&etcd.url, &prefix, Duration::from_secs(5)).unwrap();
+    assert!(reader.get_bytes("decode0-p0").unwrap().is_none());
+    assert!(reader.get_bytes("prefill0").unwrap().is_none());
+}
