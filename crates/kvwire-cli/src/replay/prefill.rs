@@ -103,14 +103,14 @@ pub(super) fn build_engine(
         hosts.push(h);
     }
     let listen = cfg.options.iter().find(|(k, _)| k == "listen").map(|(_, v)| v.clone());
-    let engine =
-        KVTransferEngine::new(name, memory, Some(vec![LEAF.to_string()]), transport, cfg).with_context(|| {
-            // A bind failure names the address.
-            match listen {
-                Some(l) => format!("starting the {name} engine's {transport} transport on listen={l}"),
-                None => format!("starting the {name} engine's {transport} transport"),
-            }
-        })?;
+    let engine = KVTransferEngine::new(name, memory, Some(vec![LEAF.to_string()]), transport, cfg);
+    // A bind failure names the address.
+    let engine = match listen {
+        Some(l) => {
+            engine.with_context(|| format!("starting the {name} engine's {transport} transport on listen={l}"))?
+        }
+        None => engine?,
+    };
     Ok((engine, hosts))
 }
 
