@@ -2,7 +2,8 @@
 # Multi-host tests in network namespaces. First the README's two-host
 # commands, exactly as README.md's "Across two hosts" shows them (read from
 # the README: host B = 10.0.0.2, host A = 10.0.0.3, etcd on 10.0.0.1): the
-# two-terminal bench, serve + serve --pull, replay --etcd, and the C ABI
+# two-terminal bench, serve + serve --pull, replay --etcd, replay --role
+# decode/prefill, and the C ABI
 # example. Then: prefill and decode engines
 # (`kvwire serve`) on different "hosts" find each other through etcd and move
 # verified KV pages over the tcp transport; a peer killed (or frozen)
@@ -102,18 +103,18 @@ sleep 1
 
 # The README's two-host commands: "BLOCK|HOST|COMMAND" per line of the code
 # blocks under "### Across two hosts" (HOST from the "# A:" / "# B:" comment
-# above the command).
-# A block whose comment says "not run by scripts/netns-tests.sh" (the etcd
-# start-up: this script runs its own etcd in the hub namespace) is skipped;
-# lines ending in "\" are joined with the next.
+# above the command). A block whose comment says "not run by
+# scripts/netns-tests.sh" is skipped, and so are lines under no such
+# comment (e.g. the etcd block for 10.0.0.1, which this script starts
+# itself); lines ending in "\" are joined with the next.
 readme_commands() {
   awk '/^### Across two hosts/ { s = 1; next } s && /^##/ { s = 0 }
-       s && /^```/ { if (code) { code = 0 } else { code = 1; skip = 0; block++ }; next }
+       s && /^```/ { if (code) { code = 0 } else { code = 1; skip = 0; block++; host = "" }; next }
        s && code && /not run by scripts\/netns-tests.sh/ { skip = 1; next }
        s && code && skip { next }
        s && code && /^# [AB]/ { host = substr($2, 1, 1); next }
-       s && code && /^[^#]/ && NF { line = line $0; if (sub(/\\$/, "", line)) next;
-                                     print block "|" host "|" line; line = "" }' README.md
+       s && code && /^[^#]/ && NF && host != "" { line = line $0; if (sub(/\$/, "", line)) next;
+                                                  print block "|" host "|" line; line = "" }' README.md
 }
 REMOTE=""
 if command -v gcc >/dev/null; then
@@ -191,6 +192,34 @@ else
   bad "notifications missing"; tail -5 "$WORK/basic-p0.log"
 fi
 kill "$P0"
+
+echo "test 1b: replay across namespaces over tcp: decode engines in $NA and $NC, one prefill in $NB (request j -> decode j mod 2)"
+TEST=replay-roles
+# decode_role NS IP: a decode engine in NS on IP:18601; sets LAST_PID.
+decode_role() {
+  ip netns exec "$1" "$KVWIRE" replay --role decode --listen "$2:18601" --transport tcp --option "listen=$2:0" \
+    --json --wait-s 60 >"$WORK/$TEST-$1.out" 2>"$WORK/$TEST-$1.log" &
+  LAST_PID=$!
+  PIDS+=("$LAST_PID")
+}
+decode_role "$NA" 10.0.0.2; DA=$LAST_PID
+decode_role "$NC" 10.0.0.4; DC=$LAST_PID
+sleep 1
+if ip netns exec "$NB" timeout 300 "$KVWIRE" replay --role prefill --connect 10.0.0.2:18601,10.0.0.4:18601 \
+    --transport tcp --option listen=10.0.0.3:0 --requests 40 --decode-pages 2048 --json >"$WORK/$TEST-p.out" 2>"$WORK/$TEST-p.log"; then
+  rc_a=0; rc_c=0
+  wait "$DA" || rc_a=$?
+  wait "$DC" || rc_c=$?
+  if [ "$rc_a" = 0 ] && [ "$rc_c" = 0 ] && grep -q '"verified":true' "$WORK/$TEST-p.out" \
+     && grep -q '"decode_engines":2' "$WORK/$TEST-p.out" \
+     && cmp -s "$WORK/$TEST-p.out" "$WORK/$TEST-$NA.out" && cmp -s "$WORK/$TEST-p.out" "$WORK/$TEST-$NC.out"; then
+    ok "40 requests verified on two decode hosts; the same summary on all three"
+  else
+    bad "replay roles: decode exits $rc_a/$rc_c or summaries differ"; cat "$WORK/$TEST-p.out" "$WORK/$TEST-$NA.out" "$WORK/$TEST-$NC.out"; tail -3 "$WORK/$TEST-$NA.log" "$WORK/$TEST-$NC.log"
+  fi
+else
+  bad "replay --role prefill across namespaces"; tail -5 "$WORK/$TEST-p.log" "$WORK/$TEST-$NA.log" "$WORK/$TEST-$NC.log"
+fi
 
 # failure_test SIGNAL: prefill-0 gets SIGNAL mid-transfer; prefill-1 must keep serving.
 failure_test() {

@@ -3,7 +3,8 @@
 # Lints, every Rust test and doc-test, then the suites that need hardware or
 # tools: each runs where what it needs exists and says "skipped: <reason>"
 # elsewhere (a failure instead where KVWIRE_REQUIRE_* is set, as in CI).
-# Ends with a summary: what ran, what was ignored or skipped and why.
+# Ends with a summary: what ran, what was ignored or skipped and why, each
+# step's wall time and the total.
 # Exit status: 0 when nothing failed.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -16,18 +17,20 @@ step() {
   local name=$1 log="$logs/${1//[^A-Za-z0-9_.-]/_}.log" rc
   shift
   echo "=== $name: $*"
+  local t0=$SECONDS
   "$@" 2>&1 | tee "$log"
   rc=${PIPESTATUS[0]}
+  local took="$((SECONDS - t0)) s"
   local why part
   # only the suite's own verdict ("NAME: skipped: ..."), not its tests' lines
   why=$(grep -F "$name: skipped: " "$log" | grep "^$name: " | tail -1 | sed "s/^$name: skipped: //")
   part=$(grep -F "$name: skipped (part): " "$log" | grep "^$name: " | sed "s/^$name: skipped (part): //" | paste -sd';' -)
   if [ "$rc" != 0 ]; then
-    failed+=("$name (exit $rc)")
+    failed+=("$name (exit $rc, $took)")
   elif [ -n "$why" ]; then
-    skipped+=("$name: $why")
+    skipped+=("$name: $why ($took)")
   else
-    ran+=("$name${part:+ (skipped part: $part)}")
+    ran+=("$name, $took${part:+ (skipped part: $part)}")
   fi
   return "$rc"
 }
@@ -51,6 +54,7 @@ summary() {
   [ -s "$logs/ignored.txt" ] && cat "$logs/ignored.txt"
   for l in "${skipped[@]+"${skipped[@]}"}"; do echo "  skipped: $l"; done
   for l in "${failed[@]+"${failed[@]}"}"; do echo "  FAILED:  $l"; done
+  echo "  total:   $((SECONDS / 60)) min $((SECONDS % 60)) s"
   if [ ${#failed[@]} -eq 0 ]; then echo "overall: PASS"; else echo "overall: FAIL"; fi
 }
 

@@ -239,7 +239,12 @@ pub unsafe extern "C" fn kvw_get_notifs(
 /// `engine` valid; `agent` NUL-terminated; `msg` NULL only when `len` is 0,
 /// otherwise `len` readable bytes.
 #[unsafe(no_mangle)]
-pub unsafe extern "C" fn kvw_notify(engine: *mut KvwEngine, agent: *const c_char, msg: *const u8, len: usize) -> KvwStatus {
+pub unsafe extern "C" fn kvw_notify(
+    engine: *mut KvwEngine,
+    agent: *const c_char,
+    msg: *const u8,
+    len: usize,
+) -> KvwStatus {
     guard(|| {
         // SAFETY: per the contract.
         let e = unsafe { engine_arg(engine) }?;

@@ -9,7 +9,9 @@
  * channel (ZMQ, HTTP). OPTIONS are kvw_engine_create_with_options options,
  * e.g. "listen=10.0.0.2:0,peer_timeout_ms=5000". The target exits 0 once all
  * 1 MiB arrived intact and the notification came; the initiator once its
- * transfer is done. scripts/netns-tests.sh runs both between two network
+ * transfer is done. Each side says what it waits for and gives up after
+ * WAIT_S (60) seconds: the target for the WRITE, the initiator for FILE and
+ * for its transfer. scripts/netns-tests.sh runs both between two network
  * namespaces; build as docs/CAPI.md shows. */
 #include <stdint.h>
 #include <stdio.h>
@@ -17,6 +19,9 @@
 #include <string.h>
 #include <time.h>
 #include <unistd.h>
+
+/* How long each side waits for the other (the metadata file, the WRITE). */
+#define WAIT_S 60
 
 #include "kvwire.h"
 
@@ -57,16 +62,17 @@ static int target(const char *file, const char *options) {
         perror("error: writing the metadata file");
         return 1;
     }
-    printf("target: %d bytes registered, metadata in %s; waiting for the initiator\n", LEN, file);
+    printf("target: %d bytes registered, metadata in %s; waiting up to %d s for the initiator's WRITE and its notification\n",
+           LEN, file, WAIT_S);
     fflush(stdout);
     int got = 0;
-    time_t until = time(NULL) + 60;
+    time_t until = time(NULL) + WAIT_S;
     while (!got && time(NULL) < until) {
         TRY(kvw_get_notifs(e, on_notif, &got, NULL));
         usleep(1000);
     }
     if (!got) {
-        fprintf(stderr, "error: no notification within 60 s\n");
+        fprintf(stderr, "error: no notification within %d s: did `remote initiator %s` run on the other host?\n", WAIT_S, file);
         return 1;
     }
     size_t bad = 0;
@@ -79,10 +85,21 @@ static int target(const char *file, const char *options) {
 }
 
 static int initiator(const char *file, const char *options) {
-    FILE *f = NULL;
-    for (int i = 0; i < 600 && !(f = fopen(file, "rb")); i++) usleep(100000);
+    FILE *f = fopen(file, "rb");
+    if (!f) {
+        printf("initiator: waiting up to %d s for %s (written by `remote target %s`)\n", WAIT_S, file, file);
+        fflush(stdout);
+    }
+    for (int i = 0; i < WAIT_S * 10 && !f; i++) {
+        usleep(100000);
+        f = fopen(file, "rb");
+    }
+    if (!f) {
+        fprintf(stderr, "error: %s did not appear within %d s: start `remote target %s` first\n", file, WAIT_S, file);
+        return 1;
+    }
     uint64_t head[3];
-    if (!f || fread(head, sizeof head, 1, f) != 1 || head[2] > (64u << 20)) {
+    if (fread(head, sizeof head, 1, f) != 1 || head[2] > (64u << 20)) {
         fprintf(stderr, "error: cannot read %s\n", file);
         return 1;
     }
@@ -104,7 +121,15 @@ static int initiator(const char *file, const char *options) {
     uint64_t x;
     TRY(kvw_post(e, KVW_OP_WRITE, &local, 1, "c-target", &remote, 1, (const uint8_t *)"done", 4, &x));
     KvwXferState st = KVW_XFER_IN_PROGRESS;
-    while (st == KVW_XFER_IN_PROGRESS) TRY(kvw_status(e, x, &st));
+    time_t until = time(NULL) + WAIT_S;
+    while (st == KVW_XFER_IN_PROGRESS && time(NULL) < until) {
+        TRY(kvw_status(e, x, &st));
+        if (st == KVW_XFER_IN_PROGRESS) usleep(100);
+    }
+    if (st == KVW_XFER_IN_PROGRESS) {
+        fprintf(stderr, "error: the WRITE to the target did not complete within %d s\n", WAIT_S);
+        return 1;
+    }
     if (st != KVW_XFER_DONE) fail("transfer");
     TRY(kvw_release(e, x));
     printf("initiator: wrote %d bytes\n", LEN);

@@ -67,6 +67,9 @@ struct State {
     transfers: BTreeMap<(MetricOp, String), Stats>,
     connectors: BTreeMap<String, KVCacheMetrics>,
     agents: agent::AgentState,
+    /// What peers reported moving with this engine as their target
+    /// (requests, bytes READ from it, bytes WRITTEN to it).
+    served: BTreeMap<String, (u64, u64, u64)>,
 }
 
 /// A metrics registry (see the module doc); [`global`] is the process's.
@@ -102,6 +105,17 @@ impl Registry {
     /// Count one failed transfer with `peer`.
     pub fn record_failure(&self, op: MetricOp, peer: &str) {
         self.lock().transfers.entry((op, peer.to_string())).or_default().failures += 1;
+    }
+
+    /// Count one request a peer served by this engine (the target of its
+    /// one-sided transfers, which the target itself does not see) reported:
+    /// `read` bytes it READ from us and `written` bytes it WROTE to us.
+    pub fn record_served(&self, peer: &str, read: u64, written: u64) {
+        let mut s = self.lock();
+        let e = s.served.entry(peer.to_string()).or_default();
+        e.0 += 1;
+        e.1 = e.1.saturating_add(read);
+        e.2 = e.2.saturating_add(written);
     }
 
     /// Add a connector's window (`take_metrics()`) to its running totals.
@@ -145,6 +159,28 @@ impl Registry {
                 "Transfers that failed (the transport reported an error).",
                 format!("{f}{{op=\"{o}\",peer=\"{peer}\"}} {}", st.failures),
             );
+        }
+        if !s.served.is_empty() {
+            fams.add(
+                "kvwire_served_peers",
+                "gauge",
+                "Peers that reported transfers with this engine as their target.",
+                format!("kvwire_served_peers {}", s.served.len()),
+            );
+        }
+        for (peer, (requests, read, written)) in &s.served {
+            let peer = escape(peer);
+            let r = "kvwire_served_requests_total";
+            fams.add(
+                r,
+                "counter",
+                "Requests served as the target, as each peer reported them (notifications).",
+                format!("{r}{{peer=\"{peer}\"}} {requests}"),
+            );
+            let b = "kvwire_served_bytes_total";
+            let help = "Bytes peers reported moving with this engine as their target, by op.";
+            fams.add(b, "counter", help, format!("{b}{{op=\"read\",peer=\"{peer}\"}} {read}"));
+            fams.add(b, "counter", help, format!("{b}{{op=\"write\",peer=\"{peer}\"}} {written}"));
         }
         for (c, m) in &s.connectors {
             let c = escape(c);

@@ -97,6 +97,10 @@ impl Child {
         if crate::failure::verbose() {
             cmd.arg("-v");
         }
+        // A process group of its own: Ctrl-C in the terminal reaches only
+        // the parent, which stops, prints its partial summary, and closes
+        // the side channel (the child then exits).
+        std::os::unix::process::CommandExt::process_group(&mut cmd, 0);
         let mut proc = cmd
             .args(args)
             .stdin(Stdio::null())
@@ -137,7 +141,10 @@ impl Child {
     /// # Errors
     /// As described.
     pub(crate) fn finish<T>(mut self, result: Result<T>) -> Result<T> {
-        let status = if result.is_ok() { self.proc.wait().ok() } else { self.wait_or_kill(Duration::from_secs(10)) };
+        // After Ctrl-C the helper is stopped at once (the parent reports
+        // the partial summary); after another failure it gets 10 s.
+        let grace = if crate::failure::interrupted() { Duration::ZERO } else { Duration::from_secs(10) };
+        let status = if result.is_ok() { self.proc.wait().ok() } else { self.wait_or_kill(grace) };
         if let Some(r) = self.reader.take() {
             let _ = r.join();
         }
@@ -146,6 +153,7 @@ impl Child {
         match result {
             Ok(v) if !failed => Ok(v),
             Ok(_) => Err(self.child_error(cause, status)),
+            Err(e) if crate::failure::interrupted() => Err(e),
             Err(e) if is_channel_symptom(&e) && (failed || cause.is_some()) => Err(self.child_error(cause, status)),
             Err(e) => Err(e),
         }

@@ -23,6 +23,7 @@ fn user(msg: String, hint: &str) -> UserError {
 /// # Errors
 /// Nothing accepted the connection within `timeout`; `addr` does not resolve.
 pub(crate) fn connect(addr: &str, timeout: Duration) -> Result<SideChannel> {
+    check_host_port(addr)?;
     let t0 = Instant::now();
     let first = match SideChannel::connect(addr, Duration::ZERO) {
         Ok(c) => return Ok(c),
@@ -87,4 +88,24 @@ pub(crate) fn expect_answer<T: serde::de::DeserializeOwned>(
 fn secs(d: Duration) -> String {
     let s = d.as_secs_f64();
     if s.fract() == 0.0 || s >= 10.0 { format!("{}", s.round()) } else { format!("{s:.1}") }
+}
+
+/// `--connect` takes `HOST:PORT` (`[V6]:PORT`): a bare host says so, with the
+/// port the target printed, instead of a resolver error.
+///
+/// # Errors
+/// No `:PORT` with a number after the host.
+pub(crate) fn check_host_port(addr: &str) -> Result<()> {
+    let port = match addr.rsplit_once(':') {
+        Some((host, port)) if !host.is_empty() && (!host.contains(':') || host.ends_with(']')) => port,
+        _ => "",
+    };
+    if port.parse::<u16>().is_err() {
+        return Err(user(
+            format!("--connect {addr}: expected HOST:PORT (e.g. {}:18515)", addr.trim_end_matches(':')),
+            "use the port `kvwire bench --listen` printed (\"target waiting for an initiator on IP:PORT\")",
+        )
+        .into());
+    }
+    Ok(())
 }

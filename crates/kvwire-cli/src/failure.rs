@@ -117,6 +117,28 @@ pub(crate) fn report(e: &anyhow::Error) {
     }
 }
 
+/// Set by SIGINT (Ctrl-C) once [`catch_interrupt`] installed the handler.
+static INTERRUPTED: AtomicBool = AtomicBool::new(false);
+
+extern "C" fn on_sigint(_: libc::c_int) {
+    INTERRUPTED.store(true, Ordering::Relaxed);
+}
+
+/// Catch Ctrl-C: the long loops (`replay`, `bench`) then stop at the next
+/// step and print a one-line partial summary instead of dying mid-line. A
+/// second Ctrl-C kills the process as usual.
+pub(crate) fn catch_interrupt() {
+    use nix::sys::signal::{SaFlags, SigAction, SigHandler, SigSet, Signal, sigaction};
+    let action = SigAction::new(SigHandler::Handler(on_sigint), SaFlags::SA_RESETHAND, SigSet::empty());
+    // SAFETY: the handler only stores to an atomic (async-signal-safe).
+    let _ = unsafe { sigaction(Signal::SIGINT, &action) };
+}
+
+/// Whether Ctrl-C was pressed since [`catch_interrupt`].
+pub(crate) fn interrupted() -> bool {
+    INTERRUPTED.load(Ordering::Relaxed)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

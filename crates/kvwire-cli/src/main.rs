@@ -33,19 +33,35 @@ struct Cli {
 enum Command {
     /// perftest/nixlbench-style bandwidth, latency and post-cost benchmark.
     Bench(bench::BenchArgs),
-    /// Internal: the target side of `bench`, started as a child process.
-    #[command(hide = true)]
-    BenchTarget(bench::TargetArgs),
     /// Disaggregated prefill → decode replay of a request trace (the main job).
     Replay(replay::ReplayArgs),
-    /// Internal: the decode side of `replay`, started as a child process.
-    #[command(hide = true)]
-    ReplayDecode(replay::DecodeArgs),
     /// Serve transfers as agent NAME, published in etcd, until killed (with --pull: also a decode engine).
     Serve(serve::ServeArgs),
     /// List RDMA devices, ports, MTUs, link layers and GID tables.
     Devices(devices::DevicesArgs),
 }
+
+/// The helper processes `bench` and `replay` start: a parser of their own,
+/// so that the user-facing one never suggests them for a typo.
+#[derive(Parser)]
+#[command(name = "kvwire")]
+struct InternalCli {
+    #[arg(short, long)]
+    verbose: bool,
+    #[command(subcommand)]
+    command: Internal,
+}
+
+#[derive(Subcommand)]
+enum Internal {
+    /// The target side of `bench`, started as a child process.
+    BenchTarget(bench::TargetArgs),
+    /// The decode side of `replay`, started as a child process.
+    ReplayDecode(replay::DecodeArgs),
+}
+
+/// Names of the [`Internal`] subcommands.
+const INTERNAL: [&str; 2] = ["bench-target", "replay-decode"];
 
 /// Every backend's `key=value` options with units and defaults.
 fn options_help() -> String {
@@ -78,6 +94,22 @@ fn main() -> ExitCode {
         .with_writer(std::io::stderr)
         .with_ansi(colour_stderr())
         .init();
+    let first = std::env::args().skip(1).find(|a| !a.starts_with('-'));
+    if first.is_some_and(|f| INTERNAL.contains(&f.as_str())) {
+        let cli = InternalCli::parse();
+        failure::set_verbose(cli.verbose);
+        let result = match cli.command {
+            Internal::BenchTarget(a) => bench::run_target(a),
+            Internal::ReplayDecode(a) => replay::run_decode(a),
+        };
+        return match result {
+            Ok(()) => ExitCode::SUCCESS,
+            Err(e) => {
+                failure::report(&e);
+                ExitCode::FAILURE
+            }
+        };
+    }
     // `--help` of the commands that take `--option` lists every backend's
     // options, from the table the backends parse them with.
     let mut cmd = Cli::command();
@@ -92,9 +124,7 @@ fn main() -> ExitCode {
     tracing::debug!("kvwire {} started", env!("CARGO_PKG_VERSION"));
     let result = match cli.command {
         Command::Bench(a) => bench::run(a),
-        Command::BenchTarget(a) => bench::run_target(a),
         Command::Replay(a) => replay::run(a),
-        Command::ReplayDecode(a) => replay::run_decode(a),
         Command::Serve(a) => serve::run(a),
         Command::Devices(a) => devices::run(&a),
     };

@@ -43,8 +43,11 @@ pub(crate) struct ServeArgs {
     #[arg(long, default_value = "tcp")]
     transport: TransportKind,
     /// Address the tcp transport listens on and advertises (`IP:PORT`, port
-    /// 0: any; default 127.0.0.1:0). With --transport verbs: the IP of the
-    /// connection handshake listener. Not used by shm.
+    /// 0: any). Default: the tcp transport's own rule, as for bench and
+    /// replay: $KVWIRE_TCP_LISTEN, else 0.0.0.0:0 advertising the
+    /// default-route interface's address (127.0.0.1:0 on a loopback-only
+    /// host). With --transport verbs: the IP of the connection handshake
+    /// listener. Not used by shm.
     #[arg(long)]
     listen: Option<String>,
     /// Registered buffer size (e.g. 64MiB): pattern half + scratch half.
@@ -74,10 +77,21 @@ pub(crate) struct ServeArgs {
     /// Stop serving after this many seconds (default: until killed).
     #[arg(long, value_parser = crate::units::parse_seconds)]
     duration: Option<Duration>,
-    /// Serve Prometheus metrics (transfers, bytes, failures, latency per
-    /// op and peer; MAX's metric names) at http://ADDR/metrics, e.g. 127.0.0.1:9400.
+    /// Serve Prometheus metrics at http://ADDR/metrics, e.g. 127.0.0.1:9400:
+    /// this engine's own transfers (bytes, failures, latency per op and
+    /// peer; MAX's metric names) and, as a target, what it served
+    /// (kvwire_served_requests_total, kvwire_served_bytes_total by op and
+    /// peer, kvwire_served_peers), as the peers' notifications report it.
     #[arg(long, value_name = "ADDR")]
     metrics: Option<String>,
+}
+
+/// The bytes a `--pull` peer's round notification reports
+/// (`NAME-round-R read=B write=B`); 0 for other notifications.
+fn served_bytes(note: &str) -> (u64, u64) {
+    let field =
+        |k: &str| note.split_whitespace().find_map(|w| w.strip_prefix(k).and_then(|v| v.parse().ok())).unwrap_or(0);
+    (field("read="), field("write="))
 }
 
 /// Pattern key of page `i` of agent `name`.
@@ -95,8 +109,11 @@ pub(crate) fn run(a: ServeArgs) -> Result<()> {
     if a.page_size == 0 || a.buffer < 2 * a.page_size {
         bail!("--buffer must hold at least two pages");
     }
-    if !a.pull.is_empty() && (a.rounds == 0 || a.pages == 0) {
-        bail!("--rounds and --pages must be at least 1 with --pull");
+    if !a.pull.is_empty() && a.rounds == 0 {
+        bail!("--rounds must be at least 1 with --pull, got 0");
+    }
+    if !a.pull.is_empty() && a.pages == 0 {
+        bail!("--pages must be at least 1 with --pull, got 0");
     }
     for (i, name) in a.pull.iter().enumerate() {
         if a.pull[..i].contains(name) {
@@ -114,7 +131,7 @@ pub(crate) fn run(a: ServeArgs) -> Result<()> {
     )?;
     crate::units::check_option_keys(a.transport, "--option", &a.options)?;
     let listen = match (a.transport, &a.listen) {
-        (TransportKind::Tcp, l) => Some(l.clone().unwrap_or_else(|| "127.0.0.1:0".to_string())),
+        (TransportKind::Tcp, l) => l.clone(),
         (TransportKind::Verbs, l) => l.clone(),
         (TransportKind::Shm, None) => None,
         (TransportKind::Shm, Some(_)) => bail!("--listen is for --transport tcp or verbs; shm needs no address"),
@@ -126,7 +143,11 @@ pub(crate) fn run(a: ServeArgs) -> Result<()> {
         let bound = kvwire::metrics::serve_http(addr).with_context(|| format!("--metrics {addr}"))?;
         println!("metrics at http://{bound}/metrics");
     }
-    let mut engine = TransferEngine::new(&a.name, a.transport, &config)?;
+    let mut engine = TransferEngine::new(&a.name, a.transport, &config).with_context(|| match &a.listen {
+        // A bind failure names the address.
+        Some(l) => format!("starting the {} transport on --listen {l}", a.transport),
+        None => format!("starting the {} transport", a.transport),
+    })?;
     let buf = Arc::new(HostBuffer::new(a.buffer as usize)?);
     let half_pages = a.buffer / 2 / a.page_size;
     let mut page = vec![0u8; a.page_size as usize];
@@ -146,7 +167,10 @@ pub(crate) fn run(a: ServeArgs) -> Result<()> {
     loop {
         for (from, msgs) in engine.get_notifs() {
             for m in msgs {
-                println!("notification from {from}: {}", String::from_utf8_lossy(&m));
+                let text = String::from_utf8_lossy(&m);
+                println!("notification from {from}: {text}");
+                let (read, written) = served_bytes(&text);
+                kvwire::metrics::global().record_served(&from, read, written);
             }
         }
         if a.duration.is_some_and(|d| t0.elapsed() >= d) {
@@ -218,7 +242,9 @@ fn round(a: &ServeArgs, engine: &mut TransferEngine, buf: &HostBuffer, p: &Peer,
     // WRITE into the peer's scratch half (reversed order), then READ it back.
     let scratch_base = remote_base + p.pages * ps;
     let remote_w: Vec<Desc> = (0..n).map(|k| Desc::new(scratch_base + (n - 1 - k) * ps, ps)).collect();
-    let note = format!("{}-round-{r}", a.name).into_bytes();
+    // What this round moves with the peer (two READs, one WRITE), so that
+    // its `--metrics` can export what it served.
+    let note = format!("{}-round-{r} read={} write={}", a.name, 2 * n * ps, n * ps).into_bytes();
     let h = engine.post(Op::Write, &local, &p.name, &remote_w, Some(note)).map_err(|e| e.to_string())?;
     wait(engine, h, Op::Write, &p.name, n * ps)?;
     let back_base = local_base + buf.len() as u64 / 2;

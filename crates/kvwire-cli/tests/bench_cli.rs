@@ -374,7 +374,10 @@ fn zero_and_absurd_numbers_are_refused_without_panic_or_hang() {
         (vec!["replay", "--host-tier-gib", "1e30", "--connector", "host"], "--host-tier-gib must be 0..=1048576"),
         (vec!["replay", "--decode-step-ms", "1e300"], "--decode-step-ms must be 0..=60000"),
         (vec!["replay", "--inflight", "0"], "must be at least 1"),
-        (vec!["serve", "--name", "a", etcd[0], etcd[1], "--pull", "b", "--pages", "0"], "--rounds and --pages must be"),
+        (
+            vec!["serve", "--name", "a", etcd[0], etcd[1], "--pull", "b", "--pages", "0"],
+            "--pages must be at least 1 with --pull",
+        ),
         (vec!["serve", "--name", "a", etcd[0], etcd[1], "--pull", "b,b"], "--pull names b twice"),
         (vec!["serve", "--name", "a", etcd[0], etcd[1], "--pull", "a"], "this engine's own --name"),
     ];
@@ -386,4 +389,106 @@ fn zero_and_absurd_numbers_are_refused_without_panic_or_hang() {
     // Far more memory than any machine has: refused with the numbers.
     let (_, err) = failing(&["serve", "--name", "a", etcd[0], etcd[1], "--buffer", "1000000GiB"]);
     assert_one_error(&err, "serve needs 1000000.0 GiB of memory (--buffer 1000000 GiB)");
+}
+
+#[test]
+fn a_listener_refuses_test_flags_and_names_them() {
+    let (_, err) = failing(&["bench", "--listen", "127.0.0.1:0", "--block-size", "1MiB", "--op=read"]);
+    assert_one_error(&err, "--op, --block-size set the test");
+    assert!(err.contains("give them to `kvwire bench --connect` instead"), "{err}");
+}
+
+#[test]
+fn connect_without_a_port_says_host_port_is_expected() {
+    let (_, err) = failing(&["bench", "--connect", "localhost"]);
+    assert_one_error(&err, "--connect localhost: expected HOST:PORT (e.g. localhost:18515)");
+}
+
+#[test]
+fn each_zero_count_names_its_flag() {
+    for (flag, want) in [("--blocks", "--blocks must be at least 1"), ("--iters", "--iters must be at least 1")] {
+        let (_, err) = failing(&["bench", flag, "0"]);
+        assert_one_error(&err, want);
+    }
+}
+
+#[test]
+fn shm_towards_another_host_says_what_to_add_and_no_transport_means_tcp() {
+    // 192.0.2.1 (TEST-NET-1) is another host: shm cannot reach it.
+    let (_, err) = failing(&["bench", "--connect", "192.0.2.1:18515", "--transport", "shm"]);
+    assert_one_error(&err, "--transport shm moves bytes within one host; the target at 192.0.2.1 is another host");
+    assert!(err.contains("hint: add --transport tcp"), "{err}");
+    // Without --transport the initiator picks tcp and says so.
+    let (_, err) = failing(&["bench", "--connect", "192.0.2.1:18515", "--connect-timeout", "1"]);
+    assert!(err.contains("the target at 192.0.2.1 is another host: using --transport tcp"), "{err}");
+}
+
+#[test]
+fn a_listener_whose_initiator_left_before_measuring_says_so() {
+    let addr = format!("127.0.0.1:{}", free_port());
+    let target = kvwire().args(["bench", "--listen", &addr]).stderr(Stdio::piped()).spawn().unwrap();
+    std::thread::sleep(Duration::from_millis(300));
+    // The initiator's own engine cannot start (a bad option value, found
+    // after the target answered): it leaves without a transfer.
+    let (_, ierr) = failing(&["bench", "--connect", &addr, "--option", "cma=maybe", "--blocks", "4"]);
+    assert!(ierr.contains("cma"), "{ierr}");
+    let t = target.wait_with_output().unwrap();
+    assert!(!t.status.success(), "the target must not exit 0 when nothing was measured");
+    let terr = String::from_utf8_lossy(&t.stderr);
+    assert!(terr.contains("the initiator left before any transfer was measured"), "{terr}");
+}
+
+#[test]
+fn latency_iterations_shrink_for_large_blocks_unless_given() {
+    let run = |extra: &[&str]| {
+        let out = kvwire()
+            .args(["bench", "--block-size", "64MiB", "--blocks", "1", "--iters", "1", "--warmup", "0", "--json"])
+            .args(extra)
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        json_of(&out)["lat_iters"].as_u64()
+    };
+    // 2 GiB / 64 MiB = 32 (not 200 whole 64 MiB blocks)
+    assert_eq!(run(&[]), Some(32));
+    assert_eq!(run(&["--lat-iters", "3"]), Some(3));
+}
+
+#[test]
+fn the_header_comes_first_and_long_phases_print_progress() {
+    use std::io::{BufRead, BufReader};
+    let mut child = kvwire()
+        .args(["bench", "--block-size", "4KiB", "--blocks", "64", "--iters", "2", "--lat-iters", "20000"])
+        .env("KVWIRE_PROGRESS_MS", "1")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut out = BufReader::new(child.stdout.take().unwrap());
+    let mut first = String::new();
+    out.read_line(&mut first).unwrap();
+    assert!(first.starts_with("kvwire bench: shm WRITE, 64 x 4 KiB blocks"), "{first}");
+    let rest: Vec<String> = out.lines().map_while(Result::ok).collect();
+    let status = child.wait().unwrap();
+    assert!(status.success());
+    // the table follows the header, which it no longer repeats
+    assert!(rest[0].trim_start().starts_with("block"), "{rest:?}");
+    assert!(!rest.iter().any(|l| l.starts_with("kvwire bench:")), "{rest:?}");
+    let mut err = String::new();
+    std::io::Read::read_to_string(&mut child.stderr.take().unwrap(), &mut err).unwrap();
+    assert!(err.contains("/20000 single-block latency transfers"), "{err}");
+}
+
+#[test]
+fn bind_errors_name_the_address() {
+    let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = taken.local_addr().unwrap().to_string();
+    let (_, err) = failing(&["bench", "--listen", &addr]);
+    assert_one_error(&err, &format!("--listen {addr}: bind: Address already in use"));
+    let (_, err) = failing(&["replay", "--role", "decode", "--listen", &addr]);
+    assert_one_error(&err, &format!("listening on {addr} (--listen): bind: Address already in use"));
+    let (_, err) = failing(&["replay", "--transport", "tcp", "--option", &format!("listen={addr}"), "--requests", "1"]);
+    assert_one_error(&err, &format!("transport on listen={addr}"));
+    let (_, err) = failing(&["serve", "--name", "x", "--etcd", "http://127.0.0.1:1", "--listen", &addr]);
+    assert_one_error(&err, &format!("starting the tcp transport on --listen {addr}"));
 }

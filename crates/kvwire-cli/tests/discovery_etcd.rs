@@ -307,3 +307,92 @@ fn serve_pull_names_a_killed_peer_once_in_its_failure_line() {
     }
     assert!(failed.contains("(peer died)") || failed.contains("(peer timed out)"), "{failed}");
 }
+
+/// `GET /metrics` from `addr`: the body.
+fn get_metrics(addr: &str) -> String {
+    use std::io::{Read, Write};
+    let mut c = std::net::TcpStream::connect(addr).unwrap();
+    c.write_all(b"GET /metrics HTTP/1.0\r\n\r\n").unwrap();
+    let mut s = String::new();
+    c.read_to_string(&mut s).unwrap();
+    s.split_once("\r\n\r\n").map(|(_, b)| b.to_string()).unwrap_or_default()
+}
+
+#[test]
+#[ignore = "needs etcd (scripts/test.sh runs it where etcd exists)"]
+fn serve_metrics_export_what_the_target_served() {
+    use std::io::BufRead;
+    let Some(etcd) = etcd() else { return };
+    let prefix = unique_prefix("served-metrics");
+    let kvwire = || {
+        let mut c = Command::new(env!("CARGO_BIN_EXE_kvwire"));
+        c.args(["serve", "--etcd", &etcd.url, "--prefix", &prefix]);
+        c
+    };
+    // no --listen: the tcp transport's own default address rule
+    let mut a = kvwire()
+        .args(["--name", "srv-a", "--duration", "60", "--metrics", "127.0.0.1:0"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut lines = std::io::BufReader::new(a.stdout.take().unwrap()).lines().map_while(Result::ok);
+    let first = lines.next().unwrap();
+    let addr = first
+        .strip_prefix("metrics at http://")
+        .and_then(|r| r.strip_suffix("/metrics"))
+        .unwrap_or_else(|| panic!("{first}"))
+        .to_string();
+    assert!(lines.next().unwrap().starts_with("serving srv-a"));
+    let b = kvwire().args(["--name", "srv-b", "--pull", "srv-a", "--rounds", "3", "--pages", "16"]).output().unwrap();
+    assert!(b.status.success(), "{}", String::from_utf8_lossy(&b.stderr));
+    // the third WRITE notification reached srv-a: its metrics count it
+    assert!(lines.by_ref().any(|l| l.contains("srv-b-round-2")), "srv-a never got round 2");
+    let body = get_metrics(&addr);
+    let _ = a.kill();
+    let _ = a.wait();
+    let page = 64 * 1024;
+    for want in [
+        "kvwire_served_peers 1".to_string(),
+        "kvwire_served_requests_total{peer=\"srv-b\"} 3".to_string(),
+        format!("kvwire_served_bytes_total{{op=\"read\",peer=\"srv-b\"}} {}", 3 * 2 * 16 * page),
+        format!("kvwire_served_bytes_total{{op=\"write\",peer=\"srv-b\"}} {}", 3 * 16 * page),
+    ] {
+        assert!(body.lines().any(|l| l == want), "missing {want:?} in:\n{body}");
+    }
+}
+
+#[test]
+#[ignore = "needs etcd (scripts/test.sh runs it where etcd exists)"]
+fn replay_roles_exchange_engine_metadata_through_etcd() {
+    use std::io::BufRead;
+    let Some(etcd) = etcd() else { return };
+    let prefix = unique_prefix("replay-roles");
+    let mut dec = Command::new(env!("CARGO_BIN_EXE_kvwire"))
+        .args(["replay", "--role", "decode", "--listen", "127.0.0.1:0", "--transport", "tcp", "--json"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut err = std::io::BufReader::new(dec.stderr.take().unwrap());
+    let mut line = String::new();
+    err.read_line(&mut line).unwrap();
+    let addr = line.strip_prefix("replay decode: listening on ").and_then(|r| r.split_whitespace().next()).unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_kvwire"))
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .args(["replay", "--role", "prefill", "--connect", addr, "--transport", "tcp", "--requests", "8"])
+        .args(["--decode-pages", "1024", "--json", "--etcd", &etcd.url, "--etcd-prefix", &prefix])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let d = dec.wait_with_output().unwrap();
+    assert!(d.status.success());
+    let (p, d) = (String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&d.stdout));
+    assert_eq!(p.lines().last(), d.lines().last(), "the same summary on both sides");
+    assert!(p.contains("\"verified\":true"), "{p}");
+    // the metadata went through etcd (the side channel carried empty Meta
+    // messages); both entries were withdrawn when the engines exited
+    let reader = EtcdStore::connect(&etcd.url, &prefix, Duration::from_secs(5)).unwrap();
+    assert!(reader.get_bytes("decode0-p0").unwrap().is_none());
+    assert!(reader.get_bytes("prefill0").unwrap().is_none());
+}

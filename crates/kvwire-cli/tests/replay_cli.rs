@@ -191,3 +191,255 @@ fn verbose_prints_the_cause_chain_once() {
     assert_eq!(err.matches("Caused by:").count(), 1, "{err}");
     assert_eq!(err.matches("0: connect: Connection refused").count(), 1, "{err}");
 }
+
+/// `replay --role decode --listen 127.0.0.1:0` started in the background;
+/// returns the process and the address it printed.
+fn decode_role(extra: &[&str]) -> (std::process::Child, String) {
+    use std::io::{BufRead, BufReader};
+    let mut child = Command::new(env!("CARGO_BIN_EXE_kvwire"))
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .args(["replay", "--role", "decode", "--listen", "127.0.0.1:0", "--json", "--wait-s", "60"])
+        .args(extra)
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("starting the decode role");
+    let mut err = BufReader::new(child.stderr.take().unwrap());
+    let mut line = String::new();
+    err.read_line(&mut line).unwrap();
+    let addr = line
+        .strip_prefix("replay decode: listening on ")
+        .and_then(|r| r.split_whitespace().next())
+        .unwrap_or_else(|| panic!("no address announced: {line:?}"))
+        .to_string();
+    // keep draining stderr so the child never blocks on it
+    std::thread::spawn(move || for _ in err.lines() {});
+    (child, addr)
+}
+
+/// The JSON summaries a finished decode role printed, one per prefill.
+fn decode_summaries(child: std::process::Child) -> (bool, Vec<serde_json::Value>) {
+    let out = child.wait_with_output().unwrap();
+    let s = String::from_utf8_lossy(&out.stdout).to_string();
+    (out.status.success(), s.lines().map(|l| serde_json::from_str(l).expect("one JSON object a line")).collect())
+}
+
+#[test]
+fn roles_in_two_processes_over_loopback_tcp_and_shm_print_the_same_summary() {
+    for transport in ["tcp", "shm"] {
+        let (dec, addr) = decode_role(&["--transport", transport]);
+        let (ok, j, err) = replay(&[
+            "--role",
+            "prefill",
+            "--connect",
+            &addr,
+            "--transport",
+            transport,
+            "--requests",
+            "20",
+            "--decode-pages",
+            "1024",
+        ]);
+        assert!(ok, "{transport}: {err}");
+        assert_eq!(j["verified"], true, "{j}");
+        assert_eq!(j["requests"], 20);
+        assert_eq!(j["transport"], transport);
+        let (dok, got) = decode_summaries(dec);
+        assert!(dok, "{transport}: the decode role failed");
+        assert_eq!(got, vec![j], "{transport}: the decode host printed a different summary");
+    }
+}
+
+#[test]
+fn two_decodes_served_by_two_prefills_split_the_trace_and_route_by_request() {
+    let (d0, a0) = decode_role(&["--prefills", "2"]);
+    let (d1, a1) = decode_role(&["--prefills", "2"]);
+    let connect = format!("{a0},{a1}");
+    let run = |rank: &'static str| {
+        let connect = connect.clone();
+        std::thread::spawn(move || {
+            replay(&[
+                "--role",
+                "prefill",
+                "--connect",
+                &connect,
+                "--prefills",
+                "2",
+                "--prefill-rank",
+                rank,
+                "--requests",
+                "41",
+                "--decode-pages",
+                "1024",
+            ])
+        })
+    };
+    let (p0, p1) = (run("0"), run("1"));
+    let (ok0, j0, e0) = p0.join().unwrap();
+    let (ok1, j1, e1) = p1.join().unwrap();
+    assert!(ok0 && ok1, "{e0}\n{e1}");
+    // trace request i goes to prefill i mod 2: 21 and 20 of the first 41
+    assert_eq!((j0["requests"].as_u64(), j1["requests"].as_u64()), (Some(21), Some(20)));
+    assert_eq!((j0["decode_engines"].as_u64(), j0["prefills"].as_u64()), (Some(2), Some(2)));
+    for (d, name) in [(d0, "decode 0"), (d1, "decode 1")] {
+        let (ok, got) = decode_summaries(d);
+        assert!(ok, "{name} failed");
+        // each decode served both prefills and printed each one's summary
+        assert_eq!(got.len(), 2, "{name}: {got:?}");
+        assert!(got.contains(&j0) && got.contains(&j1), "{name}: {got:?}");
+    }
+}
+
+#[test]
+fn a_decode_role_whose_prefill_never_came_says_so() {
+    let out = Command::new(env!("CARGO_BIN_EXE_kvwire"))
+        .args(["replay", "--role", "decode", "--listen", "127.0.0.1:0", "--wait-s", "1"])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("no prefill connected to 127.0.0.1:") && err.contains("0 of 1 came"), "{err}");
+}
+
+#[test]
+fn role_flags_are_checked_before_anything_runs() {
+    for (args, want) in [
+        (&["--role", "prefill"][..], "--role prefill needs --connect HOST:PORT"),
+        (&["--role", "prefill", "--connect", "localhost"][..], "--connect localhost: expected HOST:PORT"),
+        (&["--role", "decode"][..], "--role decode needs --listen IP:PORT"),
+        (&["--connect", "127.0.0.1:1"][..], "add --role decode or --role prefill"),
+        (
+            &["--role", "prefill", "--connect", "127.0.0.1:1", "--prefills", "2", "--prefill-rank", "2"][..],
+            "--prefill-rank must be 0..2",
+        ),
+        (&["--role", "decode", "--listen", "256.0.0.1:1"][..], "listening on 256.0.0.1:1 (--listen)"),
+    ] {
+        let (ok, _, err) = replay(args);
+        assert!(!ok, "{args:?}");
+        assert!(err.contains(want), "{args:?}: {err}");
+    }
+}
+
+#[test]
+fn copy_threads_zero_fails_at_once_naming_the_flag() {
+    for (flag, want) in [
+        ("--copy-threads", "--copy-threads must be at least 1"),
+        ("--inflight", "--inflight must be at least 1"),
+        ("--dp", "--dp must be at least 1"),
+    ] {
+        let t0 = std::time::Instant::now();
+        let (ok, _, err) = replay(&[flag, "0"]);
+        assert!(!ok);
+        assert!(err.contains(want), "{err}");
+        // validated before the trace is read or any pool allocated
+        assert!(t0.elapsed() < std::time::Duration::from_secs(3), "{flag} 0 took {:?}", t0.elapsed());
+    }
+}
+
+#[test]
+fn a_corrupted_page_fails_the_decode_host_too() {
+    let (dec, addr) = decode_role(&[]);
+    let (ok, _, err) = replay(&[
+        "--role",
+        "prefill",
+        "--connect",
+        &addr,
+        "--requests",
+        "6",
+        "--decode-pages",
+        "1024",
+        "--inject-bad-page",
+        "3",
+    ]);
+    assert!(!ok && err.contains("bad pages"), "{err}");
+    let out = dec.wait_with_output().unwrap();
+    assert!(!out.status.success(), "the decode host verified the bytes: it must fail too");
+}
+
+#[test]
+fn internal_subcommands_are_never_suggested_for_a_typo() {
+    for typo in ["replay-dec", "bench-targ"] {
+        let out = Command::new(env!("CARGO_BIN_EXE_kvwire")).arg(typo).output().unwrap();
+        assert!(!out.status.success());
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.contains("unrecognized subcommand"), "{err}");
+        assert!(!err.contains("replay-decode") && !err.contains("bench-target"), "{typo}: {err}");
+    }
+    // still reachable for the parent process that starts them
+    let out = Command::new(env!("CARGO_BIN_EXE_kvwire")).args(["replay-decode", "--help"]).output().unwrap();
+    assert!(out.status.success() && String::from_utf8_lossy(&out.stdout).contains("--connect"));
+}
+
+#[test]
+fn a_bad_trace_line_is_reported_at_one_location() {
+    let dir = std::env::temp_dir().join(format!("kvwire-trace-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("bad.jsonl");
+    std::fs::write(
+        &path,
+        "{\"timestamp\":0,\"input_length\":10,\"output_length\":1,\"hash_ids\":[1]}\n{\"timestamp\":1,\"input_length\":\"x\"}\n",
+    )
+    .unwrap();
+    let (ok, _, err) = replay(&["--trace", path.to_str().unwrap()]);
+    std::fs::remove_dir_all(&dir).unwrap();
+    assert!(!ok);
+    let want =
+        format!("error: {}:2:33: not a trace record: invalid type: string \"x\", expected u64\n", path.display());
+    assert!(err.contains(&want), "{err}");
+    assert!(!err.contains("at line 1"), "a second location: {err}");
+}
+
+/// Start `kvwire ARGS`, wait for `ready` on its stderr, then `wait` more,
+/// send SIGINT (Ctrl-C) to it alone, and return (exit ok, stderr, seconds from SIGINT to exit).
+fn interrupt(args: &[&str], ready: &str, wait: std::time::Duration) -> (bool, String, f64) {
+    use std::io::{BufRead, BufReader};
+    let mut child = Command::new(env!("CARGO_BIN_EXE_kvwire"))
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .args(args)
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut err = BufReader::new(child.stderr.take().unwrap());
+    let mut seen = String::new();
+    while !seen.contains(ready) {
+        assert!(err.read_line(&mut seen).unwrap() > 0, "exited before {ready:?}: {seen}");
+    }
+    std::thread::sleep(wait);
+    let t0 = std::time::Instant::now();
+    // SAFETY: kill(2) on our own child's pid.
+    assert_eq!(unsafe { libc::kill(child.id() as i32, libc::SIGINT) }, 0);
+    let mut rest = String::new();
+    std::io::Read::read_to_string(&mut err, &mut rest).unwrap();
+    let status = child.wait().unwrap();
+    (status.success(), seen + &rest, t0.elapsed().as_secs_f64())
+}
+
+#[test]
+fn ctrl_c_prints_a_one_line_partial_summary() {
+    // 200 requests at real-time speed take minutes: interrupted after 2 s.
+    let (ok, err, secs) = interrupt(
+        &["replay", "--requests", "200", "--speed", "1", "--decode-pages", "2048"],
+        "replay: 200 requests from",
+        std::time::Duration::from_secs(2),
+    );
+    assert!(!ok);
+    assert!(secs < 10.0, "took {secs} s to stop");
+    let errors: Vec<&str> = err.lines().filter(|l| l.starts_with("error: ")).collect();
+    assert_eq!(errors.len(), 1, "{err}");
+    assert!(errors[0].contains("interrupted (Ctrl-C) after") && errors[0].contains("/200 requests verified"), "{err}");
+    // the same for bench, in its long latency phase
+    let (ok, err, _) = interrupt(
+        // a progress line (after 2 s) shows it is in the latency phase
+        &["bench", "--block-size", "1MiB", "--blocks", "8", "--iters", "1", "--lat-iters", "1000000"],
+        "single-block latency transfers",
+        std::time::Duration::ZERO,
+    );
+    assert!(!ok);
+    let errors: Vec<&str> = err.lines().filter(|l| l.starts_with("error: ")).collect();
+    assert_eq!(errors.len(), 1, "{err}");
+    assert!(
+        errors[0].contains("interrupted (Ctrl-C) after") && errors[0].contains("/1000000 single-block latency"),
+        "{err}"
+    );
+}

@@ -28,8 +28,12 @@ pub(crate) use target::{TargetArgs, run_target};
 /// Options of `kvwire bench`.
 #[derive(Args, Debug, Clone)]
 pub(crate) struct BenchArgs {
-    /// Transport: shm, verbs or tcp.
-    #[arg(long, default_value = "shm")]
+    /// Transport: shm, verbs or tcp (default: shm, or tcp when --connect
+    /// names another host; shm works within one host only).
+    #[arg(long = "transport", value_name = "TRANSPORT")]
+    transport_flag: Option<TransportKind>,
+    /// The transport used (resolved from --transport and --connect).
+    #[arg(skip = TransportKind::Shm)]
     transport: TransportKind,
     /// write (push to the target) or read (pull from it).
     #[arg(long, default_value = "write", value_parser = ["write", "read"])]
@@ -58,8 +62,12 @@ pub(crate) struct BenchArgs {
     /// default each carries one, checked on the target.
     #[arg(long)]
     no_notify: bool,
-    /// Single-block transfers timed for the latency columns (0..=1000000).
-    #[arg(long, default_value_t = 200)]
+    /// Single-block transfers timed for the latency columns (0..=1000000;
+    /// default 200, fewer for large blocks: at most 2 GiB moved, at least 5).
+    #[arg(long = "lat-iters", value_name = "LAT_ITERS")]
+    lat_iters_flag: Option<usize>,
+    /// The latency transfers used (resolved from --lat-iters and the block size).
+    #[arg(skip)]
     lat_iters: usize,
     /// Copy/progress threads of CPU-copying transports.
     #[arg(long, default_value_t = 2)]
@@ -223,6 +231,8 @@ struct Report {
     blocks: u64,
     bytes_per_transfer: u64,
     iters: usize,
+    /// Single-block latency transfers (`--lat-iters` or its default).
+    lat_iters: usize,
     scatter: bool,
     copy_threads: usize,
     pipeline: usize,
@@ -282,11 +292,93 @@ fn check_counts(a: &BenchArgs) -> Result<()> {
     Ok(())
 }
 
-/// `kvwire bench`.
-pub(crate) fn run(a: BenchArgs) -> Result<()> {
-    if a.blocks == 0 || a.iters == 0 {
-        bail!("--blocks and --iters must be at least 1");
+/// Default `--lat-iters` for `block_size`: 200, but no more than 2 GiB
+/// moved in all (a whole 1 GiB block 200 times took 82 s), and at least 5.
+fn default_lat_iters(block_size: u64) -> usize {
+    ((2u64 << 30) / block_size.max(1)).clamp(5, 200) as usize
+}
+
+/// Flags that set the test: a `--listen` target takes them from the
+/// initiator's Setup, so giving them there would be silently ignored.
+const INITIATOR_FLAGS: &[&str] = &[
+    "--transport",
+    "--op",
+    "--block-size",
+    "--blocks",
+    "--iters",
+    "--warmup",
+    "--scatter",
+    "--pipeline",
+    "--no-notify",
+    "--lat-iters",
+    "--copy-threads",
+    "--option",
+    "--target-option",
+    "--device",
+    "--target-device",
+    "--seed",
+    "--json",
+    "--poll-wait",
+    "--wait-sleep-us",
+    "--connect-timeout",
+];
+
+/// The test flags among `args` (the command line), for `--listen`.
+fn initiator_flags_given(args: &[String]) -> Vec<&'static str> {
+    INITIATOR_FLAGS
+        .iter()
+        .copied()
+        .filter(|f| args.iter().any(|a| a == f || a.strip_prefix(f).is_some_and(|r| r.starts_with('='))))
+        .collect()
+}
+
+/// The transport: `--transport`, else tcp when `--connect` names another
+/// host (shm cannot cross hosts), else shm; shm towards another host is
+/// refused saying what to add.
+fn resolve_transport(a: &BenchArgs) -> Result<TransportKind> {
+    let remote = a.connect.as_deref().and_then(reached_ip);
+    match (a.transport_flag, remote) {
+        (Some(TransportKind::Shm), Some(ip)) => Err(crate::failure::user_error(
+            format!("--transport shm moves bytes within one host; the target at {ip} is another host"),
+            "add --transport tcp (or --transport verbs with RDMA devices on both hosts)",
+        )),
+        (Some(t), _) => Ok(t),
+        (None, Some(ip)) => {
+            eprintln!(
+                "kvwire bench: the target at {ip} is another host: using --transport tcp (shm works within one host; add --transport verbs for RDMA)"
+            );
+            Ok(TransportKind::Tcp)
+        }
+        (None, None) => Ok(TransportKind::Shm),
     }
+}
+
+/// `kvwire bench`.
+pub(crate) fn run(mut a: BenchArgs) -> Result<()> {
+    if a.listen.is_some() {
+        let args: Vec<String> = std::env::args().collect();
+        let given = initiator_flags_given(&args);
+        if !given.is_empty() {
+            bail!(
+                "{} set the test, which a `bench --listen` target takes from its initiator: give {} to `kvwire bench --connect` instead (target-side backend options: --target-option there)",
+                given.join(", "),
+                if given.len() == 1 { "it" } else { "them" }
+            );
+        }
+    }
+    for (flag, v) in [("--blocks", a.blocks), ("--iters", a.iters as u64), ("--block-size", a.block_size)] {
+        if v == 0 {
+            bail!("{flag} must be at least 1, got 0");
+        }
+    }
+    if let Some(c) = &a.connect {
+        crate::dial::check_host_port(c)?;
+    }
+    a.transport = resolve_transport(&a)?;
+    if a.listen.is_none() {
+        crate::failure::catch_interrupt();
+    }
+    a.lat_iters = a.lat_iters_flag.unwrap_or_else(|| default_lat_iters(a.block_size));
     check_counts(&a)?;
     crate::units::check_option_keys(a.transport, "--option", &a.options)?;
     crate::units::check_option_keys(a.transport, "--target-option", &a.target_options)?;
@@ -306,8 +398,13 @@ pub(crate) fn run(a: BenchArgs) -> Result<()> {
         "use fewer --blocks or a smaller --block-size",
     )?;
     if let Some(addr) = &a.listen {
-        let (l, bound) = SideChannel::bind(addr)
-            .with_context(|| format!("--listen {addr} (expected IP:PORT, e.g. 0.0.0.0:18515)"))?;
+        let (l, bound) = SideChannel::bind(addr).with_context(|| {
+            if addr.parse::<std::net::SocketAddr>().is_ok() {
+                format!("--listen {addr}")
+            } else {
+                format!("--listen {addr} (expected IP:PORT, e.g. 0.0.0.0:18515)")
+            }
+        })?;
         eprintln!("kvwire bench: target waiting for an initiator on {bound}");
         return target::listen(&l);
     }
@@ -385,6 +482,14 @@ fn initiate(a: &BenchArgs, total: u64, chan: &mut SideChannel) -> Result<Report>
     let remote: Vec<Desc> =
         dst.iter().map(|&d| Desc::new(remote_base + d as u64 * a.block_size, a.block_size)).collect();
 
+    let segment_count = count_segments(&local, &remote);
+    if !a.json {
+        // The header now, before the measured phases (which may take long).
+        use std::io::Write;
+        println!("{}", header(a, total, segment_count));
+        let _ = std::io::stdout().flush();
+    }
+    let mut progress = Progress::new(a.json);
     let mut lat_us = Vec::with_capacity(a.iters);
     let mut post_ns = Vec::with_capacity(a.iters);
     let mut post_cpu_ns = Vec::with_capacity(a.iters);
@@ -420,9 +525,9 @@ fn initiate(a: &BenchArgs, total: u64, chan: &mut SideChannel) -> Result<Report>
         let (h, t0) = inflight.pop_front().expect("the loop keeps one in flight");
         wait_done(&mut engine, h, a)?;
         lat_us.push(t0.elapsed().as_secs_f64() * 1e6);
+        progress.tick("measured transfers", lat_us.len(), a.iters)?;
     }
     moved_ns += phase.elapsed().as_nanos();
-    let segment_count = count_segments(&local, &remote);
     let verified_local = op == Op::Write || count_bad(&buf, a.block_size, &dst, Op::Read) == 0;
     let mut page_lat = Vec::with_capacity(a.lat_iters);
     for i in 0..a.lat_iters {
@@ -431,6 +536,7 @@ fn initiate(a: &BenchArgs, total: u64, chan: &mut SideChannel) -> Result<Report>
         let h = engine.post_with(op, &local[k..k + 1], &meta.name, &remote[k..k + 1], None, &mut segments)?;
         wait_done(&mut engine, h, a)?;
         page_lat.push(t0.elapsed().as_secs_f64() * 1e6);
+        progress.tick("single-block latency transfers", page_lat.len(), a.lat_iters)?;
     }
     let notifications = if a.no_notify { 0 } else { a.warmup + a.iters };
     chan.send(&Ctl::Verify { seed: a.seed, scatter: a.scatter, notifications })?;
@@ -448,6 +554,7 @@ fn initiate(a: &BenchArgs, total: u64, chan: &mut SideChannel) -> Result<Report>
         blocks: a.blocks,
         bytes_per_transfer: total,
         iters: a.iters,
+        lat_iters: a.lat_iters,
         scatter: a.scatter,
         copy_threads: a.copy_threads,
         pipeline: a.pipeline,
@@ -494,23 +601,66 @@ fn count_segments(local: &[Desc], remote: &[Desc]) -> usize {
         .count()
 }
 
+/// The table's first line, printed before the measured phases.
+fn header(a: &BenchArgs, total: u64, segments: usize) -> String {
+    format!(
+        "kvwire bench: {} {}, {} x {} blocks ({}), {}, {} iters, {} latency iters, {} copy threads, {} segments after coalescing",
+        a.transport,
+        a.op.to_uppercase(),
+        a.blocks,
+        human(a.block_size),
+        human(total),
+        if a.scatter { "scattered" } else { "contiguous" },
+        a.iters,
+        a.lat_iters,
+        a.copy_threads,
+        segments
+    )
+}
+
+/// A line on stderr every 2 s of a long phase (as perftest prints), so
+/// that a large run is never silent.
+struct Progress {
+    last: Instant,
+    started: Instant,
+    quiet: bool,
+    every: Duration,
+}
+
+impl Progress {
+    fn new(quiet: bool) -> Self {
+        // KVWIRE_PROGRESS_MS: a shorter interval, for the tests.
+        let every = std::env::var("KVWIRE_PROGRESS_MS")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .map_or(PROGRESS_EVERY, Duration::from_millis);
+        Self { last: Instant::now(), started: Instant::now(), quiet, every }
+    }
+
+    /// One more of `of` done; stops the run on Ctrl-C with what was done.
+    fn tick(&mut self, what: &str, done: usize, of: usize) -> Result<()> {
+        if crate::failure::interrupted() {
+            bail!(
+                "interrupted (Ctrl-C) after {done}/{of} {what} ({:.1} s into the run)",
+                self.started.elapsed().as_secs_f64()
+            );
+        }
+        if !self.quiet && self.last.elapsed() >= self.every {
+            self.last = Instant::now();
+            eprintln!("kvwire bench: {done}/{of} {what}");
+        }
+        Ok(())
+    }
+}
+
+/// How often [`Progress`] prints.
+const PROGRESS_EVERY: Duration = Duration::from_secs(2);
+
 fn print_report(r: &Report, json: bool) {
     if json {
         println!("{}", serde_json::to_string(r).expect("plain data"));
         return;
     }
-    println!(
-        "kvwire bench: {} {}, {} x {} blocks ({}), {}, {} iters, {} copy threads, {} segments after coalescing",
-        r.transport,
-        r.op.to_uppercase(),
-        r.blocks,
-        human(r.block_size),
-        human(r.bytes_per_transfer),
-        if r.scatter { "scattered" } else { "contiguous" },
-        r.iters,
-        r.copy_threads,
-        r.segments_after_coalescing
-    );
     println!(
         "{:>10} {:>7} {:>8} {:>11} {:>6} {:>12} {:>6} {:>9} {:>9} {:>13} {:>11} {:>11} {:>9}",
         "block",

@@ -75,6 +75,7 @@ fn target_loop(chan: &mut SideChannel, setup: Ctl) -> Result<()> {
     engine.register(buf.clone())?;
     chan.send(&Ctl::Meta(engine.metadata().to_bytes()))?;
     let mut seen = 0usize;
+    let mut verified = false;
     loop {
         match chan.recv()? {
             Ctl::Verify { seed, scatter, notifications } => {
@@ -92,8 +93,12 @@ fn target_loop(chan: &mut SideChannel, setup: Ctl) -> Result<()> {
                     0
                 };
                 chan.send(&Ctl::Verified { bad_blocks, notifications: seen })?;
+                verified = true;
             }
-            Ctl::Exit => return Ok(()),
+            Ctl::Exit if verified => return Ok(()),
+            Ctl::Exit => bail!(
+                "the initiator left before any transfer was measured (its own error says why; a target on another host needs --transport tcp or verbs there)"
+            ),
             other => bail!("unexpected {other:?}"),
         }
     }

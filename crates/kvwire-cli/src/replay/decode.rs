@@ -8,7 +8,7 @@ use std::time::Instant;
 use anyhow::{Result, bail};
 use kvwire::kv::TransferReqData;
 use kvwire::sidechannel::{SideChannel, SideChannelError};
-use kvwire::transport::TransportConfig;
+use kvwire::transport::{TransportConfig, TransportKind};
 
 use super::pool::PagePool;
 use super::prefill::{CacheShape, Idle, build_engine, spawn_reader};
@@ -36,21 +36,64 @@ struct Holding {
 /// A release in simulated time: (time in µs, request id).
 type Release = Reverse<(u64, u64)>;
 
-pub(super) fn run(mut chan: SideChannel) -> Result<()> {
+/// What `replay --role decode` sets on its own side (the one-host replay
+/// takes all of it from prefill's Setup).
+#[derive(Debug, Clone)]
+pub(super) struct Own {
+    /// Transport this decode was started with (must match prefill's).
+    pub transport: TransportKind,
+    /// Copy threads.
+    pub copy_threads: usize,
+    /// This side's backend options (`--option`).
+    pub options: Vec<(String, String)>,
+}
+
+/// What one prefill connection ended with (`--role decode`).
+pub(super) struct Served {
+    /// The prefill's summary table.
+    pub table: String,
+    /// The same as one JSON object.
+    pub json: String,
+    /// Pages (× shards) that this side found wrong.
+    pub bad_pages: u64,
+}
+
+pub(super) fn run(mut chan: SideChannel, own: Option<&Own>) -> Result<Option<Served>> {
     let setup = match chan.recv() {
         Ok(m) => m,
         // Prefill stopped before setting up (it reports its own error).
-        Err(SideChannelError::Closed) => return Ok(()),
+        Err(SideChannelError::Closed) => return Ok(None),
         Err(e) => return Err(e.into()),
     };
-    let Msg::Setup { geometry: g, num_pages, transport, copy_threads, options, decode_step_ms, speed, etcd } = setup
+    let Msg::Setup {
+        geometry: g,
+        num_pages,
+        transport,
+        copy_threads,
+        options,
+        decode_step_ms,
+        speed,
+        etcd,
+        decode_name,
+        prefill_name,
+        summary,
+    } = setup
     else {
         bail!("expected Setup from prefill");
     };
+    let (copy_threads, options) = match own {
+        Some(o) if o.transport != transport => bail!(
+            "the prefill replays over {transport}; this decode was started with --transport {}: give both the same --transport",
+            o.transport
+        ),
+        Some(o) => (o.copy_threads, o.options.clone()),
+        None => (copy_threads, options),
+    };
     let cfg = TransportConfig { copy_threads, options, ..TransportConfig::default() };
     let shape = CacheShape { dp: g.dp, tp: g.decode_tp, num_pages, bytes_per_page: g.bytes_per_page, mla: g.mla };
-    let (mut engine, hosts) = build_engine("decode", &shape, transport, &cfg)?;
-    let (prefill_md, _published) = exchange_metadata(&mut chan, etcd.as_ref(), &engine.metadata(), "prefill", true)?;
+    let (mut engine, hosts) = build_engine(&decode_name, &shape, transport, &cfg)?;
+    let (prefill_md, _published) =
+        exchange_metadata(&mut chan, etcd.as_ref(), &engine.metadata(), &prefill_name, true)?;
     engine.connect(&prefill_md)?;
     let inbox = spawn_reader(&chan)?;
 
@@ -64,6 +107,7 @@ pub(super) fn run(mut chan: SideChannel) -> Result<()> {
     let mut tail = [0u8; 8]; // a page's last bytes past its whole words
     let mut idle = Idle::new();
     let mut finishing = false;
+    let mut bad_total = 0u64;
     loop {
         let mut progressed = false;
         while let Ok(m) = inbox.try_recv() {
@@ -168,6 +212,7 @@ pub(super) fn run(mut chan: SideChannel) -> Result<()> {
             }
             let done_us = h.arrival_ms * 1000 + (h.output_len as f64 * decode_step_ms * 1000.0) as u64;
             releases.push(Reverse((done_us, id)));
+            bad_total += bad;
             chan.send(&Msg::Verified { id, bad_pages: bad, error: None })?;
             progressed = true;
         }
@@ -175,8 +220,19 @@ pub(super) fn run(mut chan: SideChannel) -> Result<()> {
             let high_water = pools.iter().map(PagePool::high_water).max().unwrap_or(0);
             let capacity = pools[0].capacity();
             chan.send(&Msg::Finished { high_water, capacity, backpressured })?;
+            let served = if summary {
+                let m = inbox
+                    .recv_timeout(std::time::Duration::from_secs(60))
+                    .map_err(|_| anyhow::anyhow!("the prefill sent no summary within 60 s"))?;
+                match m.map_err(|e| anyhow::anyhow!("prefill process: {e}"))? {
+                    Msg::Summary { table, json } => Some(Served { table, json, bad_pages: bad_total }),
+                    other => bail!("expected the summary from prefill, got {other:?}"),
+                }
+            } else {
+                None
+            };
             engine.cleanup()?;
-            return Ok(());
+            return Ok(served);
         }
         if progressed {
             idle.reset();

@@ -21,7 +21,7 @@ pub(crate) mod trace;
 use std::path::PathBuf;
 use std::time::Duration;
 
-use anyhow::Result;
+use anyhow::{Context, Result};
 use clap::Args;
 use kvwire::sidechannel::SideChannel;
 use kvwire::transport::TransportKind;
@@ -104,6 +104,31 @@ pub(crate) struct ReplayArgs {
     /// Host tier size (GiB, 0..=1048576; default 4); needs `--connector host`.
     #[arg(long)]
     pub host_tier_gib: Option<f64>,
+    /// Run one side only, for prefill and decode on different hosts:
+    /// `decode` (listens on --listen for --prefills prefill processes,
+    /// verifies every byte, prints each one's summary) or `prefill` (reads
+    /// the trace, sends its share to the decode engines at --connect).
+    /// Routing: trace request i goes to prefill i mod P (P = --prefills,
+    /// this one is --prefill-rank), and the j-th request of a prefill's share
+    /// to decode engine j mod N (N = addresses in --connect, in order).
+    /// Default: both sides on this host, decode as a child process.
+    #[arg(long, value_parser = ["decode", "prefill"])]
+    pub role: Option<String>,
+    /// `--role decode`: side-channel address to listen on for the prefills (IP:PORT).
+    #[arg(long, value_name = "IP:PORT")]
+    pub listen: Option<String>,
+    /// `--role prefill`: the decode engines' --listen addresses, comma-separated (HOST:PORT,...).
+    #[arg(long, value_name = "HOST:PORT,...", value_delimiter = ',')]
+    pub connect: Vec<String>,
+    /// Prefill processes sharing the trace (each decode serves them all).
+    #[arg(long, default_value_t = 1)]
+    pub prefills: usize,
+    /// `--role prefill`: which of the --prefills this one is, 0-based.
+    #[arg(long, default_value_t = 0)]
+    pub prefill_rank: usize,
+    /// Seconds a side waits for the other to connect (--role only).
+    #[arg(long, default_value_t = 60)]
+    pub wait_s: u64,
     /// Test hook: fill page 0 of request N with the wrong bytes, to prove
     /// that verification catches it (the replay must then fail).
     #[arg(long, hide = true)]
@@ -167,6 +192,12 @@ pub(crate) enum Msg {
         speed: Option<f64>,
         /// etcd URL and key prefix, when metadata goes through etcd.
         etcd: Option<(String, String)>,
+        /// The decode engine's name (unique per prefill × decode pair).
+        decode_name: String,
+        /// The prefill engine's name.
+        prefill_name: String,
+        /// Send the summary to decode after `Finished` (`--role`).
+        summary: bool,
     },
     /// Either way: KV engine metadata bytes (empty: published in etcd).
     Meta(Vec<u8>),
@@ -217,6 +248,14 @@ pub(crate) enum Msg {
     },
     /// P→D: all done; report your pool high-water mark.
     Finish,
+    /// P→D: the run's summary, as the table and as JSON (`--role`), so
+    /// that the decode host prints the same one.
+    Summary {
+        /// The table.
+        table: String,
+        /// One JSON object.
+        json: String,
+    },
     /// D→P: final decode-side figures.
     Finished {
         /// Most decode pages in use at once (per replica, max).
@@ -297,13 +336,27 @@ pub(crate) fn default_trace() -> PathBuf {
 
 /// `kvwire replay`.
 pub(crate) fn run(a: ReplayArgs) -> Result<()> {
+    prefill::validate(&a)?;
+    if a.role.as_deref() != Some("decode") {
+        crate::failure::catch_interrupt();
+    }
+    match a.role.as_deref() {
+        Some("decode") => return run_decode_role(&a),
+        Some(_) => return run_prefill_role(&a),
+        None => {}
+    }
+    if !a.connect.is_empty() || a.listen.is_some() || a.prefills != 1 || a.prefill_rank != 0 {
+        anyhow::bail!(
+            "--listen, --connect, --prefills and --prefill-rank split the replay across processes: add --role decode or --role prefill"
+        );
+    }
     crate::units::check_option_keys(a.transport, "--option", &a.options)?;
     crate::units::check_option_keys(a.transport, "--decode-option", &a.decode_options)?;
     let (l, addr) = SideChannel::bind("127.0.0.1:0")?;
     let child = crate::child::Child::spawn("decode", &["replay-decode", "--connect", &addr.to_string()])?;
     let chan = SideChannel::accept(&l)?;
     chan.set_read_timeout(Some(Duration::from_secs(300)))?;
-    let report = child.finish(prefill::run(&a, chan))?;
+    let report = child.finish(prefill::run(&a, vec![chan]))?;
     report::print(&report, a.json);
     if !report.verified {
         anyhow::bail!("replay failed: {} bad pages, {} failed transfers", report.bad_pages, report.failed);
@@ -311,8 +364,110 @@ pub(crate) fn run(a: ReplayArgs) -> Result<()> {
     Ok(())
 }
 
+/// `replay --role prefill`: this host's share of the trace, sent to the
+/// decode engines at `--connect`.
+fn run_prefill_role(a: &ReplayArgs) -> Result<()> {
+    if a.connect.is_empty() {
+        anyhow::bail!(
+            "--role prefill needs --connect HOST:PORT[,HOST:PORT...] (the decode engines' --listen addresses)"
+        );
+    }
+    if a.listen.is_some() {
+        anyhow::bail!("--listen is for --role decode; a prefill connects (--connect)");
+    }
+    if !a.decode_options.is_empty() {
+        anyhow::bail!(
+            "--decode-option is for the one-host replay; give the decode host its options with --option there"
+        );
+    }
+    crate::units::check_option_keys(a.transport, "--option", &a.options)?;
+    let mut chans = Vec::with_capacity(a.connect.len());
+    for addr in &a.connect {
+        if !addr.contains(':') {
+            anyhow::bail!("--connect {addr}: expected HOST:PORT (the decode engine's --listen address)");
+        }
+        eprintln!(
+            "replay prefill {}: connecting to the decode engine at {addr} (up to {} s)",
+            a.prefill_rank, a.wait_s
+        );
+        let chan = SideChannel::connect(addr, Duration::from_secs(a.wait_s))
+            .with_context(|| format!("no `kvwire replay --role decode` at {addr}"))?;
+        chan.set_read_timeout(Some(Duration::from_secs(300)))?;
+        chans.push(chan);
+    }
+    let report = prefill::run(a, chans)?;
+    report::print(&report, a.json);
+    if !report.verified {
+        anyhow::bail!("replay failed: {} bad pages, {} failed transfers", report.bad_pages, report.failed);
+    }
+    Ok(())
+}
+
+/// `replay --role decode`: serve `--prefills` prefill processes, each with
+/// its own engine, verifying every byte; prints each prefill's summary.
+fn run_decode_role(a: &ReplayArgs) -> Result<()> {
+    let Some(listen) = a.listen.as_deref() else {
+        anyhow::bail!("--role decode needs --listen IP:PORT (the address the prefills --connect to)");
+    };
+    if !a.connect.is_empty() {
+        anyhow::bail!("--connect is for --role prefill; a decode listens (--listen)");
+    }
+    if !a.decode_options.is_empty() {
+        anyhow::bail!("--decode-option is for the one-host replay; on the decode host give its options with --option");
+    }
+    crate::units::check_option_keys(a.transport, "--option", &a.options)?;
+    let (l, addr) = SideChannel::bind(listen).with_context(|| format!("listening on {listen} (--listen)"))?;
+    eprintln!("replay decode: listening on {addr} for {} prefill(s) (up to {} s each)", a.prefills, a.wait_s);
+    let own = decode::Own { transport: a.transport, copy_threads: a.copy_threads, options: a.options.clone() };
+    let mut workers = Vec::new();
+    l.set_nonblocking(true)?;
+    for k in 0..a.prefills {
+        let deadline = std::time::Instant::now() + Duration::from_secs(a.wait_s);
+        let chan = loop {
+            match SideChannel::accept(&l) {
+                Ok(c) => break c,
+                Err(kvwire::sidechannel::SideChannelError::Io { source, .. })
+                    if source.kind() == std::io::ErrorKind::WouldBlock =>
+                {
+                    if std::time::Instant::now() >= deadline {
+                        anyhow::bail!(
+                            "no prefill connected to {addr} within {} s ({k} of {} came; --wait-s): start `kvwire replay --role prefill --connect {addr}` on the prefill host",
+                            a.wait_s,
+                            a.prefills
+                        );
+                    }
+                    std::thread::sleep(Duration::from_millis(20));
+                }
+                Err(e) => return Err(anyhow::Error::new(e).context(format!("accepting on {addr}"))),
+            }
+        };
+        chan.set_read_timeout(Some(Duration::from_secs(300)))?;
+        let own = own.clone();
+        workers.push(
+            std::thread::Builder::new().name(format!("decode-{k}")).spawn(move || decode::run(chan, Some(&own)))?,
+        );
+    }
+    let mut failed = Vec::new();
+    for (k, w) in workers.into_iter().enumerate() {
+        match w.join().map_err(|_| anyhow::anyhow!("decode worker {k} panicked"))? {
+            Ok(Some(s)) => {
+                print!("{}", if a.json { &s.json } else { &s.table });
+                if s.bad_pages > 0 {
+                    failed.push(format!("connection {k}: {} bad pages verified here", s.bad_pages));
+                }
+            }
+            Ok(None) => failed.push(format!("connection {k}: the prefill stopped before setting up")),
+            Err(e) => failed.push(format!("connection {k}: {e:#}")),
+        }
+    }
+    if !failed.is_empty() {
+        anyhow::bail!("replay decode failed: {}", failed.join("; "));
+    }
+    Ok(())
+}
+
 /// `kvwire replay-decode`: the decode engine, started by `replay`.
 pub(crate) fn run_decode(a: DecodeArgs) -> Result<()> {
     let chan = SideChannel::connect(&a.connect, Duration::from_secs(10))?;
-    decode::run(chan)
+    decode::run(chan, None).map(|_| ())
 }

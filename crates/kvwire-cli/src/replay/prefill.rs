@@ -102,7 +102,15 @@ pub(super) fn build_engine(
         memory.push(vec![m]);
         hosts.push(h);
     }
-    let engine = KVTransferEngine::new(name, memory, Some(vec![LEAF.to_string()]), transport, cfg)?;
+    let listen = cfg.options.iter().find(|(k, _)| k == "listen").map(|(_, v)| v.clone());
+    let engine = KVTransferEngine::new(name, memory, Some(vec![LEAF.to_string()]), transport, cfg);
+    // A bind failure names the address.
+    let engine = match listen {
+        Some(l) => {
+            engine.with_context(|| format!("starting the {name} engine's {transport} transport on listen={l}"))?
+        }
+        None => engine?,
+    };
     Ok((engine, hosts))
 }
 
@@ -115,7 +123,8 @@ struct Sending {
     offload: Option<kvwire::connector::KVConnectorTransfer>,
 }
 
-pub(super) fn run(a: &ReplayArgs, mut chan: SideChannel) -> Result<Report> {
+/// Check the flags before anything is loaded or allocated.
+pub(super) fn validate(a: &ReplayArgs) -> Result<()> {
     let model = ModelPreset::by_name(&a.model)?;
     if a.layers == 0 || a.layers > model.layers {
         bail!("--layers must be 1..={} for {}", model.layers, model.name);
@@ -123,8 +132,23 @@ pub(super) fn run(a: &ReplayArgs, mut chan: SideChannel) -> Result<Report> {
     if a.requests == Some(0) {
         bail!("--requests must be at least 1 (it replays the first N requests of the trace)");
     }
-    if a.page_tokens == 0 || a.tp == 0 || a.dp == 0 || a.inflight == 0 || a.decode_tp == Some(0) {
-        bail!("--page-tokens, --tp, --decode-tp, --dp and --inflight must be at least 1");
+    for (flag, v) in [
+        ("--page-tokens", a.page_tokens),
+        ("--tp", a.tp as u64),
+        ("--decode-tp", a.decode_tp.unwrap_or(1) as u64),
+        ("--dp", a.dp as u64),
+        ("--inflight", a.inflight as u64),
+        ("--copy-threads", a.copy_threads as u64),
+        ("--decode-pages", a.decode_pages),
+        ("--prefill-pages", a.prefill_pages.unwrap_or(1)),
+        ("--prefills", a.prefills as u64),
+    ] {
+        if v == 0 {
+            bail!("{flag} must be at least 1, got 0");
+        }
+    }
+    if a.prefill_rank >= a.prefills {
+        bail!("--prefill-rank must be 0..{} (0-based, below --prefills), got {}", a.prefills, a.prefill_rank);
     }
     if a.speed.is_some_and(|s| !(0.001..=1e6).contains(&s)) {
         bail!("--speed must be 0.001..=1000000 (times real time)");
@@ -141,6 +165,16 @@ pub(super) fn run(a: &ReplayArgs, mut chan: SideChannel) -> Result<Report> {
     if !(0.0..=60_000.0).contains(&a.decode_step_ms) {
         bail!("--decode-step-ms must be 0..=60000 (ms per output token), got {}", a.decode_step_ms);
     }
+    Ok(())
+}
+
+/// The prefill side: replays this process's share of the trace to the
+/// decode engines on `chans` (request j of the share → `chans[j % len]`).
+pub(super) fn run(a: &ReplayArgs, mut chans: Vec<SideChannel>) -> Result<Report> {
+    let model = ModelPreset::by_name(&a.model)?;
+    let tier_gib = a.host_tier_gib.unwrap_or(DEFAULT_HOST_TIER_GIB);
+    let n_dec = chans.len();
+    let role = a.role.is_some();
     let decode_tp = a.decode_tp.unwrap_or(a.tp);
     let page_bytes = |tp: usize, flag: &str| -> Result<u64> {
         let per_token = model.shard_bytes_per_token(a.layers, tp as u64).with_context(|| format!("{flag} {tp}"))?;
@@ -151,7 +185,15 @@ pub(super) fn run(a: &ReplayArgs, mut chan: SideChannel) -> Result<Report> {
     let prefill_bpp = page_bytes(a.tp, "--tp")?;
     let decode_bpp = page_bytes(decode_tp, "--decode-tp")?;
     let path = a.trace.clone().unwrap_or_else(default_trace);
-    let reqs = trace::load(&path, a.requests)?;
+    let reqs: Vec<TraceRequest> = trace::load(&path, a.requests)?
+        .into_iter()
+        .enumerate()
+        .filter(|(i, _)| i % a.prefills == a.prefill_rank)
+        .map(|(_, r)| r)
+        .collect();
+    if reqs.is_empty() {
+        bail!("prefill {} of {} has no requests of the trace to replay", a.prefill_rank, a.prefills);
+    }
     let pages_of = |r: &TraceRequest| r.input_length.div_ceil(a.page_tokens);
     let largest = reqs.iter().map(pages_of).max().unwrap_or(1);
     let prefill_pages = a.prefill_pages.unwrap_or((2 * largest + 1).max(1024));
@@ -160,7 +202,7 @@ pub(super) fn run(a: &ReplayArgs, mut chan: SideChannel) -> Result<Report> {
     }
     let pool = |pages: u64, bpp: u64, tp: usize| pages as u128 * bpp as u128 * tp as u128 * a.dp as u128;
     let (prefill_bytes, decode_bytes) =
-        (pool(prefill_pages, prefill_bpp, a.tp), pool(a.decode_pages, decode_bpp, decode_tp));
+        (pool(prefill_pages, prefill_bpp, a.tp), if role { 0 } else { pool(a.decode_pages, decode_bpp, decode_tp) });
     let tier_bytes = if a.connector == "host" { (tier_gib * (1u64 << 30) as f64) as u128 } else { 0 };
     crate::memcheck::check(
         "replay",
@@ -174,25 +216,51 @@ pub(super) fn run(a: &ReplayArgs, mut chan: SideChannel) -> Result<Report> {
         "use fewer --decode-pages/--prefill-pages, fewer --layers, or a smaller --host-tier-gib",
     )?;
     let geometry = Geometry { bytes_per_page: decode_bpp, decode_tp, prefill_tp: a.tp, dp: a.dp, mla: model.mla };
-    chan.send(&Msg::Setup {
-        geometry: geometry.clone(),
-        num_pages: a.decode_pages,
-        transport: a.transport,
-        copy_threads: a.copy_threads,
-        options: a.decode_options.clone(),
-        decode_step_ms: a.decode_step_ms,
-        speed: a.speed,
-        etcd: a.etcd.clone().map(|url| (url, a.etcd_prefix.clone())),
-    })?;
+    let prefill_name = if role { format!("prefill{}", a.prefill_rank) } else { "prefill".to_string() };
+    for (d, chan) in chans.iter_mut().enumerate() {
+        chan.send(&Msg::Setup {
+            geometry: geometry.clone(),
+            num_pages: a.decode_pages,
+            transport: a.transport,
+            copy_threads: a.copy_threads,
+            options: a.decode_options.clone(),
+            decode_step_ms: a.decode_step_ms,
+            speed: a.speed,
+            etcd: a.etcd.clone().map(|url| (url, a.etcd_prefix.clone())),
+            decode_name: if role { format!("decode{d}-p{}", a.prefill_rank) } else { "decode".to_string() },
+            prefill_name: prefill_name.clone(),
+            summary: role,
+        })?;
+    }
     let cfg =
         TransportConfig { copy_threads: a.copy_threads, options: a.options.clone(), ..TransportConfig::default() };
     let shape =
         CacheShape { dp: a.dp, tp: a.tp, num_pages: prefill_pages, bytes_per_page: prefill_bpp, mla: model.mla };
-    let (mut engine, hosts) = build_engine("prefill", &shape, a.transport, &cfg)?;
+    let (mut engine, hosts) = build_engine(&prefill_name, &shape, a.transport, &cfg)?;
     let etcd = a.etcd.clone().map(|url| (url, a.etcd_prefix.clone()));
-    let (decode_md, _published) = exchange_metadata(&mut chan, etcd.as_ref(), &engine.metadata(), "decode", false)?;
-    engine.connect(&decode_md).context("connecting to the decode engine")?;
-    let inbox = spawn_reader(&chan)?;
+    let mut decode_mds = Vec::with_capacity(n_dec);
+    let mut published = Vec::with_capacity(n_dec);
+    for (d, chan) in chans.iter_mut().enumerate() {
+        let their = if role { format!("decode{d}-p{}", a.prefill_rank) } else { "decode".to_string() };
+        let (md, p) = exchange_metadata(chan, etcd.as_ref(), &engine.metadata(), &their, false)?;
+        engine.connect(&md).with_context(|| format!("connecting to the decode engine {}", md.name))?;
+        decode_mds.push(md);
+        published.push(p);
+    }
+    let (tx, inbox) = crossbeam_channel::unbounded();
+    for (d, chan) in chans.iter().enumerate() {
+        let rx = spawn_reader(chan)?;
+        let tx = tx.clone();
+        std::thread::Builder::new().name(format!("replay-decode-{d}")).spawn(move || {
+            for m in rx {
+                if tx.send((d, m)).is_err() {
+                    return;
+                }
+            }
+        })?;
+    }
+    drop(tx);
+    let route = |id: u64| id as usize % n_dec;
 
     let mut pools: Vec<PagePool> = (0..a.dp).map(|_| PagePool::new(prefill_pages)).collect();
     let bar = ProgressBar::new(reqs.len() as u64);
@@ -243,6 +311,16 @@ pub(super) fn run(a: &ReplayArgs, mut chan: SideChannel) -> Result<Report> {
     }
     let mut last_line = Instant::now();
     while verified < reqs.len() {
+        if crate::failure::interrupted() {
+            let secs = started.elapsed().as_secs_f64();
+            bail!(
+                "interrupted (Ctrl-C) after {secs:.1} s: {verified}/{} requests verified, {:.2} GB sent, {} bad pages, {} failed transfers",
+                reqs.len(),
+                r.bytes as f64 / 1e9,
+                r.bad_pages,
+                r.failed
+            );
+        }
         if lines && last_line.elapsed() >= Duration::from_secs(5) {
             last_line = Instant::now();
             let secs = started.elapsed().as_secs_f64();
@@ -264,7 +342,7 @@ pub(super) fn run(a: &ReplayArgs, mut chan: SideChannel) -> Result<Report> {
                 break;
             }
             let id = next as u64;
-            chan.send(&Msg::Alloc {
+            chans[route(id)].send(&Msg::Alloc {
                 id,
                 pages: pages_of(q),
                 replica: next % a.dp,
@@ -278,7 +356,8 @@ pub(super) fn run(a: &ReplayArgs, mut chan: SideChannel) -> Result<Report> {
         // 2. messages from decode
         while let Ok(m) = inbox.try_recv() {
             progressed = true;
-            match m.map_err(|e| anyhow::anyhow!("decode process: {e}"))? {
+            let (d, m) = m;
+            match m.map_err(|e| anyhow::anyhow!("decode engine {}: {e}", a.connect.get(d).map_or("process", |s| s)))? {
                 Msg::Allocated { id, pages } => ready.push_back((id, pages)),
                 Msg::Verified { id, bad_pages, error } => {
                     r.bad_pages += bad_pages;
@@ -325,14 +404,14 @@ pub(super) fn run(a: &ReplayArgs, mut chan: SideChannel) -> Result<Report> {
             };
             let t0 = Instant::now();
             let req = engine.initiate_send_transfer(
-                decode_md.name.as_str(),
+                decode_mds[route(id)].name.as_str(),
                 &PageIdxs::per_leaf([(LEAF, src.clone())]),
                 &PageIdxs::per_leaf([(LEAF, dst.clone())]),
                 replica,
                 replica,
             )?;
             busy_since.get_or_insert(t0);
-            chan.send(&Msg::Sent { id, req: req.to_json(), keys })?;
+            chans[route(id)].send(&Msg::Sent { id, req: req.to_json(), keys })?;
             r.requests += 1;
             r.tokens += q.input_length;
             r.pages += src.len() as u64;
@@ -357,7 +436,7 @@ pub(super) fn run(a: &ReplayArgs, mut chan: SideChannel) -> Result<Report> {
                 Some(e) => {
                     // Cancel what may still be moving before the pages go back.
                     engine.cancel_transfer(&s.req)?;
-                    chan.send(&Msg::Abort { id, reason: e })?;
+                    chans[route(id)].send(&Msg::Abort { id, reason: e })?;
                 }
             }
             match s.offload {
@@ -391,17 +470,21 @@ pub(super) fn run(a: &ReplayArgs, mut chan: SideChannel) -> Result<Report> {
     if let Some(t) = busy_since.take() {
         busy += t.elapsed();
     }
-    chan.send(&Msg::Finish)?;
-    let finished = loop {
+    for chan in &mut chans {
+        chan.send(&Msg::Finish)?;
+    }
+    let (mut finished, mut got) = (0u64, 0usize);
+    while got < n_dec {
         match inbox.recv_timeout(Duration::from_secs(60)).context("waiting for decode's final figures")? {
-            Ok(Msg::Finished { high_water, backpressured, .. }) => {
-                r.backpressured = backpressured;
-                break high_water;
+            (_, Ok(Msg::Finished { high_water, backpressured, .. })) => {
+                r.backpressured += backpressured;
+                finished = finished.max(high_water);
+                got += 1;
             }
-            Ok(_) => continue,
-            Err(e) => bail!("decode process: {e}"),
+            (_, Ok(_)) => continue,
+            (_, Err(e)) => bail!("decode process: {e}"),
         }
-    };
+    }
     bar.finish_and_clear();
     r.elapsed_s = started.elapsed().as_secs_f64();
     r.gb_per_s = r.bytes as f64 / 1e9 / r.elapsed_s;
@@ -413,6 +496,16 @@ pub(super) fn run(a: &ReplayArgs, mut chan: SideChannel) -> Result<Report> {
     r.connector = a.connector.clone();
     r.prefix = tier.map(|t| t.finish(&all_hashes));
     r.verified = r.bad_pages == 0 && r.failed == 0 && r.requests == reqs.len() as u64;
+    r.decode_engines = n_dec;
+    r.prefills = a.prefills;
+    r.prefill_rank = a.prefill_rank;
+    if role {
+        let (table, json) = (super::report::render(&r, false), super::report::render(&r, true));
+        for chan in &mut chans {
+            chan.send(&Msg::Summary { table: table.clone(), json: json.clone() })?;
+        }
+    }
+    drop(published);
     engine.cleanup()?;
     Ok(r)
 }

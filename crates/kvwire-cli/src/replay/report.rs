@@ -60,6 +60,12 @@ pub(super) struct Report {
     pub failed: u64,
     /// True when every byte arrived intact and nothing failed.
     pub verified: bool,
+    /// Decode engines this prefill sent to (`--connect`).
+    pub decode_engines: usize,
+    /// Prefill processes sharing the trace.
+    pub prefills: usize,
+    /// This prefill's rank among them.
+    pub prefill_rank: usize,
     /// KV connector used for prefix reuse (`none`, `host`).
     pub connector: String,
     /// Prefix-reuse figures, with a connector.
@@ -69,11 +75,26 @@ pub(super) struct Report {
 
 /// Print `r` as a table or as JSON.
 pub(super) fn print(r: &Report, json: bool) {
+    print!("{}", render(r, json));
+}
+
+/// `r` as a table or as one JSON line.
+pub(super) fn render(r: &Report, json: bool) -> String {
+    use std::fmt::Write;
+    let mut o = String::new();
     if json {
-        println!("{}", serde_json::to_string(r).expect("plain data"));
-        return;
+        let _ = writeln!(o, "{}", serde_json::to_string(r).expect("plain data"));
+        return o;
     }
-    println!(
+    if r.prefills > 1 || r.decode_engines > 1 {
+        let _ = writeln!(
+            o,
+            "prefill {} of {} (trace request i -> prefill i mod {}), to {} decode engine(s) (share request j -> decode j mod {})",
+            r.prefill_rank, r.prefills, r.prefills, r.decode_engines, r.decode_engines
+        );
+    }
+    let _ = writeln!(
+        o,
         "kvwire replay: {} requests over {} ({}, {} layer(s): {}/token; full model {}/token, x{:.0}), TP {}->{}, DP {}, {} tokens/page",
         r.requests,
         r.transport,
@@ -87,7 +108,8 @@ pub(super) fn print(r: &Report, json: bool) {
         r.dp,
         r.page_tokens
     );
-    println!(
+    let _ = writeln!(
+        o,
         "{:>9} {:>9} {:>10} {:>8} {:>7} {:>9} {:>8} {:>8} {:>8} {:>14} {:>8}",
         "requests",
         "pages",
@@ -101,7 +123,8 @@ pub(super) fn print(r: &Report, json: bool) {
         "decode pool hw",
         "verified"
     );
-    println!(
+    let _ = writeln!(
+        o,
         "{:>9} {:>9} {:>10.2} {:>8.1} {:>7.2} {:>9.2} {:>8.2} {:>8.2} {:>8.2} {:>8}/{:<5} {:>8}",
         r.requests,
         r.pages,
@@ -116,13 +139,15 @@ pub(super) fn print(r: &Report, json: bool) {
         r.decode_pool_capacity,
         r.verified
     );
-    println!(
+    let _ = writeln!(
+        o,
         "  GB = 1e9 bytes moved and verified (all shards); GB/s = GB / wall time; wire GB/s = GB / time with a \
          transfer in flight;\n  p50/p99/max = transfer latency from post to completion; decode pool hw = most \
          decode pages in use at once / pool size"
     );
     if let Some(p) = &r.prefix {
-        println!(
+        let _ = writeln!(
+            o,
             "prefix reuse ({}): hit rate {:.1}% of {} full prefix pages (unlimited tier: {:.1}%; trace block repeats: {:.1}%), loaded {:.2} GB, computed {:.2} GB",
             r.connector,
             100.0 * p.prefix_hit_rate,
@@ -134,6 +159,7 @@ pub(super) fn print(r: &Report, json: bool) {
         );
     }
     if r.bad_pages > 0 || r.failed > 0 {
-        println!("{} bad pages, {} failed transfers", r.bad_pages, r.failed);
+        let _ = writeln!(o, "{} bad pages, {} failed transfers", r.bad_pages, r.failed);
     }
+    o
 }

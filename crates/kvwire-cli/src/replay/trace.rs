@@ -37,8 +37,13 @@ pub(crate) fn load(path: &Path, limit: Option<usize>) -> Result<Vec<TraceRequest
         if line.trim().is_empty() {
             continue;
         }
-        let r: TraceRequest =
-            serde_json::from_str(&line).with_context(|| format!("{}:{}: not a trace record", path.display(), n + 1))?;
+        // One location, the file's: `FILE:LINE:COLUMN`, and serde's message
+        // without its own "at line 1 column C" (the line is one record).
+        let r: TraceRequest = serde_json::from_str(&line).map_err(|e| {
+            let msg = e.to_string();
+            let msg = msg.rfind(" at line ").map_or(msg.as_str(), |i| &msg[..i]).to_string();
+            anyhow::anyhow!("{}:{}:{}: not a trace record: {msg}", path.display(), n + 1, e.column())
+        })?;
         out.push(r);
     }
     if out.is_empty() {
