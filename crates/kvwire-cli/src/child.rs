@@ -6,6 +6,7 @@
 //! reads the child's stderr, passes every other line through, keeps the
 //! cause, and [`Child::finish`] chooses what to report.
 
+use crate::failure::ChildFailed;
 use std::io::{BufRead, BufReader};
 use std::process::{Command, ExitStatus, Stdio};
 use std::sync::{Arc, Mutex};
@@ -72,17 +73,6 @@ impl Report {
             }
         }
     }
-}
-
-/// A helper process failed: its cause, reported once by the parent (and
-/// its backtrace under `-v`).
-#[derive(Debug, thiserror::Error)]
-#[error("the {role} process failed: {cause}")]
-pub(crate) struct ChildFailed {
-    role: &'static str,
-    cause: String,
-    /// The child's backtrace lines (`-v` with `RUST_BACKTRACE=1`).
-    pub backtrace: Vec<String>,
 }
 
 impl Child {

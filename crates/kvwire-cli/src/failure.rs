@@ -101,7 +101,7 @@ pub(crate) fn etcd_error(e: kvwire_discovery::DiscoveryError, doing: &str, url: 
 pub(crate) fn report(e: &anyhow::Error) {
     if verbose() {
         eprintln!("error: {e:?}");
-        if let Some(c) = e.chain().find_map(|c| c.downcast_ref::<crate::child::ChildFailed>())
+        if let Some(c) = e.chain().find_map(|c| c.downcast_ref::<ChildFailed>())
             && !c.backtrace.is_empty()
         {
             eprintln!("\nStack backtrace of the failed process:");
@@ -158,4 +158,15 @@ mod tests {
         let e = anyhow::Error::new(io).context("connect: Connection refused").context("connecting to etcd at X");
         assert_eq!(one_line(&e), "connecting to etcd at X: connect: Connection refused");
     }
+}
+
+/// A helper process failed: its cause, reported once by the parent (and
+/// its backtrace under `-v`).
+#[derive(Debug, thiserror::Error)]
+#[error("the {role} process failed: {cause}")]
+pub(crate) struct ChildFailed {
+    pub(crate) role: &'static str,
+    pub(crate) cause: String,
+    /// The child's backtrace lines (`-v` with `RUST_BACKTRACE=1`).
+    pub backtrace: Vec<String>,
 }

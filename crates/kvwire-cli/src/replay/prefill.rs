@@ -14,15 +14,12 @@ use kvwire::transport::TransportConfig;
 
 use super::model::ModelPreset;
 use super::pool::PagePool;
-use super::prefix::{PrefixTier, offload_landed, page_content_key, page_hashes};
+use super::prefix::{LEAF, PrefixTier, offload_landed, page_content_key, page_hashes};
 use super::report::Report;
 use super::trace::{self, TraceRequest};
 use super::{Geometry, Msg, ReplayArgs, default_trace, exchange_metadata, shard_key};
 use crate::pattern::fill_page;
 use crate::units::percentile;
-
-/// Leaf id of the one KV group.
-pub(super) const LEAF: &str = "kv";
 
 /// `--host-tier-gib` when not given (with `--connector host`).
 const DEFAULT_HOST_TIER_GIB: f64 = 4.0;

@@ -22,6 +22,9 @@ use serde::Serialize;
 use super::trace::TraceRequest;
 use crate::pattern::mix;
 
+/// Leaf id of the one KV group.
+pub(super) const LEAF: &str = "kv";
+
 /// Tokens per `hash_ids` block in Mooncake traces.
 pub(super) const TRACE_BLOCK_TOKENS: u64 = 512;
 
@@ -75,7 +78,7 @@ impl PrefixTier {
         if page_tokens > TRACE_BLOCK_TOKENS || !TRACE_BLOCK_TOKENS.is_multiple_of(page_tokens) {
             bail!("--connector needs --page-tokens dividing {TRACE_BLOCK_TOKENS} (the trace's hash block)");
         }
-        let leaf = LeafId::from(super::prefill::LEAF);
+        let leaf = LeafId::from(LEAF);
         let replicas = engine
             .memory()
             .iter()
