@@ -246,9 +246,9 @@ fn a_live_shm_target_survives_mutated_packets() {
 
     // A real initiator still connects, writes and notifies.
     let mut init = ShmTransport::new("init", &cfg).unwrap();
-    let src = HostBuffer::new(4096).unwrap();
+    let src = std::sync::Arc::new(HostBuffer::new(4096).unwrap());
     src.fill_with(0, 4096, |_| 0x5a);
-    let l = init.register(&src).unwrap();
+    let l = init.register(src.clone()).unwrap();
     let peer = init.connect("target", &target.connection_info(), &[region]).unwrap();
     let seg =
         Segment { local_addr: src.addr(), remote_addr: region.addr, len_bytes: 4096, lkey: l.lkey, rkey: reg.rkey };

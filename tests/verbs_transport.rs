@@ -204,11 +204,11 @@ fn verbs_wrong_rkey_fails_with_remote_access_error_then_recovers() {
     let (tdev, idev) = need_devices!();
     let mut target = transport::create(TransportKind::Verbs, "t-rkey", &config(&tdev, &[])).unwrap();
     let mut init = transport::create(TransportKind::Verbs, "i-rkey", &config(&idev, &[])).unwrap();
-    let dst = HostBuffer::new(1 << 14).unwrap();
-    let src = HostBuffer::new(1 << 14).unwrap();
+    let dst = std::sync::Arc::new(HostBuffer::new(1 << 14).unwrap());
+    let src = std::sync::Arc::new(HostBuffer::new(1 << 14).unwrap());
     src.fill_with(0, 1 << 14, |_| 0xab);
-    let treg = target.register(&dst).unwrap();
-    let ireg = init.register(&src).unwrap();
+    let treg = target.register(dst.clone()).unwrap();
+    let ireg = init.register(src.clone()).unwrap();
     let peer = init.connect("t-rkey", &target.connection_info(), &[]).unwrap();
     let seg = |rkey: RemoteKey| Segment {
         local_addr: src.addr(),

@@ -206,7 +206,7 @@ impl TransferEngine {
         if overlaps_prev || overlaps_next {
             return Err(EngineError::OverlappingRegistration { addr: desc.addr, len_bytes: desc.len_bytes });
         }
-        let reg = self.transport.register(backing.as_ref())?;
+        let reg = self.transport.register(backing.clone())?;
         self.regs.insert(pos, LocalRegistration { desc, reg, _backing: backing, inflight: 0 });
         self.rebuild_spans();
         self.generation += 1;

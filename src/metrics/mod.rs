@@ -64,6 +64,7 @@ struct Stats {
 struct State {
     transfers: BTreeMap<(MetricOp, String), Stats>,
     connectors: BTreeMap<String, KVCacheMetrics>,
+    notifications_refused: BTreeMap<String, u64>,
 }
 
 /// A metrics registry (see the module doc); [`global`] is the process's.
@@ -99,6 +100,12 @@ impl Registry {
     /// Count one failed transfer with `peer`.
     pub fn record_failure(&self, op: MetricOp, peer: &str) {
         self.lock().transfers.entry((op, peer.to_string())).or_default().failures += 1;
+    }
+
+    /// Count one notification a target refused because its queue was full
+    /// (`transport`: `shm`, `tcp`).
+    pub fn record_notification_refused(&self, transport: &str) {
+        *self.lock().notifications_refused.entry(transport.to_string()).or_default() += 1;
     }
 
     /// Add a connector's window (`take_metrics()`) to its running totals.
@@ -141,6 +148,15 @@ impl Registry {
                 "counter",
                 "Transfers that failed (the transport reported an error).",
                 format!("{f}{{op=\"{o}\",peer=\"{peer}\"}} {}", st.failures),
+            );
+        }
+        for (t, n) in &s.notifications_refused {
+            let name = "kvwire_notifications_refused_total";
+            fams.add(
+                name,
+                "counter",
+                "Notifications a target refused because its queue was at its bound (the sender saw `overloaded`).",
+                format!("{name}{{transport=\"{}\"}} {n}", escape(t)),
             );
         }
         for (c, m) in &s.connectors {
@@ -229,8 +245,19 @@ pub fn serve_http(addr: &str) -> std::io::Result<std::net::SocketAddr> {
     let listener = std::net::TcpListener::bind(addr)?;
     let local = listener.local_addr()?;
     std::thread::Builder::new().name("kvwire-metrics".into()).spawn(move || {
+        let mut backoff = crate::transport::accept::AcceptBackoff::new("metrics listener");
         for conn in listener.incoming() {
-            let Ok(mut c) = conn else { continue };
+            let mut c = match conn {
+                Ok(c) => {
+                    backoff.accepted();
+                    c
+                }
+                // Out of descriptors or memory: bounded backoff, not a spin.
+                Err(e) => match backoff.failed(&e) {
+                    crate::transport::accept::AfterError::Retry => continue,
+                    crate::transport::accept::AfterError::Stop => break,
+                },
+            };
             let _ = c.set_read_timeout(Some(Duration::from_secs(5)));
             // The request line and headers: at most 8 KiB are read.
             let mut req = Vec::new();

@@ -233,6 +233,14 @@ fn receive(peer: &PeerShared) -> Result<(), TransferFailure> {
                 Some(None) => {} // failed by its deadline already
                 None => return Err(TransferFailure::protocol(format!("peer {} acknowledged too much", peer.name))),
             },
+            Ok(Received::Msg(Msg::NotifyRefused { reason }, _)) => match peer.outbox.lock().unacked.pop_front() {
+                Some(Some(p)) => p.finish(Err(TransferFailure::overloaded(format!(
+                    "notification not delivered: peer {}: {reason}",
+                    peer.name
+                )))),
+                Some(None) => {}
+                None => return Err(TransferFailure::protocol(format!("peer {} refused too much", peer.name))),
+            },
             Ok(Received::Msg(Msg::Revoke { rkey }, _)) => {
                 if let Some(r) = peer.regions.get(&rkey) {
                     r.revoke();

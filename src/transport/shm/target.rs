@@ -19,6 +19,7 @@ use std::time::Duration;
 
 use super::wire::{self, Access, Channel, Listener, Msg, PeerCred};
 use crate::transport::Notification;
+use crate::transport::accept::{AcceptBackoff, AfterError};
 use crate::transport::auth::{self, AgentSecret, Nonce};
 
 /// One registered region as the target keeps it.
@@ -30,12 +31,15 @@ pub(super) struct LocalRegion {
     /// The sealed memfd holding exactly this region, and the region's
     /// offset in it; `None` for memory reached with cross-memory attach.
     pub fd: Option<(OwnedFd, u64)>,
+    /// The memory, kept alive while registered (and by each transfer that
+    /// uses it as its local side).
+    pub backing: Arc<dyn crate::transport::MemoryBacking>,
 }
 
 /// Regions by key.
 pub(super) type RegionTable = Arc<Mutex<HashMap<u32, LocalRegion>>>;
 /// Notifications received, for `take_notifications`.
-pub(super) type NotifQueue = Arc<Mutex<Vec<Notification>>>;
+pub(super) type NotifQueue = Arc<crate::transport::notify::NotifQueue>;
 
 /// An initiator connected to us.
 pub(super) struct AcceptedPeer {
@@ -88,13 +92,27 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
-/// Accept connections until the listener is shut down.
+/// Accept connections until the listener is shut down. Running out of
+/// descriptors or memory does not end it (see [`AcceptBackoff`]).
 pub(super) fn accept_loop(listener: &Listener, stopping: &AtomicBool, shared: &Shared) {
     let mut next_id = 0u64;
-    while let Ok(channel) = listener.accept() {
+    let mut backoff = AcceptBackoff::new("shm listener");
+    loop {
+        let accepted = listener.accept();
         if stopping.load(Ordering::Acquire) {
             break;
         }
+        let channel = match accepted {
+            Ok(ch) => {
+                backoff.accepted();
+                ch
+            }
+            Err(crate::transport::TransportError::Io { source, .. }) => match backoff.failed(&source) {
+                AfterError::Retry => continue,
+                AfterError::Stop => break,
+            },
+            Err(_) => break,
+        };
         next_id += 1;
         let peer = Arc::new(AcceptedPeer {
             id: next_id,
@@ -165,10 +183,15 @@ fn serve_peer(peer: &AcceptedPeer, shared: &Shared) {
     loop {
         match ch.recv() {
             Ok(Some((Msg::Notify { payload }, _))) => {
-                lock(&shared.notifs).push(Notification { from_agent: agent.clone(), payload });
+                // A full queue refuses (the sender's transfer fails
+                // `Overloaded`) instead of growing.
+                let answer = match shared.notifs.push(Notification { from_agent: agent.clone(), payload }) {
+                    Ok(()) => Msg::NotifyAck,
+                    Err(reason) => Msg::NotifyRefused { reason },
+                };
                 // Waits at most peer_timeout for room; an initiator that
                 // does not read loses its connection.
-                if let Err(e) = ch.send(&Msg::NotifyAck, None) {
+                if let Err(e) = ch.send(&answer, None) {
                     tracing::warn!("shm: acknowledging a notification to {agent} failed: {e}");
                     return;
                 }

@@ -63,6 +63,10 @@ use super::{
     TransportError, TransportKind, XferId,
 };
 
+/// Connections still proving the agent secret, at most, per listener
+/// (option `max_preauth`); the oldest is dropped for a new one.
+pub const DEFAULT_MAX_PREAUTH: usize = 64;
+
 /// Connections per peer unless option `conns_per_peer` says otherwise.
 /// Measured on the 2-core reference machine (docs/TCP.md): 2 connections
 /// beat 1 at every page size; more only add threads.
@@ -226,8 +230,19 @@ impl TcpTransport {
         let advertise = advertised(local, opts.raw("advertise"), &opts)?;
         let secret = AgentSecret::random()?;
         let regions: RegionTable = Arc::default();
-        let notifs: NotifQueue = Arc::default();
-        let service = Service::start(listener, secret.clone(), regions.clone(), notifs.clone(), config.peer_timeout)?;
+        let notifs: NotifQueue = Arc::new(super::notify::NotifQueue::new(
+            TransportKind::Tcp,
+            super::notify::NotifBounds::from_options(&opts)?,
+        ));
+        let max_preauth = opts.get_checked("max_preauth", DEFAULT_MAX_PREAUTH, |n| *n >= 1)?;
+        let service = Service::start(
+            listener,
+            secret.clone(),
+            regions.clone(),
+            notifs.clone(),
+            config.peer_timeout,
+            max_preauth,
+        )?;
         Ok(Self {
             agent: agent.to_string(),
             config: config.clone(),
@@ -333,17 +348,14 @@ impl Transport for TcpTransport {
         TransportKind::Tcp
     }
 
-    fn register(&mut self, backing: &dyn MemoryBacking) -> Result<Registration, TransportError> {
+    fn register(&mut self, backing: Arc<dyn MemoryBacking>) -> Result<Registration, TransportError> {
         let desc = backing.desc();
         if desc.kind != MemoryKind::Dram {
             return Err(TransportError::Unsupported("the tcp transport moves host (DRAM) memory only".into()));
         }
         let key = self.next_key;
         self.next_key += 1;
-        self.regions
-            .write()
-            .unwrap_or_else(|p| p.into_inner())
-            .insert(key, Arc::new(LocalRegion::new(desc.addr, desc.len_bytes)));
+        self.regions.write().unwrap_or_else(|p| p.into_inner()).insert(key, Arc::new(LocalRegion::new(backing)));
         Ok(Registration { lkey: LocalKey(key), rkey: RemoteKey(key) })
     }
 
@@ -441,11 +453,18 @@ impl Transport for TcpTransport {
         let Some(jobs) = &peer.jobs else {
             return Err(TransportError::NotConnected(req.peer));
         };
+        // The local check: the workers dereference `local_addr`, so it must
+        // lie in memory we registered; the transfer keeps it alive.
+        let local = {
+            let table = self.regions.read().unwrap_or_else(|p| p.into_inner());
+            super::check_local(&req.segments, |k| table.get(&k).map(|r| (r.backing.desc(), r.backing.clone())))?
+        };
         let (segments, ranges) = plan_chunks(req.segments);
         let x = Arc::new(XferShared {
             core: XferState::new(req.xfer, req.op, req.notification, ranges.len().max(1)),
             peer: peer.shared.clone(),
             segments,
+            _local: local,
         });
         self.inflight.insert(x.clone());
         if ranges.is_empty() {
@@ -473,8 +492,7 @@ impl Transport for TcpTransport {
     }
 
     fn take_notifications(&mut self, out: &mut Vec<Notification>) {
-        let mut q = self.notifs.lock().unwrap_or_else(|p| p.into_inner());
-        out.append(&mut q);
+        self.notifs.drain_into(out);
     }
 }
 

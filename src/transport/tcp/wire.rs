@@ -90,11 +90,14 @@ pub enum Status {
     OutOfBounds = 3,
     /// The hello's proof was missing or wrong; nothing is served.
     Denied = 4,
+    /// A bounded queue of the target (its notification queue) is full; the
+    /// notification was not queued.
+    Overloaded = 5,
 }
 
 impl Status {
     /// The largest status value.
-    pub const MAX: u32 = Status::Denied as u32;
+    pub const MAX: u32 = Status::Overloaded as u32;
 
     fn from_u32(v: u32) -> Option<Self> {
         match v {
@@ -103,6 +106,7 @@ impl Status {
             2 => Some(Self::Protocol),
             3 => Some(Self::OutOfBounds),
             4 => Some(Self::Denied),
+            5 => Some(Self::Overloaded),
             _ => None,
         }
     }
