@@ -126,3 +126,81 @@ fn shm_registration_owns_its_memory() {
 fn tcp_registration_owns_its_memory() {
     dropped_handle_keeps_memory_alive(TransportKind::Tcp);
 }
+
+/// Issue 27 item 4: while an agent is connected, another transport (another
+/// session; on shm another process) claiming its name is refused with
+/// `TransportError::NameInUse`; once the first one is gone, the name is free.
+fn name_spoofing_is_refused(kind: TransportKind, spoofer: impl FnOnce(&[u8], &[RemoteRegion]) -> TransportError) {
+    let p = pair(kind);
+    let info = p._target.connection_info();
+    let err = spoofer(&info, &[p.region]);
+    assert!(matches!(&err, TransportError::NameInUse { name, .. } if name == "init"), "{kind}: {err:?}");
+    // The honest peer is unaffected.
+    let Pair { mut init, mut _target, peer, src, region, lkey, .. } = p;
+    let seg = Segment { local_addr: src.addr(), remote_addr: region.addr, len_bytes: 64, lkey, rkey: region.rkey };
+    init.post(PostRequest {
+        xfer: XferId(1),
+        op: Op::Write,
+        peer,
+        segments: vec![seg],
+        notification: Some(b"hi".to_vec()),
+    })
+    .unwrap();
+    assert_eq!(completion(init.as_mut()).result, Ok(()), "{kind}");
+    let mut n = Vec::new();
+    _target.take_notifications(&mut n);
+    assert_eq!(n.len(), 1);
+    assert_eq!(n[0].from_agent, "init");
+}
+
+#[test]
+fn tcp_name_spoofing_is_refused() {
+    name_spoofing_is_refused(TransportKind::Tcp, |info, regions| {
+        let cfg = TransportConfig { peer_timeout: Duration::from_secs(3), ..Default::default() };
+        let mut spoof = transport::create(TransportKind::Tcp, "init", &cfg).unwrap();
+        spoof.connect("target", info, regions).unwrap_err()
+    });
+}
+
+#[test]
+fn shm_name_spoofing_is_refused() {
+    // Another process: this test binary re-run as `shm_spoof_child`.
+    name_spoofing_is_refused(TransportKind::Shm, |info, regions| {
+        let out = std::process::Command::new(std::env::current_exe().unwrap())
+            .args(["shm_spoof_child", "--exact", "--nocapture", "--test-threads=1"])
+            .env(SPOOF_INFO, hex(info))
+            .env(SPOOF_REGION, format!("{}:{}:{}", regions[0].addr, regions[0].len_bytes, regions[0].rkey.0))
+            .output()
+            .unwrap();
+        let text = String::from_utf8_lossy(&out.stdout);
+        assert!(text.contains("SPOOF name-in-use"), "child said: {text}");
+        TransportError::NameInUse { peer: "target".into(), name: "init".into() }
+    });
+}
+
+const SPOOF_INFO: &str = "KVWIRE_TEST_SPOOF_INFO";
+const SPOOF_REGION: &str = "KVWIRE_TEST_SPOOF_REGION";
+
+fn hex(b: &[u8]) -> String {
+    b.iter().map(|x| format!("{x:02x}")).collect()
+}
+
+#[test]
+fn shm_spoof_child() {
+    let Ok(info) = std::env::var(SPOOF_INFO) else { return };
+    let info: Vec<u8> = (0..info.len()).step_by(2).map(|i| u8::from_str_radix(&info[i..i + 2], 16).unwrap()).collect();
+    let r: Vec<u64> = std::env::var(SPOOF_REGION).unwrap().split(':').map(|x| x.parse().unwrap()).collect();
+    let region = RemoteRegion {
+        addr: r[0],
+        len_bytes: r[1],
+        rkey: kvwire::transport::RemoteKey(r[2] as u32),
+        kind: kvwire::transport::MemoryKind::Dram,
+        device_id: 0,
+    };
+    let cfg = TransportConfig { peer_timeout: Duration::from_secs(3), ..Default::default() };
+    let mut spoof = transport::create(TransportKind::Shm, "init", &cfg).unwrap();
+    match spoof.connect("target", &info, &[region]) {
+        Err(TransportError::NameInUse { .. }) => println!("SPOOF name-in-use"),
+        other => println!("SPOOF other {other:?}"),
+    }
+}

@@ -290,6 +290,16 @@ pub enum TransportError {
         /// Why.
         reason: String,
     },
+    /// The peer refused us because our agent name is connected to it now
+    /// from another session (another transport or process under the same
+    /// name); a name is held by one connected session at a time.
+    #[error("peer {peer:?} refused the connection: agent name {name:?} is already connected there")]
+    NameInUse {
+        /// The peer agent.
+        peer: String,
+        /// Our agent name, as claimed.
+        name: String,
+    },
     /// Unknown or disconnected peer.
     #[error("peer {0:?} is not connected")]
     NotConnected(PeerId),

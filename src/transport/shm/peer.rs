@@ -332,6 +332,9 @@ pub(super) fn handshake(
         ch.set_timeouts(left)?;
         match ch.recv().map_err(|e| cerr(e.to_string()))? {
             None => Err(cerr("peer closed the connection during the handshake".into())),
+            Some((Msg::Refused { reason }, _)) if reason.starts_with(super::target::NAME_IN_USE) => {
+                Err(TransportError::NameInUse { peer: peer_name.to_string(), name: agent.to_string() })
+            }
             Some((Msg::Refused { reason }, _)) => Err(cerr(format!("refused by the target: {reason}"))),
             Some(m) => Ok(m),
         }

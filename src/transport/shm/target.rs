@@ -52,6 +52,8 @@ pub(super) struct AcceptedPeer {
     /// Set once it proved the secret and got its regions: only these are
     /// sent revocations and waited for.
     pub admitted: AtomicBool,
+    /// Once admitted: the agent name it proved and its pid (SO_PEERCRED).
+    pub ident: Mutex<Option<(String, i32)>>,
 }
 
 /// The initiators connected to us (closed on drop).
@@ -119,6 +121,7 @@ pub(super) fn accept_loop(listener: &Listener, stopping: &AtomicBool, shared: &S
             channel,
             live: AtomicBool::new(true),
             admitted: AtomicBool::new(false),
+            ident: Mutex::new(None),
         });
         let mut list = lock(&shared.accepted);
         list.retain(|p| p.live.load(Ordering::Acquire)); // forget peers that left
@@ -137,6 +140,10 @@ pub(super) fn accept_loop(listener: &Listener, stopping: &AtomicBool, shared: &S
         }
     }
 }
+
+/// Start of the refusal reason for a name held by another connected process
+/// (the initiator turns it into `TransportError::NameInUse`).
+pub(super) const NAME_IN_USE: &str = "name in use";
 
 fn refuse(ch: &Channel, cred: &PeerCred, reason: String) {
     tracing::warn!("shm: refused a connection from pid {} uid {}: {reason}", cred.pid, cred.uid);
@@ -162,6 +169,22 @@ fn serve_peer(peer: &AcceptedPeer, shared: &Shared) {
         Ok(Some((Msg::Hello { agent, rkeys, proof }, _))) => {
             if !auth::verify(&shared.secret, &nonce, &wire::proof_context(&agent), &proof) {
                 return refuse(ch, &cred, format!("agent {agent:?} did not prove the target's secret"));
+            }
+            // One process holds a name while it is connected: another
+            // process claiming it (to send notifications as that peer) is
+            // refused. (Checked and recorded under the list's lock.)
+            {
+                let list = lock(&shared.accepted);
+                let clash = list.iter().any(|p| {
+                    p.id != peer.id
+                        && p.live.load(Ordering::Acquire)
+                        && lock(&p.ident).as_ref().is_some_and(|(n, pid)| *n == agent && *pid != cred.pid)
+                });
+                if clash {
+                    drop(list);
+                    return refuse(ch, &cred, format!("{NAME_IN_USE}: agent name {agent:?} is already connected"));
+                }
+                *lock(&peer.ident) = Some((agent.clone(), cred.pid));
             }
             peer.admitted.store(true, Ordering::Release);
             if let Err(e) = answer_hello(ch, &shared.regions, &rkeys, cred.pid) {

@@ -196,7 +196,23 @@ pub struct TcpTransport {
     peers: HashMap<u32, PeerConn>,
     next_peer: u32,
     inflight: InFlight<XferShared>,
+    /// Random, nonzero, 48 bits: sent in each hello so that a target lets
+    /// only this transport's connections use our name while they live.
+    session: u64,
 }
+
+/// A target refused our hello because our agent name is connected there
+/// under another session (carried inside an `io::Error`).
+#[derive(Debug)]
+struct NameInUse(String);
+
+impl std::fmt::Display for NameInUse {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl std::error::Error for NameInUse {}
 
 impl TcpTransport {
     /// Create the backend for agent `agent`: check the configuration, bind
@@ -256,6 +272,11 @@ impl TcpTransport {
             peers: HashMap::new(),
             next_peer: 1,
             inflight: InFlight::default(),
+            session: {
+                let mut b = [0u8; 8];
+                getrandom::fill(&mut b).map_err(|e| TransportError::Unsupported(format!("no OS randomness: {e}")))?;
+                (u64::from_le_bytes(b) >> wire::SESSION_SHIFT).max(1)
+            },
         })
     }
 
@@ -292,7 +313,7 @@ impl TcpTransport {
             kind: wire::Kind::Hello,
             count: name.len() as u32,
             id: wire::MAGIC_VERSION,
-            len: index as u64,
+            len: index as u64 | self.session << wire::SESSION_SHIFT,
         };
         let mut frame = h.encode().to_vec();
         frame.extend_from_slice(name);
@@ -304,6 +325,10 @@ impl TcpTransport {
             Ok(a) if a.kind == wire::Kind::Resp => {
                 let mut reason = vec![0u8; a.body_bytes()];
                 io::read_exact(&sock, &mut reason)?;
+                if a.status() == wire::Status::NameInUse {
+                    let why = NameInUse(String::from_utf8_lossy(&reason).into_owned());
+                    return Err(std::io::Error::new(std::io::ErrorKind::PermissionDenied, why));
+                }
                 Err(std::io::Error::new(
                     std::io::ErrorKind::PermissionDenied,
                     format!("refused ({:?}): {}", a.status(), String::from_utf8_lossy(&reason)),
@@ -396,7 +421,13 @@ impl Transport for TcpTransport {
             .ok_or_else(|| TransportError::BadConnectionInfo(format!("{} resolves to nothing", info.addr)))?;
         let mut socks = Vec::with_capacity(self.conns_per_peer);
         for i in 0..self.conns_per_peer {
-            socks.push(self.open(&addr, i, &info.secret).map_err(|e| cerr(format!("{addr}: {e}")))?);
+            socks.push(self.open(&addr, i, &info.secret).map_err(|e| {
+                if e.get_ref().is_some_and(|r| r.is::<NameInUse>()) {
+                    TransportError::NameInUse { peer: peer_name.to_string(), name: self.agent.clone() }
+                } else {
+                    cerr(format!("{addr}: {e}"))
+                }
+            })?);
         }
         let clones = socks.iter().map(TcpStream::try_clone).collect::<Result<Vec<_>, _>>();
         let shared = Arc::new(PeerShared {

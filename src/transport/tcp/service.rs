@@ -100,6 +100,8 @@ const EVICTED: u8 = 2;
 /// descriptor goes at once, not at the next accept.
 struct Conn {
     id: u64,
+    /// Once authenticated: the agent name it proved and its session.
+    agent: Option<(String, u64)>,
     sock: TcpStream,
     thread: Option<JoinHandle<()>>,
     state: Arc<AtomicU8>,
@@ -211,11 +213,11 @@ fn accept_loop(listener: &TcpListener, shared: &Arc<Shared>) {
                     }
                 }
             }
-            conns.push(Conn { id, sock: handle, thread: None, state: state.clone() });
+            conns.push(Conn { id, agent: None, sock: handle, thread: None, state: state.clone() });
         }
         let s = shared.clone();
         let spawned = std::thread::Builder::new().name("kvwire-tcp-serve".into()).spawn(move || {
-            if let Err(e) = serve_conn(&stream, &s, from, &state) {
+            if let Err(e) = serve_conn(&stream, &s, from, id, &state) {
                 tracing::debug!("tcp: connection from {from} ended: {e}");
             }
             // `conns` holds a clone: close explicitly so the peer sees it now,
@@ -274,7 +276,13 @@ fn respond(mut sock: &TcpStream, id: u64, status: Status, reason: &str) -> io::R
 /// The challenge/response: send a nonce, check the hello's proof. The
 /// connecting agent's name once it proved it knows the secret, `None` when
 /// it was refused (logged; the caller closes the connection).
-fn handshake(sock: &TcpStream, shared: &Shared, from: SocketAddr) -> io::Result<Option<String>> {
+fn handshake(
+    sock: &TcpStream,
+    shared: &Shared,
+    from: SocketAddr,
+    id: u64,
+    state: &AtomicU8,
+) -> io::Result<Option<String>> {
     let nonce = Nonce::random().map_err(io::Error::other)?;
     let ch = Header { kind: Kind::Challenge, count: wire::NONCE_BYTES, id: wire::MAGIC_VERSION, len: 0 };
     let mut frame = ch.encode().to_vec();
@@ -312,21 +320,52 @@ fn handshake(sock: &TcpStream, shared: &Shared, from: SocketAddr) -> io::Result<
         let _ = respond(sock, 0, Status::Protocol, "agent name not UTF-8");
         return Ok(None);
     };
+    // The name is held by one session at a time: a connection under the
+    // name of a peer connected now (another session whose connections are
+    // not all closed) is refused, so nobody sends notifications as it.
+    let session = hello.len >> wire::SESSION_SHIFT;
+    {
+        let mut conns = lock_conns(shared);
+        let clash = conns.iter().any(|c| {
+            c.id != id
+                && c.state.load(Ordering::Acquire) == AUTHED
+                && c.agent.as_ref().is_some_and(|(n, s)| *n == agent && *s != session)
+                && !at_eof(&c.sock)
+        });
+        if clash {
+            drop(conns);
+            tracing::warn!("tcp: refused {from}: agent name {agent:?} is already connected (another session)");
+            let _ = respond(sock, 0, Status::NameInUse, &format!("agent name {agent:?} is already connected"));
+            return Ok(None);
+        }
+        if state.compare_exchange(PREAUTH, AUTHED, Ordering::AcqRel, Ordering::Acquire).is_err() {
+            return Ok(None); // evicted (and closed) while it proved the secret
+        }
+        if let Some(c) = conns.iter_mut().find(|c| c.id == id) {
+            c.agent = Some((agent.clone(), session));
+        }
+    }
     let ack = Header { kind: Kind::HelloAck, count: 0, id: wire::MAGIC_VERSION, len: 0 };
     (&*sock).write_all(&ack.encode())?;
     Ok(Some(agent))
 }
 
-fn serve_conn(sock: &TcpStream, shared: &Shared, from: SocketAddr, state: &AtomicU8) -> io::Result<()> {
+/// True when the peer closed `sock` (a zero-byte peek), without touching
+/// the socket's blocking mode, which its service thread shares.
+fn at_eof(sock: &TcpStream) -> bool {
+    let mut b = 0u8;
+    // SAFETY: a one-byte receive into a local, MSG_PEEK leaves the data queued.
+    let n = unsafe { libc::recv(sock.as_raw_fd(), (&raw mut b).cast(), 1, libc::MSG_PEEK | libc::MSG_DONTWAIT) };
+    n == 0 || (n < 0 && !matches!(io::Error::last_os_error().raw_os_error(), Some(libc::EAGAIN | libc::EINTR)))
+}
+
+fn serve_conn(sock: &TcpStream, shared: &Shared, from: SocketAddr, id: u64, state: &AtomicU8) -> io::Result<()> {
     sock.set_nodelay(true)?;
     sock.set_read_timeout(Some(shared.timeout))?;
     sock.set_write_timeout(Some(shared.timeout))?;
-    let Some(agent) = handshake(sock, shared, from)? else {
+    let Some(agent) = handshake(sock, shared, from, id, state)? else {
         return Ok(());
     };
-    if state.compare_exchange(PREAUTH, AUTHED, Ordering::AcqRel, Ordering::Acquire).is_err() {
-        return Ok(()); // evicted (and closed) while it proved the secret
-    }
 
     let mut body = Vec::new();
     let mut segs: Vec<SegmentDesc> = Vec::new();

@@ -93,11 +93,19 @@ pub enum Status {
     /// A bounded queue of the target (its notification queue) is full; the
     /// notification was not queued.
     Overloaded = 5,
+    /// The hello's agent name belongs to a peer that is connected now
+    /// under another session; nothing is served.
+    NameInUse = 6,
 }
+
+/// A hello's `len` carries the connection index in its low bits and the
+/// initiator's session (random per transport, the same on each of its
+/// connections) above them: a name is held by one session at a time.
+pub const SESSION_SHIFT: u32 = 16;
 
 impl Status {
     /// The largest status value.
-    pub const MAX: u32 = Status::Overloaded as u32;
+    pub const MAX: u32 = Status::NameInUse as u32;
 
     fn from_u32(v: u32) -> Option<Self> {
         match v {
@@ -107,6 +115,7 @@ impl Status {
             3 => Some(Self::OutOfBounds),
             4 => Some(Self::Denied),
             5 => Some(Self::Overloaded),
+            6 => Some(Self::NameInUse),
             _ => None,
         }
     }
@@ -207,7 +216,7 @@ impl Header {
                     return Err(WireError::Limit { what: "name bytes", value: 0, limit: MAX_NAME_BYTES as u64 });
                 }
                 limit("name bytes", count as u64, MAX_NAME_BYTES as u64)?;
-                limit("connection index", len, 1 << 16)?;
+                limit("connection index", len & ((1 << SESSION_SHIFT) - 1), 1 << SESSION_SHIFT)?;
             }
             Kind::Challenge => {
                 if id != MAGIC_VERSION {
