@@ -187,3 +187,25 @@ fn unauthenticated_flood_does_not_lock_out_an_authenticated_peer() {
     got.expect("an authenticated peer connects during an unauthenticated flood");
     assert!(took < timeout, "took {took:?}");
 }
+
+/// Issue 27: a process whose file-size limit is below a buffer's size used
+/// to die of SIGXFSZ in `HostBuffer::new` (the memfd's `ftruncate`); now it
+/// gets an error and lives.
+#[test]
+fn host_buffer_over_the_file_size_limit_is_an_error() {
+    let _serial = RLIMIT.lock().unwrap_or_else(|p| p.into_inner());
+    let mut old = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
+    // SAFETY: getrlimit writes one rlimit into `old`.
+    assert_eq!(unsafe { libc::getrlimit(libc::RLIMIT_FSIZE, &mut old) }, 0);
+    let low = libc::rlimit { rlim_cur: 1 << 20, rlim_max: old.rlim_max };
+    // SAFETY: as `set_nofile`.
+    assert_eq!(unsafe { libc::setrlimit(libc::RLIMIT_FSIZE, &low) }, 0);
+    let big = HostBuffer::new(4 << 20);
+    let small = HostBuffer::new(64 << 10);
+    // SAFETY: as above, restoring.
+    assert_eq!(unsafe { libc::setrlimit(libc::RLIMIT_FSIZE, &old) }, 0);
+    let e = big.expect_err("over the limit");
+    assert_eq!(e.kind(), std::io::ErrorKind::FileTooLarge, "{e}");
+    assert!(e.to_string().contains("RLIMIT_FSIZE"), "{e}");
+    small.expect("under the limit");
+}

@@ -19,7 +19,7 @@ use kvwire::transport::{MemoryBacking, Registration, RemoteRegion, Transport, Tr
 
 const NOBODY: u32 = 65534;
 
-fn target(options: &[(&str, &str)], len: usize) -> (ShmTransport, HostBuffer, Registration, ShmInfo) {
+fn target(options: &[(&str, &str)], len: usize) -> (ShmTransport, Arc<HostBuffer>, Registration, ShmInfo) {
     let cfg = TransportConfig {
         options: options.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect(),
         ..TransportConfig::default()

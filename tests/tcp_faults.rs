@@ -21,8 +21,8 @@ struct Pair {
     init: TcpTransport,
     target: TcpTransport,
     peer: PeerId,
-    src: HostBuffer,
-    dst: HostBuffer,
+    src: std::sync::Arc<HostBuffer>,
+    dst: std::sync::Arc<HostBuffer>,
     lkey: LocalKey,
     rkey: RemoteKey,
 }

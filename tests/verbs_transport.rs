@@ -451,15 +451,17 @@ fn verbs_hello_without_a_proof_gets_no_qp_numbers() {
 
 #[test]
 fn verbs_missing_device_is_a_clear_error() {
-    if verbs_util::devices().is_err() && !kvwire::verbs::available() {
+    // Asserts on every host (it used to return without asserting where
+    // libibverbs loads but lists no device): without the library the error
+    // names it; with it, a device that does not exist is named, whether the
+    // host has other devices or none.
+    if !kvwire::verbs::available() {
         let e = TransferEngine::new("x", TransportKind::Verbs, &TransportConfig::default()).unwrap_err();
         assert!(e.to_string().contains("libibverbs.so.1"), "{e}");
         return;
     }
-    let (_, idev) = need_devices!();
-    let _ = idev;
     let e = TransferEngine::new("x", TransportKind::Verbs, &config("no_such_dev9", &[])).unwrap_err();
-    assert!(e.to_string().contains("no_such_dev9"), "{e}");
+    assert!(e.to_string().contains("no RDMA device named \"no_such_dev9\""), "{e}");
 }
 
 #[allow(dead_code)]

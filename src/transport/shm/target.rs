@@ -301,6 +301,54 @@ mod tests {
     use crate::transport::shm::wire::{self, Channel, Msg, ShmInfo};
     use crate::transport::{Transport, TransportConfig};
 
+    /// Issue 27: the uid check must be exercised without root too (the
+    /// integration test needs root to run a child as another uid). A target
+    /// that allows only another uid refuses us before any challenge; the
+    /// same target allowing our uid challenges us, so the check is real.
+    #[test]
+    fn a_uid_not_allowed_is_refused_without_root() {
+        use std::sync::Arc;
+        use std::sync::atomic::{AtomicBool, Ordering};
+
+        use super::{Shared, accept_loop};
+        use crate::transport::TransportKind;
+        use crate::transport::auth::AgentSecret;
+        use crate::transport::notify::{NotifBounds, NotifQueue};
+        use crate::transport::shm::wire::Listener;
+
+        // SAFETY: geteuid has no preconditions and cannot fail.
+        let me = unsafe { libc::geteuid() };
+        for (allowed, refused) in [(me.wrapping_add(1), true), (me, false)] {
+            let name = format!("kvwire-uidtest-{}-{allowed}", std::process::id());
+            let listener = Listener::bind(&name).unwrap();
+            let shared = Shared {
+                regions: Arc::default(),
+                notifs: Arc::new(NotifQueue::new(TransportKind::Shm, NotifBounds::default())),
+                accepted: Arc::default(),
+                acks: Arc::default(),
+                timeout: Duration::from_secs(2),
+                secret: Arc::new(AgentSecret::random().unwrap()),
+                allow_uids: Arc::new(vec![allowed]),
+            };
+            let stopping = AtomicBool::new(false);
+            std::thread::scope(|s| {
+                s.spawn(|| accept_loop(&listener, &stopping, &shared));
+                let ch = Channel::connect(&name, Duration::from_secs(2)).unwrap();
+                let first = ch.recv();
+                if refused {
+                    assert!(
+                        matches!(&first, Ok(Some((Msg::Refused { reason }, None))) if reason.contains("allow_uids")),
+                        "uid {me} not in [{allowed}]: {first:?}"
+                    );
+                } else {
+                    assert!(matches!(&first, Ok(Some((Msg::Challenge { .. }, _)))), "{first:?}");
+                }
+                stopping.store(true, Ordering::Release);
+                listener.shutdown();
+            });
+        }
+    }
+
     /// A peer that proved the secret used to grow the target's
     /// acknowledgement set by one entry per `RevokeAck` of any key.
     #[test]
