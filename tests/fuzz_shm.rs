@@ -163,7 +163,10 @@ fn shm_packets_with_descriptors_survive_mutations() {
     eprintln!("shm packets with fds: {with_fd} accepted with a descriptor, {refused} refused");
 }
 
-fn region_of(t: &mut ShmTransport, buf: &std::sync::Arc<HostBuffer>) -> (kvwire::transport::Registration, RemoteRegion) {
+fn region_of(
+    t: &mut ShmTransport,
+    buf: &std::sync::Arc<HostBuffer>,
+) -> (kvwire::transport::Registration, RemoteRegion) {
     let reg = t.register(buf.clone()).unwrap();
     let d = buf.desc();
     (reg, RemoteRegion { addr: d.addr, len_bytes: d.len_bytes, rkey: reg.rkey, kind: d.kind, device_id: 0 })

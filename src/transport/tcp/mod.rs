@@ -196,7 +196,7 @@ pub struct TcpTransport {
     peers: HashMap<u32, PeerConn>,
     next_peer: u32,
     inflight: InFlight<XferShared>,
-    /// Random, nonzero, 48 bits: sent in each hello so that a target lets
+    /// Random, nonzero: sent (covered by the proof) in each hello so that a target lets
     /// only this transport's connections use our name while they live.
     session: u64,
 }
@@ -275,7 +275,7 @@ impl TcpTransport {
             session: {
                 let mut b = [0u8; 8];
                 getrandom::fill(&mut b).map_err(|e| TransportError::Unsupported(format!("no OS randomness: {e}")))?;
-                (u64::from_le_bytes(b) >> wire::SESSION_SHIFT).max(1)
+                u64::from_le_bytes(b).max(1)
             },
         })
     }
@@ -308,12 +308,15 @@ impl TcpTransport {
         let mut nonce = Nonce([0; auth::NONCE_BYTES]);
         io::read_exact(&sock, &mut nonce.0)?;
         let name = self.agent.as_bytes();
-        let name = &name[..name.len().min(wire::MAX_NAME_BYTES as usize)];
+        let mut name = name[..name.len().min(wire::MAX_NAME_BYTES as usize)].to_vec();
+        name.push(0);
+        name.extend_from_slice(&self.session.to_le_bytes());
+        let name = &name[..];
         let h = wire::Header {
             kind: wire::Kind::Hello,
             count: name.len() as u32,
             id: wire::MAGIC_VERSION,
-            len: index as u64 | self.session << wire::SESSION_SHIFT,
+            len: index as u64,
         };
         let mut frame = h.encode().to_vec();
         frame.extend_from_slice(name);

@@ -315,6 +315,11 @@ fn handshake(
         return Ok(None);
     }
     deadline.restore(sock)?;
+    let Some((name, session)) = wire::split_session(name) else {
+        tracing::warn!("tcp: refused {from}: malformed session in the hello");
+        let _ = respond(sock, 0, Status::Protocol, "malformed session in the hello");
+        return Ok(None);
+    };
     let Ok(agent) = String::from_utf8(name.to_vec()) else {
         tracing::warn!("tcp: refused {from}: agent name not UTF-8");
         let _ = respond(sock, 0, Status::Protocol, "agent name not UTF-8");
@@ -323,7 +328,6 @@ fn handshake(
     // The name is held by one session at a time: a connection under the
     // name of a peer connected now (another session whose connections are
     // not all closed) is refused, so nobody sends notifications as it.
-    let session = hello.len >> wire::SESSION_SHIFT;
     {
         let mut conns = lock_conns(shared);
         let clash = conns.iter().any(|c| {

@@ -98,10 +98,23 @@ pub enum Status {
     NameInUse = 6,
 }
 
-/// A hello's `len` carries the connection index in its low bits and the
-/// initiator's session (random per transport, the same on each of its
-/// connections) above them: a name is held by one session at a time.
-pub const SESSION_SHIFT: u32 = 16;
+/// A hello's name field may end with a NUL and the initiator's 8-byte
+/// session (random per transport, the same on each of its connections; the
+/// proof covers it): a name is held by one session at a time. Without the
+/// suffix the session is 0.
+pub const SESSION_SUFFIX_BYTES: u32 = 9;
+
+/// Split a hello's name field into the agent name and the session; `None`
+/// when a NUL is present but not followed by exactly 8 bytes.
+pub fn split_session(field: &[u8]) -> Option<(&[u8], u64)> {
+    match field.iter().position(|&b| b == 0) {
+        None => Some((field, 0)),
+        Some(at) if field.len() - at == SESSION_SUFFIX_BYTES as usize => {
+            Some((&field[..at], u64::from_le_bytes(field[at + 1..].try_into().ok()?)))
+        }
+        Some(_) => None,
+    }
+}
 
 impl Status {
     /// The largest status value.
@@ -215,8 +228,8 @@ impl Header {
                 if count == 0 {
                     return Err(WireError::Limit { what: "name bytes", value: 0, limit: MAX_NAME_BYTES as u64 });
                 }
-                limit("name bytes", count as u64, MAX_NAME_BYTES as u64)?;
-                limit("connection index", len & ((1 << SESSION_SHIFT) - 1), 1 << SESSION_SHIFT)?;
+                limit("name bytes", count as u64, (MAX_NAME_BYTES + SESSION_SUFFIX_BYTES) as u64)?;
+                limit("connection index", len, 1 << 16)?;
             }
             Kind::Challenge => {
                 if id != MAGIC_VERSION {
