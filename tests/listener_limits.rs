@@ -209,3 +209,42 @@ fn host_buffer_over_the_file_size_limit_is_an_error() {
     assert!(e.to_string().contains("RLIMIT_FSIZE"), "{e}");
     small.expect("under the limit");
 }
+
+/// Issue 27 item 2: a peer that left is pruned at once, not at the next
+/// accept: the target's descriptors for it close as soon as it is gone
+/// (they used to stay open until another peer connected).
+#[test]
+fn peers_that_left_are_pruned_without_a_new_accept() {
+    let _serial = RLIMIT.lock().unwrap_or_else(|p| p.into_inner());
+    let buf = Arc::new(HostBuffer::new(1 << 16).unwrap());
+    let settle = |baseline: u64, what: &str| {
+        let t0 = Instant::now();
+        while open_fds() > baseline {
+            assert!(
+                t0.elapsed() < Duration::from_secs(5),
+                "{what}: {} descriptors open, {baseline} before",
+                open_fds()
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    };
+    let mut target = ShmTransport::new("target", &cfg(2000)).unwrap();
+    let reg = region(&mut target, &buf);
+    let info = target.connection_info();
+    let baseline = open_fds();
+    {
+        let mut init = ShmTransport::new("init", &cfg(2000)).unwrap();
+        init.connect("target", &info, &[reg]).unwrap();
+    }
+    settle(baseline, "shm");
+
+    let mut target = TcpTransport::new("target", &cfg(2000)).unwrap();
+    region(&mut target, &buf);
+    let info = target.connection_info();
+    let baseline = open_fds();
+    {
+        let mut init = TcpTransport::new("init", &cfg(2000)).unwrap();
+        init.connect("target", &info, &[]).unwrap();
+    }
+    settle(baseline, "tcp");
+}

@@ -132,6 +132,9 @@ pub(super) fn accept_loop(listener: &Listener, stopping: &AtomicBool, shared: &S
             serve_peer(&peer, &shared);
             peer.live.store(false, Ordering::Release);
             peer.channel.shutdown();
+            // Out of the list now, not at the next accept: its socket closes
+            // when the last holder (this thread, or a waiting deregister) lets go.
+            lock(&shared.accepted).retain(|p| !Arc::ptr_eq(p, &peer));
             // A deregister waiting for this peer's acknowledgement stops waiting.
             shared.acks.changed.notify_all();
         });
