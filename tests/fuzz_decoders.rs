@@ -207,8 +207,8 @@ fn a_live_tcp_target_survives_mutated_frames() {
     };
     // SAFETY: the range lies inside `buf`, which outlives the registration
     // (deregistered below before `buf` drops).
-    let view = unsafe { kvwire::transport::RawMemory::new(desc) };
-    let reg = target.register(&view).unwrap();
+    let view = std::sync::Arc::new(unsafe { kvwire::transport::RawMemory::new(desc) });
+    let reg = target.register(view.clone()).unwrap();
     let info = TcpConnectionInfo::decode(&target.connection_info()).unwrap();
     // Seeds aimed at the registered region, so mutants reach the data path.
     let mut seeds = corpus("tcp_frames");
@@ -262,9 +262,9 @@ fn a_live_tcp_target_survives_mutated_frames() {
     assert!(guard[2 << 16..].iter().all(|&b| b == 0xee), "bytes after the region were written");
     // The target still serves a legitimate peer.
     let mut init = TcpTransport::new("init", &cfg).unwrap();
-    let src = HostBuffer::new(4096).unwrap();
+    let src = std::sync::Arc::new(HostBuffer::new(4096).unwrap());
     src.fill_with(0, 4096, |_| 0x5a);
-    let l = init.register(&src).unwrap();
+    let l = init.register(src.clone()).unwrap();
     let peer = init.connect("target", &target.connection_info(), &[]).unwrap();
     let seg = kvwire::transport::Segment {
         local_addr: src.addr(),

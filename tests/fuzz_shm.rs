@@ -163,8 +163,11 @@ fn shm_packets_with_descriptors_survive_mutations() {
     eprintln!("shm packets with fds: {with_fd} accepted with a descriptor, {refused} refused");
 }
 
-fn region_of(t: &mut ShmTransport, buf: &HostBuffer) -> (kvwire::transport::Registration, RemoteRegion) {
-    let reg = t.register(buf).unwrap();
+fn region_of(
+    t: &mut ShmTransport,
+    buf: &std::sync::Arc<HostBuffer>,
+) -> (kvwire::transport::Registration, RemoteRegion) {
+    let reg = t.register(buf.clone()).unwrap();
     let d = buf.desc();
     (reg, RemoteRegion { addr: d.addr, len_bytes: d.len_bytes, rkey: reg.rkey, kind: d.kind, device_id: 0 })
 }
@@ -202,7 +205,7 @@ fn a_live_shm_target_survives_mutated_packets() {
     let _one_at_a_time = FD_COUNTING.lock().unwrap_or_else(|p| p.into_inner());
     let cfg = TransportConfig { peer_timeout: Duration::from_millis(300), ..Default::default() };
     let mut target = ShmTransport::new("target", &cfg).unwrap();
-    let buf = HostBuffer::new(1 << 16).unwrap();
+    let buf = std::sync::Arc::new(HostBuffer::new(1 << 16).unwrap());
     let (reg, region) = region_of(&mut target, &buf);
     let info = ShmInfo::decode(&target.connection_info()).unwrap();
     let mut seeds = seeds();
@@ -246,9 +249,9 @@ fn a_live_shm_target_survives_mutated_packets() {
 
     // A real initiator still connects, writes and notifies.
     let mut init = ShmTransport::new("init", &cfg).unwrap();
-    let src = HostBuffer::new(4096).unwrap();
+    let src = std::sync::Arc::new(HostBuffer::new(4096).unwrap());
     src.fill_with(0, 4096, |_| 0x5a);
-    let l = init.register(&src).unwrap();
+    let l = init.register(src.clone()).unwrap();
     let peer = init.connect("target", &target.connection_info(), &[region]).unwrap();
     let seg =
         Segment { local_addr: src.addr(), remote_addr: region.addr, len_bytes: 4096, lkey: l.lkey, rkey: reg.rkey };

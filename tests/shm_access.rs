@@ -19,14 +19,14 @@ use kvwire::transport::{MemoryBacking, Registration, RemoteRegion, Transport, Tr
 
 const NOBODY: u32 = 65534;
 
-fn target(options: &[(&str, &str)], len: usize) -> (ShmTransport, HostBuffer, Registration, ShmInfo) {
+fn target(options: &[(&str, &str)], len: usize) -> (ShmTransport, Arc<HostBuffer>, Registration, ShmInfo) {
     let cfg = TransportConfig {
         options: options.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect(),
         ..TransportConfig::default()
     };
     let mut t = ShmTransport::new("target", &cfg).unwrap();
-    let buf = HostBuffer::new(len).unwrap();
-    let reg = t.register(&buf).unwrap();
+    let buf = std::sync::Arc::new(HostBuffer::new(len).unwrap());
+    let reg = t.register(buf.clone()).unwrap();
     let info = ShmInfo::decode(&t.connection_info()).unwrap();
     (t, buf, reg, info)
 }
@@ -129,11 +129,11 @@ fn exported_memfds_hold_only_the_region_and_cannot_be_resized() {
 #[test]
 fn a_view_inside_a_larger_buffer_never_hands_out_the_whole_memfd() {
     let big = Arc::new(HostBuffer::new(1 << 20).unwrap());
-    let view = View::new(big.clone(), 4096, 4096).unwrap();
+    let view = std::sync::Arc::new(View::new(big.clone(), 4096, 4096).unwrap());
     // With cross-memory attach allowed (the default) the view is reached
     // through it: no memfd (which would expose the other 1020 KiB) is sent.
     let mut t = ShmTransport::new("target", &TransportConfig::default()).unwrap();
-    let reg = t.register(&view).unwrap();
+    let reg = t.register(view.clone()).unwrap();
     let info = ShmInfo::decode(&t.connection_info()).unwrap();
     let h = hello(&info, &info.secret, "peer", &[reg.rkey.0]);
     assert!(h.fds.is_empty(), "{:?}", h.msgs);
@@ -141,7 +141,7 @@ fn a_view_inside_a_larger_buffer_never_hands_out_the_whole_memfd() {
     // With cma=deny such memory cannot be registered at all.
     let cfg = TransportConfig { options: vec![("cma".into(), "deny".into())], ..TransportConfig::default() };
     let mut t = ShmTransport::new("target", &cfg).unwrap();
-    let err = t.register(&view).unwrap_err();
+    let err = t.register(view.clone()).unwrap_err();
     assert!(matches!(err, TransportError::Registration(_)) && err.to_string().contains("cma=deny"), "{err}");
-    t.register(big.as_ref()).unwrap();
+    t.register(big.clone()).unwrap();
 }

@@ -274,8 +274,8 @@ fn zero_peer_timeout_is_refused_and_a_silent_target_fails_connect() {
 fn a_deregister_nobody_confirms_times_out_with_a_timeout_error() {
     let timeout = Duration::from_millis(300);
     let mut t = ShmTransport::new("target", &config(timeout)).unwrap();
-    let buf = HostBuffer::new(1 << 16).unwrap();
-    let reg = t.register(&buf).unwrap();
+    let buf = std::sync::Arc::new(HostBuffer::new(1 << 16).unwrap());
+    let reg = t.register(buf.clone()).unwrap();
     let info = ShmInfo::decode(&t.connection_info()).unwrap();
     let (h, ch) = common::shm_client::hello_and_stay(&info, &info.secret, "mute", &[reg.rkey.0]);
     assert!(!h.refused() && h.regions() == 1, "{:?}", h.msgs);

@@ -38,8 +38,8 @@ fn settle(want: usize, f: impl Fn() -> usize) -> usize {
 fn connect_disconnect_cycles_and_deregistrations_leak_nothing() {
     let cfg = TransportConfig::default();
     let mut target = ShmTransport::new("target", &cfg).unwrap();
-    let buf = HostBuffer::new(64 << 20).unwrap();
-    let reg = target.register(&buf).unwrap();
+    let buf = std::sync::Arc::new(HostBuffer::new(64 << 20).unwrap());
+    let reg = target.register(buf.clone()).unwrap();
     let d = buf.desc();
     let region = RemoteRegion { addr: d.addr, len_bytes: d.len_bytes, rkey: reg.rkey, kind: d.kind, device_id: 0 };
     let info = target.connection_info();

@@ -18,11 +18,11 @@ use tcp_util::*;
 const PATTERN: u8 = 0xa5;
 
 /// A target with one 64 KiB region filled with `PATTERN`.
-fn target() -> (TcpTransport, HostBuffer, u32, Vec<u8>) {
+fn target() -> (TcpTransport, std::sync::Arc<HostBuffer>, u32, Vec<u8>) {
     let mut t = TcpTransport::new("target", &cfg(2000)).unwrap();
-    let buf = HostBuffer::new(1 << 16).unwrap();
+    let buf = std::sync::Arc::new(HostBuffer::new(1 << 16).unwrap());
     buf.fill_with(0, buf.len(), |_| PATTERN);
-    let r = t.register(&buf).unwrap();
+    let r = t.register(buf.clone()).unwrap();
     let info = t.connection_info();
     (t, buf, r.rkey.0, info)
 }

@@ -21,8 +21,8 @@ struct Pair {
     init: TcpTransport,
     target: TcpTransport,
     peer: PeerId,
-    src: HostBuffer,
-    dst: HostBuffer,
+    src: std::sync::Arc<HostBuffer>,
+    dst: std::sync::Arc<HostBuffer>,
     lkey: LocalKey,
     rkey: RemoteKey,
 }
@@ -30,11 +30,11 @@ struct Pair {
 fn pair(timeout_ms: u64) -> Pair {
     let mut init = TcpTransport::new("init", &cfg(timeout_ms)).unwrap();
     let mut target = TcpTransport::new("target", &cfg(timeout_ms)).unwrap();
-    let src = HostBuffer::new(1 << 20).unwrap();
-    let dst = HostBuffer::new(1 << 20).unwrap();
+    let src = std::sync::Arc::new(HostBuffer::new(1 << 20).unwrap());
+    let dst = std::sync::Arc::new(HostBuffer::new(1 << 20).unwrap());
     src.fill_with(0, src.len(), |i| (i % 251) as u8);
-    let l = init.register(&src).unwrap();
-    let r = target.register(&dst).unwrap();
+    let l = init.register(src.clone()).unwrap();
+    let r = target.register(dst.clone()).unwrap();
     let peer = init.connect("target", &target.connection_info(), &[]).unwrap();
     Pair { init, target, peer, src, dst, lkey: l.lkey, rkey: r.rkey }
 }
@@ -126,18 +126,18 @@ fn an_engine_post_to_a_dead_peer_raises_at_the_call() {
 fn a_trickling_write_cannot_stall_deregister_or_other_peers() {
     let timeout = 1000;
     let mut target = TcpTransport::new("target", &cfg(timeout)).unwrap();
-    let a = HostBuffer::new(1 << 16).unwrap();
-    let b = HostBuffer::new(1 << 16).unwrap();
-    let ra = target.register(&a).unwrap();
-    let _rb = target.register(&b).unwrap();
+    let a = std::sync::Arc::new(HostBuffer::new(1 << 16).unwrap());
+    let b = std::sync::Arc::new(HostBuffer::new(1 << 16).unwrap());
+    let ra = target.register(a.clone()).unwrap();
+    let _rb = target.register(b.clone()).unwrap();
     let info = target.connection_info();
     let (a_addr, b_addr) = (a.addr(), b.addr());
 
     // The honest initiator connects first.
     let mut init = TcpTransport::new("honest", &cfg(timeout)).unwrap();
-    let src = HostBuffer::new(1 << 16).unwrap();
+    let src = std::sync::Arc::new(HostBuffer::new(1 << 16).unwrap());
     src.fill_with(0, src.len(), |i| (i % 199) as u8);
-    let l = init.register(&src).unwrap();
+    let l = init.register(src.clone()).unwrap();
     let peer = init.connect("target", &info, &[]).unwrap();
 
     let mut s = authed_client(&info, "trickler");
@@ -209,8 +209,8 @@ fn zero_timeouts_counts_and_bad_options_are_refused_at_creation() {
 #[test]
 fn refusals_carry_a_typed_status_and_the_connection_stays_up() {
     let mut target = TcpTransport::new("target", &cfg(2000)).unwrap();
-    let buf = HostBuffer::new(1 << 16).unwrap();
-    let r = target.register(&buf).unwrap();
+    let buf = std::sync::Arc::new(HostBuffer::new(1 << 16).unwrap());
+    let r = target.register(buf.clone()).unwrap();
     let mut s = authed_client(&target.connection_info(), "raw");
     let req = |rkey: u32, addr: u64, len: u64| {
         let mut f = wire::Header { kind: wire::Kind::Read, count: 1, id: 5, len }.encode().to_vec();

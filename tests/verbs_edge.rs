@@ -254,14 +254,14 @@ fn verbs_deferred_notification_on_a_failed_qp_completes() {
     let mut init = transport::create(TransportKind::Verbs, "i-defer", &cfg).unwrap();
     let (small, big) = (64u64, 1u64 << 20);
     let len = 64 * (small + big);
-    let dst = HostBuffer::new(len as usize).unwrap();
-    let gone = HostBuffer::new(4096).unwrap();
-    let src = HostBuffer::new(len as usize).unwrap();
+    let dst = std::sync::Arc::new(HostBuffer::new(len as usize).unwrap());
+    let gone = std::sync::Arc::new(HostBuffer::new(4096).unwrap());
+    let src = std::sync::Arc::new(HostBuffer::new(len as usize).unwrap());
     src.fill_with(0, len as usize, |i| i as u8);
-    let treg = target.register(&dst).unwrap();
-    let stale = target.register(&gone).unwrap();
+    let treg = target.register(dst.clone()).unwrap();
+    let stale = target.register(gone.clone()).unwrap();
     target.deregister(stale.lkey).unwrap();
-    let ireg = init.register(&src).unwrap();
+    let ireg = init.register(src.clone()).unwrap();
     let peer = init.connect("t-defer", &target.connection_info(), &[]).unwrap();
     let seg = |off: u64, n: u64| Segment {
         local_addr: src.addr() + off,
@@ -336,10 +336,10 @@ fn verbs_transfer_queued_behind_a_failed_wr_is_reported() {
     let cfg = config(&idev, &[("max_send_wr", "4"), ("signal_every", "1")]);
     let mut init = transport::create(TransportKind::Verbs, "i-behind", &cfg).unwrap();
     let big = 4u64 << 20;
-    let dst = HostBuffer::new(4 * big as usize).unwrap();
-    let src = HostBuffer::new(4 * big as usize).unwrap();
-    let treg = target.register(&dst).unwrap();
-    let ireg = init.register(&src).unwrap();
+    let dst = std::sync::Arc::new(HostBuffer::new(4 * big as usize).unwrap());
+    let src = std::sync::Arc::new(HostBuffer::new(4 * big as usize).unwrap());
+    let treg = target.register(dst.clone()).unwrap();
+    let ireg = init.register(src.clone()).unwrap();
     let peer = init.connect("t-behind", &target.connection_info(), &[]).unwrap();
     let seg = |i: u64, len_bytes: u64, rkey: RemoteKey| Segment {
         local_addr: src.addr() + i * big,
@@ -496,10 +496,10 @@ fn verbs_empty_post_with_a_notification_is_done_and_delivered() {
     let (tdev, idev) = need_devices!();
     let mut target = transport::create(TransportKind::Verbs, "t-empty", &config(&tdev, &[])).unwrap();
     let mut init = transport::create(TransportKind::Verbs, "i-empty", &config(&idev, &[])).unwrap();
-    let dst = HostBuffer::new(4096).unwrap();
-    let src = HostBuffer::new(4096).unwrap();
-    let treg = target.register(&dst).unwrap();
-    let ireg = init.register(&src).unwrap();
+    let dst = std::sync::Arc::new(HostBuffer::new(4096).unwrap());
+    let src = std::sync::Arc::new(HostBuffer::new(4096).unwrap());
+    let treg = target.register(dst.clone()).unwrap();
+    let ireg = init.register(src.clone()).unwrap();
     let peer = init.connect("t-empty", &target.connection_info(), &[]).unwrap();
     let mut done = Vec::new();
     let req = PostRequest { xfer: XferId(1), op: Op::Write, peer, segments: vec![], notification: Some(b"n".to_vec()) };

@@ -204,11 +204,11 @@ fn verbs_wrong_rkey_fails_with_remote_access_error_then_recovers() {
     let (tdev, idev) = need_devices!();
     let mut target = transport::create(TransportKind::Verbs, "t-rkey", &config(&tdev, &[])).unwrap();
     let mut init = transport::create(TransportKind::Verbs, "i-rkey", &config(&idev, &[])).unwrap();
-    let dst = HostBuffer::new(1 << 14).unwrap();
-    let src = HostBuffer::new(1 << 14).unwrap();
+    let dst = std::sync::Arc::new(HostBuffer::new(1 << 14).unwrap());
+    let src = std::sync::Arc::new(HostBuffer::new(1 << 14).unwrap());
     src.fill_with(0, 1 << 14, |_| 0xab);
-    let treg = target.register(&dst).unwrap();
-    let ireg = init.register(&src).unwrap();
+    let treg = target.register(dst.clone()).unwrap();
+    let ireg = init.register(src.clone()).unwrap();
     let peer = init.connect("t-rkey", &target.connection_info(), &[]).unwrap();
     let seg = |rkey: RemoteKey| Segment {
         local_addr: src.addr(),
@@ -451,15 +451,17 @@ fn verbs_hello_without_a_proof_gets_no_qp_numbers() {
 
 #[test]
 fn verbs_missing_device_is_a_clear_error() {
-    if verbs_util::devices().is_err() && !kvwire::verbs::available() {
+    // Asserts on every host (it used to return without asserting where
+    // libibverbs loads but lists no device): without the library the error
+    // names it; with it, a device that does not exist is named, whether the
+    // host has other devices or none.
+    if !kvwire::verbs::available() {
         let e = TransferEngine::new("x", TransportKind::Verbs, &TransportConfig::default()).unwrap_err();
         assert!(e.to_string().contains("libibverbs.so.1"), "{e}");
         return;
     }
-    let (_, idev) = need_devices!();
-    let _ = idev;
     let e = TransferEngine::new("x", TransportKind::Verbs, &config("no_such_dev9", &[])).unwrap_err();
-    assert!(e.to_string().contains("no_such_dev9"), "{e}");
+    assert!(e.to_string().contains("no RDMA device named \"no_such_dev9\""), "{e}");
 }
 
 #[allow(dead_code)]

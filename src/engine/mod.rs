@@ -221,7 +221,7 @@ impl TransferEngine {
             return Err(EngineError::OverlappingRegistration { addr: desc.addr, len_bytes: desc.len_bytes });
         }
         let began = Instant::now();
-        let reg = self.transport.register(backing.as_ref())?;
+        let reg = self.transport.register(backing.clone())?;
         crate::metrics::global().registered(&self.stats, desc.len_bytes, began.elapsed());
         self.regs.insert(pos, LocalRegistration { desc, reg, _backing: backing, inflight: 0 });
         self.stats.regions.store(self.regs.len() as u64, std::sync::atomic::Ordering::Relaxed);

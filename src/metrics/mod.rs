@@ -70,6 +70,7 @@ struct State {
     /// What peers reported moving with this engine as their target
     /// (requests, bytes READ from it, bytes WRITTEN to it).
     served: BTreeMap<String, (u64, u64, u64)>,
+    notifications_refused: BTreeMap<String, u64>,
 }
 
 /// A metrics registry (see the module doc); [`global`] is the process's.
@@ -116,6 +117,12 @@ impl Registry {
         e.0 += 1;
         e.1 = e.1.saturating_add(read);
         e.2 = e.2.saturating_add(written);
+    }
+
+    /// Count one notification a target refused because its queue was full
+    /// (`transport`: `shm`, `tcp`).
+    pub fn record_notification_refused(&self, transport: &str) {
+        *self.lock().notifications_refused.entry(transport.to_string()).or_default() += 1;
     }
 
     /// Add a connector's window (`take_metrics()`) to its running totals.
@@ -181,6 +188,15 @@ impl Registry {
             let help = "Bytes peers reported moving with this engine as their target, by op.";
             fams.add(b, "counter", help, format!("{b}{{op=\"read\",peer=\"{peer}\"}} {read}"));
             fams.add(b, "counter", help, format!("{b}{{op=\"write\",peer=\"{peer}\"}} {written}"));
+        }
+        for (t, n) in &s.notifications_refused {
+            let name = "kvwire_notifications_refused_total";
+            fams.add(
+                name,
+                "counter",
+                "Notifications a target refused because its queue was at its bound (the sender saw `overloaded`).",
+                format!("{name}{{transport=\"{}\"}} {n}", escape(t)),
+            );
         }
         for (c, m) in &s.connectors {
             let c = escape(c);
@@ -269,8 +285,19 @@ pub fn serve_http(addr: &str) -> std::io::Result<std::net::SocketAddr> {
     let listener = std::net::TcpListener::bind(addr)?;
     let local = listener.local_addr()?;
     std::thread::Builder::new().name("kvwire-metrics".into()).spawn(move || {
+        let mut backoff = crate::transport::accept::AcceptBackoff::new("metrics listener");
         for conn in listener.incoming() {
-            let Ok(mut c) = conn else { continue };
+            let mut c = match conn {
+                Ok(c) => {
+                    backoff.accepted();
+                    c
+                }
+                // Out of descriptors or memory: bounded backoff, not a spin.
+                Err(e) => match backoff.failed(&e) {
+                    crate::transport::accept::AfterError::Retry => continue,
+                    crate::transport::accept::AfterError::Stop => break,
+                },
+            };
             let _ = c.set_read_timeout(Some(Duration::from_secs(5)));
             // The request line and headers: at most 8 KiB are read.
             let mut req = Vec::new();

@@ -48,6 +48,10 @@ pub enum FailureKind {
     /// Any other error of the transport (an OS error, a work-completion
     /// status with no better category).
     Transport,
+    /// The target refused for now because a bounded queue it keeps for its
+    /// peers is full (its notification queue: it is not draining
+    /// notifications). Nothing was dropped silently; retry later or elsewhere.
+    Overloaded,
 }
 
 impl FailureKind {
@@ -62,6 +66,7 @@ impl FailureKind {
             FailureKind::LocalProtection => "local_protection",
             FailureKind::Protocol => "protocol",
             FailureKind::Transport => "transport",
+            FailureKind::Overloaded => "overloaded",
         }
     }
 
@@ -88,6 +93,7 @@ impl fmt::Display for FailureKind {
             FailureKind::LocalProtection => f.write_str("local protection error"),
             FailureKind::Protocol => f.write_str("protocol error"),
             FailureKind::Transport => f.write_str("transport error"),
+            FailureKind::Overloaded => f.write_str("target overloaded"),
         }
     }
 }
@@ -142,6 +148,11 @@ impl TransferFailure {
     /// The target refused the access.
     pub fn remote_access(why: RemoteAccessKind, detail: impl Into<String>) -> Self {
         Self::new(FailureKind::RemoteAccess(why), detail)
+    }
+
+    /// The target refused because a bounded queue of its is full.
+    pub fn overloaded(detail: impl Into<String>) -> Self {
+        Self::new(FailureKind::Overloaded, detail)
     }
 
     /// The peer broke the wire protocol.

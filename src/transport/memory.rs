@@ -86,6 +86,12 @@ pub unsafe trait MemoryBacking: Send + Sync {
     }
 }
 
+impl std::fmt::Debug for dyn MemoryBacking {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("MemoryBacking").field("desc", &self.desc()).finish()
+    }
+}
+
 /// A sub-range of another backing, registrable on its own (e.g. one KV
 /// group inside a larger host buffer). Built only by [`View::new`], which
 /// checks the range lies inside the backing it keeps alive.

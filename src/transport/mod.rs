@@ -11,15 +11,18 @@
 //! - `verbs`: RC queue pairs over InfiniBand / RoCE through libibverbs.
 //! - `tcp`: hosts without RDMA.
 
+pub mod accept;
 pub mod auth;
 pub mod failure;
 mod inflight;
 pub mod memory;
+pub mod notify;
 pub mod options;
 pub mod shm;
 pub mod tcp;
 pub mod verbs;
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
@@ -261,6 +264,18 @@ pub enum TransportError {
     /// Unknown local key.
     #[error("unknown local key {0:?}")]
     UnknownLocalKey(LocalKey),
+    /// A posted segment's local range is not inside the registration its
+    /// `lkey` names (the HCA's local protection check, done in software by
+    /// every backend before anything moves).
+    #[error("local range {addr:#x}+{len_bytes} is outside the registration of {lkey:?}")]
+    LocalOutOfBounds {
+        /// The key the segment named.
+        lkey: LocalKey,
+        /// Start of the segment's local range.
+        addr: u64,
+        /// Its length in bytes.
+        len_bytes: u64,
+    },
     /// The registration is still used by an in-flight transfer.
     #[error("registration {0:?} is in use by an in-flight transfer")]
     InUse(LocalKey),
@@ -274,6 +289,16 @@ pub enum TransportError {
         peer: String,
         /// Why.
         reason: String,
+    },
+    /// The peer refused us because our agent name is connected to it now
+    /// from another session (another transport or process under the same
+    /// name); a name is held by one connected session at a time.
+    #[error("peer {peer:?} refused the connection: agent name {name:?} is already connected there")]
+    NameInUse {
+        /// The peer agent.
+        peer: String,
+        /// Our agent name, as claimed.
+        name: String,
     },
     /// Unknown or disconnected peer.
     #[error("peer {0:?} is not connected")]
@@ -328,11 +353,40 @@ pub trait Transport: Send {
     /// Register `backing`'s memory for local use and remote access
     /// (local write, remote read, remote write).
     ///
+    /// The transport keeps `backing` alive until [`Transport::deregister`]
+    /// returns and every transfer that used it has ended (as rust-ibverbs'
+    /// `MemoryRegion<O>` owns its buffer), so safe code cannot free memory
+    /// that copy threads, peers or the NIC may still access. Registering
+    /// borrowed memory, which could be dropped while registered, does not
+    /// compile:
+    ///
+    /// ```compile_fail
+    /// # use kvwire::transport::{Transport, TransportConfig, shm::ShmTransport};
+    /// let mut t = ShmTransport::new("a", &TransportConfig::default()).unwrap();
+    /// let buf = kvwire::HostBuffer::new(4096).unwrap();
+    /// let reg = t.register(&buf).unwrap(); // error: expected `Arc<dyn MemoryBacking>`
+    /// drop(buf);
+    /// ```
+    ///
+    /// The same program with the memory handed over compiles, and the
+    /// transport keeps it alive after the caller's handle is gone:
+    ///
+    /// ```
+    /// # use std::sync::Arc;
+    /// # use kvwire::transport::{Transport, TransportConfig, shm::ShmTransport};
+    /// let mut t = ShmTransport::new("a", &TransportConfig::default()).unwrap();
+    /// let buf = Arc::new(kvwire::HostBuffer::new(4096).unwrap());
+    /// let reg = t.register(buf.clone()).unwrap();
+    /// drop(buf); // the registration still owns the memory
+    /// t.deregister(reg.lkey).unwrap(); // freed here
+    /// ```
+    ///
     /// # Errors
     /// [`TransportError::Registration`] when the backend refuses the range.
-    fn register(&mut self, backing: &dyn MemoryBacking) -> Result<Registration, TransportError>;
+    fn register(&mut self, backing: Arc<dyn MemoryBacking>) -> Result<Registration, TransportError>;
 
-    /// Forget a registration. The engine guarantees no transfer uses it.
+    /// Forget a registration. A transfer still using it keeps the memory
+    /// alive until it ends.
     ///
     /// # Errors
     /// [`TransportError::UnknownLocalKey`].
@@ -355,8 +409,13 @@ pub trait Transport: Send {
     /// Start moving a batch. Returns once it is queued; the result arrives
     /// through [`Transport::poll`].
     ///
+    /// Every segment's local range is checked against this transport's own
+    /// registrations (its `lkey` known, the range inside), so no caller can
+    /// make a copy thread touch memory it did not register.
+    ///
     /// # Errors
     /// [`TransportError::NotConnected`], [`TransportError::PeerDisconnected`],
+    /// [`TransportError::UnknownLocalKey`], [`TransportError::LocalOutOfBounds`],
     /// [`TransportError::Post`] — in each case nothing was moved.
     fn post(&mut self, req: PostRequest) -> Result<(), TransportError>;
 
@@ -392,6 +451,32 @@ pub trait Transport: Send {
     fn spare_segments(&mut self) -> Option<Vec<Segment>> {
         None
     }
+}
+
+/// The local side of a post, checked in software as an HCA checks a
+/// scatter-gather entry's `lkey`: each segment's `lkey` must name a
+/// registration (`lookup` returns its range and backing) and its local range
+/// must lie inside it. Returns the backings the segments use, once each, for
+/// the transfer to keep alive until it ends.
+pub(crate) fn check_local(
+    segments: &[Segment],
+    mut lookup: impl FnMut(u32) -> Option<(MemoryDesc, Arc<dyn MemoryBacking>)>,
+) -> Result<Vec<Arc<dyn MemoryBacking>>, TransportError> {
+    let mut held: Vec<(u32, MemoryDesc, Arc<dyn MemoryBacking>)> = Vec::new();
+    for s in segments {
+        let desc = match held.iter().find(|(k, _, _)| *k == s.lkey.0) {
+            Some((_, d, _)) => *d,
+            None => {
+                let (d, b) = lookup(s.lkey.0).ok_or(TransportError::UnknownLocalKey(s.lkey))?;
+                held.push((s.lkey.0, d, b));
+                d
+            }
+        };
+        if !desc.contains(s.local_addr, s.len_bytes) {
+            return Err(TransportError::LocalOutOfBounds { lkey: s.lkey, addr: s.local_addr, len_bytes: s.len_bytes });
+        }
+    }
+    Ok(held.into_iter().map(|(_, _, b)| b).collect())
 }
 
 /// Wait until `done()` holds: spin briefly, then yield, then sleep 50 µs a

@@ -42,6 +42,8 @@ pub const SHM_OPTIONS: &[OptionSpec] = &[
         "allow",
         "reach memory without a whole sealed memfd by cross-memory attach (the peer can then reach the whole process)",
     ),
+    NOTIF_QUEUE_COUNT,
+    NOTIF_QUEUE_BYTES,
 ];
 
 /// Options of the `tcp` backend.
@@ -59,7 +61,28 @@ pub const TCP_OPTIONS: &[OptionSpec] = &[
         "address published to peers in the agent metadata",
     ),
     spec("conns_per_peer", "count 1..=64", "2", "TCP connections (and worker threads) per connected peer"),
+    spec(
+        "max_preauth",
+        "count >= 1",
+        "64",
+        "connections that have not yet proved the agent secret, at most (the oldest is dropped for a new one)",
+    ),
+    NOTIF_QUEUE_COUNT,
+    NOTIF_QUEUE_BYTES,
 ];
+
+const NOTIF_QUEUE_COUNT: OptionSpec = spec(
+    "notif_queue_count",
+    "count >= 1",
+    "65536",
+    "notifications held until take_notifications; more are refused (sender: overloaded)",
+);
+const NOTIF_QUEUE_BYTES: OptionSpec = spec(
+    "notif_queue_bytes",
+    "bytes >= 1",
+    "67108864 (64 MiB)",
+    "notification payload bytes held until take_notifications; more are refused (sender: overloaded)",
+);
 
 /// Options of the `verbs` backend.
 pub const VERBS_OPTIONS: &[OptionSpec] = &[

@@ -36,7 +36,8 @@ impl HostBuffer {
     ///
     /// # Errors
     /// The failing call (`memfd_create`, `ftruncate`, `mmap`) as an I/O error;
-    /// `InvalidInput` for a zero length.
+    /// `InvalidInput` for a zero length; `FileTooLarge` when the buffer
+    /// exceeds the process's `RLIMIT_FSIZE` (instead of dying of SIGXFSZ).
     pub fn new(len_bytes: usize) -> io::Result<Self> {
         if len_bytes == 0 {
             return Err(io::Error::new(io::ErrorKind::InvalidInput, "HostBuffer of 0 bytes"));
@@ -44,10 +45,29 @@ impl HostBuffer {
         let fd = memfd_create("kvwire-host-buffer", MFdFlags::MFD_CLOEXEC | MFdFlags::MFD_ALLOW_SEALING)
             .map_err(io::Error::from)?;
         let file = File::from(fd);
+        let size = (len_bytes as u64).div_ceil(4096) * 4096;
+        // A memfd counts against RLIMIT_FSIZE: past it `ftruncate` raises
+        // SIGXFSZ, which kills the process by default. Check first, so the
+        // caller gets an error instead (issue 27).
+        let mut lim = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
+        // SAFETY: getrlimit writes one rlimit into a live local.
+        if unsafe { libc::getrlimit(libc::RLIMIT_FSIZE, &mut lim) } == 0
+            && lim.rlim_cur != libc::RLIM_INFINITY
+            && size > lim.rlim_cur
+        {
+            return Err(io::Error::new(
+                io::Error::from_raw_os_error(libc::EFBIG).kind(),
+                format!(
+                    "HostBuffer of {len_bytes} bytes exceeds this process's file-size limit (RLIMIT_FSIZE, {} bytes): \
+                     its memfd could not be sized (EFBIG)",
+                    lim.rlim_cur
+                ),
+            ));
+        }
         // Whole pages, so that the memfd handed to peers holds exactly this
         // buffer; sealed so that no holder of the fd can shrink it (SIGBUS
         // at our next access), grow it, or change the seals.
-        file.set_len((len_bytes as u64).div_ceil(4096) * 4096)?;
+        file.set_len(size)?;
         use nix::fcntl::{FcntlArg, SealFlag, fcntl};
         let seals = SealFlag::F_SEAL_SHRINK | SealFlag::F_SEAL_GROW | SealFlag::F_SEAL_SEAL;
         fcntl(&file, FcntlArg::F_ADD_SEALS(seals)).map_err(io::Error::from)?;

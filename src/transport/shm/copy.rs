@@ -135,6 +135,9 @@ pub(super) struct XferShared {
     /// Where `segments` goes when the transfer is dropped, for the next post
     /// to refill (see [`SpareSegments`]).
     pub spare: Option<Arc<SpareSegments>>,
+    /// The local registrations the segments use, alive until the transfer
+    /// is dropped (a deregistration meanwhile cannot free them).
+    pub _local: Vec<Arc<dyn crate::transport::MemoryBacking>>,
 }
 
 impl Drop for XferShared {

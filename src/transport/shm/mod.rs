@@ -149,7 +149,10 @@ impl ShmTransport {
         );
         let listener = Arc::new(Listener::bind(&socket_name)?);
         let regions: RegionTable = Arc::default();
-        let notifs: NotifQueue = Arc::default();
+        let notifs: NotifQueue = Arc::new(super::notify::NotifQueue::new(
+            TransportKind::Shm,
+            super::notify::NotifBounds::from_options(&opts)?,
+        ));
         let stopping = Arc::new(AtomicBool::new(false));
         let accepted: Accepted = Arc::default();
         let acks: Arc<Acks> = Arc::default();
@@ -226,7 +229,7 @@ impl Transport for ShmTransport {
         TransportKind::Shm
     }
 
-    fn register(&mut self, backing: &dyn MemoryBacking) -> Result<Registration, TransportError> {
+    fn register(&mut self, backing: Arc<dyn MemoryBacking>) -> Result<Registration, TransportError> {
         let desc = backing.desc();
         if desc.kind != super::MemoryKind::Dram {
             return Err(TransportError::Unsupported("the shm transport moves host (DRAM) memory only".into()));
@@ -247,7 +250,7 @@ impl Transport for ShmTransport {
         self.regions
             .lock()
             .unwrap_or_else(|p| p.into_inner())
-            .insert(key, LocalRegion { addr: desc.addr, len_bytes: desc.len_bytes, fd });
+            .insert(key, LocalRegion { addr: desc.addr, len_bytes: desc.len_bytes, fd, backing });
         Ok(Registration { lkey: LocalKey(key), rkey: RemoteKey(key) })
     }
 
@@ -362,6 +365,12 @@ impl Transport for ShmTransport {
         if req.notification.as_ref().is_some_and(|n| n.len() > wire::MAX_NOTIFICATION) {
             return Err(TransportError::Post(format!("notification larger than {} bytes", wire::MAX_NOTIFICATION)));
         }
+        // The local check: the copy threads dereference `local_addr`, so
+        // it must lie in memory we registered; the transfer keeps it alive.
+        let local = {
+            let table = self.regions.lock().unwrap_or_else(|p| p.into_inner());
+            super::check_local(&req.segments, |k| table.get(&k).map(|r| (r.backing.desc(), r.backing.clone())))?
+        };
         // The HCA-style check (every segment inside a region the target
         // reported, by key and bounds, before a single byte moves) and the
         // cut into chunks, in one pass over the segments.
@@ -377,6 +386,7 @@ impl Transport for ShmTransport {
                     chunks: std::iter::once(0..0).collect(),
                     next_chunk: AtomicUsize::new(0),
                     spare: None,
+                    _local: local,
                 });
                 self.inflight.insert(x.clone());
                 self.pool.submit(Job { xfer: x, done: self.inflight.sender() });
@@ -391,6 +401,7 @@ impl Transport for ShmTransport {
             next_chunk: AtomicUsize::new(0),
             chunks,
             spare: Some(self.spare.clone()),
+            _local: local,
         });
         self.inflight.insert(x.clone());
         if bytes <= INLINE_BYTES {
@@ -414,8 +425,7 @@ impl Transport for ShmTransport {
     }
 
     fn take_notifications(&mut self, out: &mut Vec<Notification>) {
-        let mut q = self.notifs.lock().unwrap_or_else(|p| p.into_inner());
-        out.append(&mut q);
+        self.notifs.drain_into(out);
     }
 
     fn spare_segments(&mut self) -> Option<Vec<Segment>> {

@@ -233,6 +233,14 @@ fn receive(peer: &PeerShared) -> Result<(), TransferFailure> {
                 Some(None) => {} // failed by its deadline already
                 None => return Err(TransferFailure::protocol(format!("peer {} acknowledged too much", peer.name))),
             },
+            Ok(Received::Msg(Msg::NotifyRefused { reason }, _)) => match peer.outbox.lock().unacked.pop_front() {
+                Some(Some(p)) => p.finish(Err(TransferFailure::overloaded(format!(
+                    "notification not delivered: peer {}: {reason}",
+                    peer.name
+                )))),
+                Some(None) => {}
+                None => return Err(TransferFailure::protocol(format!("peer {} refused too much", peer.name))),
+            },
             Ok(Received::Msg(Msg::Revoke { rkey }, _)) => {
                 if let Some(r) = peer.regions.get(&rkey) {
                     r.revoke();
@@ -324,6 +332,9 @@ pub(super) fn handshake(
         ch.set_timeouts(left)?;
         match ch.recv().map_err(|e| cerr(e.to_string()))? {
             None => Err(cerr("peer closed the connection during the handshake".into())),
+            Some((Msg::Refused { reason }, _)) if reason.starts_with(super::target::NAME_IN_USE) => {
+                Err(TransportError::NameInUse { peer: peer_name.to_string(), name: agent.to_string() })
+            }
             Some((Msg::Refused { reason }, _)) => Err(cerr(format!("refused by the target: {reason}"))),
             Some(m) => Ok(m),
         }

@@ -19,6 +19,7 @@ use std::time::Duration;
 
 use super::wire::{self, Access, Channel, Listener, Msg, PeerCred};
 use crate::transport::Notification;
+use crate::transport::accept::{AcceptBackoff, AfterError};
 use crate::transport::auth::{self, AgentSecret, Nonce};
 
 /// One registered region as the target keeps it.
@@ -30,12 +31,15 @@ pub(super) struct LocalRegion {
     /// The sealed memfd holding exactly this region, and the region's
     /// offset in it; `None` for memory reached with cross-memory attach.
     pub fd: Option<(OwnedFd, u64)>,
+    /// The memory, kept alive while registered (and by each transfer that
+    /// uses it as its local side).
+    pub backing: Arc<dyn crate::transport::MemoryBacking>,
 }
 
 /// Regions by key.
 pub(super) type RegionTable = Arc<Mutex<HashMap<u32, LocalRegion>>>;
 /// Notifications received, for `take_notifications`.
-pub(super) type NotifQueue = Arc<Mutex<Vec<Notification>>>;
+pub(super) type NotifQueue = Arc<crate::transport::notify::NotifQueue>;
 
 /// An initiator connected to us.
 pub(super) struct AcceptedPeer {
@@ -48,6 +52,8 @@ pub(super) struct AcceptedPeer {
     /// Set once it proved the secret and got its regions: only these are
     /// sent revocations and waited for.
     pub admitted: AtomicBool,
+    /// Once admitted: the agent name it proved and its pid (SO_PEERCRED).
+    pub ident: Mutex<Option<(String, i32)>>,
 }
 
 /// The initiators connected to us (closed on drop).
@@ -88,19 +94,34 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
-/// Accept connections until the listener is shut down.
+/// Accept connections until the listener is shut down. Running out of
+/// descriptors or memory does not end it (see [`AcceptBackoff`]).
 pub(super) fn accept_loop(listener: &Listener, stopping: &AtomicBool, shared: &Shared) {
     let mut next_id = 0u64;
-    while let Ok(channel) = listener.accept() {
+    let mut backoff = AcceptBackoff::new("shm listener");
+    loop {
+        let accepted = listener.accept();
         if stopping.load(Ordering::Acquire) {
             break;
         }
+        let channel = match accepted {
+            Ok(ch) => {
+                backoff.accepted();
+                ch
+            }
+            Err(crate::transport::TransportError::Io { source, .. }) => match backoff.failed(&source) {
+                AfterError::Retry => continue,
+                AfterError::Stop => break,
+            },
+            Err(_) => break,
+        };
         next_id += 1;
         let peer = Arc::new(AcceptedPeer {
             id: next_id,
             channel,
             live: AtomicBool::new(true),
             admitted: AtomicBool::new(false),
+            ident: Mutex::new(None),
         });
         let mut list = lock(&shared.accepted);
         list.retain(|p| p.live.load(Ordering::Acquire)); // forget peers that left
@@ -111,6 +132,9 @@ pub(super) fn accept_loop(listener: &Listener, stopping: &AtomicBool, shared: &S
             serve_peer(&peer, &shared);
             peer.live.store(false, Ordering::Release);
             peer.channel.shutdown();
+            // Out of the list now, not at the next accept: its socket closes
+            // when the last holder (this thread, or a waiting deregister) lets go.
+            lock(&shared.accepted).retain(|p| !Arc::ptr_eq(p, &peer));
             // A deregister waiting for this peer's acknowledgement stops waiting.
             shared.acks.changed.notify_all();
         });
@@ -119,6 +143,10 @@ pub(super) fn accept_loop(listener: &Listener, stopping: &AtomicBool, shared: &S
         }
     }
 }
+
+/// Start of the refusal reason for a name held by another connected process
+/// (the initiator turns it into `TransportError::NameInUse`).
+pub(super) const NAME_IN_USE: &str = "name in use";
 
 fn refuse(ch: &Channel, cred: &PeerCred, reason: String) {
     tracing::warn!("shm: refused a connection from pid {} uid {}: {reason}", cred.pid, cred.uid);
@@ -145,6 +173,22 @@ fn serve_peer(peer: &AcceptedPeer, shared: &Shared) {
             if !auth::verify(&shared.secret, &nonce, &wire::proof_context(&agent), &proof) {
                 return refuse(ch, &cred, format!("agent {agent:?} did not prove the target's secret"));
             }
+            // One process holds a name while it is connected: another
+            // process claiming it (to send notifications as that peer) is
+            // refused. (Checked and recorded under the list's lock.)
+            {
+                let list = lock(&shared.accepted);
+                let clash = list.iter().any(|p| {
+                    p.id != peer.id
+                        && p.live.load(Ordering::Acquire)
+                        && lock(&p.ident).as_ref().is_some_and(|(n, pid)| *n == agent && *pid != cred.pid)
+                });
+                if clash {
+                    drop(list);
+                    return refuse(ch, &cred, format!("{NAME_IN_USE}: agent name {agent:?} is already connected"));
+                }
+                *lock(&peer.ident) = Some((agent.clone(), cred.pid));
+            }
             peer.admitted.store(true, Ordering::Release);
             if let Err(e) = answer_hello(ch, &shared.regions, &rkeys, cred.pid) {
                 tracing::warn!("shm: hello from {agent} failed: {e}");
@@ -165,10 +209,15 @@ fn serve_peer(peer: &AcceptedPeer, shared: &Shared) {
     loop {
         match ch.recv() {
             Ok(Some((Msg::Notify { payload }, _))) => {
-                lock(&shared.notifs).push(Notification { from_agent: agent.clone(), payload });
+                // A full queue refuses (the sender's transfer fails
+                // `Overloaded`) instead of growing.
+                let answer = match shared.notifs.push(Notification { from_agent: agent.clone(), payload }) {
+                    Ok(()) => Msg::NotifyAck,
+                    Err(reason) => Msg::NotifyRefused { reason },
+                };
                 // Waits at most peer_timeout for room; an initiator that
                 // does not read loses its connection.
-                if let Err(e) = ch.send(&Msg::NotifyAck, None) {
+                if let Err(e) = ch.send(&answer, None) {
                     tracing::warn!("shm: acknowledging a notification to {agent} failed: {e}");
                     return;
                 }
@@ -254,6 +303,54 @@ mod tests {
     use crate::transport::shm::ShmTransport;
     use crate::transport::shm::wire::{self, Channel, Msg, ShmInfo};
     use crate::transport::{Transport, TransportConfig};
+
+    /// Issue 27: the uid check must be exercised without root too (the
+    /// integration test needs root to run a child as another uid). A target
+    /// that allows only another uid refuses us before any challenge; the
+    /// same target allowing our uid challenges us, so the check is real.
+    #[test]
+    fn a_uid_not_allowed_is_refused_without_root() {
+        use std::sync::Arc;
+        use std::sync::atomic::{AtomicBool, Ordering};
+
+        use super::{Shared, accept_loop};
+        use crate::transport::TransportKind;
+        use crate::transport::auth::AgentSecret;
+        use crate::transport::notify::{NotifBounds, NotifQueue};
+        use crate::transport::shm::wire::Listener;
+
+        // SAFETY: geteuid has no preconditions and cannot fail.
+        let me = unsafe { libc::geteuid() };
+        for (allowed, refused) in [(me.wrapping_add(1), true), (me, false)] {
+            let name = format!("kvwire-uidtest-{}-{allowed}", std::process::id());
+            let listener = Listener::bind(&name).unwrap();
+            let shared = Shared {
+                regions: Arc::default(),
+                notifs: Arc::new(NotifQueue::new(TransportKind::Shm, NotifBounds::default())),
+                accepted: Arc::default(),
+                acks: Arc::default(),
+                timeout: Duration::from_secs(2),
+                secret: Arc::new(AgentSecret::random().unwrap()),
+                allow_uids: Arc::new(vec![allowed]),
+            };
+            let stopping = AtomicBool::new(false);
+            std::thread::scope(|s| {
+                s.spawn(|| accept_loop(&listener, &stopping, &shared));
+                let ch = Channel::connect(&name, Duration::from_secs(2)).unwrap();
+                let first = ch.recv();
+                if refused {
+                    assert!(
+                        matches!(&first, Ok(Some((Msg::Refused { reason }, None))) if reason.contains("allow_uids")),
+                        "uid {me} not in [{allowed}]: {first:?}"
+                    );
+                } else {
+                    assert!(matches!(&first, Ok(Some((Msg::Challenge { .. }, _)))), "{first:?}");
+                }
+                stopping.store(true, Ordering::Release);
+                listener.shutdown();
+            });
+        }
+    }
 
     /// A peer that proved the secret used to grow the target's
     /// acknowledgement set by one entry per `RevokeAck` of any key.

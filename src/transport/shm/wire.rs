@@ -142,6 +142,13 @@ pub enum Msg {
     /// received and queued for the target's agent. The initiator reports
     /// the transfer `Done` only then.
     NotifyAck,
+    /// Target → initiator: the oldest unacknowledged notification was not
+    /// queued because the target's bounded notification queue is full; the
+    /// initiator fails the transfer with `FailureKind::Overloaded`.
+    NotifyRefused {
+        /// Why (the bounds and what is held).
+        reason: String,
+    },
 }
 
 impl Msg {

@@ -63,6 +63,10 @@ use super::{
     TransportError, TransportKind, XferId,
 };
 
+/// Connections still proving the agent secret, at most, per listener
+/// (option `max_preauth`); the oldest is dropped for a new one.
+pub const DEFAULT_MAX_PREAUTH: usize = 64;
+
 /// Connections per peer unless option `conns_per_peer` says otherwise.
 /// Measured on the 2-core reference machine (docs/TCP.md): 2 connections
 /// beat 1 at every page size; more only add threads.
@@ -203,7 +207,23 @@ pub struct TcpTransport {
     peers: HashMap<u32, PeerConn>,
     next_peer: u32,
     inflight: InFlight<XferShared>,
+    /// Random, nonzero: sent (covered by the proof) in each hello so that a target lets
+    /// only this transport's connections use our name while they live.
+    session: u64,
 }
+
+/// A target refused our hello because our agent name is connected there
+/// under another session (carried inside an `io::Error`).
+#[derive(Debug)]
+struct NameInUse(String);
+
+impl std::fmt::Display for NameInUse {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl std::error::Error for NameInUse {}
 
 impl TcpTransport {
     /// Create the backend for agent `agent`: check the configuration, bind
@@ -237,8 +257,19 @@ impl TcpTransport {
         let advertise = advertised(local, opts.raw("advertise"), &opts)?;
         let secret = AgentSecret::random()?;
         let regions: RegionTable = Arc::default();
-        let notifs: NotifQueue = Arc::default();
-        let service = Service::start(listener, secret.clone(), regions.clone(), notifs.clone(), config.peer_timeout)?;
+        let notifs: NotifQueue = Arc::new(super::notify::NotifQueue::new(
+            TransportKind::Tcp,
+            super::notify::NotifBounds::from_options(&opts)?,
+        ));
+        let max_preauth = opts.get_checked("max_preauth", DEFAULT_MAX_PREAUTH, |n| *n >= 1)?;
+        let service = Service::start(
+            listener,
+            secret.clone(),
+            regions.clone(),
+            notifs.clone(),
+            config.peer_timeout,
+            max_preauth,
+        )?;
         Ok(Self {
             agent: agent.to_string(),
             config: config.clone(),
@@ -252,6 +283,11 @@ impl TcpTransport {
             peers: HashMap::new(),
             next_peer: 1,
             inflight: InFlight::default(),
+            session: {
+                let mut b = [0u8; 8];
+                getrandom::fill(&mut b).map_err(|e| TransportError::Unsupported(format!("no OS randomness: {e}")))?;
+                u64::from_le_bytes(b).max(1)
+            },
         })
     }
 
@@ -283,7 +319,10 @@ impl TcpTransport {
         let mut nonce = Nonce([0; auth::NONCE_BYTES]);
         io::read_exact(&sock, &mut nonce.0)?;
         let name = self.agent.as_bytes();
-        let name = &name[..name.len().min(wire::MAX_NAME_BYTES as usize)];
+        let mut name = name[..name.len().min(wire::MAX_NAME_BYTES as usize)].to_vec();
+        name.push(0);
+        name.extend_from_slice(&self.session.to_le_bytes());
+        let name = &name[..];
         let h = wire::Header {
             kind: wire::Kind::Hello,
             count: name.len() as u32,
@@ -300,6 +339,10 @@ impl TcpTransport {
             Ok(a) if a.kind == wire::Kind::Resp => {
                 let mut reason = vec![0u8; a.body_bytes()];
                 io::read_exact(&sock, &mut reason)?;
+                if a.status() == wire::Status::NameInUse {
+                    let why = NameInUse(String::from_utf8_lossy(&reason).into_owned());
+                    return Err(std::io::Error::new(std::io::ErrorKind::PermissionDenied, why));
+                }
                 Err(std::io::Error::new(
                     std::io::ErrorKind::PermissionDenied,
                     format!("refused ({:?}): {}", a.status(), String::from_utf8_lossy(&reason)),
@@ -344,17 +387,14 @@ impl Transport for TcpTransport {
         TransportKind::Tcp
     }
 
-    fn register(&mut self, backing: &dyn MemoryBacking) -> Result<Registration, TransportError> {
+    fn register(&mut self, backing: Arc<dyn MemoryBacking>) -> Result<Registration, TransportError> {
         let desc = backing.desc();
         if desc.kind != MemoryKind::Dram {
             return Err(TransportError::Unsupported("the tcp transport moves host (DRAM) memory only".into()));
         }
         let key = self.next_key;
         self.next_key += 1;
-        self.regions
-            .write()
-            .unwrap_or_else(|p| p.into_inner())
-            .insert(key, Arc::new(LocalRegion::new(desc.addr, desc.len_bytes)));
+        self.regions.write().unwrap_or_else(|p| p.into_inner()).insert(key, Arc::new(LocalRegion::new(backing)));
         Ok(Registration { lkey: LocalKey(key), rkey: RemoteKey(key) })
     }
 
@@ -395,7 +435,13 @@ impl Transport for TcpTransport {
             .ok_or_else(|| TransportError::BadConnectionInfo(format!("{} resolves to nothing", info.addr)))?;
         let mut socks = Vec::with_capacity(self.conns_per_peer);
         for i in 0..self.conns_per_peer {
-            socks.push(self.open(&addr, i, &info.secret).map_err(|e| cerr(format!("{addr}: {e}")))?);
+            socks.push(self.open(&addr, i, &info.secret).map_err(|e| {
+                if e.get_ref().is_some_and(|r| r.is::<NameInUse>()) {
+                    TransportError::NameInUse { peer: peer_name.to_string(), name: self.agent.clone() }
+                } else {
+                    cerr(format!("{addr}: {e}"))
+                }
+            })?);
         }
         let clones = socks.iter().map(TcpStream::try_clone).collect::<Result<Vec<_>, _>>();
         let shared = Arc::new(PeerShared {
@@ -452,11 +498,18 @@ impl Transport for TcpTransport {
         let Some(jobs) = &peer.jobs else {
             return Err(TransportError::NotConnected(req.peer));
         };
+        // The local check: the workers dereference `local_addr`, so it must
+        // lie in memory we registered; the transfer keeps it alive.
+        let local = {
+            let table = self.regions.read().unwrap_or_else(|p| p.into_inner());
+            super::check_local(&req.segments, |k| table.get(&k).map(|r| (r.backing.desc(), r.backing.clone())))?
+        };
         let (segments, ranges) = plan_chunks(req.segments);
         let x = Arc::new(XferShared {
             core: XferState::new(req.xfer, req.op, req.notification, ranges.len().max(1)),
             peer: peer.shared.clone(),
             segments,
+            _local: local,
         });
         self.inflight.insert(x.clone());
         if ranges.is_empty() {
@@ -484,8 +537,7 @@ impl Transport for TcpTransport {
     }
 
     fn take_notifications(&mut self, out: &mut Vec<Notification>) {
-        let mut q = self.notifs.lock().unwrap_or_else(|p| p.into_inner());
-        out.append(&mut q);
+        self.notifs.drain_into(out);
     }
 }
 

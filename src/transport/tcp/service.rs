@@ -18,13 +18,14 @@ use std::collections::HashMap;
 use std::io::{self, Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::os::fd::AsRawFd;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
 use std::sync::{Arc, Mutex, RwLock, RwLockReadGuard};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
 use super::io::{self as tio, Deadline, Range};
 use super::wire::{self, Header, Kind, SegmentDesc, Status};
+use crate::transport::accept::{AcceptBackoff, AfterError};
 use crate::transport::auth::{self, AgentSecret, Nonce};
 use crate::transport::{Notification, TransportError};
 
@@ -48,12 +49,16 @@ pub(super) struct LocalRegion {
     pub len_bytes: u64,
     /// Read-held by each request that moves data in the region.
     busy: RwLock<()>,
+    /// The memory, kept alive while registered (and by each transfer that
+    /// uses it as its local side).
+    pub backing: Arc<dyn crate::transport::MemoryBacking>,
 }
 
 impl LocalRegion {
     /// A region of `len_bytes` at `addr`.
-    pub(super) fn new(addr: u64, len_bytes: u64) -> Self {
-        Self { addr, len_bytes, busy: RwLock::new(()) }
+    pub(super) fn new(backing: Arc<dyn crate::transport::MemoryBacking>) -> Self {
+        let d = backing.desc();
+        Self { addr: d.addr, len_bytes: d.len_bytes, busy: RwLock::new(()), backing }
     }
 
     /// Wait until no request touches the region (call after removing it
@@ -68,7 +73,7 @@ impl LocalRegion {
 /// the module docs.
 pub(super) type RegionTable = Arc<RwLock<HashMap<u32, Arc<LocalRegion>>>>;
 /// Notifications received, drained by `take_notifications`.
-pub(super) type NotifQueue = Arc<Mutex<Vec<Notification>>>;
+pub(super) type NotifQueue = Arc<crate::transport::notify::NotifQueue>;
 
 struct Shared {
     secret: AgentSecret,
@@ -76,7 +81,30 @@ struct Shared {
     notifs: NotifQueue,
     stopping: AtomicBool,
     timeout: Duration,
-    conns: Mutex<Vec<(TcpStream, JoinHandle<()>)>>,
+    conns: Mutex<Vec<Conn>>,
+    /// Most connections that have not yet proved the secret (the oldest is
+    /// dropped to admit a new one).
+    max_preauth: usize,
+}
+
+/// [`Conn::state`]: waiting for the hello's proof.
+const PREAUTH: u8 = 0;
+/// [`Conn::state`]: proved the secret.
+const AUTHED: u8 = 1;
+/// [`Conn::state`]: dropped to make room under `max_preauth`.
+const EVICTED: u8 = 2;
+
+/// One accepted connection: a clone of its socket (to close it from here),
+/// its service thread (set just after the spawn), and where it stands.
+/// The thread removes its own entry when it ends, so a dead connection's
+/// descriptor goes at once, not at the next accept.
+struct Conn {
+    id: u64,
+    /// Once authenticated: the agent name it proved and its session.
+    agent: Option<(String, u64)>,
+    sock: TcpStream,
+    thread: Option<JoinHandle<()>>,
+    state: Arc<AtomicU8>,
 }
 
 /// The listener and its service threads; dropping it stops them all.
@@ -97,6 +125,7 @@ impl Service {
         regions: RegionTable,
         notifs: NotifQueue,
         timeout: Duration,
+        max_preauth: usize,
     ) -> Result<Self, TransportError> {
         let listener = Arc::new(listener);
         let shared = Arc::new(Shared {
@@ -106,6 +135,7 @@ impl Service {
             stopping: AtomicBool::new(false),
             timeout,
             conns: Mutex::new(Vec::new()),
+            max_preauth: max_preauth.max(1),
         });
         let accept = {
             let (l, s) = (listener.clone(), shared.clone());
@@ -127,38 +157,91 @@ impl Drop for Service {
             let _ = h.join();
         }
         let conns = std::mem::take(&mut *self.shared.conns.lock().unwrap_or_else(|p| p.into_inner()));
-        for (s, _) in &conns {
-            let _ = s.shutdown(std::net::Shutdown::Both);
+        for c in &conns {
+            let _ = c.sock.shutdown(std::net::Shutdown::Both);
         }
-        for (_, h) in conns {
-            let _ = h.join();
+        for c in conns {
+            if let Some(h) = c.thread {
+                let _ = h.join();
+            }
         }
     }
 }
 
+fn lock_conns(shared: &Shared) -> std::sync::MutexGuard<'_, Vec<Conn>> {
+    shared.conns.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// Accept connections until the service stops. Running out of descriptors
+/// or memory does not end it ([`AcceptBackoff`]); at most `max_preauth`
+/// connections wait for their proof at once, the oldest dropped first, so
+/// that an unauthenticated flood holds a bounded number of descriptors.
 fn accept_loop(listener: &TcpListener, shared: &Arc<Shared>) {
-    while let Ok((stream, from)) = listener.accept() {
+    let mut backoff = AcceptBackoff::new("tcp listener");
+    let mut next_id = 0u64;
+    loop {
+        let accepted = listener.accept();
         if shared.stopping.load(Ordering::Acquire) {
             break;
         }
+        let (stream, from) = match accepted {
+            Ok(c) => {
+                backoff.accepted();
+                c
+            }
+            Err(e) => match backoff.failed(&e) {
+                AfterError::Retry => continue,
+                AfterError::Stop => break,
+            },
+        };
         let Ok(handle) = stream.try_clone() else {
             continue;
         };
+        next_id += 1;
+        let id = next_id;
+        let state = Arc::new(AtomicU8::new(PREAUTH));
+        {
+            let mut conns = lock_conns(shared);
+            let waiting: Vec<usize> =
+                (0..conns.len()).filter(|&i| conns[i].state.load(Ordering::Acquire) == PREAUTH).collect();
+            if waiting.len() >= shared.max_preauth {
+                // The oldest first: accept order is list order.
+                for &i in &waiting[..=waiting.len() - shared.max_preauth] {
+                    if conns[i].state.compare_exchange(PREAUTH, EVICTED, Ordering::AcqRel, Ordering::Acquire).is_ok() {
+                        tracing::debug!("tcp: dropping a connection still unauthenticated (max_preauth)");
+                        let _ = conns[i].sock.shutdown(std::net::Shutdown::Both);
+                    }
+                }
+            }
+            conns.push(Conn { id, agent: None, sock: handle, thread: None, state: state.clone() });
+        }
         let s = shared.clone();
         let spawned = std::thread::Builder::new().name("kvwire-tcp-serve".into()).spawn(move || {
-            if let Err(e) = serve_conn(&stream, &s, from) {
+            if let Err(e) = serve_conn(&stream, &s, from, id, &state) {
                 tracing::debug!("tcp: connection from {from} ended: {e}");
             }
-            // `conns` holds a clone: close explicitly so the peer sees it now.
+            // `conns` holds a clone: close explicitly so the peer sees it now,
+            // and drop the clone with our entry.
             let _ = stream.shutdown(std::net::Shutdown::Both);
+            let gone = {
+                let mut conns = lock_conns(&s);
+                conns.iter().position(|c| c.id == id).map(|i| conns.remove(i))
+            };
+            // Our own handle (if already set) is dropped, detaching: we are ending.
+            drop(gone);
         });
+        let mut conns = lock_conns(shared);
         match spawned {
             Ok(h) => {
-                let mut conns = shared.conns.lock().unwrap_or_else(|p| p.into_inner());
-                conns.retain(|(_, h)| !h.is_finished());
-                conns.push((handle, h));
+                if let Some(c) = conns.iter_mut().find(|c| c.id == id) {
+                    c.thread = Some(h);
+                }
             }
-            Err(e) => tracing::warn!("tcp: cannot serve {from}: {e}"),
+            Err(e) => {
+                conns.retain(|c| c.id != id);
+                drop(conns);
+                tracing::warn!("tcp: cannot serve {from}: {e}");
+            }
         }
     }
 }
@@ -193,7 +276,13 @@ fn respond(mut sock: &TcpStream, id: u64, status: Status, reason: &str) -> io::R
 /// The challenge/response: send a nonce, check the hello's proof. The
 /// connecting agent's name once it proved it knows the secret, `None` when
 /// it was refused (logged; the caller closes the connection).
-fn handshake(sock: &TcpStream, shared: &Shared, from: SocketAddr) -> io::Result<Option<String>> {
+fn handshake(
+    sock: &TcpStream,
+    shared: &Shared,
+    from: SocketAddr,
+    id: u64,
+    state: &AtomicU8,
+) -> io::Result<Option<String>> {
     let nonce = Nonce::random().map_err(io::Error::other)?;
     let ch = Header { kind: Kind::Challenge, count: wire::NONCE_BYTES, id: wire::MAGIC_VERSION, len: 0 };
     let mut frame = ch.encode().to_vec();
@@ -226,21 +315,59 @@ fn handshake(sock: &TcpStream, shared: &Shared, from: SocketAddr) -> io::Result<
         return Ok(None);
     }
     deadline.restore(sock)?;
+    let Some((name, session)) = wire::split_session(name) else {
+        tracing::warn!("tcp: refused {from}: malformed session in the hello");
+        let _ = respond(sock, 0, Status::Protocol, "malformed session in the hello");
+        return Ok(None);
+    };
     let Ok(agent) = String::from_utf8(name.to_vec()) else {
         tracing::warn!("tcp: refused {from}: agent name not UTF-8");
         let _ = respond(sock, 0, Status::Protocol, "agent name not UTF-8");
         return Ok(None);
     };
+    // The name is held by one session at a time: a connection under the
+    // name of a peer connected now (another session whose connections are
+    // not all closed) is refused, so nobody sends notifications as it.
+    {
+        let mut conns = lock_conns(shared);
+        let clash = conns.iter().any(|c| {
+            c.id != id
+                && c.state.load(Ordering::Acquire) == AUTHED
+                && c.agent.as_ref().is_some_and(|(n, s)| *n == agent && *s != session)
+                && !at_eof(&c.sock)
+        });
+        if clash {
+            drop(conns);
+            tracing::warn!("tcp: refused {from}: agent name {agent:?} is already connected (another session)");
+            let _ = respond(sock, 0, Status::NameInUse, &format!("agent name {agent:?} is already connected"));
+            return Ok(None);
+        }
+        if state.compare_exchange(PREAUTH, AUTHED, Ordering::AcqRel, Ordering::Acquire).is_err() {
+            return Ok(None); // evicted (and closed) while it proved the secret
+        }
+        if let Some(c) = conns.iter_mut().find(|c| c.id == id) {
+            c.agent = Some((agent.clone(), session));
+        }
+    }
     let ack = Header { kind: Kind::HelloAck, count: 0, id: wire::MAGIC_VERSION, len: 0 };
     (&*sock).write_all(&ack.encode())?;
     Ok(Some(agent))
 }
 
-fn serve_conn(sock: &TcpStream, shared: &Shared, from: SocketAddr) -> io::Result<()> {
+/// True when the peer closed `sock` (a zero-byte peek), without touching
+/// the socket's blocking mode, which its service thread shares.
+fn at_eof(sock: &TcpStream) -> bool {
+    let mut b = 0u8;
+    // SAFETY: a one-byte receive into a local, MSG_PEEK leaves the data queued.
+    let n = unsafe { libc::recv(sock.as_raw_fd(), (&raw mut b).cast(), 1, libc::MSG_PEEK | libc::MSG_DONTWAIT) };
+    n == 0 || (n < 0 && !matches!(io::Error::last_os_error().raw_os_error(), Some(libc::EAGAIN | libc::EINTR)))
+}
+
+fn serve_conn(sock: &TcpStream, shared: &Shared, from: SocketAddr, id: u64, state: &AtomicU8) -> io::Result<()> {
     sock.set_nodelay(true)?;
     sock.set_read_timeout(Some(shared.timeout))?;
     sock.set_write_timeout(Some(shared.timeout))?;
-    let Some(agent) = handshake(sock, shared, from)? else {
+    let Some(agent) = handshake(sock, shared, from, id, state)? else {
         return Ok(());
     };
 
@@ -278,12 +405,10 @@ fn serve_conn(sock: &TcpStream, shared: &Shared, from: SocketAddr) -> io::Result
                 serve_data(sock, shared, &agent, &h, &segs, &mut ranges, &deadline)?;
             }
             Kind::Notify => {
-                shared
-                    .notifs
-                    .lock()
-                    .unwrap_or_else(|p| p.into_inner())
-                    .push(Notification { from_agent: agent.clone(), payload: body.clone() });
-                respond(sock, h.id, Status::Ok, "")?;
+                match shared.notifs.push(Notification { from_agent: agent.clone(), payload: body.clone() }) {
+                    Ok(()) => respond(sock, h.id, Status::Ok, "")?,
+                    Err(why) => respond(sock, h.id, Status::Overloaded, &why)?,
+                }
             }
             other => {
                 tracing::warn!("tcp: unexpected {other:?} frame from {agent}; dropping the connection");

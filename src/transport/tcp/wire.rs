@@ -90,11 +90,35 @@ pub enum Status {
     OutOfBounds = 3,
     /// The hello's proof was missing or wrong; nothing is served.
     Denied = 4,
+    /// A bounded queue of the target (its notification queue) is full; the
+    /// notification was not queued.
+    Overloaded = 5,
+    /// The hello's agent name belongs to a peer that is connected now
+    /// under another session; nothing is served.
+    NameInUse = 6,
+}
+
+/// A hello's name field may end with a NUL and the initiator's 8-byte
+/// session (random per transport, the same on each of its connections; the
+/// proof covers it): a name is held by one session at a time. Without the
+/// suffix the session is 0.
+pub const SESSION_SUFFIX_BYTES: u32 = 9;
+
+/// Split a hello's name field into the agent name and the session; `None`
+/// when a NUL is present but not followed by exactly 8 bytes.
+pub fn split_session(field: &[u8]) -> Option<(&[u8], u64)> {
+    match field.iter().position(|&b| b == 0) {
+        None => Some((field, 0)),
+        Some(at) if field.len() - at == SESSION_SUFFIX_BYTES as usize => {
+            Some((&field[..at], u64::from_le_bytes(field[at + 1..].try_into().ok()?)))
+        }
+        Some(_) => None,
+    }
 }
 
 impl Status {
     /// The largest status value.
-    pub const MAX: u32 = Status::Denied as u32;
+    pub const MAX: u32 = Status::NameInUse as u32;
 
     fn from_u32(v: u32) -> Option<Self> {
         match v {
@@ -103,6 +127,8 @@ impl Status {
             2 => Some(Self::Protocol),
             3 => Some(Self::OutOfBounds),
             4 => Some(Self::Denied),
+            5 => Some(Self::Overloaded),
+            6 => Some(Self::NameInUse),
             _ => None,
         }
     }
@@ -202,7 +228,7 @@ impl Header {
                 if count == 0 {
                     return Err(WireError::Limit { what: "name bytes", value: 0, limit: MAX_NAME_BYTES as u64 });
                 }
-                limit("name bytes", count as u64, MAX_NAME_BYTES as u64)?;
+                limit("name bytes", count as u64, (MAX_NAME_BYTES + SESSION_SUFFIX_BYTES) as u64)?;
                 limit("connection index", len, 1 << 16)?;
             }
             Kind::Challenge => {

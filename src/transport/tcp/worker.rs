@@ -86,6 +86,9 @@ pub(super) struct XferShared {
     pub peer: Arc<PeerShared>,
     /// Segments, split so that no chunk exceeds the wire limits.
     pub segments: Vec<Segment>,
+    /// The local registrations the segments use, alive until the transfer
+    /// is dropped (a deregistration meanwhile cannot free them).
+    pub _local: Vec<Arc<dyn crate::transport::MemoryBacking>>,
 }
 
 impl AsRef<XferState> for XferShared {
@@ -124,6 +127,7 @@ fn refusal(status: Status, reason: String) -> ReqError {
         Status::UnknownKey => access(RemoteAccessKind::UnknownKey),
         Status::OutOfBounds => access(RemoteAccessKind::OutOfBounds),
         Status::Denied => access(RemoteAccessKind::Denied),
+        Status::Overloaded => ReqError::Remote(TransferFailure::overloaded(reason)),
         _ => ReqError::Conn(io::Error::new(io::ErrorKind::InvalidData, format!("peer refused: {reason}"))),
     }
 }

@@ -87,8 +87,12 @@ pub(super) enum Handshake {
     },
 }
 
+/// Accept handshakes until the transport stops. Running out of descriptors
+/// or memory sleeps with a bounded backoff instead of spinning
+/// ([`AcceptBackoff`]), and the loop recovers when they return.
 pub(super) fn accept_loop(inner: Arc<Inner>, listener: TcpListener) {
     let mut peers: Vec<JoinHandle<()>> = Vec::new();
+    let mut backoff = crate::transport::accept::AcceptBackoff::new("verbs handshake listener");
     loop {
         let conn = SideChannel::accept(&listener);
         if inner.stopping.load(Ordering::Acquire) {
@@ -98,7 +102,19 @@ pub(super) fn accept_loop(inner: Arc<Inner>, listener: TcpListener) {
         let (done, live): (Vec<_>, Vec<_>) = peers.drain(..).partition(|t| t.is_finished());
         peers = live;
         done.into_iter().for_each(|t| drop(t.join()));
-        let Ok(ch) = conn else { continue };
+        let ch = match conn {
+            Ok(ch) => {
+                backoff.accepted();
+                ch
+            }
+            // `accept` itself failed: back off on resource errors.
+            Err(SideChannelError::Io { call: "accept", source }) => match backoff.failed(&source) {
+                crate::transport::accept::AfterError::Retry => continue,
+                crate::transport::accept::AfterError::Stop => break,
+            },
+            // Setting up the accepted socket failed: that connection only.
+            Err(_) => continue,
+        };
         let inner = inner.clone();
         match std::thread::Builder::new().name("kvwire-verbs-peer".into()).spawn(move || serve(&inner, ch)) {
             Ok(t) => peers.push(t),

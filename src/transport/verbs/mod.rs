@@ -155,7 +155,9 @@ pub struct VerbsTransport {
     agent: String,
     inner: Arc<Inner>,
     listen_addr: SocketAddr,
-    regions: HashMap<u32, MemoryRegion>,
+    /// Registrations by lkey: the MR (dropped, i.e. deregistered, first)
+    /// and the memory it covers, kept alive until then.
+    regions: HashMap<u32, (MemoryRegion, Arc<dyn MemoryBacking>)>,
     peers: HashMap<u32, Peer>,
     next_peer: u32,
     qps_per_peer: u32,
@@ -424,7 +426,7 @@ impl Transport for VerbsTransport {
         TransportKind::Verbs
     }
 
-    fn register(&mut self, backing: &dyn MemoryBacking) -> Result<Registration, TransportError> {
+    fn register(&mut self, backing: Arc<dyn MemoryBacking>) -> Result<Registration, TransportError> {
         let d = backing.desc();
         let len = usize::try_from(d.len_bytes).map_err(|_| TransportError::Registration("range too large".into()))?;
         let reg = |e: VerbsError| TransportError::Registration(e.to_string());
@@ -438,9 +440,9 @@ impl Transport for VerbsTransport {
                     d.addr,
                     d.len_bytes,
                     dmabuf,
-                    // SAFETY: the engine keeps `backing` (which owns the
-                    // memory and the dma-buf fd) alive until `deregister`,
-                    // which drops (deregisters) the MR first.
+                    // SAFETY: `self.regions` keeps `backing` (which owns
+                    // the memory and the dma-buf fd) alive until
+                    // `deregister`, which drops (deregisters) the MR first.
                     |fd, off, _, iova| unsafe { MemoryRegion::register_dmabuf(pd, fd, off, len, iova) },
                     // SAFETY: as above.
                     |addr, _| unsafe { MemoryRegion::register(pd, addr, len) },
@@ -452,7 +454,7 @@ impl Transport for VerbsTransport {
             MemoryKind::Dram => unsafe { MemoryRegion::register(pd, d.addr, len).map_err(reg)? },
         };
         let r = Registration { lkey: LocalKey(mr.lkey()), rkey: RemoteKey(mr.rkey()) };
-        self.regions.insert(mr.lkey(), mr);
+        self.regions.insert(mr.lkey(), (mr, backing));
         Ok(r)
     }
 
@@ -518,6 +520,9 @@ impl Transport for VerbsTransport {
         if req.notification.as_ref().is_some_and(|n| n.len() > NOTIF_SLOT_BYTES) {
             return Err(TransportError::Post(format!("notification larger than {NOTIF_SLOT_BYTES} bytes")));
         }
+        // The HCA checks each lkey and range; checking here too gives the
+        // same typed error as shm and tcp before anything is queued.
+        super::check_local(&req.segments, |k| self.regions.get(&k).map(|(_, b)| (b.desc(), b.clone())))?;
         self.recover(req.peer)?;
         let p = &self.peers[&req.peer.0];
         if req.notification.is_some() && !p.link.take_slot() {
