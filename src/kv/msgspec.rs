@@ -181,8 +181,10 @@ pub(crate) mod b64 {
 
     /// Padding required; unused trailing bits ignored (as Python's
     /// `base64.b64decode` does).
-    const ENGINE: GeneralPurpose =
-        GeneralPurpose::new(&base64::alphabet::STANDARD, GeneralPurposeConfig::new().with_decode_allow_trailing_bits(true));
+    const ENGINE: GeneralPurpose = GeneralPurpose::new(
+        &base64::alphabet::STANDARD,
+        GeneralPurposeConfig::new().with_decode_allow_trailing_bits(true),
+    );
 
     pub(crate) fn encode(data: &[u8]) -> String {
         ENGINE.encode(data)

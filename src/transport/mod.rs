@@ -17,6 +17,7 @@ mod inflight;
 pub mod memory;
 pub mod options;
 pub mod shm;
+pub(crate) mod split;
 pub mod tcp;
 pub mod verbs;
 

@@ -12,6 +12,7 @@ use crossbeam_channel::Sender;
 
 use super::nic::{NicQp, NicSlab};
 use super::wc::{post_failure, wc_failure};
+use crate::transport::split::split;
 use crate::transport::{Completion, Notification, Op, Segment, TransferFailure, XferId};
 use crate::verbs::{WcStatus, WorkCompletion, WrBatch, WrId};
 
@@ -271,14 +272,9 @@ impl<Q: NicQp> State<Q> {
                 }
                 continue;
             };
-            let mut off = 0;
-            while off < s.len_bytes {
-                let n = (s.len_bytes - off).min(MAX_WR_BYTES);
-                let seg =
-                    Segment { local_addr: s.local_addr + off, remote_addr: s.remote_addr + off, len_bytes: n, ..*s };
+            for seg in split(*s, MAX_WR_BYTES) {
                 sq.queue.push_back(Work::Rdma { xfer: xfer.0, read, seg });
                 queued += 1;
-                off += n;
             }
         }
         if let Some(x) = self.xfers.get_mut(&xfer.0) {
