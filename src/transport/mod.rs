@@ -315,6 +315,15 @@ impl TransportError {
     pub fn io(call: &'static str, source: impl Into<std::io::Error>) -> Self {
         Self::Io { call, source: source.into() }
     }
+
+    /// The failing call and its errno, for an [`TransportError::Io`] that
+    /// came from one (a verbs or system call during setup or I/O).
+    pub fn failed_call(&self) -> Option<(&'static str, i32)> {
+        match self {
+            Self::Io { call, source } => source.raw_os_error().map(|errno| (*call, errno)),
+            _ => None,
+        }
+    }
 }
 
 /// A data-path backend. One instance serves one agent.

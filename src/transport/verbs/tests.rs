@@ -420,3 +420,18 @@ fn a_read_depth_of_one_still_fails_and_flushes_like_any_other_depth() {
 
 mod engine;
 mod prop;
+
+#[test]
+fn setup_errors_name_the_failing_verb_and_its_errno() {
+    use crate::verbs::VerbsError;
+    let e = super::setup_err(VerbsError::call("ibv_create_cq", libc::ENOMEM));
+    assert!(matches!(e, TransportError::Io { call: "ibv_create_cq", .. }), "{e:?}");
+    assert_eq!(e.failed_call(), Some(("ibv_create_cq", libc::ENOMEM)));
+    assert_eq!(e.to_string(), format!("ibv_create_cq: {}", std::io::Error::from_raw_os_error(libc::ENOMEM)));
+    let source = std::error::Error::source(&e).and_then(|s| s.downcast_ref::<std::io::Error>());
+    assert_eq!(source.and_then(std::io::Error::raw_os_error), Some(libc::ENOMEM));
+    // A missing device or provider op is still "unsupported", with its message.
+    let e = super::setup_err(VerbsError::Unsupported("no RDMA device named mlx9".into()));
+    assert!(matches!(&e, TransportError::Unsupported(m) if m == "no RDMA device named mlx9"), "{e:?}");
+    assert_eq!(e.failed_call(), None);
+}
