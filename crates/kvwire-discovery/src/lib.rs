@@ -13,7 +13,7 @@
 //!
 //! ```no_run
 //! use std::time::Duration;
-//! use kvwire::discovery::{EtcdStore, MetadataStore};
+//! use kvwire_discovery::{EtcdStore, MetadataStore};
 //! # fn demo(engine: &mut kvwire::engine::TransferEngine) -> Result<(), Box<dyn std::error::Error>> {
 //! let mut store = EtcdStore::connect("http://127.0.0.1:2379", "/kvwire/agents/", Duration::from_secs(5))?;
 //! store.publish(&engine.metadata())?;
