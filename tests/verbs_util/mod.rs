@@ -70,7 +70,8 @@ pub(crate) fn skip(why: &str) {
 /// [`skip`] with the requirement given: panics when `required`.
 pub(crate) fn skip_unless_required(required: bool, test: &str, why: &str) {
     assert!(!required, "{test}: KVWIRE_REQUIRE_RDMA=1 but {why}");
-    eprintln!("{test}: skipped: {why}");
+    // Straight to stderr, past libtest's capture: visible without --nocapture.
+    let _ = std::io::Write::write_all(&mut std::io::stderr(), format!("{test}: skipped: {why}\n").as_bytes());
 }
 
 /// The devices of [`devices`], or (after [`skip`]) return from the test.
