@@ -165,7 +165,8 @@ mod tests {
         assert_eq!(split(seg(0, 0, 0), 4).count(), 0);
         let p: Vec<_> = split(seg(10, 100, 10), 4).map(|s| (s.local_addr, s.remote_addr, s.len_bytes)).collect();
         assert_eq!(p, [(10, 100, 4), (14, 104, 4), (18, 108, 2)]);
-        assert_eq!(group(&[], Fill::AtLeast(8)), [0..0]);
+        let one_empty: Vec<Range<usize>> = vec![Range { start: 0, end: 0 }];
+        assert_eq!(group(&[], Fill::AtLeast(8)), one_empty);
         assert!(group(&[], Fill::AtMost { bytes: 8, segments: 2 }).is_empty());
     }
 }
