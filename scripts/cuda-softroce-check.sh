@@ -20,4 +20,4 @@ exe=$(cargo test -p kvwire --features cuda --no-run --message-format=json --test
 cp "$exe" "$stage/cuda_verbs"
 gcc -shared -fPIC -O1 -Wall -o "$stage/libcuda.so.1" tests/cuda_fake/libcuda.c
 bash "$softroce_vm" run "$stage" \
-  "LD_LIBRARY_PATH=/host KVWIRE_REQUIRE_GPU=1 RUST_LOG=info ./cuda_verbs --include-ignored --test-threads=1 --nocapture $*"
+  "LD_LIBRARY_PATH=/host KVWIRE_REQUIRE_GPU=1 KVWIRE_REQUIRE_RDMA=1 RUST_LOG=info ./cuda_verbs --include-ignored --test-threads=1 --nocapture $*"

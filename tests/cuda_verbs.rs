@@ -5,7 +5,8 @@
 //! that reason; the hardware scripts run them with `--include-ignored`, and
 //! where the hardware is still missing each prints why it is skipped
 //! (straight to stderr, visible without `--nocapture`).
-//! `KVWIRE_REQUIRE_GPU=1` turns a missing GPU into a failure.
+//! `KVWIRE_REQUIRE_GPU=1` turns a missing GPU into a failure, and
+//! `KVWIRE_REQUIRE_RDMA=1` a missing RDMA device.
 //!
 //! Runs for real on a GPU host with a NIC (`scripts/gpu-check.sh`), and in
 //! the Soft-RoCE guest against the fake driver
@@ -53,6 +54,9 @@ fn setup(test: &str) -> Option<(u32, String, String)> {
     };
     match devs.as_slice() {
         [] => {
+            if std::env::var("KVWIRE_REQUIRE_RDMA").is_ok_and(|v| v == "1") {
+                panic!("{test}: KVWIRE_REQUIRE_RDMA=1 but no RDMA device");
+            }
             skip(test, "no RDMA device");
             None
         }

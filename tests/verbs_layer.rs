@@ -2,6 +2,8 @@
 //! batches against a fake provider op table, and (with a device) the
 //! safe objects and `kvwire devices` data.
 
+mod verbs_util;
+
 use kvwire::verbs::wr::FakeQueuePair;
 use kvwire::verbs::{WrBatch, WrId};
 
@@ -41,8 +43,8 @@ fn loader_reports_availability_without_panicking() {
 fn devices_are_described_with_ports_and_gids() {
     let infos = match kvwire::verbs::list_devices() {
         Ok(v) if !v.is_empty() => v,
-        Ok(_) => return eprintln!("skipped: no RDMA device (none listed)"),
-        Err(e) => return eprintln!("skipped: no RDMA device ({e})"),
+        Ok(_) => return verbs_util::skip("no RDMA device (none listed)"),
+        Err(e) => return verbs_util::skip(&format!("no RDMA device ({e})")),
     };
     for d in infos {
         let d = d.expect("device opens");

@@ -176,53 +176,33 @@ pub fn from_msgpack<T: DeserializeOwned>(what: &str, data: &[u8]) -> Result<T, K
 
 /// Standard base64 with padding (Python's `base64.b64encode`, msgspec's `bytes`).
 pub(crate) mod b64 {
-    const ALPHABET: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
+    use base64::Engine as _;
+    use base64::engine::{GeneralPurpose, GeneralPurposeConfig};
+
+    /// Padding required; unused trailing bits ignored (as Python's
+    /// `base64.b64decode` does).
+    const ENGINE: GeneralPurpose = GeneralPurpose::new(
+        &base64::alphabet::STANDARD,
+        GeneralPurposeConfig::new().with_decode_allow_trailing_bits(true),
+    );
 
     pub(crate) fn encode(data: &[u8]) -> String {
-        let mut out = String::with_capacity(data.len().div_ceil(3) * 4);
-        for chunk in data.chunks(3) {
-            let b = [chunk[0], *chunk.get(1).unwrap_or(&0), *chunk.get(2).unwrap_or(&0)];
-            let n = (u32::from(b[0]) << 16) | (u32::from(b[1]) << 8) | u32::from(b[2]);
-            for i in 0..4 {
-                if i <= chunk.len() {
-                    out.push(ALPHABET[((n >> (18 - 6 * i)) & 63) as usize] as char);
-                } else {
-                    out.push('=');
-                }
-            }
-        }
-        out
+        ENGINE.encode(data)
     }
 
     pub(crate) fn decode(text: &str) -> Result<Vec<u8>, String> {
-        let bytes = text.as_bytes();
-        if !bytes.len().is_multiple_of(4) {
-            return Err(format!("base64 length {} is not a multiple of 4", bytes.len()));
+        if !text.len().is_multiple_of(4) {
+            return Err(format!("base64 length {} is not a multiple of 4", text.len()));
         }
-        let mut out = Vec::with_capacity(bytes.len() / 4 * 3);
-        let num_chunks = bytes.len() / 4;
-        for (ci, chunk) in bytes.chunks(4).enumerate() {
-            let pad = chunk.iter().rev().take_while(|&&c| c == b'=').count();
-            if pad > 2 || (pad > 0 && ci + 1 != num_chunks) {
-                return Err("misplaced base64 padding".into());
+        ENGINE.decode(text).map_err(|e| match e {
+            base64::DecodeError::InvalidByte(_, b'=') | base64::DecodeError::InvalidPadding => {
+                "misplaced base64 padding".to_string()
             }
-            let mut n = 0u32;
-            for &c in &chunk[..4 - pad] {
-                let v = match c {
-                    b'A'..=b'Z' => c - b'A',
-                    b'a'..=b'z' => c - b'a' + 26,
-                    b'0'..=b'9' => c - b'0' + 52,
-                    b'+' => 62,
-                    b'/' => 63,
-                    _ => return Err(format!("invalid base64 byte {c:#x}")),
-                };
-                n = (n << 6) | u32::from(v);
+            base64::DecodeError::InvalidByte(_, c) | base64::DecodeError::InvalidLastSymbol(_, c) => {
+                format!("invalid base64 byte {c:#x}")
             }
-            n <<= 6 * pad as u32;
-            let full = [(n >> 16) as u8, (n >> 8) as u8, n as u8];
-            out.extend_from_slice(&full[..3 - pad]);
-        }
-        Ok(out)
+            base64::DecodeError::InvalidLength(n) => format!("base64 length {n} is not a multiple of 4"),
+        })
     }
 
     #[cfg(test)]
@@ -235,9 +215,18 @@ pub(crate) mod b64 {
             }
             let all: Vec<u8> = (0..=255).collect();
             assert_eq!(super::decode(&super::encode(&all)).unwrap(), all);
-            for bad in ["Zg=", "Z===", "Zg==Zg==", "Z!==", "===="] {
-                assert!(super::decode(bad).is_err(), "{bad}");
+            for (bad, why) in [
+                ("Zg=", "base64 length 3 is not a multiple of 4"),
+                ("Z===", "misplaced base64 padding"),
+                ("Zg==Zg==", "misplaced base64 padding"),
+                ("====", "misplaced base64 padding"),
+                ("Z!==", "invalid base64 byte 0x21"),
+                ("Zm9v\n===", "invalid base64 byte 0xa"),
+            ] {
+                assert_eq!(super::decode(bad).unwrap_err(), why, "{bad:?}");
             }
+            // Unused trailing bits are ignored, as Python's b64decode does.
+            assert_eq!(super::decode("Zh==").unwrap(), b"f");
         }
     }
 }

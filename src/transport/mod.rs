@@ -19,6 +19,7 @@ pub mod memory;
 pub mod notify;
 pub mod options;
 pub mod shm;
+pub(crate) mod split;
 pub mod tcp;
 pub mod verbs;
 
@@ -338,6 +339,15 @@ impl TransportError {
     /// Wrap an OS error with the name of the call that returned it.
     pub fn io(call: &'static str, source: impl Into<std::io::Error>) -> Self {
         Self::Io { call, source: source.into() }
+    }
+
+    /// The failing call and its errno, for an [`TransportError::Io`] that
+    /// came from one (a verbs or system call during setup or I/O).
+    pub fn failed_call(&self) -> Option<(&'static str, i32)> {
+        match self {
+            Self::Io { call, source } => source.raw_os_error().map(|errno| (*call, errno)),
+            _ => None,
+        }
     }
 }
 

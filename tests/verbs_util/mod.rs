@@ -49,15 +49,51 @@ pub(crate) fn devices() -> Result<(String, String), String> {
     }
 }
 
+/// Whether `KVWIRE_REQUIRE_RDMA=1`: a test that finds no RDMA device then
+/// fails instead of passing without moving a byte (the Soft-RoCE guest sets
+/// it, `scripts/softroce-tests.sh`).
+pub(crate) fn rdma_required() -> bool {
+    std::env::var("KVWIRE_REQUIRE_RDMA").is_ok_and(|v| v == "1")
+}
+
+/// The running test's name (libtest names each test's thread after it).
+pub(crate) fn test_name() -> String {
+    std::thread::current().name().unwrap_or("verbs test").to_string()
+}
+
+/// Say `<test>: skipped: <why>` on stderr; panic instead when
+/// [`rdma_required`].
+pub(crate) fn skip(why: &str) {
+    skip_unless_required(rdma_required(), &test_name(), why);
+}
+
+/// [`skip`] with the requirement given: panics when `required`.
+pub(crate) fn skip_unless_required(required: bool, test: &str, why: &str) {
+    assert!(!required, "{test}: KVWIRE_REQUIRE_RDMA=1 but {why}");
+    // Straight to stderr, past libtest's capture: visible without --nocapture.
+    let _ = std::io::Write::write_all(&mut std::io::stderr(), format!("{test}: skipped: {why}\n").as_bytes());
+}
+
+/// The devices of [`devices`], or (after [`skip`]) return from the test.
 #[macro_export]
 macro_rules! need_devices {
     () => {
         match $crate::verbs_util::devices() {
             Ok(d) => d,
             Err(why) => {
-                eprintln!("skipped: no RDMA device ({why})");
+                $crate::verbs_util::skip(&format!("no RDMA device ({why})"));
                 return;
             }
         }
     };
+}
+
+#[test]
+fn a_missing_device_fails_only_when_rdma_is_required() {
+    skip_unless_required(false, "t", "no RDMA device (test)");
+    let failed = std::panic::catch_unwind(|| skip_unless_required(true, "t", "no RDMA device (test)"));
+    let msg = *failed.expect_err("must fail when required").downcast::<String>().unwrap();
+    assert_eq!(msg, "t: KVWIRE_REQUIRE_RDMA=1 but no RDMA device (test)");
+    let named = std::thread::Builder::new().name("probe".into()).spawn(test_name).unwrap().join().unwrap();
+    assert_eq!(named, "probe");
 }

@@ -198,53 +198,22 @@ impl Response {
     }
 }
 
+/// Standard base64 (RFC 4648, with padding) as etcd's gateway (Go's
+/// `encoding/base64.StdEncoding`) writes and reads it: padding required,
+/// unused trailing bits ignored.
+const B64: base64::engine::GeneralPurpose = base64::engine::GeneralPurpose::new(
+    &base64::alphabet::STANDARD,
+    base64::engine::GeneralPurposeConfig::new().with_decode_allow_trailing_bits(true),
+);
+
 /// Standard base64 (RFC 4648, with padding), as etcd's gateway encodes bytes.
 pub fn b64encode(data: &[u8]) -> String {
-    const T: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
-    let mut out = String::with_capacity(data.len().div_ceil(3) * 4);
-    for c in data.chunks(3) {
-        let n = (c[0] as u32) << 16 | (*c.get(1).unwrap_or(&0) as u32) << 8 | *c.get(2).unwrap_or(&0) as u32;
-        for i in 0..4 {
-            if i <= c.len() {
-                out.push(T[(n >> (18 - 6 * i) & 63) as usize] as char);
-            } else {
-                out.push('=');
-            }
-        }
-    }
-    out
+    base64::Engine::encode(&B64, data)
 }
 
 /// Decode standard base64; `None` when malformed.
 pub fn b64decode(text: &str) -> Option<Vec<u8>> {
-    let t = text.trim_end_matches('=').as_bytes();
-    if !text.len().is_multiple_of(4) || text.len() - t.len() > 2 {
-        return None;
-    }
-    let val = |b: u8| -> Option<u32> {
-        Some(match b {
-            b'A'..=b'Z' => b - b'A',
-            b'a'..=b'z' => b - b'a' + 26,
-            b'0'..=b'9' => b - b'0' + 52,
-            b'+' => 62,
-            b'/' => 63,
-            _ => return None,
-        } as u32)
-    };
-    let mut out = Vec::with_capacity(t.len() * 3 / 4);
-    for c in t.chunks(4) {
-        if c.len() == 1 {
-            return None;
-        }
-        let mut n = 0u32;
-        for (i, &b) in c.iter().enumerate() {
-            n |= val(b)? << (18 - 6 * i);
-        }
-        for i in 0..c.len() - 1 {
-            out.push((n >> (16 - 8 * i)) as u8);
-        }
-    }
-    Some(out)
+    base64::Engine::decode(&B64, text).ok()
 }
 
 #[cfg(test)]
@@ -264,6 +233,11 @@ mod tests {
         assert!(b64decode("Zm9").is_none());
         assert!(b64decode("Z===").is_none());
         assert!(b64decode("Zm9*").is_none());
+        assert!(b64decode("Zg=").is_none());
+        assert!(b64decode("Zg==Zg==").is_none());
+        assert!(b64decode("Zm9v\n").is_none());
+        // Unused trailing bits are ignored, as Go's StdEncoding does.
+        assert_eq!(b64decode("Zh==").unwrap(), b"f");
     }
 
     proptest! {

@@ -433,41 +433,6 @@ pub const IBV_SEND_SIGNALED: c_uint = 1 << 1;
 // enum ibv_wc_opcode
 pub const IBV_WC_RECV: u32 = 1 << 7;
 
-/// Names of `enum ibv_wc_status`, indexed by value.
-pub const WC_STATUS_NAMES: [&str; 24] = [
-    "IBV_WC_SUCCESS",
-    "IBV_WC_LOC_LEN_ERR",
-    "IBV_WC_LOC_QP_OP_ERR",
-    "IBV_WC_LOC_EEC_OP_ERR",
-    "IBV_WC_LOC_PROT_ERR",
-    "IBV_WC_WR_FLUSH_ERR",
-    "IBV_WC_MW_BIND_ERR",
-    "IBV_WC_BAD_RESP_ERR",
-    "IBV_WC_LOC_ACCESS_ERR",
-    "IBV_WC_REM_INV_REQ_ERR",
-    "IBV_WC_REM_ACCESS_ERR",
-    "IBV_WC_REM_OP_ERR",
-    "IBV_WC_RETRY_EXC_ERR",
-    "IBV_WC_RNR_RETRY_EXC_ERR",
-    "IBV_WC_LOC_RDD_VIOL_ERR",
-    "IBV_WC_REM_INV_RD_REQ_ERR",
-    "IBV_WC_REM_ABORT_ERR",
-    "IBV_WC_INV_EECN_ERR",
-    "IBV_WC_INV_EEC_STATE_ERR",
-    "IBV_WC_FATAL_ERR",
-    "IBV_WC_RESP_TIMEOUT_ERR",
-    "IBV_WC_GENERAL_ERR",
-    "IBV_WC_TM_ERR",
-    "IBV_WC_TM_RNDV_INCOMPLETE",
-];
-pub const IBV_WC_SUCCESS: u32 = 0;
-pub const IBV_WC_WR_FLUSH_ERR: u32 = 5;
-
-/// The name of work-completion status `status`, e.g. `"IBV_WC_REM_ACCESS_ERR"`.
-pub fn wc_status_name(status: u32) -> &'static str {
-    WC_STATUS_NAMES.get(status as usize).copied().unwrap_or("IBV_WC_UNKNOWN")
-}
-
 #[cfg(kvwire_abi_checked)]
 mod abi_checked {
     #![allow(unused_imports)]

@@ -22,6 +22,7 @@ pub mod loader;
 pub mod mr;
 pub mod pd;
 pub mod qp;
+mod wc;
 pub mod wr;
 
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -32,6 +33,7 @@ pub use loader::{LIBRARY, available};
 pub use mr::MemoryRegion;
 pub use pd::ProtectionDomain;
 pub use qp::{QpEndpoint, QpOptions, QueuePair};
+pub use wc::WcStatus;
 pub use wr::{WrBatch, WrId, WrView};
 
 /// Errors of the verbs layer: one variant per failing verb, naming the call.

@@ -513,46 +513,16 @@ pub(super) fn plan(peer: &PeerShared, segments: Vec<Segment>) -> Result<Plan, Tr
         }
     }
     if large {
-        let segments = split_large(segments);
-        let chunks = chunk_ranges(&segments);
+        // Segments longer than a chunk are split so that threads can share them.
+        use crate::transport::split::{Fill, group, split_all};
+        let segments = split_all(segments, super::CHUNK_BYTES);
+        let chunks = group(&segments, Fill::AtLeast(super::CHUNK_BYTES));
         return Ok(Plan { segments, chunks, bytes: total });
     }
     if start < segments.len() || chunks.is_empty() {
         chunks.push(start..segments.len());
     }
     Ok(Plan { segments, chunks, bytes: total })
-}
-
-/// Split segments longer than [`super::CHUNK_BYTES`] so that threads can share them.
-fn split_large(segments: Vec<Segment>) -> Vec<Segment> {
-    let mut out = Vec::with_capacity(segments.len() + 16);
-    for s in segments {
-        let mut off = 0;
-        while off < s.len_bytes {
-            let n = (s.len_bytes - off).min(super::CHUNK_BYTES);
-            out.push(Segment { local_addr: s.local_addr + off, remote_addr: s.remote_addr + off, len_bytes: n, ..s });
-            off += n;
-        }
-    }
-    out
-}
-
-/// Group consecutive segments into chunks of about [`super::CHUNK_BYTES`].
-fn chunk_ranges(segments: &[Segment]) -> Vec<Range<usize>> {
-    let mut ranges = Vec::new();
-    let (mut start, mut acc) = (0usize, 0u64);
-    for (i, s) in segments.iter().enumerate() {
-        acc += s.len_bytes;
-        if acc >= super::CHUNK_BYTES {
-            ranges.push(start..i + 1);
-            start = i + 1;
-            acc = 0;
-        }
-    }
-    if start < segments.len() || ranges.is_empty() {
-        ranges.push(start..segments.len());
-    }
-    ranges
 }
 
 #[cfg(test)]

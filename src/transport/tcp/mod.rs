@@ -357,28 +357,9 @@ impl TcpTransport {
 /// Split segments so each chunk stays within [`CHUNK_BYTES`] and
 /// [`wire::MAX_SEGMENTS`]; returns the segments and the chunk ranges.
 fn plan_chunks(segments: Vec<Segment>) -> (Vec<Segment>, Vec<std::ops::Range<usize>>) {
-    let mut out = Vec::with_capacity(segments.len());
-    for s in segments {
-        let mut off = 0;
-        while off < s.len_bytes {
-            let n = (s.len_bytes - off).min(CHUNK_BYTES);
-            out.push(Segment { local_addr: s.local_addr + off, remote_addr: s.remote_addr + off, len_bytes: n, ..s });
-            off += n;
-        }
-    }
-    let mut ranges = Vec::new();
-    let (mut start, mut acc) = (0usize, 0u64);
-    for (i, s) in out.iter().enumerate() {
-        if i > start && (acc + s.len_bytes > CHUNK_BYTES || i - start == wire::MAX_SEGMENTS as usize) {
-            ranges.push(start..i);
-            start = i;
-            acc = 0;
-        }
-        acc += s.len_bytes;
-    }
-    if start < out.len() {
-        ranges.push(start..out.len());
-    }
+    use crate::transport::split::{Fill, group, split_all};
+    let out = split_all(segments, CHUNK_BYTES);
+    let ranges = group(&out, Fill::AtMost { bytes: CHUNK_BYTES, segments: wire::MAX_SEGMENTS as usize });
     (out, ranges)
 }
 

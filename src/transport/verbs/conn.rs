@@ -210,7 +210,7 @@ fn serve(inner: &Inner, mut ch: SideChannel) {
     let result = (|| -> Result<(), TransportError> {
         for r in &remote {
             let (qp, ep, slab) = inner.new_recv_qp()?;
-            qp.connect(&ep, r, &inner.qp_options).map_err(verbs_err)?;
+            qp.connect(&ep, r, &inner.qp_options).map_err(super::setup_err)?;
             mine.push(ep);
             built.push((qp, slab));
         }
@@ -248,10 +248,6 @@ fn serve(inner: &Inner, mut ch: SideChannel) {
         }
     }
     inner.cmds.send(Cmd::RemoveRecv { qpns, cqes });
-}
-
-fn verbs_err(e: crate::verbs::VerbsError) -> TransportError {
-    TransportError::Unsupported(e.to_string())
 }
 
 /// Most QPs one hello may ask for (`qps_per_peer` is at most 64).
@@ -350,8 +346,8 @@ impl Drop for Liveness {
 
 impl Inner {
     fn new_recv_qp(&self) -> Result<(QueuePair, QpEndpoint, Arc<MemoryRegion>), TransportError> {
-        let qp = self.nic.create_qp(4, RECVS_PER_QP).map_err(verbs_err)?;
-        let ep = qp.endpoint(&self.qp_options).map_err(verbs_err)?;
+        let qp = self.nic.create_qp(4, RECVS_PER_QP).map_err(super::setup_err)?;
+        let ep = qp.endpoint(&self.qp_options).map_err(super::setup_err)?;
         let slab = self
             .nic
             .alloc_slab(RECVS_PER_QP as usize * NOTIF_SLOT_BYTES)

@@ -233,8 +233,16 @@ impl Given {
     }
 }
 
-fn unsupported(e: VerbsError) -> TransportError {
-    TransportError::Unsupported(e.to_string())
+/// A verbs error met while setting up (device, port, PD, CQ, QPs): a
+/// failing verb stays typed, as [`TransportError::Io`] naming the call with
+/// its errno as the source (`ibv_create_cq: Cannot allocate memory (os error
+/// 12)`); a missing library, device, port or provider op is
+/// [`TransportError::Unsupported`].
+pub(super) fn setup_err(e: VerbsError) -> TransportError {
+    match e {
+        VerbsError::Call { call, source } => TransportError::Io { call, source },
+        other => TransportError::Unsupported(other.to_string()),
+    }
 }
 
 impl VerbsTransport {
@@ -243,20 +251,22 @@ impl VerbsTransport {
     ///
     /// # Errors
     /// [`TransportError::Unsupported`] when libibverbs or the device is
-    /// missing, or an option is invalid; [`TransportError::Io`] for sockets.
+    /// missing, or an option is invalid; [`TransportError::Io`] naming the
+    /// verb (`ibv_open_device`, `ibv_query_port`, `ibv_alloc_pd`,
+    /// `ibv_create_cq`, ...) and its errno when one fails, and for sockets.
     pub fn new(agent: &str, config: &TransportConfig) -> Result<Self, TransportError> {
         config.validate()?;
         // Every given option is checked before any device is opened, so a
         // misspelt key or a bad value is reported even where no device is.
         let o = Given::parse(config)?;
         let secret = AgentSecret::random()?;
-        let ctx = Arc::new(Context::open(o.device.as_deref()).map_err(unsupported)?);
+        let ctx = Arc::new(Context::open(o.device.as_deref()).map_err(setup_err)?);
         let port = o.port;
-        let pattr = ctx.query_port(port).map_err(unsupported)?;
+        let pattr = ctx.query_port(port).map_err(setup_err)?;
         let gid_index = match o.gid_index {
             Some(i) => Some(i),
             None if pattr.link_layer == IBV_LINK_LAYER_INFINIBAND => None,
-            None => Some(ctx.auto_gid_index(port).map_err(unsupported)? as u8),
+            None => Some(ctx.auto_gid_index(port).map_err(setup_err)? as u8),
         };
         let init_rd_atom = ctx.attr().max_qp_init_rd_atom.clamp(1, 255) as u8;
         let dest_rd_atom = ctx.attr().max_qp_rd_atom.clamp(1, 255) as u8;
@@ -317,9 +327,9 @@ impl VerbsTransport {
         let max_cqe = ctx.attr().max_cqe.max(64);
         // At least 128: receives may hold half, and one QP posts 64.
         let num_cqe = o.cq_size.unwrap_or(max_cqe.clamp(256, 65536)).clamp(128, max_cqe.max(128));
-        let pd = ProtectionDomain::new(&ctx).map_err(unsupported)?;
+        let pd = ProtectionDomain::new(&ctx).map_err(setup_err)?;
         let cq_events = o.cq_events;
-        let cq = CompletionQueue::create(&ctx, num_cqe, cq_events).map_err(unsupported)?;
+        let cq = CompletionQueue::create(&ctx, num_cqe, cq_events).map_err(setup_err)?;
         let nic = RealNic { pd, cq };
         let peer_timeout = config.peer_timeout;
         let core = Core::start(nic.clone(), num_cqe as u32, limits, |e| {

@@ -42,17 +42,8 @@
 use std::collections::{BTreeSet, HashMap, HashSet, VecDeque};
 use std::sync::{Arc, Mutex, MutexGuard};
 
-use crate::verbs::ffi::{IBV_WC_RECV, IBV_WC_SUCCESS, IBV_WC_WR_FLUSH_ERR, IBV_WR_RDMA_READ, IBV_WR_SEND};
-use crate::verbs::{WorkCompletion, WrView};
-
-/// `IBV_WC_LOC_PROT_ERR`.
-pub const WC_LOC_PROT_ERR: u32 = 4;
-/// `IBV_WC_REM_ACCESS_ERR`.
-pub const WC_REM_ACCESS_ERR: u32 = 10;
-/// `IBV_WC_RETRY_EXC_ERR`.
-pub const WC_RETRY_EXC_ERR: u32 = 12;
-/// `IBV_WC_RNR_RETRY_EXC_ERR`.
-pub const WC_RNR_RETRY_EXC_ERR: u32 = 13;
+use crate::verbs::ffi::{IBV_WC_RECV, IBV_WR_RDMA_READ, IBV_WR_SEND};
+use crate::verbs::{WcStatus, WorkCompletion, WrView};
 
 struct Region {
     dev: u32,
@@ -68,7 +59,7 @@ struct Started {
     waiting: bool,
     /// The status it completes with: a waiting READ's verdict when it was
     /// issued (or an injected fault); a WR that ran early, its result.
-    status: u32,
+    status: WcStatus,
 }
 
 /// How [`World::complete`] finds a WR's status.
@@ -79,7 +70,7 @@ enum Outcome {
     /// A READ answered after a good verdict: move its bytes now.
     Answer,
     /// Already known.
-    Known(u32),
+    Known(WcStatus),
 }
 
 struct SimQpState {
@@ -95,7 +86,7 @@ struct SimQpState {
     /// Posted receives: (wr_id, slab key, offset, len).
     rq: VecDeque<(u64, u32, usize, u32)>,
     /// Status the next executed WR completes with (fault injection).
-    fail_next: VecDeque<u32>,
+    fail_next: VecDeque<WcStatus>,
 }
 
 /// The fabric's whole state (behind [`SimFabric`]'s lock: the simulated
@@ -233,7 +224,7 @@ impl SimFabric {
     /// The next WR QP `qpn` starts (issues, for a READ; runs, for another
     /// WR) completes with `status` (and puts the QP in error when it
     /// completes, as any error completion does).
-    pub fn fail_next(&self, qpn: u32, status: u32) {
+    pub fn fail_next(&self, qpn: u32, status: WcStatus) {
         if let Some(q) = self.world().qps.get_mut(&qpn) {
             q.fail_next.push_back(status);
         }
@@ -339,7 +330,7 @@ impl World {
         let head = q.sq.front().copied();
         let reads_waiting = q.started.iter().filter(|s| s.waiting).count();
         // The responder executes nothing after a request it refused.
-        let doomed = q.started.iter().any(|s| s.status != IBV_WC_SUCCESS);
+        let doomed = q.started.iter().any(|s| !s.status.is_success());
         let can_issue = match head {
             None => false,
             Some(w) if w.fence && reads_waiting > 0 => false,
@@ -359,7 +350,7 @@ impl World {
         let q = self.qps.get_mut(&qpn).expect("live QP");
         if !q.started.is_empty() && (q.error || !can_issue || coin) {
             let s = q.started.pop_front().expect("a WR started");
-            let how = if s.waiting && s.status == IBV_WC_SUCCESS { Outcome::Answer } else { Outcome::Known(s.status) };
+            let how = if s.waiting && s.status.is_success() { Outcome::Answer } else { Outcome::Known(s.status) };
             self.complete(qpn, s.w, how);
             return;
         }
@@ -371,7 +362,7 @@ impl World {
         let fault = q.fail_next.pop_front();
         let (waiting, status) = if w.opcode == IBV_WR_RDMA_READ {
             // Issued: the responder judges it now, answers on a later step.
-            (true, fault.unwrap_or_else(|| self.resolve(qpn, &w).err().unwrap_or(IBV_WC_SUCCESS)))
+            (true, fault.unwrap_or_else(|| self.resolve(qpn, &w).err().unwrap_or(WcStatus::Success)))
         } else {
             // Runs now, behind READs still waiting: completes after them.
             (false, fault.unwrap_or_else(|| self.perform(qpn, &w)))
@@ -393,9 +384,14 @@ impl World {
     fn complete(&mut self, qpn: u32, w: WrView, how: Outcome) {
         let q = self.qps.get_mut(&qpn).expect("live QP");
         let (dev, error) = (q.dev, q.error);
-        let cqe = |status: u32| WorkCompletion { wr_id: w.wr_id, status, qp_num: qpn, ..Default::default() };
+        let cqe = |status: WcStatus| WorkCompletion {
+            wr_id: w.wr_id,
+            status: status.raw(),
+            qp_num: qpn,
+            ..Default::default()
+        };
         if error {
-            self.push_cqe(dev, cqe(IBV_WC_WR_FLUSH_ERR));
+            self.push_cqe(dev, cqe(WcStatus::WrFlushErr));
             return;
         }
         let status = match how {
@@ -406,34 +402,34 @@ impl World {
             },
             Outcome::Answer => self.perform(qpn, &w),
         };
-        if status != IBV_WC_SUCCESS {
+        if !status.is_success() {
             if let Some(q) = self.qps.get_mut(&qpn) {
                 q.error = true;
             }
             self.push_cqe(dev, cqe(status));
         } else if w.signaled {
-            self.push_cqe(dev, WorkCompletion { byte_len: w.len_bytes, ..cqe(IBV_WC_SUCCESS) });
+            self.push_cqe(dev, WorkCompletion { byte_len: w.len_bytes, ..cqe(WcStatus::Success) });
         }
     }
 
     /// Where `w` (from QP `qpn`) touches memory: (peer QP, local offset,
     /// remote offset of an RDMA WR), or the status it fails with (peer gone,
     /// bad local key or range, bad remote key or range).
-    fn resolve(&self, qpn: u32, w: &WrView) -> Result<(u32, usize, Option<usize>), u32> {
+    fn resolve(&self, qpn: u32, w: &WrView) -> Result<(u32, usize, Option<usize>), WcStatus> {
         let q = &self.qps[&qpn];
         let len = w.len_bytes as usize;
         let peer = q.peer.filter(|p| self.qps.get(p).is_some_and(|pq| !self.dead.contains(&pq.dev)));
-        let peer = peer.ok_or(WC_RETRY_EXC_ERR)?;
-        let loff = self.check(q.dev, w.lkey, w.local_addr, len).ok_or(WC_LOC_PROT_ERR)?;
+        let peer = peer.ok_or(WcStatus::RetryExcErr)?;
+        let loff = self.check(q.dev, w.lkey, w.local_addr, len).ok_or(WcStatus::LocProtErr)?;
         if w.opcode == IBV_WR_SEND {
             return Ok((peer, loff, None));
         }
-        let roff = self.check(self.qps[&peer].dev, w.rkey, w.remote_addr, len).ok_or(WC_REM_ACCESS_ERR)?;
+        let roff = self.check(self.qps[&peer].dev, w.rkey, w.remote_addr, len).ok_or(WcStatus::RemAccessErr)?;
         Ok((peer, loff, Some(roff)))
     }
 
     /// Move the bytes of `w` (from QP `qpn`); its completion status.
-    fn perform(&mut self, qpn: u32, w: &WrView) -> u32 {
+    fn perform(&mut self, qpn: u32, w: &WrView) -> WcStatus {
         let (peer, loff, roff) = match self.resolve(qpn, w) {
             Ok(r) => r,
             Err(status) => return status,
@@ -442,29 +438,29 @@ impl World {
         let Some(roff) = roff else {
             // A SEND: into the peer's next posted receive.
             let Some((rid, key, off, rlen)) = self.qps.get_mut(&peer).and_then(|p| p.rq.pop_front()) else {
-                return WC_RNR_RETRY_EXC_ERR;
+                return WcStatus::RnrRetryExcErr;
             };
             if len > rlen as usize {
-                return WC_REM_ACCESS_ERR;
+                return WcStatus::RemAccessErr;
             }
             self.copy((w.lkey, loff), (key, off), len);
             let wc = WorkCompletion {
                 wr_id: rid,
-                status: IBV_WC_SUCCESS,
+                status: WcStatus::Success.raw(),
                 opcode: IBV_WC_RECV,
                 byte_len: len as u32,
                 qp_num: peer,
                 ..Default::default()
             };
             self.push_cqe(pdev, wc);
-            return IBV_WC_SUCCESS;
+            return WcStatus::Success;
         };
         if w.opcode == IBV_WR_RDMA_READ {
             self.copy((w.rkey, roff), (w.lkey, loff), len);
         } else {
             self.copy((w.lkey, loff), (w.rkey, roff), len);
         }
-        IBV_WC_SUCCESS
+        WcStatus::Success
     }
 
     /// WRs posted on QP `qpn` and not completed yet.

@@ -12,9 +12,9 @@ use crossbeam_channel::Sender;
 
 use super::nic::{NicQp, NicSlab};
 use super::wc::{post_failure, wc_failure};
+use crate::transport::split::split;
 use crate::transport::{Completion, Notification, Op, Segment, TransferFailure, XferId};
-use crate::verbs::ffi::{IBV_WC_SUCCESS, IBV_WC_WR_FLUSH_ERR, wc_status_name};
-use crate::verbs::{WorkCompletion, WrBatch, WrId};
+use crate::verbs::{WcStatus, WorkCompletion, WrBatch, WrId};
 
 /// Largest notification payload (bytes): one receive slot.
 pub(super) const NOTIF_SLOT_BYTES: usize = 4096;
@@ -272,14 +272,9 @@ impl<Q: NicQp> State<Q> {
                 }
                 continue;
             };
-            let mut off = 0;
-            while off < s.len_bytes {
-                let n = (s.len_bytes - off).min(MAX_WR_BYTES);
-                let seg =
-                    Segment { local_addr: s.local_addr + off, remote_addr: s.remote_addr + off, len_bytes: n, ..*s };
+            for seg in split(*s, MAX_WR_BYTES) {
                 sq.queue.push_back(Work::Rdma { xfer: xfer.0, read, seg });
                 queued += 1;
-                off += n;
             }
         }
         if let Some(x) = self.xfers.get_mut(&xfer.0) {
@@ -504,7 +499,7 @@ impl<Q: NicQp> State<Q> {
         };
         let Some((x, cnt)) = sq.chunks.remove(&wc.wr_id) else {
             // Another flushed WR of a chunk already reported.
-            if wc.status != IBV_WC_SUCCESS && sq.flush_reserved > 0 {
+            if wc.wc_status() != Some(WcStatus::Success) && sq.flush_reserved > 0 {
                 sq.flush_reserved -= 1;
                 self.release_cqes(1);
                 self.pump_starved(limits);
@@ -515,7 +510,7 @@ impl<Q: NicQp> State<Q> {
         sq.progress_at = self.now;
         // A good chunk completes with one CQE and no more; after an error
         // each of its other WRs may still be flushed with a CQE.
-        let freed = if wc.status == IBV_WC_SUCCESS {
+        let freed = if wc.wc_status() == Some(WcStatus::Success) {
             cnt
         } else {
             sq.flush_reserved += cnt - 1;
@@ -525,10 +520,10 @@ impl<Q: NicQp> State<Q> {
         let Some(sq) = self.send_qps.get_mut(&wc.qp_num) else {
             return;
         };
-        if wc.status != IBV_WC_SUCCESS {
+        if wc.wc_status() != Some(WcStatus::Success) {
             let why = match &sq.error {
-                Some(first) if wc.status == IBV_WC_WR_FLUSH_ERR => TransferFailure {
-                    detail: format!("{} (after {first} on this QP)", wc_status_name(wc.status)),
+                Some(first) if wc.wc_status() == Some(WcStatus::WrFlushErr) => TransferFailure {
+                    detail: format!("{} (after {first} on this QP)", wc.status_name()),
                     ..first.clone()
                 },
                 _ => wc_failure(wc),
@@ -583,9 +578,9 @@ impl<Q: NicQp> State<Q> {
         let Some(r) = self.recv_qps.get_mut(&wc.qp_num) else {
             return;
         };
-        if wc.status != IBV_WC_SUCCESS {
-            if wc.status != IBV_WC_WR_FLUSH_ERR {
-                tracing::warn!("verbs: receive from {} failed: {}", r.agent, wc_status_name(wc.status));
+        if wc.wc_status() != Some(WcStatus::Success) {
+            if wc.wc_status() != Some(WcStatus::WrFlushErr) {
+                tracing::warn!("verbs: receive from {} failed: {}", r.agent, wc.status_name());
             }
             return;
         }

@@ -45,8 +45,8 @@ use std::time::Duration;
 
 use sim_harness::{Opts, PAGE, Pair};
 
-use super::sim::{WC_REM_ACCESS_ERR, WC_RETRY_EXC_ERR, WC_RNR_RETRY_EXC_ERR};
 use crate::transport::{FailureKind, FailureSource, Op, RemoteAccessKind, TransportError};
+use crate::verbs::WcStatus;
 
 fn ok(p: &Pair, x: u64) -> bool {
     p.result(x) == Some(Ok(()))
@@ -118,7 +118,10 @@ fn forged_bounds_and_rkeys_fail_as_remote_access_without_writing() {
     p.run();
     let f = p.result(1).unwrap().unwrap_err();
     assert_eq!(f.kind, FailureKind::RemoteAccess(RemoteAccessKind::OutOfBounds));
-    assert!(matches!(f.source, FailureSource::WorkCompletion { status: WC_REM_ACCESS_ERR, .. }), "{f:?}");
+    assert!(
+        matches!(f.source, FailureSource::WorkCompletion { status, .. } if status == WcStatus::RemAccessErr.raw()),
+        "{f:?}"
+    );
     // The next post reconnects (the harness as the transport's recover).
     p.reconnect();
     p.post_with_rkey(2, Op::Write, &[(0, 4096)], p.dst.1 + 0x100).unwrap();
@@ -171,7 +174,7 @@ fn deferred_notification_on_a_failed_qp_completes() {
 fn transfer_queued_behind_a_failed_wr_is_reported() {
     let mut p = Pair::new(4, Opts { max_send_wr: 4, signal_every: 1, ..Opts::default() });
     let qp = p.qpns[0];
-    p.fabric.fail_next(qp, WC_REM_ACCESS_ERR);
+    p.fabric.fail_next(qp, WcStatus::RemAccessErr);
     let b: Vec<(u64, u64)> = (0..4).map(|i| (i * PAGE, PAGE)).collect();
     p.post(1, Op::Read, &b, None).unwrap();
     p.post(2, Op::Read, &[(8 * PAGE, PAGE)], Some(b"y")).unwrap();
@@ -184,9 +187,9 @@ fn transfer_queued_behind_a_failed_wr_is_reported() {
 #[test]
 fn wc_error_statuses_fail_with_their_kind_and_flushes_carry_the_first_error() {
     for (status, kind) in [
-        (WC_RETRY_EXC_ERR, FailureKind::PeerDied),
-        (WC_RNR_RETRY_EXC_ERR, FailureKind::PeerDied),
-        (WC_REM_ACCESS_ERR, FailureKind::RemoteAccess(RemoteAccessKind::OutOfBounds)),
+        (WcStatus::RetryExcErr, FailureKind::PeerDied),
+        (WcStatus::RnrRetryExcErr, FailureKind::PeerDied),
+        (WcStatus::RemAccessErr, FailureKind::RemoteAccess(RemoteAccessKind::OutOfBounds)),
     ] {
         let mut p = Pair::new(5, Opts { signal_every: 1, max_send_wr: 8, ..Opts::default() });
         p.fabric.fail_next(p.qpns[0], status);
@@ -195,7 +198,7 @@ fn wc_error_statuses_fail_with_their_kind_and_flushes_carry_the_first_error() {
         p.run();
         let f1 = p.result(1).unwrap().unwrap_err();
         assert_eq!(f1.kind, kind, "{f1}");
-        assert!(matches!(f1.source, FailureSource::WorkCompletion { status: s, .. } if s == status));
+        assert!(matches!(f1.source, FailureSource::WorkCompletion { status: s, .. } if s == status.raw()));
         // WRs flushed behind it fail with the first error's kind.
         let f2 = p.result(2).unwrap().unwrap_err();
         assert_eq!(f2.kind, kind, "{f2}");
@@ -407,7 +410,7 @@ fn a_read_depth_of_one_still_fails_and_flushes_like_any_other_depth() {
     let segs: Vec<(u64, u64)> = (0..40).map(|i| (i * PAGE, PAGE)).collect();
     p.post(1, Op::Read, &segs, None).unwrap();
     p.steps(5);
-    p.fabric.fail_next(p.qpns[0], WC_REM_ACCESS_ERR);
+    p.fabric.fail_next(p.qpns[0], WcStatus::RemAccessErr);
     p.run();
     let f = p.result(1).expect("reported").unwrap_err();
     assert_eq!(f.kind, FailureKind::RemoteAccess(RemoteAccessKind::OutOfBounds), "{f}");
@@ -417,3 +420,18 @@ fn a_read_depth_of_one_still_fails_and_flushes_like_any_other_depth() {
 
 mod engine;
 mod prop;
+
+#[test]
+fn setup_errors_name_the_failing_verb_and_its_errno() {
+    use crate::verbs::VerbsError;
+    let e = super::setup_err(VerbsError::call("ibv_create_cq", libc::ENOMEM));
+    assert!(matches!(e, TransportError::Io { call: "ibv_create_cq", .. }), "{e:?}");
+    assert_eq!(e.failed_call(), Some(("ibv_create_cq", libc::ENOMEM)));
+    assert_eq!(e.to_string(), format!("ibv_create_cq: {}", std::io::Error::from_raw_os_error(libc::ENOMEM)));
+    let source = std::error::Error::source(&e).and_then(|s| s.downcast_ref::<std::io::Error>());
+    assert_eq!(source.and_then(std::io::Error::raw_os_error), Some(libc::ENOMEM));
+    // A missing device or provider op is still "unsupported", with its message.
+    let e = super::setup_err(VerbsError::Unsupported("no RDMA device named mlx9".into()));
+    assert!(matches!(&e, TransportError::Unsupported(m) if m == "no RDMA device named mlx9"), "{e:?}");
+    assert_eq!(e.failed_call(), None);
+}

@@ -3,25 +3,24 @@
 //! errno as the source.
 
 use crate::transport::{FailureKind, FailureSource, RemoteAccessKind, TransferFailure};
-use crate::verbs::ffi::wc_status_name;
-use crate::verbs::{VerbsError, WorkCompletion};
+use crate::verbs::{VerbsError, WcStatus, WorkCompletion};
 
 /// The typed failure for an error work completion, keeping its status and
 /// vendor syndrome as the source (`enum ibv_wc_status`, verbs.h).
 pub(super) fn wc_failure(wc: &WorkCompletion) -> TransferFailure {
-    // Values of `enum ibv_wc_status`.
-    let kind = match wc.status {
-        1 | 2 | 4 | 8 => FailureKind::LocalProtection, // LOC_LEN, LOC_QP_OP, LOC_PROT, LOC_ACCESS
-        10 => FailureKind::RemoteAccess(RemoteAccessKind::OutOfBounds), // REM_ACCESS_ERR
-        9 | 15 => FailureKind::RemoteAccess(RemoteAccessKind::Denied), // REM_INV_REQ, REM_INV_RD_REQ
-        12 | 13 | 20 => FailureKind::PeerDied,         // RETRY_EXC, RNR_RETRY_EXC, RESP_TIMEOUT
-        5 => FailureKind::Cancelled,                   // WR_FLUSH_ERR with no earlier error: QP flushed by us
+    let kind = match wc.wc_status() {
+        Some(s) if s.is_local_protection() => FailureKind::LocalProtection,
+        Some(WcStatus::RemAccessErr) => FailureKind::RemoteAccess(RemoteAccessKind::OutOfBounds),
+        Some(WcStatus::RemInvReqErr | WcStatus::RemInvRdReqErr) => FailureKind::RemoteAccess(RemoteAccessKind::Denied),
+        Some(s) if s.is_peer_gone() => FailureKind::PeerDied,
+        // A flush with no earlier error: the QP was flushed by us.
+        Some(WcStatus::WrFlushErr) => FailureKind::Cancelled,
         _ => FailureKind::Transport,
     };
     TransferFailure {
         kind,
         source: FailureSource::WorkCompletion { status: wc.status, vendor_err: wc.vendor_err },
-        detail: format!("{} (vendor error {:#x}) on QP {}", wc_status_name(wc.status), wc.vendor_err, wc.qp_num),
+        detail: format!("{} (vendor error {:#x}) on QP {}", wc.status_name(), wc.vendor_err, wc.qp_num),
     }
 }
 

@@ -10,8 +10,7 @@ use nix::poll::{PollFd, PollFlags, PollTimeout, poll};
 
 use super::{DEFAULT_READ_DEPTH, SimFabric, SimQpState, World};
 use crate::transport::verbs::nic::{Nic, NicQp, NicSlab};
-use crate::verbs::ffi::IBV_WC_WR_FLUSH_ERR;
-use crate::verbs::{VerbsError, WorkCompletion, WrBatch};
+use crate::verbs::{VerbsError, WcStatus, WorkCompletion, WrBatch};
 
 /// One simulated device: its completion queue and QP factory.
 pub struct SimNic {
@@ -121,7 +120,8 @@ impl NicQp for SimQp {
         let dev = q.dev;
         let flushed: Vec<u64> = q.rq.drain(..).map(|r| r.0).collect();
         for wr_id in flushed {
-            let wc = WorkCompletion { wr_id, status: IBV_WC_WR_FLUSH_ERR, qp_num: self.qpn, ..Default::default() };
+            let wc =
+                WorkCompletion { wr_id, status: WcStatus::WrFlushErr.raw(), qp_num: self.qpn, ..Default::default() };
             w.push_cqe(dev, wc);
         }
         Ok(())

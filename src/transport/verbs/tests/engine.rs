@@ -119,7 +119,7 @@ fn posts_complete_through_the_channels_and_drop_ends_the_thread_and_frees_the_ni
 #[test]
 fn a_failed_qp_marks_the_link_broken_for_the_next_post() {
     let r = Rig::new(false, 20);
-    r.fabric.fail_next(r.qpn, crate::transport::verbs::sim::WC_REM_ACCESS_ERR);
+    r.fabric.fail_next(r.qpn, crate::verbs::WcStatus::RemAccessErr);
     r.post(1, Op::Write, 4, None);
     assert!(r.wait_done(1).result.is_err());
     assert!(r.link.broken.load(Ordering::Acquire), "the caller would not reconnect");

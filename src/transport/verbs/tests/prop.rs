@@ -12,7 +12,7 @@ use proptest::prelude::*;
 
 use super::sim_harness::{Opts, PAGE, Pair};
 use crate::transport::Op;
-use crate::transport::verbs::sim::{WC_LOC_PROT_ERR, WC_REM_ACCESS_ERR, WC_RETRY_EXC_ERR, WC_RNR_RETRY_EXC_ERR};
+use crate::verbs::WcStatus;
 
 /// Pages of source each transfer owns (its segments stay inside).
 const SLICE: u64 = 16;
@@ -102,7 +102,7 @@ proptest! {
                 Cmd::Fault { qp, status } => {
                     if !p.qpns.is_empty() {
                         let q = p.qpns[usize::from(qp) % p.qpns.len()];
-                        let s = [WC_REM_ACCESS_ERR, WC_RETRY_EXC_ERR, WC_RNR_RETRY_EXC_ERR, WC_LOC_PROT_ERR][usize::from(status)];
+                        let s = [WcStatus::RemAccessErr, WcStatus::RetryExcErr, WcStatus::RnrRetryExcErr, WcStatus::LocProtErr][usize::from(status)];
                         p.fabric.fail_next(q, s);
                     }
                 }
