@@ -45,6 +45,7 @@
 #![warn(missing_docs)]
 #![warn(clippy::undocumented_unsafe_blocks)]
 
+pub mod accept;
 pub mod connector;
 pub mod cuda;
 pub mod engine;

@@ -285,7 +285,7 @@ pub fn serve_http(addr: &str) -> std::io::Result<std::net::SocketAddr> {
     let listener = std::net::TcpListener::bind(addr)?;
     let local = listener.local_addr()?;
     std::thread::Builder::new().name("kvwire-metrics".into()).spawn(move || {
-        let mut backoff = crate::transport::accept::AcceptBackoff::new("metrics listener");
+        let mut backoff = crate::accept::AcceptBackoff::new("metrics listener");
         for conn in listener.incoming() {
             let mut c = match conn {
                 Ok(c) => {
@@ -294,8 +294,8 @@ pub fn serve_http(addr: &str) -> std::io::Result<std::net::SocketAddr> {
                 }
                 // Out of descriptors or memory: bounded backoff, not a spin.
                 Err(e) => match backoff.failed(&e) {
-                    crate::transport::accept::AfterError::Retry => continue,
-                    crate::transport::accept::AfterError::Stop => break,
+                    crate::accept::AfterError::Retry => continue,
+                    crate::accept::AfterError::Stop => break,
                 },
             };
             let _ = c.set_read_timeout(Some(Duration::from_secs(5)));

@@ -11,7 +11,6 @@
 //! - `verbs`: RC queue pairs over InfiniBand / RoCE through libibverbs.
 //! - `tcp`: hosts without RDMA.
 
-pub mod accept;
 pub mod auth;
 pub mod failure;
 mod inflight;

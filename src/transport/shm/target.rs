@@ -18,8 +18,8 @@ use std::sync::{Arc, Condvar, Mutex};
 use std::time::Duration;
 
 use super::wire::{self, Access, Channel, Listener, Msg, PeerCred};
+use crate::accept::{AcceptBackoff, AfterError};
 use crate::transport::Notification;
-use crate::transport::accept::{AcceptBackoff, AfterError};
 use crate::transport::auth::{self, AgentSecret, Nonce};
 
 /// One registered region as the target keeps it.

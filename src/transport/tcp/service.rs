@@ -25,7 +25,7 @@ use std::time::Duration;
 
 use super::io::{self as tio, Deadline, Range};
 use super::wire::{self, Header, Kind, SegmentDesc, Status};
-use crate::transport::accept::{AcceptBackoff, AfterError};
+use crate::accept::{AcceptBackoff, AfterError};
 use crate::transport::auth::{self, AgentSecret, Nonce};
 use crate::transport::{Notification, TransportError};
 

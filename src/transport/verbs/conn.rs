@@ -92,7 +92,7 @@ pub(super) enum Handshake {
 /// ([`AcceptBackoff`]), and the loop recovers when they return.
 pub(super) fn accept_loop(inner: Arc<Inner>, listener: TcpListener) {
     let mut peers: Vec<JoinHandle<()>> = Vec::new();
-    let mut backoff = crate::transport::accept::AcceptBackoff::new("verbs handshake listener");
+    let mut backoff = crate::accept::AcceptBackoff::new("verbs handshake listener");
     loop {
         let conn = SideChannel::accept(&listener);
         if inner.stopping.load(Ordering::Acquire) {
@@ -109,8 +109,8 @@ pub(super) fn accept_loop(inner: Arc<Inner>, listener: TcpListener) {
             }
             // `accept` itself failed: back off on resource errors.
             Err(SideChannelError::Io { call: "accept", source }) => match backoff.failed(&source) {
-                crate::transport::accept::AfterError::Retry => continue,
-                crate::transport::accept::AfterError::Stop => break,
+                crate::accept::AfterError::Retry => continue,
+                crate::accept::AfterError::Stop => break,
             },
             // Setting up the accepted socket failed: that connection only.
             Err(_) => continue,
