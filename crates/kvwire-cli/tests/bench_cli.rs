@@ -492,3 +492,15 @@ fn bind_errors_name_the_address() {
     let (_, err) = failing(&["serve", "--name", "x", "--etcd", "http://127.0.0.1:1", "--listen", &addr]);
     assert_one_error(&err, &format!("starting the tcp transport on --listen {addr}"));
 }
+
+#[test]
+fn a_listener_whose_initiator_never_came_says_so() {
+    let t = std::time::Instant::now();
+    let (_, err) = failing(&["bench", "--listen", "127.0.0.1:0", "--listen-timeout", "1"]);
+    assert!(err.contains("no initiator came to 127.0.0.1:"), "{err}");
+    assert!(err.contains("within 1 s (--listen-timeout)"), "{err}");
+    assert!(t.elapsed() < Duration::from_secs(30), "the listener did not give up");
+    // --listen-timeout belongs to --listen
+    let (_, err) = failing(&["bench", "--listen-timeout", "1"]);
+    assert!(err.contains("--listen"), "{err}");
+}

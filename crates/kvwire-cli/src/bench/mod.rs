@@ -106,6 +106,11 @@ pub(crate) struct BenchArgs {
     /// Be the target and wait for an initiator on ADDR (two terminals).
     #[arg(long, conflicts_with = "connect")]
     listen: Option<String>,
+    /// With --listen: give up with an error when no initiator came within
+    /// this many seconds (unset: wait for ever, as perftest's server does; a
+    /// line every 60 s says the target is still waiting).
+    #[arg(long, value_parser = crate::units::parse_seconds, requires = "listen")]
+    listen_timeout: Option<Duration>,
     /// Be the initiator against a target listening on ADDR (two terminals).
     #[arg(long)]
     connect: Option<String>,
@@ -406,7 +411,7 @@ pub(crate) fn run(mut a: BenchArgs) -> Result<()> {
             }
         })?;
         eprintln!("kvwire bench: target waiting for an initiator on {bound}");
-        return target::listen(&l);
+        return target::listen(&l, &bound.to_string(), a.listen_timeout);
     }
     let mut child = None;
     let mut chan = match &a.connect {

@@ -37,10 +37,32 @@ const SETUP_TIMEOUT: Duration = Duration::from_secs(10);
 /// `bench --listen`: accept connections until one is a kvwire bench
 /// initiator (its first message is a Setup within [`SETUP_TIMEOUT`]);
 /// silent or foreign connections (a port scan, an HTTP client) are dropped
-/// with a warning instead of stalling or ending the target.
-pub(super) fn listen(l: &std::net::TcpListener) -> Result<()> {
+/// with a warning instead of stalling or ending the target. While no
+/// initiator has come it says so every [`STILL_WAITING_EVERY`]; with a
+/// `timeout` it fails naming the address once that passed.
+pub(super) fn listen(l: &std::net::TcpListener, addr: &str, timeout: Option<Duration>) -> Result<()> {
+    let started = std::time::Instant::now();
+    let mut next_note = started + STILL_WAITING_EVERY;
+    l.set_nonblocking(true)?;
     loop {
-        let mut chan = SideChannel::accept(l)?;
+        let mut chan = match SideChannel::accept(l) {
+            Ok(c) => c,
+            Err(kvwire::sidechannel::SideChannelError::Io { source, .. })
+                if source.kind() == std::io::ErrorKind::WouldBlock =>
+            {
+                let waited = started.elapsed();
+                if let Some(t) = timeout.filter(|t| waited >= *t) {
+                    bail!("no initiator came to {addr} within {} s (--listen-timeout)", t.as_secs_f64());
+                }
+                if std::time::Instant::now() >= next_note {
+                    eprintln!("kvwire bench: still waiting for an initiator on {addr} ({} s)", waited.as_secs());
+                    next_note += STILL_WAITING_EVERY;
+                }
+                std::thread::sleep(Duration::from_millis(50));
+                continue;
+            }
+            Err(e) => return Err(e.into()),
+        };
         chan.set_read_timeout(Some(SETUP_TIMEOUT))?;
         match chan.recv::<Ctl>() {
             Ok(setup @ Ctl::Setup { .. }) => {
@@ -52,6 +74,9 @@ pub(super) fn listen(l: &std::net::TcpListener) -> Result<()> {
         }
     }
 }
+
+/// How often a `--listen` target with no initiator yet says it still waits.
+const STILL_WAITING_EVERY: Duration = Duration::from_secs(60);
 
 fn serve(mut chan: SideChannel, setup: Ctl) -> Result<()> {
     chan.send(&Ctl::Accepted)?;
