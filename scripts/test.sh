@@ -64,6 +64,9 @@ step fmt cargo fmt --all --check || lint_ok=0
 [ $lint_ok = 1 ] && { step clippy cargo clippy --workspace --all-targets -- -D warnings || lint_ok=0; }
 [ $lint_ok = 1 ] && { step "clippy (no default features)" cargo clippy -p kvwire --all-targets --no-default-features -- -D warnings || lint_ok=0; }
 [ $lint_ok = 1 ] && { step build cargo build --release --bins || lint_ok=0; }
+# Layering: no import circle and no upward import inside the core or the CLI
+# (docs/ARCHITECTURE.md).
+[ $lint_ok = 1 ] && { step "import graph" sh -c 'python3 scripts/import-graph.py src --layers accept,metrics,sidechannel,transport,engine,cuda,kv,connector && python3 scripts/import-graph.py crates/kvwire-cli/src' || lint_ok=0; }
 if [ $lint_ok = 0 ]; then summary; exit 1; fi
 
 # Release: the replay and bench tests move gigabytes and verify every byte.

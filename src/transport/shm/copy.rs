@@ -7,10 +7,13 @@
 //! anyway, and streaming stores skip the read-for-ownership of every
 //! destination line that a cached store pays (3 memory passes become 2).
 
+use std::collections::VecDeque;
 use std::ops::Range;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::sync::Arc;
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
 
 use super::stream::{copy_bytes, store_fence, streams};
 
@@ -18,7 +21,7 @@ use crossbeam_channel::{Receiver, Sender};
 use memmap2::MmapRaw;
 
 use crate::transport::inflight::XferState;
-use crate::transport::{Completion, Op, RemoteAccessKind, Segment, TransferFailure};
+use crate::transport::{Completion, Op, RemoteAccessKind, Segment, TransferFailure, TransportError};
 
 /// How the initiator reaches one region of a peer.
 #[derive(Debug)]
@@ -115,7 +118,7 @@ pub(super) struct PeerShared {
     /// Set when the peer closed its socket (it died or disconnected).
     pub dead: AtomicBool,
     /// Notifications waiting to be sent or acknowledged.
-    pub outbox: super::peer::Outbox,
+    pub outbox: Outbox,
 }
 
 /// A posted transfer being copied.
@@ -523,6 +526,94 @@ pub(super) fn plan(peer: &PeerShared, segments: Vec<Segment>) -> Result<Plan, Tr
         chunks.push(start..segments.len());
     }
     Ok(Plan { segments, chunks, bytes: total })
+}
+
+// ---- the outbox: notifications the copy threads queue and the peer thread sends ----
+
+/// A transfer whose data is in place, waiting for its notification to be
+/// sent and acknowledged.
+pub(super) struct Pending {
+    pub(super) xfer: Arc<XferShared>,
+    pub(super) done: Sender<Completion>,
+    pub(super) deadline: Instant,
+}
+
+impl Pending {
+    pub(super) fn finish(self, result: Result<(), TransferFailure>) {
+        self.xfer.core.complete(&self.done, || result);
+    }
+}
+
+pub(super) enum Out {
+    Notify(Pending),
+    RevokeAck(u32),
+}
+
+#[derive(Default)]
+pub(super) struct OutboxState {
+    /// Not sent yet, in order.
+    pub(super) queued: VecDeque<Out>,
+    /// Sent, waiting for a `NotifyAck` each (acknowledged in order);
+    /// `None` for one already failed by its deadline.
+    pub(super) unacked: VecDeque<Option<Pending>>,
+    /// The peer thread ended: nothing more will be sent.
+    pub(super) closed: bool,
+}
+
+/// What the copy threads and the peer thread share for sending.
+pub(super) struct Outbox {
+    state: Mutex<OutboxState>,
+    /// eventfd that wakes the peer thread.
+    pub(super) wake: OwnedFd,
+    /// Set by `disconnect`.
+    pub(super) stop: AtomicBool,
+    pub(super) timeout: Duration,
+}
+
+impl std::fmt::Debug for Outbox {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Outbox").field("timeout", &self.timeout).finish_non_exhaustive()
+    }
+}
+
+impl Outbox {
+    /// An empty outbox whose notifications fail after `timeout`.
+    ///
+    /// # Errors
+    /// `eventfd` failure.
+    pub(super) fn new(timeout: Duration) -> Result<Self, TransportError> {
+        // SAFETY: eventfd takes integer arguments and returns a new descriptor or -1.
+        let fd = unsafe { libc::eventfd(0, libc::EFD_CLOEXEC | libc::EFD_NONBLOCK) };
+        if fd < 0 {
+            return Err(TransportError::io("eventfd", std::io::Error::last_os_error()));
+        }
+        // SAFETY: `fd` was just returned by eventfd and is owned by nobody else.
+        let wake = unsafe { OwnedFd::from_raw_fd(fd) };
+        Ok(Self { state: Mutex::default(), wake, stop: AtomicBool::new(false), timeout })
+    }
+
+    pub(super) fn lock(&self) -> std::sync::MutexGuard<'_, OutboxState> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    pub(super) fn wake(&self) {
+        let one = 1u64;
+        // SAFETY: writes 8 bytes from a live u64 to our eventfd. A full
+        // counter (EAGAIN) already means "wake up".
+        unsafe { libc::write(self.wake.as_raw_fd(), (&one as *const u64).cast(), 8) };
+    }
+
+    pub(super) fn drain_wake(&self) {
+        let mut v = 0u64;
+        // SAFETY: reads 8 bytes into a live u64 from our non-blocking eventfd.
+        unsafe { libc::read(self.wake.as_raw_fd(), (&mut v as *mut u64).cast(), 8) };
+    }
+
+    /// Ask the peer thread to stop (disconnect); it fails what is pending.
+    pub(super) fn stop(&self) {
+        self.stop.store(true, Ordering::Release);
+        self.wake();
+    }
 }
 
 #[cfg(test)]

@@ -336,7 +336,7 @@ impl Transport for ShmTransport {
             channel,
             regions: peer_regions,
             dead: AtomicBool::new(false),
-            outbox: peer::Outbox::new(self.config.peer_timeout)?,
+            outbox: copy::Outbox::new(self.config.peer_timeout)?,
         });
         let watched = shared.clone();
         let thread = std::thread::Builder::new()

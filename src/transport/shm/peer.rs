@@ -13,103 +13,17 @@
 //! transfers.
 
 use std::collections::{HashMap, VecDeque};
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::os::fd::{AsRawFd, OwnedFd};
+use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use crossbeam_channel::Sender;
 
-use super::copy::{PeerMem, PeerRegion, PeerShared, XferShared};
+use super::copy::{Out, PeerMem, PeerRegion, PeerShared, Pending, XferShared};
 use super::wire::{self, Access, Channel, Msg, Received, ShmInfo};
 use crate::transport::auth;
 use crate::transport::{Completion, RemoteRegion, TransferFailure, TransportError};
-
-/// A transfer whose data is in place, waiting for its notification to be
-/// sent and acknowledged.
-pub(super) struct Pending {
-    xfer: Arc<XferShared>,
-    done: Sender<Completion>,
-    deadline: Instant,
-}
-
-impl Pending {
-    fn finish(self, result: Result<(), TransferFailure>) {
-        self.xfer.core.complete(&self.done, || result);
-    }
-}
-
-enum Out {
-    Notify(Pending),
-    RevokeAck(u32),
-}
-
-#[derive(Default)]
-struct OutboxState {
-    /// Not sent yet, in order.
-    queued: VecDeque<Out>,
-    /// Sent, waiting for a `NotifyAck` each (acknowledged in order);
-    /// `None` for one already failed by its deadline.
-    unacked: VecDeque<Option<Pending>>,
-    /// The peer thread ended: nothing more will be sent.
-    closed: bool,
-}
-
-/// What the copy threads and the peer thread share for sending.
-pub(super) struct Outbox {
-    state: Mutex<OutboxState>,
-    /// eventfd that wakes the peer thread.
-    wake: OwnedFd,
-    /// Set by `disconnect`.
-    stop: AtomicBool,
-    timeout: Duration,
-}
-
-impl std::fmt::Debug for Outbox {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Outbox").field("timeout", &self.timeout).finish_non_exhaustive()
-    }
-}
-
-impl Outbox {
-    /// An empty outbox whose notifications fail after `timeout`.
-    ///
-    /// # Errors
-    /// `eventfd` failure.
-    pub(super) fn new(timeout: Duration) -> Result<Self, TransportError> {
-        // SAFETY: eventfd takes integer arguments and returns a new descriptor or -1.
-        let fd = unsafe { libc::eventfd(0, libc::EFD_CLOEXEC | libc::EFD_NONBLOCK) };
-        if fd < 0 {
-            return Err(TransportError::io("eventfd", std::io::Error::last_os_error()));
-        }
-        // SAFETY: `fd` was just returned by eventfd and is owned by nobody else.
-        let wake = unsafe { OwnedFd::from_raw_fd(fd) };
-        Ok(Self { state: Mutex::default(), wake, stop: AtomicBool::new(false), timeout })
-    }
-
-    fn lock(&self) -> std::sync::MutexGuard<'_, OutboxState> {
-        self.state.lock().unwrap_or_else(|p| p.into_inner())
-    }
-
-    fn wake(&self) {
-        let one = 1u64;
-        // SAFETY: writes 8 bytes from a live u64 to our eventfd. A full
-        // counter (EAGAIN) already means "wake up".
-        unsafe { libc::write(self.wake.as_raw_fd(), (&one as *const u64).cast(), 8) };
-    }
-
-    fn drain_wake(&self) {
-        let mut v = 0u64;
-        // SAFETY: reads 8 bytes into a live u64 from our non-blocking eventfd.
-        unsafe { libc::read(self.wake.as_raw_fd(), (&mut v as *mut u64).cast(), 8) };
-    }
-
-    /// Ask the peer thread to stop (disconnect); it fails what is pending.
-    pub(super) fn stop(&self) {
-        self.stop.store(true, Ordering::Release);
-        self.wake();
-    }
-}
 
 fn notify_failure(e: &TransportError, peer: &str) -> TransferFailure {
     let detail = format!("notification to {peer} not delivered");
