@@ -99,7 +99,7 @@ impl super::Registry {
         let a = &mut s.agents;
         let st = a.startup.entry(transport.to_string()).or_default();
         let secs = startup.as_secs_f64();
-        let b = STARTUP_BUCKETS_S.iter().position(|&ub| secs <= ub).unwrap_or(STARTUP_BUCKETS_S.len());
+        let b = super::bucket_of(&STARTUP_BUCKETS_S, secs);
         st.buckets[b] += 1;
         st.sum_s += secs;
         let link = a.links.entry((transport.to_string(), nic.to_string())).or_default().clone();
@@ -131,16 +131,8 @@ pub(super) fn render(a: &AgentState, fams: &mut super::Families) {
     let h = "kvwire_agent_startup_seconds";
     let help = "Seconds from TransferEngine::new to a ready agent.";
     for (t, st) in &a.startup {
-        let t = escape(t);
-        let mut cum = 0;
-        for (i, ub) in STARTUP_BUCKETS_S.iter().enumerate() {
-            cum += st.buckets[i];
-            fams.add(h, "histogram", help, format!("{h}_bucket{{transport=\"{t}\",le=\"{ub}\"}} {cum}"));
-        }
-        cum += st.buckets[STARTUP_BUCKETS_S.len()];
-        fams.add(h, "histogram", help, format!("{h}_bucket{{transport=\"{t}\",le=\"+Inf\"}} {cum}"));
-        fams.add(h, "histogram", help, format!("{h}_sum{{transport=\"{t}\"}} {}", st.sum_s));
-        fams.add(h, "histogram", help, format!("{h}_count{{transport=\"{t}\"}} {cum}"));
+        let labels = format!("transport=\"{}\"", escape(t));
+        fams.histogram(h, help, &labels, &STARTUP_BUCKETS_S, &st.buckets, st.sum_s);
     }
     for (t, r) in &a.registration {
         let t = escape(t);

@@ -99,7 +99,7 @@ impl Registry {
         st.transfers += 1;
         st.bytes = st.bytes.saturating_add(bytes);
         st.latency_sum_ms += ms;
-        let b = LATENCY_BUCKETS_MS.iter().position(|&ub| ms <= ub).unwrap_or(LATENCY_BUCKETS_MS.len());
+        let b = bucket_of(&LATENCY_BUCKETS_MS, ms);
         st.buckets[b] += 1;
     }
 
@@ -141,15 +141,8 @@ impl Registry {
             let peer = escape(peer);
             let h = format!("maxserve_dkv_nixl_{o}_latency_milliseconds");
             let help = format!("Latency of NIXL {o} transfers, post to completion, in milliseconds.");
-            let mut cum = 0u64;
-            for (i, ub) in LATENCY_BUCKETS_MS.iter().enumerate() {
-                cum += st.buckets[i];
-                fams.add(&h, "histogram", &help, format!("{h}_bucket{{peer=\"{peer}\",le=\"{ub}\"}} {cum}"));
-            }
-            cum += st.buckets[LATENCY_BUCKETS_MS.len()];
-            fams.add(&h, "histogram", &help, format!("{h}_bucket{{peer=\"{peer}\",le=\"+Inf\"}} {cum}"));
-            fams.add(&h, "histogram", &help, format!("{h}_sum{{peer=\"{peer}\"}} {}", st.latency_sum_ms));
-            fams.add(&h, "histogram", &help, format!("{h}_count{{peer=\"{peer}\"}} {cum}"));
+            let labels = format!("peer=\"{peer}\"");
+            fams.histogram(&h, &help, &labels, &LATENCY_BUCKETS_MS, &st.buckets, st.latency_sum_ms);
             let b = format!("maxserve_dkv_nixl_{o}_bytes_total");
             fams.add(
                 &b,
@@ -243,6 +236,21 @@ impl Families {
         self.fams.entry(name.to_string()).or_insert_with(|| (kind, help.to_string(), Vec::new())).2.push(line);
     }
 
+    /// A histogram's `_bucket` (cumulative, then `+Inf`), `_sum` and
+    /// `_count` samples with `labels` (`k="v",...`, escaped): `counts[i]`
+    /// observations fell in bucket `i` of `bounds`, the last entry past them.
+    fn histogram(&mut self, name: &str, help: &str, labels: &str, bounds: &[f64], counts: &[u64], sum: f64) {
+        let mut cum = 0u64;
+        for (ub, n) in bounds.iter().zip(counts) {
+            cum += n;
+            self.add(name, "histogram", help, format!("{name}_bucket{{{labels},le=\"{ub}\"}} {cum}"));
+        }
+        cum += counts[bounds.len()];
+        self.add(name, "histogram", help, format!("{name}_bucket{{{labels},le=\"+Inf\"}} {cum}"));
+        self.add(name, "histogram", help, format!("{name}_sum{{{labels}}} {sum}"));
+        self.add(name, "histogram", help, format!("{name}_count{{{labels}}} {cum}"));
+    }
+
     fn render(&self) -> String {
         let mut out = String::new();
         for (name, (kind, help, lines)) in &self.fams {
@@ -255,6 +263,12 @@ impl Families {
         }
         out
     }
+}
+
+/// The bucket of `bounds` (upper bounds) that `v` falls in; `bounds.len()`
+/// for past the last one (`+Inf`).
+fn bucket_of(bounds: &[f64], v: f64) -> usize {
+    bounds.iter().position(|&ub| v <= ub).unwrap_or(bounds.len())
 }
 
 /// A label value with `\`, `"` and newlines escaped, as the format requires.
