@@ -5,26 +5,15 @@ refusal (mc_cuda_check.py)."""
 
 import os
 import pathlib
-import shutil
-import subprocess
 import sys
 
-import pytest
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[3] / "tests" / "cuda_fake"))
+import fake_driver  # noqa: E402
 
-FAKE_C = pathlib.Path(__file__).resolve().parents[3] / "tests" / "cuda_fake" / "libcuda.c"
 CHECK = pathlib.Path(__file__).resolve().parent / "mc_cuda_check.py"
 
 
 def test_device_pointers_with_the_fake_driver(tmp_path):
-    gcc = shutil.which("gcc") or shutil.which("cc")
-    if gcc is None or not FAKE_C.exists():
-        if os.environ.get("KVWIRE_REQUIRE_CC") == "1":
-            pytest.fail("no C compiler or tests/cuda_fake/libcuda.c and KVWIRE_REQUIRE_CC=1")
-        pytest.skip("needs a C compiler and tests/cuda_fake/libcuda.c (source checkout) to build the fake driver")
-    so = tmp_path / "libcuda.so.1"
-    subprocess.run([gcc, "-shared", "-fPIC", "-O1", "-o", str(so), str(FAKE_C)], check=True)
-    (tmp_path / "libcuda.so").symlink_to("libcuda.so.1")
-    env = dict(os.environ, LD_LIBRARY_PATH=f"{tmp_path}:{os.environ.get('LD_LIBRARY_PATH', '')}")
-    r = subprocess.run([sys.executable, str(CHECK)], env=env, capture_output=True, text=True, timeout=120)
+    r = fake_driver.run(CHECK, tmp_path, os.environ.get("KVWIRE_REQUIRE_CC") == "1")
     assert r.returncode == 0 and "CUDA-CHECK-OK" in r.stdout, r.stdout + r.stderr
     assert "moves host (DRAM) memory only" in r.stderr, "the refusal names the reason"
