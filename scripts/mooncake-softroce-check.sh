@@ -24,9 +24,7 @@ repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 name=mooncake-softroce-check
 . "$repo/scripts/softroce-lib.sh"
 softroce_preflight "$name" "$repo"
-command -v python3 >/dev/null || suite_unavailable "$name" KVWIRE_REQUIRE_PYTHON "python3 not found"
-python3 -c "import venv, ensurepip" 2>/dev/null ||
-  suite_unavailable "$name" KVWIRE_REQUIRE_PYTHON "python3 venv/ensurepip missing (apt-get install python3-venv)"
+softroce_python_preflight "$name"
 cd "$repo"
 venv=${KVWIRE_MOONCAKE_VENV:-$repo/target/mooncake-venv}
 KVWIRE_MOONCAKE_VENV=$venv KVWIRE_MOONCAKE_BUILD_ONLY=1 bash scripts/mooncake-tests.sh

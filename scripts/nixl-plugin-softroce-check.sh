@@ -27,6 +27,7 @@ repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 name=nixl-plugin-softroce-check
 . "$repo/scripts/softroce-lib.sh"
 softroce_preflight "$name" "$repo"
+softroce_python_preflight "$name"
 cd "$repo"
 KVWIRE_NIXL_PLUGIN_BUILD_ONLY=1 bash scripts/nixl-plugin-tests.sh
 py=$repo/target/nixl-plugin-venv/bin/python

@@ -54,3 +54,12 @@ PY
     done
   echo "staged $(du -sm "$stage" | cut -f1) MB (python $ver from $base)"
 }
+
+# softroce_python_preflight NAME: python3 with venv is needed here to build
+# what the guest runs ("NAME: skipped: ..." or, with KVWIRE_REQUIRE_PYTHON=1,
+# an error, when it is missing).
+softroce_python_preflight() { # name
+  command -v python3 >/dev/null || suite_unavailable "$1" KVWIRE_REQUIRE_PYTHON "python3 not found"
+  python3 -c "import venv, ensurepip" 2>/dev/null ||
+    suite_unavailable "$1" KVWIRE_REQUIRE_PYTHON "python3 venv/ensurepip missing (apt-get install python3-venv)"
+}
