@@ -214,3 +214,21 @@ fn a_buffer_registered_twice_is_exported_once() {
     drop(t);
     assert_eq!(ack.join().unwrap(), vec![reg.rkey.0]);
 }
+
+/// A transport dropped with the registration in place ends it the same way:
+/// the owner keeps using its buffer, the peer's kept mapping reaches none of it.
+#[test]
+fn dropping_the_transport_cuts_off_a_kept_mapping() {
+    let (t, buf, reg, info) = target();
+    let (h, _ch) = hello_and_stay(&info, &info.secret, "keeper", &[reg.rkey.0]);
+    assert_eq!(h.fds.len(), 1, "{:?}", h.msgs);
+    let map = PeerMap::new(&h.fds[0], LEN);
+    buf.write(64, b"shared-now");
+    assert_eq!(map.read(64, 10), b"shared-now");
+    drop(t);
+    assert_eq!(buf.to_vec(64..74), b"shared-now");
+    buf.write(64, b"owner-only");
+    assert_ne!(map.read(64, 10), b"owner-only");
+    map.write(128, b"peer-write");
+    assert_eq!(buf.to_vec(128..138), pattern(128, 10));
+}
