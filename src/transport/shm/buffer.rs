@@ -333,9 +333,10 @@ impl ExportClaim {
     /// (`docs/SECURITY.md`).
     ///
     /// # Errors
-    /// The failing call (`memfd_create`, `ftruncate`, `mmap`, `mremap`,
-    /// `dup3`, `fallocate`); before `mremap` succeeds nothing has changed
-    /// and the claim is kept (the registration stays in place).
+    /// The failing call before the mapping moved (`fstat`, `memfd_create`,
+    /// `ftruncate` or `RLIMIT_FSIZE`, `mmap`, `mremap`): nothing has changed
+    /// and the claim comes back (the registration stays in place). Failures
+    /// after it (`dup3`, `fallocate`) are logged: the peers are cut off.
     pub(crate) fn rehome(self, old: BorrowedFd<'_>) -> Result<(), (Self, io::Error)> {
         let mut live = lock_live();
         let Some(e) = live.get_mut(&self.fd) else {
@@ -345,8 +346,11 @@ impl ExportClaim {
         // first thing in its drop, under this lock, which we hold), so
         // `[addr, addr + len)` is its mapping of the memfd `self.fd`.
         match unsafe { rehome_pages(e.addr, e.len_bytes, self.fd, old) } {
-            Ok(()) => {
-                e.exported = false;
+            Ok(fd_moved) => {
+                // If the descriptor could not be moved to the new file, it
+                // still names the old one: never export it again (later
+                // registrations reach the buffer by cross-memory attach).
+                e.exported = !fd_moved;
                 Ok(())
             }
             Err(err) => {
@@ -357,13 +361,15 @@ impl ExportClaim {
     }
 }
 
-/// See [`ExportClaim::rehome`].
+/// See [`ExportClaim::rehome`]. Returns whether the buffer's descriptor now
+/// names the new file (`dup3` succeeded); once the mapping moved, the peers
+/// are cut off either way, so later steps only log their failures.
 ///
 /// # Safety
 /// `[addr, addr + len)` is a live `MAP_SHARED` read-write mapping (from
 /// offset 0) of the memfd behind descriptor `fd`, page-aligned, that nothing
 /// unmaps while this runs; `old` is that same file.
-unsafe fn rehome_pages(addr: u64, len: usize, fd: RawFd, old: BorrowedFd<'_>) -> io::Result<()> {
+unsafe fn rehome_pages(addr: u64, len: usize, fd: RawFd, old: BorrowedFd<'_>) -> io::Result<bool> {
     let size = nix::sys::stat::fstat(old).map_err(io::Error::from)?.st_size as usize;
     if size < len {
         return Err(io::Error::new(io::ErrorKind::InvalidInput, "memfd smaller than its mapping"));
@@ -413,8 +419,12 @@ unsafe fn rehome_pages(addr: u64, len: usize, fd: RawFd, old: BorrowedFd<'_>) ->
     // The buffer's descriptor number now names the new file (its `File`
     // keeps owning that number and closes it on drop).
     // SAFETY: both descriptors are open; `fd` is the HostBuffer's own.
-    if unsafe { libc::dup3(new.as_raw_fd(), fd, libc::O_CLOEXEC) } < 0 {
-        return Err(io::Error::last_os_error());
+    let fd_moved = unsafe { libc::dup3(new.as_raw_fd(), fd, libc::O_CLOEXEC) } >= 0;
+    if !fd_moved {
+        tracing::warn!(
+            "shm: re-homed {addr:#x}+{len} but could not move its descriptor ({}); it is not exported again",
+            io::Error::last_os_error()
+        );
     }
     drop(new);
     // Whatever a peer still maps of `old` loses its pages: it reads zeros and
@@ -425,9 +435,11 @@ unsafe fn rehome_pages(addr: u64, len: usize, fd: RawFd, old: BorrowedFd<'_>) ->
         libc::fallocate(old.as_raw_fd(), libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE, 0, size as libc::off_t)
     };
     if punched != 0 {
-        return Err(io::Error::last_os_error());
+        // The peers are cut off already; the old pages then stay until the
+        // last peer mapping goes, holding bytes as of this deregistration.
+        tracing::warn!("shm: could not punch the old memfd of {addr:#x}+{len}: {}", io::Error::last_os_error());
     }
-    Ok(())
+    Ok(fd_moved)
 }
 
 fn check_fsize(size: u64, len_bytes: usize) -> io::Result<()> {
