@@ -19,7 +19,10 @@
 //! when the target goes away first and `Failed(PeerTimeout)` after
 //! [`TransportConfig::peer_timeout`]. The largest notification is
 //! [`super::MAX_NOTIFICATION_BYTES`]. A deregistered region is revoked and
-//! unmapped in every connected initiator before `deregister` returns.
+//! unmapped in every connected initiator before `deregister` returns, and
+//! when its memfd was handed out the owner's pages are re-homed into a new
+//! memfd at the same address, so that a peer that kept its mapping reaches
+//! nothing of them (issue 27 item 4, `docs/SECURITY.md`).
 
 mod buffer;
 mod copy;
@@ -281,13 +284,19 @@ impl Transport for ShmTransport {
 
     /// Forget a registration. Every connected initiator is told to revoke
     /// the key and must acknowledge that no access is in progress and none
-    /// will start; only then does this return, as `ibv_dereg_mr` does (the
-    /// caller may free the memory afterwards).
+    /// will start; then, if the region's memfd was handed to a peer and the
+    /// memory lives on, its pages are re-homed (copied into a new memfd
+    /// mapped over the same address; about 2 s/GiB, `docs/SECURITY.md`), so
+    /// that a peer that kept its mapping reaches none of it. Only then does
+    /// this return, as `ibv_dereg_mr` does (the caller may free the memory
+    /// afterwards). Writes the owner makes to the region while this runs may
+    /// be lost.
     ///
     /// # Errors
     /// [`TransportError::UnknownLocalKey`]; [`TransportError::Timeout`]
     /// (`op: "deregister"`) when a live initiator does not acknowledge
-    /// within `peer_timeout` — the registration then stays in place
+    /// within `peer_timeout`, [`TransportError::Io`] when re-homing fails
+    /// before anything moved — the registration then stays in place
     /// (deregister may be retried).
     fn deregister(&mut self, lkey: LocalKey) -> Result<(), TransportError> {
         let removed = self
