@@ -232,3 +232,29 @@ fn dropping_the_transport_cuts_off_a_kept_mapping() {
     map.write(128, b"peer-write");
     assert_eq!(buf.to_vec(128..138), pattern(128, 10));
 }
+
+/// The registration held the last reference to its backing, a `View`
+/// covering the whole buffer, while the owner keeps the buffer itself: the
+/// buffer lives on, so it is re-homed all the same.
+#[test]
+fn a_whole_view_registered_alone_is_rehomed_while_the_buffer_lives() {
+    let mut t = ShmTransport::new("target", &TransportConfig::default()).unwrap();
+    let buf = Arc::new(HostBuffer::new(LEN).unwrap());
+    buf.fill_with(0, LEN, |i| (i % 251) as u8);
+    let view = kvwire::transport::View::new(buf.clone(), 0, LEN as u64).unwrap();
+    let reg = t.register(Arc::new(view)).unwrap();
+    let info = ShmInfo::decode(&t.connection_info()).unwrap();
+    let (h, ch) = hello_and_stay(&info, &info.secret, "keeper", &[reg.rkey.0]);
+    assert_eq!(h.fds.len(), 1, "{:?}", h.msgs);
+    let ack = ack_revokes(ch);
+    let map = PeerMap::new(&h.fds[0], LEN);
+    buf.write(0, b"before");
+    assert_eq!(map.read(0, 6), b"before");
+    t.deregister(reg.lkey).unwrap();
+    buf.write(0, b"after!");
+    assert_ne!(map.read(0, 6), b"after!");
+    map.write(4096, b"peer");
+    assert_eq!(buf.to_vec(4096..4100), pattern(4096, 4));
+    drop(t);
+    assert_eq!(ack.join().unwrap(), vec![reg.rkey.0]);
+}

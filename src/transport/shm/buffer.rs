@@ -61,7 +61,8 @@ impl HostBuffer {
         fcntl(&file, FcntlArg::F_ADD_SEALS(seals)).map_err(io::Error::from)?;
         let map = MmapOptions::new().len(len_bytes).populate().map_raw(&file)?;
         let this = Self { file, map, len_bytes };
-        lock_live().insert(this.file.as_raw_fd(), Live { addr: this.addr(), len_bytes, exported: false });
+        let id = NEXT_ID.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        lock_live().insert(this.file.as_raw_fd(), Live { id, addr: this.addr(), len_bytes, exported: false });
         Ok(this)
     }
 
@@ -271,6 +272,8 @@ impl Drop for HostBuffer {
 /// A live `HostBuffer`, by the number of its memfd descriptor (stable for
 /// the buffer's life: re-homing replaces the file behind it with `dup3`).
 struct Live {
+    /// Unique per buffer (a descriptor number is reused once closed).
+    id: u64,
     addr: u64,
     len_bytes: usize,
     /// Handed to one `shm` registration ([`ExportClaim`]).
@@ -279,6 +282,7 @@ struct Live {
 
 /// Every live `HostBuffer` of this process. Re-homing runs under this lock,
 /// so a buffer cannot be dropped (or claimed twice) meanwhile.
+static NEXT_ID: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
 static LIVE: LazyLock<Mutex<HashMap<RawFd, Live>>> = LazyLock::new(Mutex::default);
 
 fn lock_live() -> MutexGuard<'static, HashMap<RawFd, Live>> {
@@ -294,6 +298,7 @@ fn lock_live() -> MutexGuard<'static, HashMap<RawFd, Live>> {
 #[derive(Debug)]
 pub(crate) struct ExportClaim {
     fd: RawFd,
+    id: u64,
 }
 
 impl ExportClaim {
@@ -308,13 +313,13 @@ impl ExportClaim {
             return None;
         }
         e.exported = true;
-        Some(Self { fd: fd.as_raw_fd() })
+        Some(Self { fd: fd.as_raw_fd(), id: e.id })
     }
 
     /// End the claim without moving anything: the registration ends and no
     /// peer was ever handed the memfd, or the buffer is being freed.
     pub(crate) fn release(self) {
-        if let Some(e) = lock_live().get_mut(&self.fd) {
+        if let Some(e) = lock_live().get_mut(&self.fd).filter(|e| e.id == self.id) {
             e.exported = false;
         }
     }
@@ -339,7 +344,7 @@ impl ExportClaim {
     /// after it (`dup3`, `fallocate`) are logged: the peers are cut off.
     pub(crate) fn rehome(self, old: BorrowedFd<'_>) -> Result<(), (Self, io::Error)> {
         let mut live = lock_live();
-        let Some(e) = live.get_mut(&self.fd) else {
+        let Some(e) = live.get_mut(&self.fd).filter(|e| e.id == self.id) else {
             return Ok(()); // the buffer is gone: nothing of the owner's is left to reach
         };
         // SAFETY: `e` describes a live HostBuffer (its entry is removed

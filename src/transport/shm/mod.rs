@@ -335,10 +335,15 @@ impl Transport for ShmTransport {
                 // those that did not (issue 27 item 4).
                 return match removed.retire() {
                     Ok(()) => Ok(()),
-                    Err((removed, e)) => {
+                    Err((Some(removed), e)) => {
                         self.regions.lock().unwrap_or_else(|p| p.into_inner()).insert(lkey.0, removed);
-                        Err(TransportError::io("re-home deregistered memory", e))
+                        Err(TransportError::io("re-home deregistered memory (it stays registered)", e))
                     }
+                    Err((None, e)) => Err(TransportError::io(
+                        "re-home deregistered memory (deregistered; a peer that ignored the revocation may still \
+                         reach the buffer)",
+                        e,
+                    )),
                 };
             }
             let now = std::time::Instant::now();
@@ -496,14 +501,13 @@ impl Drop for ShmTransport {
         let regions: Vec<LocalRegion> =
             self.regions.lock().unwrap_or_else(|p| p.into_inner()).drain().map(|(_, r)| r).collect();
         for r in regions {
+            let (addr, len) = (r.addr, r.len_bytes);
             if let Err((r, e)) = r.retire() {
                 tracing::error!(
-                    "shm: could not re-home {:#x}+{} on drop ({e}); leaking its registration so that the memory \
-                     peers may still map is never freed under them",
-                    r.addr,
-                    r.len_bytes
+                    "shm: could not re-home {addr:#x}+{len} on drop ({e}); a peer that kept its mapping may still \
+                     reach it"
                 );
-                std::mem::forget(r);
+                drop(r);
             }
         }
     }

@@ -45,17 +45,29 @@ pub(super) struct LocalRegion {
 impl LocalRegion {
     /// End the registration: when its memfd was handed to a peer and the
     /// owner keeps the memory, re-home the owner's pages so that no mapping
-    /// a peer kept reaches them (issue 27 item 4). On error the region comes
-    /// back unchanged, to stay registered.
-    pub(super) fn retire(mut self) -> Result<(), (Self, std::io::Error)> {
+    /// a peer kept reaches them (issue 27 item 4). On an error before
+    /// anything moved the region comes back unchanged, to stay registered
+    /// (`None` when this was the last reference to its backing).
+    pub(super) fn retire(mut self) -> Result<(), (Option<Self>, std::io::Error)> {
         let Some(claim) = self.claim.take() else { return Ok(()) };
-        let unique = Arc::get_mut(&mut self.backing).is_some();
-        if !self.sent.load(Ordering::Acquire) || unique {
-            // Never handed out, or freed with this region: the last holder
-            // of the pages besides stale peers is going away (a peer that
-            // kept a mapping then holds only bytes nobody uses any more).
-            claim.release();
+        if !self.sent.load(Ordering::Acquire) {
+            claim.release(); // never handed out: no peer can map it
             return Ok(());
+        }
+        if Arc::get_mut(&mut self.backing).is_some() {
+            // Our reference is the last one to the backing: let it go first.
+            // The buffer itself may live on (a `View` covering it whose
+            // parent someone else holds): then it is re-homed all the same;
+            // if it went with the backing, nothing of the owner's is left
+            // (`rehome` finds it gone). On an error there is no registration
+            // to put back.
+            let LocalRegion { fd, backing, .. } = self;
+            drop(backing);
+            let Some((old, _)) = fd else { return Ok(()) };
+            return claim.rehome(std::os::fd::AsFd::as_fd(&old)).map_err(|(claim, e)| {
+                claim.release();
+                (None, e)
+            });
         }
         let Some((old, _)) = &self.fd else {
             claim.release();
@@ -65,7 +77,7 @@ impl LocalRegion {
             Ok(()) => Ok(()),
             Err((claim, e)) => {
                 self.claim = Some(claim);
-                Err((self, e))
+                Err((Some(self), e))
             }
         }
     }
