@@ -41,9 +41,12 @@ fn pair(backend: Backend, test: &str, extra: &[(&str, &str)]) -> Option<(Transfe
     Some((a, b))
 }
 
+/// Initiator, target and the target's agent name.
+type RawPair = (Box<dyn Transport>, Box<dyn Transport>, String);
+
 /// Bare transports `a` (initiator) and `b` (target, with its name) of
 /// `backend`, for rules the engine's own checks would hide (forged keys).
-fn raw_pair(backend: Backend, test: &str) -> Option<(Box<dyn Transport>, Box<dyn Transport>, String)> {
+fn raw_pair(backend: Backend, test: &str) -> Option<RawPair> {
     let (kind, ca, cb, tag) = configs(backend, test, &[])?;
     let a = kvwire::transport::create(kind, &format!("a-{tag}"), &ca).unwrap();
     let b = kvwire::transport::create(kind, &format!("b-{tag}"), &cb).unwrap();
