@@ -6,7 +6,8 @@
 //! print `<test>: skipped: <reason>` and, with `KVWIRE_REQUIRE_RDMA=1`, fail.
 //!
 //! Rules: descriptors outside a peer's regions are refused before anything
-//! moves (one error kind everywhere); a notification is delivered only after
+//! moves (one error kind everywhere); a forged rkey is `UnknownKey` and a
+//! known key out of range `OutOfBounds` on every backend; a notification is delivered only after
 //! its transfer's data; standalone notifications keep their order; a dead
 //! peer fails transfers within the peer timeout and is refused fast after;
 //! release of an in-flight transfer fences the memory (no byte lands after
@@ -20,7 +21,10 @@ use std::time::{Duration, Instant};
 
 use kvwire::HostBuffer;
 use kvwire::engine::{Desc, EngineError, TransferEngine, TransferStatus};
-use kvwire::transport::{Op, TransportConfig, TransportError, TransportKind};
+use kvwire::transport::{
+    FailureKind, MemoryBacking, Op, PostRequest, RemoteAccessKind, RemoteKey, RemoteRegion, Segment, Transport,
+    TransportConfig, TransportError, TransportKind, XferId,
+};
 
 #[derive(Clone, Copy, Debug)]
 enum Backend {
@@ -31,6 +35,30 @@ enum Backend {
 
 /// Engines `a` (initiator) and `b` (target) of `backend`, or why not.
 fn pair(backend: Backend, test: &str, extra: &[(&str, &str)]) -> Option<(TransferEngine, TransferEngine)> {
+    let (kind, ca, cb, tag) = configs(backend, test, extra)?;
+    let a = TransferEngine::new(&format!("a-{tag}"), kind, &ca).unwrap();
+    let b = TransferEngine::new(&format!("b-{tag}"), kind, &cb).unwrap();
+    Some((a, b))
+}
+
+/// Initiator, target and the target's agent name.
+type RawPair = (Box<dyn Transport>, Box<dyn Transport>, String);
+
+/// Bare transports `a` (initiator) and `b` (target, with its name) of
+/// `backend`, for rules the engine's own checks would hide (forged keys).
+fn raw_pair(backend: Backend, test: &str) -> Option<RawPair> {
+    let (kind, ca, cb, tag) = configs(backend, test, &[])?;
+    let a = kvwire::transport::create(kind, &format!("a-{tag}"), &ca).unwrap();
+    let b = kvwire::transport::create(kind, &format!("b-{tag}"), &cb).unwrap();
+    Some((a, b, format!("b-{tag}")))
+}
+
+/// The transport kind and the initiator's and target's configurations.
+fn configs(
+    backend: Backend,
+    test: &str,
+    extra: &[(&str, &str)],
+) -> Option<(TransportKind, TransportConfig, TransportConfig, String)> {
     let tag = format!("{test}-{}", std::process::id());
     let (kind, ca, cb) = match backend {
         Backend::Shm | Backend::Tcp => {
@@ -58,9 +86,7 @@ fn pair(backend: Backend, test: &str, extra: &[(&str, &str)]) -> Option<(Transfe
             }
         },
     };
-    let a = TransferEngine::new(&format!("a-{tag}"), kind, &ca).unwrap();
-    let b = TransferEngine::new(&format!("b-{tag}"), kind, &cb).unwrap();
-    Some((a, b))
+    Some((kind, ca, cb, tag))
 }
 
 fn buf(len: usize, seed: u8) -> Arc<HostBuffer> {
@@ -103,6 +129,66 @@ fn out_of_bounds_is_refused_before_anything_moves(be: Backend) {
     assert_eq!(a.num_transfers(), 0);
     let zeros = buf(1 << 16, 0);
     assert_eq!(dst.to_vec(..), zeros.to_vec(..), "{be:?}: nothing moved");
+}
+
+/// A key that names no region is `RemoteAccess(UnknownKey)` on every
+/// backend, a known key with a range outside its region `OutOfBounds`
+/// (issue 27: verbs said `OutOfBounds` for both); neither moves a byte or
+/// delivers the notification, and the link still works after. Bare
+/// transports: the engine never posts a key outside the peer's metadata.
+fn a_forged_rkey_is_an_unknown_key(be: Backend) {
+    let Some((mut a, mut b, bn)) = raw_pair(be, "rkey") else { return };
+    let (src, dst) = (buf(1 << 16, 6), Arc::new(HostBuffer::new(1 << 16).unwrap()));
+    let ireg = a.register(src.clone()).unwrap();
+    let treg = b.register(dst.clone()).unwrap();
+    let d = dst.desc();
+    let region = RemoteRegion { addr: d.addr, len_bytes: d.len_bytes, rkey: treg.rkey, kind: d.kind, device_id: 0 };
+    let peer = a.connect(&bn, &b.connection_info(), &[region]).unwrap();
+    let seg = |rkey: RemoteKey, remote_addr: u64| Segment {
+        local_addr: src.addr(),
+        remote_addr,
+        len_bytes: 4096,
+        lkey: ireg.lkey,
+        rkey,
+    };
+    let finish = |a: &mut Box<dyn Transport>, x: u64| {
+        let deadline = Instant::now() + Duration::from_secs(60);
+        let mut out = Vec::new();
+        loop {
+            a.wait(&mut out, Duration::from_millis(50));
+            if let Some(c) = out.iter().find(|c| c.xfer == XferId(x)) {
+                return c.result.clone();
+            }
+            assert!(Instant::now() < deadline, "{be:?}: transfer {x} never completed");
+        }
+    };
+    let forged = RemoteKey(treg.rkey.0 ^ 0x5a5a00);
+    let cases = [
+        (1, forged, dst.addr(), RemoteAccessKind::UnknownKey),
+        (2, treg.rkey, dst.addr() + (1 << 16) - 100, RemoteAccessKind::OutOfBounds),
+    ];
+    for (x, rkey, at, want) in cases {
+        let segments = vec![seg(rkey, at)];
+        a.post(PostRequest { xfer: XferId(x), op: Op::Write, peer, segments, notification: Some(vec![x as u8]) })
+            .unwrap();
+        let why = finish(&mut a, x).expect_err("a forged access must fail");
+        assert_eq!(why.kind, FailureKind::RemoteAccess(want), "{be:?}: {why}");
+    }
+    assert!(dst.to_vec(..).iter().all(|&b| b == 0), "{be:?}: bytes moved through a forged access");
+    let segments = vec![seg(treg.rkey, dst.addr())];
+    a.post(PostRequest { xfer: XferId(3), op: Op::Write, peer, segments, notification: Some(vec![3]) }).unwrap();
+    assert_eq!(finish(&mut a, 3), Ok(()), "{be:?}");
+    assert_eq!(dst.to_vec(..4096), src.to_vec(..4096), "{be:?}");
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let mut got = Vec::new();
+    while got.is_empty() && Instant::now() < deadline {
+        b.take_notifications(&mut got);
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    std::thread::sleep(Duration::from_millis(50));
+    b.take_notifications(&mut got);
+    let payloads: Vec<Vec<u8>> = got.into_iter().map(|n| n.payload).collect();
+    assert_eq!(payloads, vec![vec![3u8]], "{be:?}: only the valid transfer's notification arrives");
 }
 
 fn a_notification_arrives_after_its_data(be: Backend) {
@@ -250,6 +336,7 @@ macro_rules! contract {
 
 contract!(
     out_of_bounds_is_refused_before_anything_moves,
+    a_forged_rkey_is_an_unknown_key,
     a_notification_arrives_after_its_data,
     standalone_notifications_keep_their_order,
     a_dead_peer_fails_within_the_timeout_then_fast,
