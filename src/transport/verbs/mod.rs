@@ -76,6 +76,10 @@ pub mod sim;
 #[cfg(any(test, feature = "sim"))]
 #[doc(hidden)]
 pub mod sim_bench;
+/// The 112,000-descriptor scale bench on the simulated NIC (`benches/verbs_scale.rs`).
+#[cfg(any(test, feature = "sim"))]
+#[doc(hidden)]
+pub mod sim_scale;
 mod state;
 #[cfg(test)]
 mod tests;

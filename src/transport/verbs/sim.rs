@@ -119,6 +119,12 @@ pub struct World {
     pub auto_step: u32,
     /// The NICs have a completion channel (`Nic::has_events`).
     pub events: bool,
+    /// `post_send` calls that queued WRs (one doorbell each).
+    pub post_sends: u64,
+    /// WRs those calls queued.
+    pub posted_wrs: u64,
+    /// Most WRs one `post_send` queued.
+    pub max_chain: u64,
 }
 
 /// READ depth of QPs connected with [`SimFabric::connect`].
@@ -150,6 +156,9 @@ impl SimFabric {
             read_waits: 0,
             auto_step: 0,
             events: false,
+            post_sends: 0,
+            posted_wrs: 0,
+            max_chain: 0,
         })))
     }
 

@@ -213,6 +213,10 @@ pub(super) fn run(mut chan: SideChannel, own: Option<&Own>) -> Result<Option<Ser
             let done_us = h.arrival_ms * 1000 + (h.output_len as f64 * decode_step_ms * 1000.0) as u64;
             releases.push(Reverse((done_us, id)));
             bad_total += bad;
+            // What landed here, as `kvwire_served_bytes_total{op="write"}`
+            // (`replay --role decode --metrics`): every shard's pages.
+            let landed = h.pages.len() as u64 * g.bytes_per_page * g.decode_tp as u64;
+            kvwire::metrics::global().record_served(&prefill_name, 0, landed);
             chan.send(&Msg::Verified { id, bad_pages: bad, error: None })?;
             progressed = true;
         }

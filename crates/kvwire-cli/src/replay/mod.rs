@@ -129,6 +129,19 @@ pub(crate) struct ReplayArgs {
     /// Seconds a side waits for the other to connect (--role only).
     #[arg(long, default_value_t = 60)]
     pub wait_s: u64,
+    /// Serve kvwire's Prometheus metrics at http://IP:PORT/metrics for the
+    /// replay (port 0 picks one; the bound address is printed on stderr as
+    /// `replay: metrics at http://IP:PORT/metrics`). On the prefill side
+    /// `maxserve_dkv_nixl_write_bytes_total` and `kvwire_nic_bytes_total` add
+    /// up to the summary's `bytes`; on `--role decode`,
+    /// `kvwire_served_bytes_total{op="write"}` does (docs/METRICS.md).
+    #[arg(long, value_name = "IP:PORT")]
+    pub metrics: Option<String>,
+    /// Keep the --metrics endpoint up this many seconds after the summary
+    /// (0..=86400; default 0), so that a scraper reads the final counts.
+    #[arg(long, value_name = "SECS", default_value_t = 0, requires = "metrics",
+          value_parser = clap::value_parser!(u64).range(0..=86400))]
+    pub metrics_linger: u64,
     /// Test hook: fill page 0 of request N with the wrong bytes, to prove
     /// that verification catches it (the replay must then fail).
     #[arg(long, hide = true)]
@@ -352,12 +365,14 @@ pub(crate) fn run(a: ReplayArgs) -> Result<()> {
     }
     crate::units::check_option_keys(a.transport, "--option", &a.options)?;
     crate::units::check_option_keys(a.transport, "--decode-option", &a.decode_options)?;
+    serve_metrics(a.metrics.as_deref())?;
     let (l, addr) = SideChannel::bind("127.0.0.1:0")?;
     let child = crate::child::Child::spawn("decode", &["replay-decode", "--connect", &addr.to_string()])?;
     let chan = SideChannel::accept(&l)?;
     chan.set_read_timeout(Some(Duration::from_secs(300)))?;
     let report = child.finish(prefill::run(&a, vec![chan]))?;
     report::print(&report, a.json);
+    linger(&a);
     if !report.verified {
         anyhow::bail!("replay failed: {} bad pages, {} failed transfers", report.bad_pages, report.failed);
     }
@@ -381,6 +396,7 @@ fn run_prefill_role(a: &ReplayArgs) -> Result<()> {
         );
     }
     crate::units::check_option_keys(a.transport, "--option", &a.options)?;
+    serve_metrics(a.metrics.as_deref())?;
     let mut chans = Vec::with_capacity(a.connect.len());
     for addr in &a.connect {
         if !addr.contains(':') {
@@ -397,6 +413,7 @@ fn run_prefill_role(a: &ReplayArgs) -> Result<()> {
     }
     let report = prefill::run(a, chans)?;
     report::print(&report, a.json);
+    linger(a);
     if !report.verified {
         anyhow::bail!("replay failed: {} bad pages, {} failed transfers", report.bad_pages, report.failed);
     }
@@ -418,6 +435,7 @@ fn run_decode_role(a: &ReplayArgs) -> Result<()> {
     crate::units::check_option_keys(a.transport, "--option", &a.options)?;
     let (l, addr) = SideChannel::bind(listen).with_context(|| format!("listening on {listen} (--listen)"))?;
     eprintln!("replay decode: listening on {addr} for {} prefill(s) (up to {} s each)", a.prefills, a.wait_s);
+    serve_metrics(a.metrics.as_deref())?;
     let own = decode::Own { transport: a.transport, copy_threads: a.copy_threads, options: a.options.clone() };
     let mut workers = Vec::new();
     l.set_nonblocking(true)?;
@@ -460,10 +478,31 @@ fn run_decode_role(a: &ReplayArgs) -> Result<()> {
             Err(e) => failed.push(format!("connection {k}: {e:#}")),
         }
     }
+    linger(a);
     if !failed.is_empty() {
         anyhow::bail!("replay decode failed: {}", failed.join("; "));
     }
     Ok(())
+}
+
+/// `--metrics`: serve the process's registry, saying where on stderr (stdout
+/// carries the summary, one JSON object with `--json`).
+fn serve_metrics(addr: Option<&str>) -> Result<()> {
+    if let Some(addr) = addr {
+        let bound = kvwire::metrics::serve_http(addr).with_context(|| format!("--metrics {addr}"))?;
+        eprintln!("replay: metrics at http://{bound}/metrics");
+    }
+    Ok(())
+}
+
+/// `--metrics-linger`: the summary is out; keep the endpoint up a while.
+fn linger(a: &ReplayArgs) {
+    use std::io::Write;
+    if a.metrics.is_some() && a.metrics_linger > 0 {
+        let _ = std::io::stdout().flush();
+        eprintln!("replay: serving the final metrics for {} s (--metrics-linger)", a.metrics_linger);
+        std::thread::sleep(Duration::from_secs(a.metrics_linger));
+    }
 }
 
 /// `kvwire replay-decode`: the decode engine, started by `replay`.

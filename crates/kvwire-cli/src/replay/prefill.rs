@@ -412,7 +412,9 @@ pub(super) fn run(a: &ReplayArgs, mut chans: Vec<SideChannel>) -> Result<Report>
             r.requests += 1;
             r.tokens += q.input_length;
             r.pages += src.len() as u64;
-            r.bytes += src.len() as u64 * prefill_bpp * a.tp as u64;
+            // What lands on decode: every decode shard's pages (with
+            // BROADCAST, prefill shard 0's bytes once per decode shard).
+            r.bytes += src.len() as u64 * decode_bpp * decode_tp as u64;
             sending.insert(id, Sending { req, src, replica, started: t0, offload });
             progressed = true;
         }

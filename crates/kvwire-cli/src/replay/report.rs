@@ -34,7 +34,8 @@ pub(super) struct Report {
     pub tokens: u64,
     /// Pages sent (per request, counted once across shards).
     pub pages: u64,
-    /// Bytes moved (all shards).
+    /// Bytes moved (all shards): what landed on decode; with BROADCAST each
+    /// decode shard's copy counts (as `kvwire_nic_bytes_total` does).
     pub bytes: u64,
     /// Wall time of the replay (s).
     pub elapsed_s: f64,

@@ -96,6 +96,12 @@ impl NicQp for SimQp {
             }
             q.sq.push_back(batch.view(i).expect("in range"));
         }
+        let n = batch.len() as u64;
+        if n > 0 {
+            w.post_sends += 1;
+            w.posted_wrs += n;
+            w.max_chain = w.max_chain.max(n);
+        }
         Ok(())
     }
     fn post_recv(&mut self, wr_id: u64, slab: &Arc<SimSlab>, offset: usize, len_bytes: u32) -> Result<(), VerbsError> {

@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# The 112,000-descriptor post of issue 29 from Python through kvwire's `nixl`
+# package on verbs, in the Soft-RoCE guest (scripts/softroce-vm.sh):
+# bench/compare/nixl_api_bench.py with 4 KiB pages and 112,000 x 4 KiB of
+# memory, backend KVWIRE_VERBS (BACKEND=UCX: kvwire's alias, which picks
+# verbs on the guest's ACTIVE rxe ports), both agents on rxe0
+# (UCX_NET_DEVICES, as a UCX user sets it).
+# Prints the bench's JSON: prep_xfer_dlist ns/desc, make_prepped_xfer +
+# transfer wall and CPU ns/desc, GB/s, bytes verified.
+#
+# Builds the venv as scripts/nixl-softroce-check.sh does (target/nixl-venv;
+# KVWIRE_NIXL_VENV overrides). Skips (exit 0) where the guest cannot run,
+# as the other softroce scripts. Env: DESCS (112000), REPS (1), BACKEND, SOFTROCE_MEM.
+set -euo pipefail
+repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+name=nixl-scale-softroce
+. "$repo/scripts/softroce-lib.sh"
+softroce_preflight "$name" "$repo"
+softroce_python_preflight "$name"
+cd "$repo"
+venv=${KVWIRE_NIXL_VENV:-$repo/target/nixl-venv}
+KVWIRE_NIXL_VENV=$venv KVWIRE_NIXL_BUILD_ONLY=1 bash scripts/nixl-tests.sh
+export SOFTROCE_TIMEOUT=${SOFTROCE_TIMEOUT:-1500}
+DESCS=${DESCS:-112000}
+# both agents' buffers and the bench's expected-bytes copies
+export SOFTROCE_MEM=${SOFTROCE_MEM:-$((DESCS * 4096 * 6 / 1048576 + 1536))}
+stage=$(mktemp -d "${TMPDIR:-/tmp}/kvwire-nixl-scale.XXXXXX")
+trap 'rm -rf "$stage"' EXIT
+cp bench/compare/nixl_api_bench.py "$stage/"
+echo "$name: $(softroce_stage_python "$venv/bin/python" "$stage")"
+guest_cmd="cd /host && export PYTHONHOME=/host/py PYTHONPATH=/host/site LD_LIBRARY_PATH=/host/lib \
+PYTHONDONTWRITEBYTECODE=1 UCX_NET_DEVICES=rxe0 NIXL_BENCH_BACKEND=${BACKEND:-KVWIRE_VERBS} NIXL_BENCH_PAGES=4096 \
+NIXL_BENCH_BYTES=$((DESCS * 4096)) NIXL_BENCH_REPS=${REPS:-1} && /host/python3 nixl_api_bench.py"
+flock /tmp/kvwire-softroce.lock bash "$softroce_vm" run "$stage" "$guest_cmd"
