@@ -76,6 +76,10 @@ pub mod sim;
 #[cfg(any(test, feature = "sim"))]
 #[doc(hidden)]
 pub mod sim_bench;
+/// The registration table alone (`benches/registration.rs`).
+#[cfg(any(test, feature = "sim"))]
+#[doc(hidden)]
+pub use regions::bench as regions_bench;
 mod state;
 #[cfg(test)]
 mod tests;

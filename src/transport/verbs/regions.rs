@@ -306,6 +306,63 @@ fn dmabuf_base(b: &Arc<dyn MemoryBacking>) -> Option<(i32, u64)> {
     b.dmabuf_fd().map(|(fd, off)| (fd.as_raw_fd(), d.addr.wrapping_sub(off)))
 }
 
+/// The table alone, for `benches/registration.rs`: its MRs are tokens that
+/// cost nothing to make, so the figures are the table's own work (the cost
+/// of `ibv_reg_mr` itself is measured on a device).
+#[cfg(any(test, feature = "sim"))]
+#[doc(hidden)]
+pub mod bench {
+    use std::sync::Arc;
+    use std::time::{Duration, Instant};
+
+    use super::{Keys, Regions};
+    use crate::transport::{MemoryBacking, TransportError};
+
+    /// A registration table over token MRs.
+    pub struct TableBench {
+        t: Regions<u32>,
+        keys: Vec<Keys>,
+        next: u32,
+    }
+
+    impl TableBench {
+        /// Coalescing or not (option `coalesce`).
+        pub fn new(coalesce: bool) -> Self {
+            Self { t: Regions::new(coalesce), keys: Vec::new(), next: 1 }
+        }
+
+        /// Register `parts` as one list: how long it took.
+        ///
+        /// # Errors
+        /// The table's registration error.
+        pub fn register_batch(&mut self, parts: Vec<Arc<dyn MemoryBacking>>) -> Result<Duration, TransportError> {
+            let next = &mut self.next;
+            let t0 = Instant::now();
+            let keys = self.t.register_batch(parts, |_| {
+                *next += 1;
+                Ok((*next, *next, *next))
+            })?;
+            let took = t0.elapsed();
+            self.keys.extend(keys);
+            Ok(took)
+        }
+
+        /// Deregister the newest `n` registrations.
+        pub fn deregister_last(&mut self, n: usize) {
+            for _ in 0..n {
+                if let Some(k) = self.keys.pop() {
+                    self.t.deregister(k.lkey).expect("registered");
+                }
+            }
+        }
+
+        /// (registrations, memory regions) now.
+        pub fn counts(&self) -> (usize, usize) {
+            (self.keys.len(), self.t.memory_regions())
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
