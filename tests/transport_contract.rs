@@ -373,8 +373,11 @@ fn views_deregister_in_any_order(be: Backend) {
     assert_eq!(a.region_counts(), (8, one_region_on_verbs(be, 8)), "{be:?}");
 }
 
+/// Initiator and target transports, and the target's agent name.
+type TransportPair = (Box<dyn Transport>, Box<dyn Transport>, String);
+
 /// Two connected-to-be transports of `backend` (no engine), or why not.
-fn transports(backend: Backend, test: &str) -> Option<(Box<dyn Transport>, Box<dyn Transport>, String)> {
+fn transports(backend: Backend, test: &str) -> Option<TransportPair> {
     let tag = format!("{test}-{}", std::process::id());
     let (kind, ca, cb) = match backend {
         Backend::Shm => (TransportKind::Shm, TransportConfig::default(), TransportConfig::default()),
