@@ -55,7 +55,10 @@
 //! progress thread for the next post is slow),
 //! `cq_size=N` (entries of the completion queue shared by every QP, at
 //! least 128; default the device's `max_cqe` within 256..65536; WRs wait in software
-//! rather than overrun it), `listen=IP` (default: the GID's IPv4 address).
+//! rather than overrun it), `listen=IP` (default: the GID's IPv4 address),
+//! `coalesce=0|1` (1: registrations inside a live memory region, or
+//! overlapping/abutting in one `register_batch` list, share one MR,
+//! reference-counted; 0: one MR per registration; `regions.rs`).
 
 /// Default `idle_yields` on software devices (rxe, siw); measured where `VerbsTransport::new` applies it.
 const SOFTWARE_IDLE_YIELDS: u32 = 5000;
