@@ -18,7 +18,9 @@
 #
 # Needs: cargo, g++, python3 with venv, PyPI. Without python3, g++ or PyPI it
 # prints "nixl-plugin-tests: skipped: <reason>" (an error with
-# KVWIRE_REQUIRE_PYTHON=1). Env: PYTEST_ARGS.
+# KVWIRE_REQUIRE_PYTHON=1). Env: PYTEST_ARGS; KVWIRE_NIXL_PLUGIN_BUILD_ONLY=1
+# builds the venv, the plugin and the C++ test binary and runs nothing (used
+# by scripts/nixl-plugin-softroce-check.sh).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 root=$(pwd)
@@ -29,10 +31,10 @@ command -v g++ >/dev/null || suite_unavailable $name KVWIRE_REQUIRE_PYTHON "no g
 python3 -c "import venv, ensurepip" 2>/dev/null || suite_unavailable $name KVWIRE_REQUIRE_PYTHON "no python3-venv (apt-get install -y python3-venv)"
 
 venv=$root/target/nixl-plugin-venv
-if ! "$venv/bin/python" -c "import nixl._api, numpy, pytest" 2>/dev/null; then
+if ! "$venv/bin/python" -c "import nixl._api, numpy, pytest, pytest_timeout" 2>/dev/null; then
     python3 -m venv "$venv"
     if ! "$venv/bin/pip" install -q --no-deps "nixl==1.5.1" "nixl-cu12==1.5.1" ||
-        ! "$venv/bin/pip" install -q numpy pytest; then
+        ! "$venv/bin/pip" install -q numpy pytest pytest-timeout; then
         suite_unavailable $name KVWIRE_REQUIRE_PYTHON "cannot install nixl==1.5.1 / nixl-cu12==1.5.1 from PyPI"
     fi
 fi
@@ -46,12 +48,13 @@ PY
 
 scripts/nixl-plugin-build.sh --check-abi "$libs"
 export NIXL_PLUGIN_DIR=$root/target/nixl-plugin
+g++ -std=c++20 -O1 -g -Wall -Wextra -Werror -Inixl-plugin nixl-plugin/tests/agent_test.cpp \
+    -L"$libs" -l:libnixl.so -l:libnixl_build.so -Wl,-rpath,"$libs" -o "$NIXL_PLUGIN_DIR/agent_test"
+[ "${KVWIRE_NIXL_PLUGIN_BUILD_ONLY:-0}" = 1 ] && exit 0
 
 # shellcheck disable=SC2086
 "$venv/bin/python" -m pytest -q -p no:cacheprovider ${PYTEST_ARGS:-} nixl-plugin/tests
 
-g++ -std=c++20 -O1 -g -Wall -Wextra -Werror -Inixl-plugin nixl-plugin/tests/agent_test.cpp \
-    -L"$libs" -l:libnixl.so -l:libnixl_build.so -Wl,-rpath,"$libs" -o "$NIXL_PLUGIN_DIR/agent_test"
 for t in shm tcp; do
     timeout 300 "$NIXL_PLUGIN_DIR/agent_test" "$t"
 done

@@ -6,11 +6,9 @@
 # rxe0, its child peer (prefill) rxe1, chosen through UCX_NET_DEVICES as a
 # UCX user would.
 #
-# Python is not in the guest, so the venv's interpreter is staged into the
-# shared directory: the base interpreter binary, its standard library
-# (PYTHONHOME), the venv's site-packages with the built kvwire and nixl
-# packages (PYTHONPATH), and the shared libraries of every ELF file there
-# (LD_LIBRARY_PATH). Nothing is installed in the guest.
+# Python is not in the guest: the venv's interpreter, standard library,
+# site-packages and shared libraries are staged into the shared directory
+# (softroce_stage_python in scripts/softroce-lib.sh).
 #
 # Builds with scripts/nixl-tests.sh (KVWIRE_NIXL_BUILD_ONLY=1; venv
 # target/nixl-venv). One-time set-up: `bash scripts/softroce-vm.sh install`.
@@ -25,9 +23,7 @@ repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 name=nixl-softroce-check
 . "$repo/scripts/softroce-lib.sh"
 softroce_preflight "$name" "$repo"
-command -v python3 >/dev/null || suite_unavailable "$name" KVWIRE_REQUIRE_PYTHON "python3 not found"
-python3 -c "import venv, ensurepip" 2>/dev/null ||
-  suite_unavailable "$name" KVWIRE_REQUIRE_PYTHON "python3 venv/ensurepip missing (apt-get install python3-venv)"
+softroce_python_preflight "$name"
 cd "$repo"
 venv=${KVWIRE_NIXL_VENV:-$repo/target/nixl-venv}
 KVWIRE_NIXL_VENV=$venv KVWIRE_NIXL_BUILD_ONLY=1 bash scripts/nixl-tests.sh
@@ -36,33 +32,8 @@ export SOFTROCE_TIMEOUT=${SOFTROCE_TIMEOUT:-900}
 
 stage=$(mktemp -d "${TMPDIR:-/tmp}/kvwire-nixl-softroce.XXXXXX")
 trap 'rm -rf "$stage"' EXIT
-# Where the interpreter's parts are: base binary, stdlib, lib-dynload, venv site-packages.
-read -r base stdlib dynload site ver < <("$py" - <<'PY'
-import os, sys, sysconfig
-dyn = next((p for p in sys.path if p.endswith("lib-dynload")), "")
-print(os.path.realpath(sys._base_executable), os.path.dirname(os.__file__), dyn or "-",
-      sysconfig.get_paths()["purelib"], "python%d.%d" % sys.version_info[:2])
-PY
-)
-cp -L "$base" "$stage/python3"
-mkdir -p "$stage/py/lib/$ver" "$stage/site" "$stage/lib"
-tar -C "$stdlib" -cf - --exclude=./test --exclude=./idlelib --exclude=./tkinter --exclude=./turtledemo \
-  --exclude=./ensurepip --exclude=./site-packages --exclude=./dist-packages --exclude=./lib2to3 \
-  --exclude='./config-*' . | tar -C "$stage/py/lib/$ver" -xf -
-if [ "$dynload" != - ] && [ ! -d "$stage/py/lib/$ver/lib-dynload" ]; then
-  cp -rL "$dynload" "$stage/py/lib/$ver/lib-dynload"
-fi
-tar -C "$site" -cf - --exclude=./pip --exclude='./pip-*' --exclude=./setuptools --exclude='./setuptools-*' \
-  --exclude=./_distutils_hack --exclude='./maturin*' . | tar -C "$stage/site" -xf -
 cp -r python/nixl-compat/tests "$stage/tests"
-find "$stage" -name __pycache__ -path '*/tests/*' -prune -exec rm -rf {} +
-# The shared libraries of the interpreter and of every extension module.
-find "$stage" -type f \( -name '*.so' -o -name '*.so.*' -o -name python3 \) -print0 |
-  xargs -0 ldd 2>/dev/null | awk '/=> \//{print $3}' | sort -u | while read -r lib; do
-    case $lib in "$stage"/*) continue;; esac
-    [ -e "$stage/lib/${lib##*/}" ] || cp -L "$lib" "$stage/lib/"
-  done
-echo "$name: staged $(du -sm "$stage" | cut -f1) MB (python $ver from $base)"
+echo "$name: $(softroce_stage_python "$py" "$stage")"
 
 guest_cmd="cd /host && export PYTHONHOME=/host/py PYTHONPATH=/host/site LD_LIBRARY_PATH=/host/lib \
 PYTHONDONTWRITEBYTECODE=1 UCX_NET_DEVICES=rxe0 KVWIRE_NIXL_TEST_PEER_DEVICE=rxe1 \

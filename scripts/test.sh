@@ -101,7 +101,7 @@ else
 fi
 skipped+=("gpu-check (real GPU): not part of this command; run scripts/gpu-check.sh on a machine with an NVIDIA GPU")
 
-for suite in softroce-tests cuda-softroce-check netns-tests python-tests nixl-tests nixl-real-check nixl-softroce-check mooncake-tests mooncake-softroce-check capi-tests nixl-plugin-tests; do
+for suite in softroce-tests cuda-softroce-check netns-tests python-tests nixl-tests nixl-real-check nixl-softroce-check mooncake-tests mooncake-softroce-check capi-tests nixl-plugin-tests nixl-plugin-softroce-check; do
   [ -f "scripts/$suite.sh" ] && step "$suite" bash "scripts/$suite.sh"
 done
 summary

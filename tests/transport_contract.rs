@@ -6,7 +6,8 @@
 //! print `<test>: skipped: <reason>` and, with `KVWIRE_REQUIRE_RDMA=1`, fail.
 //!
 //! Rules: descriptors outside a peer's regions are refused before anything
-//! moves (one error kind everywhere); a notification is delivered only after
+//! moves (one error kind everywhere); a forged rkey is `UnknownKey` and a
+//! known key out of range `OutOfBounds` on every backend; a notification is delivered only after
 //! its transfer's data; standalone notifications keep their order; a dead
 //! peer fails transfers within the peer timeout and is refused fast after;
 //! release of an in-flight transfer fences the memory (no byte lands after
@@ -21,8 +22,8 @@ use std::time::{Duration, Instant};
 use kvwire::HostBuffer;
 use kvwire::engine::{Desc, EngineError, TransferEngine, TransferStatus};
 use kvwire::transport::{
-    MemoryBacking, MemoryKind, Op, PostRequest, RemoteRegion, Segment, Transport, TransportConfig, TransportError,
-    TransportKind, View, XferId,
+    FailureKind, MemoryBacking, MemoryKind, Op, PostRequest, RemoteAccessKind, RemoteKey, RemoteRegion, Segment,
+    Transport, TransportConfig, TransportError, TransportKind, View, XferId,
 };
 
 #[derive(Clone, Copy, Debug)]
@@ -34,6 +35,30 @@ enum Backend {
 
 /// Engines `a` (initiator) and `b` (target) of `backend`, or why not.
 fn pair(backend: Backend, test: &str, extra: &[(&str, &str)]) -> Option<(TransferEngine, TransferEngine)> {
+    let (kind, ca, cb, tag) = configs(backend, test, extra)?;
+    let a = TransferEngine::new(&format!("a-{tag}"), kind, &ca).unwrap();
+    let b = TransferEngine::new(&format!("b-{tag}"), kind, &cb).unwrap();
+    Some((a, b))
+}
+
+/// Initiator, target and the target's agent name.
+type RawPair = (Box<dyn Transport>, Box<dyn Transport>, String);
+
+/// Bare transports `a` (initiator) and `b` (target, with its name) of
+/// `backend`, for rules the engine's own checks would hide (forged keys).
+fn raw_pair(backend: Backend, test: &str) -> Option<RawPair> {
+    let (kind, ca, cb, tag) = configs(backend, test, &[])?;
+    let a = kvwire::transport::create(kind, &format!("a-{tag}"), &ca).unwrap();
+    let b = kvwire::transport::create(kind, &format!("b-{tag}"), &cb).unwrap();
+    Some((a, b, format!("b-{tag}")))
+}
+
+/// The transport kind and the initiator's and target's configurations.
+fn configs(
+    backend: Backend,
+    test: &str,
+    extra: &[(&str, &str)],
+) -> Option<(TransportKind, TransportConfig, TransportConfig, String)> {
     let tag = format!("{test}-{}", std::process::id());
     let (kind, ca, cb) = match backend {
         Backend::Shm | Backend::Tcp => {
@@ -61,9 +86,7 @@ fn pair(backend: Backend, test: &str, extra: &[(&str, &str)]) -> Option<(Transfe
             }
         },
     };
-    let a = TransferEngine::new(&format!("a-{tag}"), kind, &ca).unwrap();
-    let b = TransferEngine::new(&format!("b-{tag}"), kind, &cb).unwrap();
-    Some((a, b))
+    Some((kind, ca, cb, tag))
 }
 
 fn buf(len: usize, seed: u8) -> Arc<HostBuffer> {
@@ -106,6 +129,66 @@ fn out_of_bounds_is_refused_before_anything_moves(be: Backend) {
     assert_eq!(a.num_transfers(), 0);
     let zeros = buf(1 << 16, 0);
     assert_eq!(dst.to_vec(..), zeros.to_vec(..), "{be:?}: nothing moved");
+}
+
+/// A key that names no region is `RemoteAccess(UnknownKey)` on every
+/// backend, a known key with a range outside its region `OutOfBounds`
+/// (issue 27: verbs said `OutOfBounds` for both); neither moves a byte or
+/// delivers the notification, and the link still works after. Bare
+/// transports: the engine never posts a key outside the peer's metadata.
+fn a_forged_rkey_is_an_unknown_key(be: Backend) {
+    let Some((mut a, mut b, bn)) = raw_pair(be, "rkey") else { return };
+    let (src, dst) = (buf(1 << 16, 6), Arc::new(HostBuffer::new(1 << 16).unwrap()));
+    let ireg = a.register(src.clone()).unwrap();
+    let treg = b.register(dst.clone()).unwrap();
+    let d = dst.desc();
+    let region = RemoteRegion { addr: d.addr, len_bytes: d.len_bytes, rkey: treg.rkey, kind: d.kind, device_id: 0 };
+    let peer = a.connect(&bn, &b.connection_info(), &[region]).unwrap();
+    let seg = |rkey: RemoteKey, remote_addr: u64| Segment {
+        local_addr: src.addr(),
+        remote_addr,
+        len_bytes: 4096,
+        lkey: ireg.lkey,
+        rkey,
+    };
+    let finish = |a: &mut Box<dyn Transport>, x: u64| {
+        let deadline = Instant::now() + Duration::from_secs(60);
+        let mut out = Vec::new();
+        loop {
+            a.wait(&mut out, Duration::from_millis(50));
+            if let Some(c) = out.iter().find(|c| c.xfer == XferId(x)) {
+                return c.result.clone();
+            }
+            assert!(Instant::now() < deadline, "{be:?}: transfer {x} never completed");
+        }
+    };
+    let forged = RemoteKey(treg.rkey.0 ^ 0x5a5a00);
+    let cases = [
+        (1, forged, dst.addr(), RemoteAccessKind::UnknownKey),
+        (2, treg.rkey, dst.addr() + (1 << 16) - 100, RemoteAccessKind::OutOfBounds),
+    ];
+    for (x, rkey, at, want) in cases {
+        let segments = vec![seg(rkey, at)];
+        a.post(PostRequest { xfer: XferId(x), op: Op::Write, peer, segments, notification: Some(vec![x as u8]) })
+            .unwrap();
+        let why = finish(&mut a, x).expect_err("a forged access must fail");
+        assert_eq!(why.kind, FailureKind::RemoteAccess(want), "{be:?}: {why}");
+    }
+    assert!(dst.to_vec(..).iter().all(|&b| b == 0), "{be:?}: bytes moved through a forged access");
+    let segments = vec![seg(treg.rkey, dst.addr())];
+    a.post(PostRequest { xfer: XferId(3), op: Op::Write, peer, segments, notification: Some(vec![3]) }).unwrap();
+    assert_eq!(finish(&mut a, 3), Ok(()), "{be:?}");
+    assert_eq!(dst.to_vec(..4096), src.to_vec(..4096), "{be:?}");
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let mut got = Vec::new();
+    while got.is_empty() && Instant::now() < deadline {
+        b.take_notifications(&mut got);
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    std::thread::sleep(Duration::from_millis(50));
+    b.take_notifications(&mut got);
+    let payloads: Vec<Vec<u8>> = got.into_iter().map(|n| n.payload).collect();
+    assert_eq!(payloads, vec![vec![3u8]], "{be:?}: only the valid transfer's notification arrives");
 }
 
 fn a_notification_arrives_after_its_data(be: Backend) {
@@ -282,6 +365,15 @@ fn views_registered_as_a_list_move_data(be: Backend) {
     assert_eq!(wait(&mut a, h), TransferStatus::Done, "{be:?}");
     a.release(h).unwrap();
     assert_eq!(src.to_vec(..), buf(1 << 16, 5).to_vec(..), "{be:?}: read back");
+    // Two descriptors of one local view to the abutting ends of two remote
+    // views: on verbs (one rkey) the engine merges them into one segment
+    // across the views, which the initiator's key check must accept.
+    let l = [Desc::new(src.addr(), 2048), Desc::new(src.addr() + 2048, 2048)];
+    let r = [Desc::new(dst.addr() + 2048, 2048), Desc::new(dst.addr() + 4096, 2048)];
+    let h = a.post(Op::Write, &l, b.name(), &r, None).unwrap();
+    assert_eq!(wait(&mut a, h), TransferStatus::Done, "{be:?}: across abutting views");
+    a.release(h).unwrap();
+    assert_eq!(dst.to_vec(2048..6144), src.to_vec(..4096), "{be:?}");
 }
 
 fn bounds_hold_per_registration_of_a_view(be: Backend) {
@@ -305,7 +397,7 @@ fn bounds_hold_per_registration_of_a_view(be: Backend) {
 /// view's key with its neighbour's range is refused, although on verbs both
 /// lie in one MR.
 fn a_view_key_covers_only_its_view(be: Backend) {
-    let Some((mut ta, mut tb, bn)) = transports(be, "viewkey") else { return };
+    let Some((mut ta, mut tb, bn)) = raw_pair(be, "viewkey") else { return };
     let (src, dst) = (buf(1 << 16, 7), Arc::new(HostBuffer::new(1 << 16).unwrap()));
     let ra = ta.register_batch(views(&src, 16)).unwrap();
     let rb = tb.register(dst.clone()).unwrap();
@@ -373,28 +465,6 @@ fn views_deregister_in_any_order(be: Backend) {
     assert_eq!(a.region_counts(), (8, one_region_on_verbs(be, 8)), "{be:?}");
 }
 
-/// Initiator and target transports, and the target's agent name.
-type TransportPair = (Box<dyn Transport>, Box<dyn Transport>, String);
-
-/// Two connected-to-be transports of `backend` (no engine), or why not.
-fn transports(backend: Backend, test: &str) -> Option<TransportPair> {
-    let tag = format!("{test}-{}", std::process::id());
-    let (kind, ca, cb) = match backend {
-        Backend::Shm => (TransportKind::Shm, TransportConfig::default(), TransportConfig::default()),
-        Backend::Tcp => (TransportKind::Tcp, TransportConfig::default(), TransportConfig::default()),
-        Backend::Verbs => match verbs_util::devices() {
-            Ok((tdev, idev)) => (TransportKind::Verbs, verbs_util::config(&idev, &[]), verbs_util::config(&tdev, &[])),
-            Err(why) => {
-                verbs_util::skip(&format!("no RDMA device ({why})"));
-                return None;
-            }
-        },
-    };
-    let a = kvwire::transport::create(kind, &format!("{tag}-a"), &ca).unwrap();
-    let b = kvwire::transport::create(kind, &format!("{tag}-b"), &cb).unwrap();
-    Some((a, b, format!("{tag}-b")))
-}
-
 macro_rules! contract {
     ($($rule:ident),* $(,)?) => {
         mod shm { $(#[test] fn $rule() { super::$rule(super::Backend::Shm) })* }
@@ -405,6 +475,7 @@ macro_rules! contract {
 
 contract!(
     out_of_bounds_is_refused_before_anything_moves,
+    a_forged_rkey_is_an_unknown_key,
     a_notification_arrives_after_its_data,
     standalone_notifications_keep_their_order,
     a_dead_peer_fails_within_the_timeout_then_fast,

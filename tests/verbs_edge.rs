@@ -17,8 +17,8 @@ use std::time::{Duration, Instant};
 use kvwire::HostBuffer;
 use kvwire::engine::{Desc, TransferEngine, TransferStatus};
 use kvwire::transport::{
-    self, Completion, FailureKind, FailureSource, MemoryDesc, MemoryKind, Notification, Op, PostRequest, RawMemory,
-    RemoteAccessKind, RemoteKey, Segment, TransportKind, XferId,
+    self, Completion, FailureKind, FailureSource, MemoryBacking, MemoryDesc, MemoryKind, Notification, Op, PostRequest,
+    RawMemory, RemoteAccessKind, RemoteKey, RemoteRegion, Segment, TransportKind, XferId,
 };
 
 fn engine(name: &str, device: &str, extra: &[(&str, &str)]) -> TransferEngine {
@@ -262,7 +262,12 @@ fn verbs_deferred_notification_on_a_failed_qp_completes() {
     let stale = target.register(gone.clone()).unwrap();
     target.deregister(stale.lkey).unwrap();
     let ireg = init.register(src.clone()).unwrap();
-    let peer = init.connect("t-defer", &target.connection_info(), &[]).unwrap();
+    let d = dst.desc();
+    let region = RemoteRegion { addr: d.addr, len_bytes: d.len_bytes, rkey: treg.rkey, kind: d.kind, device_id: 0 };
+    // Metadata taken before `gone` was deregistered: its stale rkey passes
+    // the initiator's key check and reaches the HCA, which refuses it.
+    let old = RemoteRegion { addr: gone.addr(), len_bytes: 4096, rkey: stale.rkey, ..region };
+    let peer = init.connect("t-defer", &target.connection_info(), &[region, old]).unwrap();
     let seg = |off: u64, n: u64| Segment {
         local_addr: src.addr() + off,
         remote_addr: dst.addr() + off,
@@ -340,7 +345,9 @@ fn verbs_transfer_queued_behind_a_failed_wr_is_reported() {
     let src = std::sync::Arc::new(HostBuffer::new(4 * big as usize).unwrap());
     let treg = target.register(dst.clone()).unwrap();
     let ireg = init.register(src.clone()).unwrap();
-    let peer = init.connect("t-behind", &target.connection_info(), &[]).unwrap();
+    let d = dst.desc();
+    let region = RemoteRegion { addr: d.addr, len_bytes: d.len_bytes, rkey: treg.rkey, kind: d.kind, device_id: 0 };
+    let peer = init.connect("t-behind", &target.connection_info(), &[region]).unwrap();
     let seg = |i: u64, len_bytes: u64, rkey: RemoteKey| Segment {
         local_addr: src.addr() + i * big,
         remote_addr: dst.addr() + i * big,
@@ -500,7 +507,9 @@ fn verbs_empty_post_with_a_notification_is_done_and_delivered() {
     let src = std::sync::Arc::new(HostBuffer::new(4096).unwrap());
     let treg = target.register(dst.clone()).unwrap();
     let ireg = init.register(src.clone()).unwrap();
-    let peer = init.connect("t-empty", &target.connection_info(), &[]).unwrap();
+    let d = dst.desc();
+    let region = RemoteRegion { addr: d.addr, len_bytes: d.len_bytes, rkey: treg.rkey, kind: d.kind, device_id: 0 };
+    let peer = init.connect("t-empty", &target.connection_info(), &[region]).unwrap();
     let mut done = Vec::new();
     let req = PostRequest { xfer: XferId(1), op: Op::Write, peer, segments: vec![], notification: Some(b"n".to_vec()) };
     init.post(req).unwrap();

@@ -18,8 +18,8 @@ use std::time::{Duration, Instant};
 use kvwire::HostBuffer;
 use kvwire::engine::{AgentMetadata, Desc, TransferEngine, TransferStatus};
 use kvwire::transport::{
-    self, Completion, FailureKind, FailureSource, LocalKey, MemoryBacking, Notification, Op, PostRequest, RemoteKey,
-    Segment, TransportConfig, TransportKind, XferId,
+    self, Completion, FailureKind, FailureSource, LocalKey, MemoryBacking, Notification, Op, PostRequest,
+    RemoteAccessKind, RemoteKey, RemoteRegion, Segment, TransportConfig, TransportKind, XferId,
 };
 
 fn engine(name: &str, device: &str) -> TransferEngine {
@@ -209,7 +209,11 @@ fn verbs_wrong_rkey_fails_with_remote_access_error_then_recovers() {
     src.fill_with(0, 1 << 14, |_| 0xab);
     let treg = target.register(dst.clone()).unwrap();
     let ireg = init.register(src.clone()).unwrap();
-    let peer = init.connect("t-rkey", &target.connection_info(), &[]).unwrap();
+    // The target's region as its metadata gives it, and one that claims a
+    // page more than it has (to reach the HCA's own check below).
+    let d = dst.desc();
+    let region = RemoteRegion { addr: d.addr, len_bytes: d.len_bytes, rkey: treg.rkey, kind: d.kind, device_id: 0 };
+    let peer = init.connect("t-rkey", &target.connection_info(), &[region]).unwrap();
     let seg = |rkey: RemoteKey| Segment {
         local_addr: src.addr(),
         remote_addr: dst.addr(),
@@ -217,6 +221,8 @@ fn verbs_wrong_rkey_fails_with_remote_access_error_then_recovers() {
         lkey: ireg.lkey,
         rkey,
     };
+    // A key that names no region: UnknownKey, as on shm and tcp (issue 27),
+    // refused before any WR is posted.
     let bad = RemoteKey(treg.rkey.0 ^ 0x5a5a00);
     init.post(PostRequest {
         xfer: XferId(1),
@@ -228,9 +234,30 @@ fn verbs_wrong_rkey_fails_with_remote_access_error_then_recovers() {
     .unwrap();
     let c = wait_completion(&mut init, XferId(1));
     let err = c.result.expect_err("a wrong rkey must fail");
-    assert!(matches!(err.source, FailureSource::WorkCompletion { status: 10, .. }), "got {err:?}");
+    assert_eq!(err.kind, FailureKind::RemoteAccess(RemoteAccessKind::UnknownKey), "got {err:?}");
     assert!(dst.to_vec(..).iter().all(|&b| b == 0), "bytes written through a wrong rkey");
     let mut n: Vec<Notification> = Vec::new();
+    target.take_notifications(&mut n);
+    assert!(n.is_empty(), "notification delivered for a failed transfer");
+
+    // Past the end of a region the initiator believes larger: the HCA
+    // refuses it (IBV_WC_REM_ACCESS_ERR, OutOfBounds) and the QP errors.
+    init.disconnect(peer);
+    let lying = RemoteRegion { len_bytes: d.len_bytes + 4096, ..region };
+    let peer = init.connect("t-rkey", &target.connection_info(), &[lying]).unwrap();
+    init.post(PostRequest {
+        xfer: XferId(3),
+        op: Op::Write,
+        peer,
+        segments: vec![Segment { remote_addr: dst.addr() + d.len_bytes, ..seg(treg.rkey) }],
+        notification: Some(b"y".to_vec()),
+    })
+    .unwrap();
+    let c = wait_completion(&mut init, XferId(3));
+    let err = c.result.expect_err("an access past the region must fail");
+    assert!(matches!(err.source, FailureSource::WorkCompletion { status: 10, .. }), "got {err:?}");
+    assert_eq!(err.kind, FailureKind::RemoteAccess(RemoteAccessKind::OutOfBounds), "got {err:?}");
+    assert!(dst.to_vec(..).iter().all(|&b| b == 0), "bytes written past the region");
     target.take_notifications(&mut n);
     assert!(n.is_empty(), "notification delivered for a failed transfer");
 

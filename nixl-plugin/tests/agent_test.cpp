@@ -83,7 +83,10 @@ static bool wait_notif(nixlAgent &a, const std::string &from, const std::string 
 }
 
 int main(int argc, char **argv) {
+    /* agent_test TRANSPORT [DEVICE_A DEVICE_B]: the devices (verbs, NIXL's
+       device_list) of agents a and b, rxe0 and rxe1 in the Soft-RoCE guest */
     const std::string transport = argc > 1 ? argv[1] : "shm";
+    const std::string dev_a = argc > 3 ? argv[2] : "", dev_b = argc > 3 ? argv[3] : "";
     const std::string an = "cxx-a-" + transport, bn = "cxx-b-" + transport;
     nixlAgentConfig cfg;
     nixlAgent a(an, cfg), b(bn, cfg);
@@ -96,9 +99,12 @@ int main(int argc, char **argv) {
 
     nixlBackendH *ha = nullptr, *hb = nullptr;
     CHECK(a.createBackend("KVWIRE", {{"kvwire_transport", transport}, {"bogus", "1"}}, ha) == NIXL_ERR_BACKEND);
-    CHECK(a.createBackend("KVWIRE", {{"kvwire_transport", transport}, {"peer_timeout_ms", "3000"}}, ha) ==
-          NIXL_SUCCESS);
-    CHECK(b.createBackend("KVWIRE", {{"kvwire_transport", transport}}, hb) == NIXL_SUCCESS);
+    nixl_b_params_t pa = {{"kvwire_transport", transport}, {"peer_timeout_ms", "3000"}};
+    nixl_b_params_t pb = {{"kvwire_transport", transport}};
+    if (!dev_a.empty()) pa["device_list"] = dev_a;
+    if (!dev_b.empty()) pb["device_list"] = dev_b;
+    CHECK(a.createBackend("KVWIRE", pa, ha) == NIXL_SUCCESS);
+    CHECK(b.createBackend("KVWIRE", pb, hb) == NIXL_SUCCESS);
     CHECK(ha != nullptr && hb != nullptr);
 
     const size_t n = 4 << 20, half = n / 2;

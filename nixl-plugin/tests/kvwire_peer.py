@@ -8,6 +8,7 @@ Usage: python kvwire_peer.py NAME TRANSPORT NBYTES MODE
   MODE sleep:  serve memory until killed (the dead-peer test).
 """
 import base64
+import os
 import sys
 import time
 
@@ -33,7 +34,10 @@ def wait_notif(agent, sender, want, timeout=30.0):
 def main():
     name, transport, nbytes, mode = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
     agent = nixl_agent(name, nixl_agent_config(backends=[]))
-    agent.create_backend("KVWIRE", {"kvwire_transport": transport, "peer_timeout_ms": "2000"})
+    params = {"kvwire_transport": transport, "peer_timeout_ms": "2000"}
+    if transport == "verbs" and os.environ.get("KVWIRE_NIXL_PLUGIN_PEER_DEVICE"):
+        params["device_list"] = os.environ["KVWIRE_NIXL_PLUGIN_PEER_DEVICE"]
+    agent.create_backend("KVWIRE", params)
     buf = np.zeros(nbytes, dtype=np.uint8)
     half = nbytes // 2
     buf[half:] = pattern(nbytes - half, 13)  # what the initiator READs

@@ -20,6 +20,10 @@ from nixl._api import nixl_agent, nixl_agent_config
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 TRANSPORTS = os.environ.get("KVWIRE_NIXL_PLUGIN_TRANSPORTS", "shm,tcp").split(",")
+# verbs (scripts/nixl-plugin-softroce-check.sh, in the Soft-RoCE guest): this
+# process's agents use KVWIRE_NIXL_PLUGIN_DEVICE, kvwire_peer.py's
+# KVWIRE_NIXL_PLUGIN_PEER_DEVICE (NIXL's `device_list` backend parameter).
+DEVICE = os.environ.get("KVWIRE_NIXL_PLUGIN_DEVICE", "")
 
 
 def pattern(n, seed):
@@ -28,6 +32,8 @@ def pattern(n, seed):
 
 def make_agent(name, transport, **extra):
     agent = nixl_agent(name, nixl_agent_config(backends=[]))
+    if transport == "verbs" and DEVICE:
+        extra.setdefault("device_list", DEVICE)
     agent.create_backend("KVWIRE", {"kvwire_transport": transport, **extra})
     return agent
 
@@ -95,6 +101,8 @@ def test_nixl_lists_and_describes_the_plugin():
 def test_vram_on_a_cpu_copy_transport_is_refused(transport):
     """shm and tcp engines take DRAM only (getSupportedMems), so NIXL finds no
     backend for VRAM registrations instead of the plugin accepting them."""
+    if transport not in ("shm", "tcp"):
+        pytest.skip(f"{transport} takes VRAM through GPUDirect RDMA (a GPU check, scripts/gpu-check.sh)")
     agent = make_agent(f"vram-{transport}", transport)
     assert agent.get_backend_mem_types("KVWIRE") == ["DRAM_SEG"]
     buf = np.zeros(4096, np.uint8)

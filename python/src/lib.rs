@@ -14,6 +14,7 @@ mod connector;
 mod engine;
 mod errors;
 mod gil;
+mod ints;
 mod metadata;
 #[allow(unsafe_code)]
 mod nixl;

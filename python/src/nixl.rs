@@ -179,6 +179,42 @@ fn op_of(op: &str) -> PyResult<Op> {
     }
 }
 
+/// The descriptors of [`NixlCore::create_scattered`]'s three sequences and
+/// their total length in bytes (zero-length entries left out).
+fn scattered_descs(
+    local_addrs: &Bound<'_, PyAny>,
+    remote_addrs: &Bound<'_, PyAny>,
+    lengths: &Bound<'_, PyAny>,
+) -> PyResult<(Vec<Desc>, Vec<Desc>, u64)> {
+    let seq = |o: &Bound<'_, PyAny>, signed: bool| -> PyResult<Vec<u64>> {
+        match o.downcast::<PyList>() {
+            Ok(list) => crate::ints::list_u64(list, signed),
+            Err(_) if signed => Ok(o.extract::<Vec<i64>>()?.into_iter().map(|v| v as u64).collect()),
+            Err(_) => o.extract::<Vec<u64>>(),
+        }
+    };
+    let (la, ra) = (seq(local_addrs, false)?, seq(remote_addrs, false)?);
+    let lens: Vec<i64> = seq(lengths, true)?.into_iter().map(|v| v as i64).collect();
+    if la.len() != ra.len() || la.len() != lens.len() {
+        return Err(PyValueError::new_err(format!(
+            "buffers ({}), peer_buffer_addresses ({}) and lengths ({}) have different sizes",
+            la.len(),
+            ra.len(),
+            lens.len()
+        )));
+    }
+    let (mut l, mut r, mut total) = (Vec::with_capacity(la.len()), Vec::with_capacity(la.len()), 0u64);
+    for ((&a, &b), &n) in la.iter().zip(&ra).zip(&lens) {
+        let n = u64::try_from(n).map_err(|_| PyValueError::new_err(format!("negative length {n}")))?;
+        if n > 0 {
+            l.push(Desc::new(a, n));
+            r.push(Desc::new(b, n));
+            total = total.saturating_add(n);
+        }
+    }
+    Ok((l, r, total))
+}
+
 fn rows(bytes: &[u8], ncols: usize) -> PyResult<Vec<Desc>> {
     parse_rows(bytes, ncols).map_err(|m| err(status::INVALID_PARAM, m))
 }
@@ -424,6 +460,44 @@ impl PyNixlCore {
             let id = c.id();
             c.reqs.insert(id, Request { op, agent, local: l, remote: r, notif, handle: None, refused: None });
             Ok(id)
+        })
+    }
+
+    /// A request from three equal-length lists (or tuples) of ints: local
+    /// addresses, remote addresses and lengths in bytes, the shape of
+    /// Mooncake 0.3's `batch_transfer_sync_write(session, buffers,
+    /// peer_buffer_addresses, lengths)`, read straight into descriptors (no
+    /// intermediate array). Entries of length 0 move nothing and are left
+    /// out. Checked now, as [`create`](Self::create). Returns `(id, total
+    /// bytes)`; id 0 when nothing is left to move (no request is made).
+    ///
+    /// Raises `TypeError` / `OverflowError` for an element that is not an
+    /// int in `u64` range (a negative address), `ValueError` for sequences
+    /// of different lengths or a negative length, `NixlCoreError` for the
+    /// checks of [`create`](Self::create).
+    #[pyo3(signature = (op, local_addrs, agent, remote_addrs, lengths, notif=None))]
+    #[allow(clippy::too_many_arguments)] // Mooncake's batch arguments, plus `py`
+    fn create_scattered(
+        &self,
+        py: Python<'_>,
+        op: &str,
+        local_addrs: &Bound<'_, PyAny>,
+        agent: String,
+        remote_addrs: &Bound<'_, PyAny>,
+        lengths: &Bound<'_, PyAny>,
+        notif: Option<Vec<u8>>,
+    ) -> PyResult<(u64, u64)> {
+        let op = op_of(op)?;
+        let (l, r, total) = scattered_descs(local_addrs, remote_addrs, lengths)?;
+        if l.is_empty() {
+            return Ok((0, 0));
+        }
+        self.run(py, |c| {
+            c.engine.check_local(&l).map_err(engine_err)?;
+            c.engine.check_remote(&agent, &r).map_err(engine_err)?;
+            let id = c.id();
+            c.reqs.insert(id, Request { op, agent, local: l, remote: r, notif, handle: None, refused: None });
+            Ok((id, total))
         })
     }
 

@@ -682,5 +682,10 @@ impl Drop for TransferEngine {
         for id in ids {
             self.transport.cancel(XferId(id));
         }
+        // Let go of the backings before the transport ends its
+        // registrations: memory nobody else holds is then freed with them,
+        // not re-homed first (shm, issue 27 item 4; the transport keeps its
+        // own reference until then).
+        self.regs.clear();
     }
 }

@@ -65,6 +65,12 @@ impl ChildTarget {
 
     /// [`ChildTarget::spawn`] with agent name `name`.
     pub(crate) fn spawn_named(name: &str, regions: &[(usize, bool)]) -> Self {
+        Self::spawn_on(TransportKind::Shm, name, regions)
+    }
+
+    /// [`ChildTarget::spawn_named`] over transport `kind` (shm or tcp; tcp
+    /// registers every region, memfd or not, as plain memory is reached).
+    pub(crate) fn spawn_on(kind: TransportKind, name: &str, regions: &[(usize, bool)]) -> Self {
         let (l, addr) = SideChannel::bind("127.0.0.1:0").unwrap();
         let spec = serde_json::to_string(regions).unwrap();
         let child = Command::new(std::env::current_exe().unwrap())
@@ -72,6 +78,7 @@ impl ChildTarget {
             .env("KVWIRE_CHILD_ADDR", addr.to_string())
             .env("KVWIRE_CHILD_REGIONS", spec)
             .env("KVWIRE_CHILD_NAME", name)
+            .env("KVWIRE_CHILD_TRANSPORT", kind.to_string())
             .stdout(Stdio::null())
             .spawn()
             .unwrap();
@@ -112,7 +119,11 @@ pub(crate) fn child_main() {
     };
     let spec: Vec<(usize, bool)> = serde_json::from_str(&std::env::var("KVWIRE_CHILD_REGIONS").unwrap()).unwrap();
     let name = std::env::var("KVWIRE_CHILD_NAME").unwrap_or_else(|_| "target".into());
-    let mut engine = TransferEngine::new(&name, TransportKind::Shm, &TransportConfig::default()).unwrap();
+    let kind = match std::env::var("KVWIRE_CHILD_TRANSPORT").as_deref() {
+        Ok("tcp") => TransportKind::Tcp,
+        _ => TransportKind::Shm,
+    };
+    let mut engine = TransferEngine::new(&name, kind, &TransportConfig::default()).unwrap();
     let mut host: Vec<Option<Arc<HostBuffer>>> = Vec::new();
     let mut heap: Vec<Option<Arc<Vec<u8>>>> = Vec::new();
     for &(len, memfd) in &spec {

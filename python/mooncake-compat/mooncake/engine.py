@@ -758,41 +758,52 @@ class TransferEngine:
             return None, None, 0
         if op is None:
             return None, None, 0
-        try:
-            bufs, peers, lens = _ints(buffers, "Q"), _ints(peer_addrs, "Q"), _ints(lengths, "q")
-        except (TypeError, ValueError, OverflowError) as e:
-            logger.error("transfer arguments: %s", e)
-            return None, None, 0
-        if not (len(bufs) == len(peers) == len(lens)):
-            logger.error("buffers, peer_buffer_addresses and lengths have different size")
-            return None, None, 0
-        if len(lens) and lens.min() <= 0:
-            if lens.min() < 0:
-                logger.error("negative length")
+        # Lists (what SGLang and vLLM pass) go straight into the core's
+        # descriptors (create_scattered); arrays through numpy.
+        lists = all(type(x) in (list, tuple) for x in (buffers, peer_addrs, lengths))
+        if lists:
+            if not (len(buffers) == len(peer_addrs) == len(lengths)):
+                logger.error("buffers, peer_buffer_addresses and lengths have different size")
                 return None, None, 0
-            keep = lens > 0  # zero-length entries move nothing
-            bufs, peers, lens = bufs[keep], peers[keep], lens[keep]
+        else:
+            try:
+                bufs, peers, lens = _ints(buffers, "Q"), _ints(peer_addrs, "Q"), _ints(lengths, "q")
+            except (TypeError, ValueError, OverflowError) as e:
+                logger.error("transfer arguments: %s", e)
+                return None, None, 0
+            if not (len(bufs) == len(peers) == len(lens)):
+                logger.error("buffers, peer_buffer_addresses and lengths have different size")
+                return None, None, 0
+            if len(lens) and lens.min() <= 0:
+                if lens.min() < 0:
+                    logger.error("negative length")
+                    return None, None, 0
+                keep = lens > 0  # zero-length entries move nothing
+                bufs, peers, lens = bufs[keep], peers[keep], lens[keep]
         s = self._session(target)
         if s is None:
             return None, None, 0
-        total = int(lens.sum())
-        if not len(bufs):
+        if not lists and not len(bufs):
             return 0, s, 0
-        local, remote = _rows(bufs, lens), _rows(peers, lens)
+        opname = "WRITE" if op == TransferOpcode.Write else "READ"
         notif = _pack_notify(notify.name, notify.msg) if notify is not None else None
         for attempt in (0, 1):
             try:
-                rid = core.create("WRITE" if op == TransferOpcode.Write else "READ", local, s.agent, remote, 2, notif)
+                if lists:
+                    rid, total = core.create_scattered(opname, buffers, s.agent, peer_addrs, lengths, notif)
+                    if rid == 0:
+                        return 0, s, 0
+                else:
+                    total = int(lens.sum())
+                    rid = core.create(opname, _rows(bufs, lens), s.agent, _rows(peers, lens), 2, notif)
                 break
+            except (TypeError, ValueError, OverflowError) as e:
+                logger.error("transfer arguments: %s", e)
+                return None, None, 0
             except NixlCoreError as e:
                 status, msg = e.args
                 if status == _NOT_FOUND and attempt == 0 and s.host:
-                    try:
-                        core.check(s.agent, remote, 2)
-                        remote_ok = True
-                    except NixlCoreError:
-                        remote_ok = False
-                    if not remote_ok:
+                    if not self._remote_ok(s, peer_addrs, lengths):
                         # Registered after we fetched its description? Ask again.
                         s = self._session(target, refresh=True)
                         if s is None:
@@ -811,6 +822,17 @@ class TransferEngine:
                 self._drop(target)
             return None, None, 0
         return rid, s, total
+
+    def _remote_ok(self, s, peer_addrs, lengths):
+        """Whether every non-empty (peer address, length) lies in the
+        session's regions as last fetched."""
+        peers, lens = _ints(peer_addrs, "Q"), _ints(lengths, "q")
+        keep = lens > 0
+        try:
+            self._core.check(s.agent, _rows(peers[keep], lens[keep]), 2)
+            return True
+        except NixlCoreError:
+            return False
 
     def _release(self, rid):
         try:

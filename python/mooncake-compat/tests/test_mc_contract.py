@@ -335,6 +335,33 @@ def test_bad_arguments_are_codes(engines):
     assert a.batch_transfer_async(b.session_id, [src.ctypes.data], [dst.ctypes.data], [8], 7) == 0
 
 
+@pytest.mark.parametrize("form", ["list", "tuple", "numpy"])
+def test_batch_argument_forms_and_refusals(engines, form):
+    """Lists and tuples go straight into the core (create_scattered), arrays
+    through numpy: the same bytes and the same codes either way."""
+    a, b = engines
+    n = 8
+    src, dst = reg(a, n * PAGE, fill=5), reg(b, n * PAGE)
+    conv = {"list": list, "tuple": tuple, "numpy": lambda x: np.array(x, dtype=np.int64)}[form]
+    srcs = [src.ctypes.data + i * PAGE for i in range(n)]
+    dsts = [dst.ctypes.data + (n - 1 - i) * PAGE for i in range(n)]
+    lens = [PAGE] * n
+    lens[3] = 0  # a zero-length entry moves nothing
+    assert a.batch_transfer_sync_write(b.session_id, conv(srcs), conv(dsts), conv(lens)) == 0
+    d, s_ = dst.reshape(n, PAGE), src.reshape(n, PAGE)
+    for i in range(n):
+        assert (d[n - 1 - i] == (0 if i == 3 else s_[i])).all(), i
+    assert a.batch_transfer_sync_write(b.session_id, conv(srcs), conv(dsts), conv([0] * n)) == 0
+    assert a.batch_transfer_sync_write(b.session_id, conv(srcs), conv(dsts), conv([PAGE] * (n - 1))) == -1
+    assert a.batch_transfer_sync_write(b.session_id, conv(srcs), conv(dsts), conv([PAGE, -1] + [PAGE] * (n - 2))) == -1
+    assert a.batch_transfer_sync_write(b.session_id, conv([-1] + srcs[1:]), conv(dsts), conv([PAGE] * n)) == -1
+    assert a.batch_transfer_sync_write(b.session_id, conv(srcs), conv([dsts[0] + n * PAGE] + dsts[1:]), conv([PAGE] * n)) == -1
+    if form != "numpy":
+        assert a.batch_transfer_sync_write(b.session_id, conv(["x"] + srcs[1:]), conv(dsts), conv([PAGE] * n)) == -1
+        assert a.batch_transfer_sync_write(b.session_id, conv(srcs), conv(dsts), conv([1.5] * n)) == -1
+        assert a.batch_transfer_sync_write(b.session_id, conv([2**64] + srcs[1:]), conv(dsts), conv([PAGE] * n)) == -1
+
+
 def test_unknown_and_dead_sessions(engines):
     a, b = engines
     src = reg(a, PAGE)

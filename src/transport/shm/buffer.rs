@@ -1,10 +1,12 @@
 //! `HostBuffer`: page-aligned host memory backed by a memfd, so a same-host
 //! peer can map it and a transfer becomes one `memcpy`.
 
+use std::collections::HashMap;
 use std::fs::File;
 use std::io;
 use std::ops::{Bound, RangeBounds};
-use std::os::fd::{AsFd, BorrowedFd};
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, RawFd};
+use std::sync::{LazyLock, Mutex, MutexGuard};
 
 use memmap2::{MmapOptions, MmapRaw};
 use nix::sys::memfd::{MFdFlags, memfd_create};
@@ -49,21 +51,7 @@ impl HostBuffer {
         // A memfd counts against RLIMIT_FSIZE: past it `ftruncate` raises
         // SIGXFSZ, which kills the process by default. Check first, so the
         // caller gets an error instead (issue 27).
-        let mut lim = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
-        // SAFETY: getrlimit writes one rlimit into a live local.
-        if unsafe { libc::getrlimit(libc::RLIMIT_FSIZE, &mut lim) } == 0
-            && lim.rlim_cur != libc::RLIM_INFINITY
-            && size > lim.rlim_cur
-        {
-            return Err(io::Error::new(
-                io::Error::from_raw_os_error(libc::EFBIG).kind(),
-                format!(
-                    "HostBuffer of {len_bytes} bytes exceeds this process's file-size limit (RLIMIT_FSIZE, {} bytes): \
-                     its memfd could not be sized (EFBIG)",
-                    lim.rlim_cur
-                ),
-            ));
-        }
+        check_fsize(size, len_bytes)?;
         // Whole pages, so that the memfd handed to peers holds exactly this
         // buffer; sealed so that no holder of the fd can shrink it (SIGBUS
         // at our next access), grow it, or change the seals.
@@ -72,7 +60,10 @@ impl HostBuffer {
         let seals = SealFlag::F_SEAL_SHRINK | SealFlag::F_SEAL_GROW | SealFlag::F_SEAL_SEAL;
         fcntl(&file, FcntlArg::F_ADD_SEALS(seals)).map_err(io::Error::from)?;
         let map = MmapOptions::new().len(len_bytes).populate().map_raw(&file)?;
-        Ok(Self { file, map, len_bytes })
+        let this = Self { file, map, len_bytes };
+        let id = NEXT_ID.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        lock_live().insert(this.file.as_raw_fd(), Live { id, addr: this.addr(), len_bytes, exported: false });
+        Ok(this)
     }
 
     /// Start address.
@@ -270,9 +261,218 @@ impl HostBuffer {
     }
 }
 
+impl Drop for HostBuffer {
+    fn drop(&mut self) {
+        // First, under the lock: a re-homing in progress (which holds the
+        // lock) finishes before the mapping and the memfd go.
+        lock_live().remove(&self.file.as_raw_fd());
+    }
+}
+
+/// A live `HostBuffer`, by the number of its memfd descriptor (stable for
+/// the buffer's life: re-homing replaces the file behind it with `dup3`).
+struct Live {
+    /// Unique per buffer (a descriptor number is reused once closed).
+    id: u64,
+    addr: u64,
+    len_bytes: usize,
+    /// Handed to one `shm` registration ([`ExportClaim`]).
+    exported: bool,
+}
+
+/// Every live `HostBuffer` of this process. Re-homing runs under this lock,
+/// so a buffer cannot be dropped (or claimed twice) meanwhile.
+static NEXT_ID: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
+static LIVE: LazyLock<Mutex<HashMap<RawFd, Live>>> = LazyLock::new(Mutex::default);
+
+fn lock_live() -> MutexGuard<'static, HashMap<RawFd, Live>> {
+    LIVE.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// The right of one `shm` registration to hand a [`HostBuffer`]'s memfd to
+/// peers and to re-home the buffer when the registration ends
+/// (issue 27 item 4). At most one claim per buffer exists at a time: a
+/// second registration of the same buffer is reached by cross-memory attach
+/// (or refused with `cma=deny`), because re-homing for one registration
+/// would cut off the peers of another that shares the memfd.
+#[derive(Debug)]
+pub(crate) struct ExportClaim {
+    fd: RawFd,
+    id: u64,
+}
+
+impl ExportClaim {
+    /// Claim `fd` (a backing's `shared_fd`, at offset 0) for export when it
+    /// is the memfd of a live `HostBuffer` mapped exactly at `[addr, addr +
+    /// len_bytes)` that no other registration has claimed; `None` otherwise
+    /// (memory kvwire did not allocate, whose pages it cannot move).
+    pub(crate) fn claim(fd: BorrowedFd<'_>, addr: u64, len_bytes: u64) -> Option<Self> {
+        let mut live = lock_live();
+        let e = live.get_mut(&fd.as_raw_fd())?;
+        if e.exported || e.addr != addr || e.len_bytes as u64 != len_bytes {
+            return None;
+        }
+        e.exported = true;
+        Some(Self { fd: fd.as_raw_fd(), id: e.id })
+    }
+
+    /// End the claim without moving anything: the registration ends and no
+    /// peer was ever handed the memfd, or the buffer is being freed.
+    pub(crate) fn release(self) {
+        if let Some(e) = lock_live().get_mut(&self.fd).filter(|e| e.id == self.id) {
+            e.exported = false;
+        }
+    }
+
+    /// Re-home the buffer (issue 27 item 4): copy its pages into a fresh
+    /// sealed memfd, move that mapping over the buffer's address with
+    /// `mremap(MREMAP_FIXED)` (one atomic replacement: the owner's pointer
+    /// stays valid and keeps its contents), make the buffer's descriptor
+    /// refer to the new file (`dup3` onto the same number), and punch every
+    /// page out of `old` (the memfd peers were handed; this `old` is the
+    /// registration's duplicate of it). A peer that kept a mapping of `old`
+    /// then reads zeros and writes into pages nobody else maps.
+    ///
+    /// The caller (shm `deregister`) guarantees that no kvwire transfer uses
+    /// the buffer; writes the owner itself makes while this runs may be lost
+    /// (`docs/SECURITY.md`).
+    ///
+    /// # Errors
+    /// The failing call before the mapping moved (`fstat`, `memfd_create`,
+    /// `ftruncate` or `RLIMIT_FSIZE`, `mmap`, `mremap`): nothing has changed
+    /// and the claim comes back (the registration stays in place). Failures
+    /// after it (`dup3`, `fallocate`) are logged: the peers are cut off.
+    pub(crate) fn rehome(self, old: BorrowedFd<'_>) -> Result<(), (Self, io::Error)> {
+        let mut live = lock_live();
+        let Some(e) = live.get_mut(&self.fd).filter(|e| e.id == self.id) else {
+            return Ok(()); // the buffer is gone: nothing of the owner's is left to reach
+        };
+        // SAFETY: `e` describes a live HostBuffer (its entry is removed
+        // first thing in its drop, under this lock, which we hold), so
+        // `[addr, addr + len)` is its mapping of the memfd `self.fd`.
+        match unsafe { rehome_pages(e.addr, e.len_bytes, self.fd, old) } {
+            Ok(fd_moved) => {
+                // If the descriptor could not be moved to the new file, it
+                // still names the old one: never export it again (later
+                // registrations reach the buffer by cross-memory attach).
+                e.exported = !fd_moved;
+                Ok(())
+            }
+            Err(err) => {
+                drop(live);
+                Err((self, err))
+            }
+        }
+    }
+}
+
+/// See [`ExportClaim::rehome`]. Returns whether the buffer's descriptor now
+/// names the new file (`dup3` succeeded); once the mapping moved, the peers
+/// are cut off either way, so later steps only log their failures.
+///
+/// # Safety
+/// `[addr, addr + len)` is a live `MAP_SHARED` read-write mapping (from
+/// offset 0) of the memfd behind descriptor `fd`, page-aligned, that nothing
+/// unmaps while this runs; `old` is that same file.
+unsafe fn rehome_pages(addr: u64, len: usize, fd: RawFd, old: BorrowedFd<'_>) -> io::Result<bool> {
+    let size = nix::sys::stat::fstat(old).map_err(io::Error::from)?.st_size as usize;
+    if size < len {
+        return Err(io::Error::new(io::ErrorKind::InvalidInput, "memfd smaller than its mapping"));
+    }
+    let new = memfd_create("kvwire-host-buffer", MFdFlags::MFD_CLOEXEC | MFdFlags::MFD_ALLOW_SEALING)
+        .map_err(io::Error::from)?;
+    let new = File::from(new);
+    check_fsize(size as u64, len)?;
+    new.set_len(size as u64)?;
+    use nix::fcntl::{FcntlArg, SealFlag, fcntl};
+    let seals = SealFlag::F_SEAL_SHRINK | SealFlag::F_SEAL_GROW | SealFlag::F_SEAL_SEAL;
+    fcntl(&new, FcntlArg::F_ADD_SEALS(seals)).map_err(io::Error::from)?;
+    // SAFETY: a fresh shared mapping of the new file, `size` bytes, at an
+    // address of the kernel's choosing; unmapped below on error.
+    let tmp = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            size,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_SHARED | libc::MAP_POPULATE,
+            new.as_raw_fd(),
+            0,
+        )
+    };
+    if tmp == libc::MAP_FAILED {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: `tmp` is `size` writable bytes of our own new mapping; the
+    // source is the live mapping of `old` (the caller's promise), `size`
+    // bytes long (the file's size: whole pages, which the mapping covers),
+    // and the two do not overlap.
+    unsafe {
+        super::stream::copy_bytes(addr as *const u8, tmp.cast(), size, true);
+        super::stream::store_fence();
+    }
+    // SAFETY: moves our own `tmp` mapping onto `[addr, addr + size)`, which
+    // the caller's promise says is the buffer's mapping of the same length:
+    // it is replaced atomically, so the owner's pointer stays valid.
+    let moved =
+        unsafe { libc::mremap(tmp, size, size, libc::MREMAP_MAYMOVE | libc::MREMAP_FIXED, addr as *mut libc::c_void) };
+    if moved == libc::MAP_FAILED {
+        let err = io::Error::last_os_error();
+        // SAFETY: `tmp` is still our own mapping (mremap failed).
+        unsafe { libc::munmap(tmp, size) };
+        return Err(err);
+    }
+    // The buffer's descriptor number now names the new file (its `File`
+    // keeps owning that number and closes it on drop).
+    // SAFETY: both descriptors are open; `fd` is the HostBuffer's own.
+    let fd_moved = unsafe { libc::dup3(new.as_raw_fd(), fd, libc::O_CLOEXEC) } >= 0;
+    if !fd_moved {
+        tracing::warn!(
+            "shm: re-homed {addr:#x}+{len} but could not move its descriptor ({}); it is not exported again",
+            io::Error::last_os_error()
+        );
+    }
+    drop(new);
+    // Whatever a peer still maps of `old` loses its pages: it reads zeros and
+    // writes where nobody else looks (F_SEAL_SHRINK forbids truncating it,
+    // not punching holes).
+    // SAFETY: fallocate on a descriptor we hold, in range.
+    let punched = unsafe {
+        libc::fallocate(old.as_raw_fd(), libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE, 0, size as libc::off_t)
+    };
+    if punched != 0 {
+        // The peers are cut off already; the old pages then stay until the
+        // last peer mapping goes, holding bytes as of this deregistration.
+        tracing::warn!("shm: could not punch the old memfd of {addr:#x}+{len}: {}", io::Error::last_os_error());
+    }
+    Ok(fd_moved)
+}
+
+fn check_fsize(size: u64, len_bytes: usize) -> io::Result<()> {
+    let mut lim = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
+    // SAFETY: getrlimit writes one rlimit into a live local.
+    if unsafe { libc::getrlimit(libc::RLIMIT_FSIZE, &mut lim) } == 0
+        && lim.rlim_cur != libc::RLIM_INFINITY
+        && size > lim.rlim_cur
+    {
+        return Err(io::Error::new(
+            io::Error::from_raw_os_error(libc::EFBIG).kind(),
+            format!(
+                "HostBuffer of {len_bytes} bytes exceeds this process's file-size limit (RLIMIT_FSIZE, {} bytes): \\
+                 its memfd could not be sized (EFBIG)",
+                lim.rlim_cur
+            ),
+        ));
+    }
+    Ok(())
+}
+
 // SAFETY: the mapping `[addr, addr + len_bytes)` is created in `new` and
-// unmapped only when the HostBuffer drops; `map` is never remapped; the
-// memfd is the file it maps, from offset 0, sealed against shrinking.
+// unmapped only when the HostBuffer drops; the memfd is the file it maps,
+// from offset 0, sealed against shrinking. Re-homing (`ExportClaim::rehome`)
+// replaces the mapping's pages and the file behind `file`'s descriptor in
+// one step each, with the same contents, so both promises keep holding: the
+// range stays mapped, readable and writable throughout, and `shared_fd`
+// names the file the range maps once `rehome` returns.
 unsafe impl MemoryBacking for HostBuffer {
     fn desc(&self) -> MemoryDesc {
         MemoryDesc { addr: self.addr(), len_bytes: self.len_bytes as u64, kind: MemoryKind::Dram, device_id: 0 }

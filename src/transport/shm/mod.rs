@@ -19,7 +19,10 @@
 //! when the target goes away first and `Failed(PeerTimeout)` after
 //! [`TransportConfig::peer_timeout`]. The largest notification is
 //! [`super::MAX_NOTIFICATION_BYTES`]. A deregistered region is revoked and
-//! unmapped in every connected initiator before `deregister` returns.
+//! unmapped in every connected initiator before `deregister` returns, and
+//! when its memfd was handed out the owner's pages are re-homed into a new
+//! memfd at the same address, so that a peer that kept its mapping reaches
+//! nothing of them (issue 27 item 4, `docs/SECURITY.md`).
 
 mod buffer;
 mod copy;
@@ -234,35 +237,66 @@ impl Transport for ShmTransport {
         if desc.kind != super::MemoryKind::Dram {
             return Err(TransportError::Unsupported("the shm transport moves host (DRAM) memory only".into()));
         }
-        let fd = match backing.shared_fd() {
-            Some((fd, off)) => export_fd(fd, off, desc.len_bytes)?,
-            None => None,
+        // Only a HostBuffer's own memfd is handed out, and to one
+        // registration at a time: its pages are re-homed when that
+        // registration ends (issue 27 item 4), which kvwire can do only for
+        // memory it allocated.
+        let (fd, claim) = match backing.shared_fd() {
+            Some((fd, 0)) => match buffer::ExportClaim::claim(fd, desc.addr, desc.len_bytes) {
+                Some(claim) => match export_fd(fd, 0, desc.len_bytes) {
+                    Ok(Some(fd)) => (Some(fd), Some(claim)),
+                    Ok(None) => {
+                        claim.release();
+                        (None, None)
+                    }
+                    Err(e) => {
+                        claim.release();
+                        return Err(e);
+                    }
+                },
+                None => (None, None),
+            },
+            _ => (None, None),
         };
         if fd.is_none() && !self.allow_cma {
             return Err(TransportError::Registration(format!(
-                "{:#x}+{} is not a whole sealed memfd (plain memory, or a view inside a larger buffer) and \
-                 cross-memory attach is disabled (cma=deny); register a HostBuffer of exactly this range",
+                "{:#x}+{} is not a whole HostBuffer that no other shm registration exports (plain memory, a view \
+                 inside a larger buffer, or a buffer registered twice) and cross-memory attach is disabled \
+                 (cma=deny); register a HostBuffer of exactly this range, once",
                 desc.addr, desc.len_bytes
             )));
         }
         let key = self.next_key;
         self.next_key += 1;
-        self.regions
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .insert(key, LocalRegion { addr: desc.addr, len_bytes: desc.len_bytes, fd, backing });
+        self.regions.lock().unwrap_or_else(|p| p.into_inner()).insert(
+            key,
+            LocalRegion {
+                addr: desc.addr,
+                len_bytes: desc.len_bytes,
+                fd,
+                claim,
+                sent: AtomicBool::new(false),
+                backing,
+            },
+        );
         Ok(Registration { lkey: LocalKey(key), rkey: RemoteKey(key) })
     }
 
     /// Forget a registration. Every connected initiator is told to revoke
     /// the key and must acknowledge that no access is in progress and none
-    /// will start; only then does this return, as `ibv_dereg_mr` does (the
-    /// caller may free the memory afterwards).
+    /// will start; then, if the region's memfd was handed to a peer and the
+    /// memory lives on, its pages are re-homed (copied into a new memfd
+    /// mapped over the same address; about 2 s/GiB, `docs/SECURITY.md`), so
+    /// that a peer that kept its mapping reaches none of it. Only then does
+    /// this return, as `ibv_dereg_mr` does (the caller may free the memory
+    /// afterwards). Writes the owner makes to the region while this runs may
+    /// be lost.
     ///
     /// # Errors
     /// [`TransportError::UnknownLocalKey`]; [`TransportError::Timeout`]
     /// (`op: "deregister"`) when a live initiator does not acknowledge
-    /// within `peer_timeout` — the registration then stays in place
+    /// within `peer_timeout`, [`TransportError::Io`] when re-homing fails
+    /// before anything moved — the registration then stays in place
     /// (deregister may be retried).
     fn deregister(&mut self, lkey: LocalKey) -> Result<(), TransportError> {
         let removed = self
@@ -296,7 +330,21 @@ impl Transport for ShmTransport {
             if waiting.is_empty() {
                 got.retain(|(_, k)| *k != lkey.0);
                 self.acks.revoking.lock().unwrap_or_else(|p| p.into_inner()).remove(&lkey.0);
-                return Ok(());
+                drop(got);
+                // Cooperating peers have let go; now take the pages from
+                // those that did not (issue 27 item 4).
+                return match removed.retire() {
+                    Ok(()) => Ok(()),
+                    Err((Some(removed), e)) => {
+                        self.regions.lock().unwrap_or_else(|p| p.into_inner()).insert(lkey.0, removed);
+                        Err(TransportError::io("re-home deregistered memory (it stays registered)", e))
+                    }
+                    Err((None, e)) => Err(TransportError::io(
+                        "re-home deregistered memory (deregistered; a peer that ignored the revocation may still \
+                         reach the buffer)",
+                        e,
+                    )),
+                };
             }
             let now = std::time::Instant::now();
             if now >= deadline {
@@ -447,6 +495,20 @@ impl Drop for ShmTransport {
         // Close the channels of peers connected to us: they see us gone.
         for p in self.accepted.lock().unwrap_or_else(|p| p.into_inner()).drain(..) {
             p.channel.shutdown();
+        }
+        // Registrations still in place end here: a peer that kept a memfd
+        // must not keep reaching memory the owner goes on using.
+        let regions: Vec<LocalRegion> =
+            self.regions.lock().unwrap_or_else(|p| p.into_inner()).drain().map(|(_, r)| r).collect();
+        for r in regions {
+            let (addr, len) = (r.addr, r.len_bytes);
+            if let Err((r, e)) = r.retire() {
+                tracing::error!(
+                    "shm: could not re-home {addr:#x}+{len} on drop ({e}); a peer that kept its mapping may still \
+                     reach it"
+                );
+                drop(r);
+            }
         }
     }
 }

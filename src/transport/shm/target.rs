@@ -31,9 +31,56 @@ pub(super) struct LocalRegion {
     /// The sealed memfd holding exactly this region, and the region's
     /// offset in it; `None` for memory reached with cross-memory attach.
     pub fd: Option<(OwnedFd, u64)>,
+    /// The right to re-home the `HostBuffer` whose memfd `fd` is, when this
+    /// registration ends (`Some` exactly when `fd` is).
+    pub claim: Option<super::buffer::ExportClaim>,
+    /// Whether `fd` was ever handed to a peer (else no peer can map it, and
+    /// ending the registration moves nothing).
+    pub sent: AtomicBool,
     /// The memory, kept alive while registered (and by each transfer that
     /// uses it as its local side).
     pub backing: Arc<dyn crate::transport::MemoryBacking>,
+}
+
+impl LocalRegion {
+    /// End the registration: when its memfd was handed to a peer and the
+    /// owner keeps the memory, re-home the owner's pages so that no mapping
+    /// a peer kept reaches them (issue 27 item 4). On an error before
+    /// anything moved the region comes back unchanged, to stay registered
+    /// (`None` when this was the last reference to its backing).
+    pub(super) fn retire(mut self) -> Result<(), (Option<Self>, std::io::Error)> {
+        let Some(claim) = self.claim.take() else { return Ok(()) };
+        if !self.sent.load(Ordering::Acquire) {
+            claim.release(); // never handed out: no peer can map it
+            return Ok(());
+        }
+        if Arc::get_mut(&mut self.backing).is_some() {
+            // Our reference is the last one to the backing: let it go first.
+            // The buffer itself may live on (a `View` covering it whose
+            // parent someone else holds): then it is re-homed all the same;
+            // if it went with the backing, nothing of the owner's is left
+            // (`rehome` finds it gone). On an error there is no registration
+            // to put back.
+            let LocalRegion { fd, backing, .. } = self;
+            drop(backing);
+            let Some((old, _)) = fd else { return Ok(()) };
+            return claim.rehome(std::os::fd::AsFd::as_fd(&old)).map_err(|(claim, e)| {
+                claim.release();
+                (None, e)
+            });
+        }
+        let Some((old, _)) = &self.fd else {
+            claim.release();
+            return Ok(());
+        };
+        match claim.rehome(std::os::fd::AsFd::as_fd(old)) {
+            Ok(()) => Ok(()),
+            Err((claim, e)) => {
+                self.claim = Some(claim);
+                Err((Some(self), e))
+            }
+        }
+    }
 }
 
 /// Regions by key.
@@ -271,11 +318,14 @@ fn answer_hello(
                     // closing the original nor a slow peer holding up the
                     // send involves the table lock.
                     Some((fd, offset)) => (
-                        Msg::Region {
-                            rkey,
-                            addr: r.addr,
-                            len_bytes: r.len_bytes,
-                            access: Access::Fd { offset: *offset },
+                        {
+                            r.sent.store(true, Ordering::Release);
+                            Msg::Region {
+                                rkey,
+                                addr: r.addr,
+                                len_bytes: r.len_bytes,
+                                access: Access::Fd { offset: *offset },
+                            }
                         },
                         Some(fd.try_clone().map_err(|e| crate::transport::TransportError::io("dup", e))?),
                     ),

@@ -68,6 +68,7 @@ mod deadline;
 #[doc(hidden)]
 pub mod engine;
 pub mod gpu;
+mod keys;
 pub mod nic;
 mod ops;
 mod progress;
@@ -156,6 +157,9 @@ struct Peer {
     /// Watch over the control connection, which it owns: closing it tells
     /// the target to drop its QPs; the target's side closing fails ours.
     live: Option<Liveness>,
+    /// The target's regions (given to `connect`): an rkey outside them
+    /// fails `UnknownKey` before anything is posted.
+    keys: keys::RemoteKeys,
 }
 
 /// The RDMA backend. See the module docs.
@@ -507,7 +511,7 @@ impl Transport for VerbsTransport {
         postcard::to_allocvec(&info).expect("plain data encodes")
     }
 
-    fn connect(&mut self, peer_name: &str, info: &[u8], _regions: &[RemoteRegion]) -> Result<PeerId, TransportError> {
+    fn connect(&mut self, peer_name: &str, info: &[u8], regions: &[RemoteRegion]) -> Result<PeerId, TransportError> {
         let info: VerbsInfo =
             postcard::from_bytes(info).map_err(|e| TransportError::BadConnectionInfo(e.to_string()))?;
         let cerr = |reason: String| TransportError::Connect { peer: peer_name.to_string(), reason };
@@ -533,6 +537,7 @@ impl Transport for VerbsTransport {
             link,
             has_qps: true,
             live: Some(live),
+            keys: keys::RemoteKeys::new(regions),
         };
         self.peers.insert(id, peer);
         Ok(PeerId(id))
@@ -566,6 +571,12 @@ impl Transport for VerbsTransport {
         self.regions.resolve(&mut req.segments)?;
         self.recover(req.peer)?;
         let p = &self.peers[&req.peer.0];
+        // The remote check, with the same kinds as shm and tcp: the transfer
+        // fails (reported by `poll`) before a WR is posted.
+        if let Err(why) = p.keys.check(&req.segments) {
+            self.done_held.push(Completion { xfer: req.xfer, result: Err(why) });
+            return Ok(());
+        }
         if req.notification.is_some() && !p.link.take_slot() {
             return Err(TransportError::Post(format!("more than {NOTIF_SLOTS} notifications in flight to {}", p.name)));
         }

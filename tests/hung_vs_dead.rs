@@ -1,0 +1,117 @@
+//! Issue 27 (smaller items): a hung-but-alive peer and a dead one are told
+//! apart, the same way on shm and tcp. Transfers to a target process that is
+//! stopped (SIGSTOP) fail `PeerTimeout` after `peer_timeout`; transfers to
+//! one that is killed fail `PeerDied`, and the next post to it raises
+//! `TransportError::PeerDisconnected` at the call. Targets are child
+//! processes (`common::ChildTarget`).
+
+mod common;
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use common::{ChildTarget, wait};
+use kvwire::HostBuffer;
+use kvwire::engine::{Desc, EngineError, TransferEngine, TransferHandle, TransferStatus};
+use kvwire::transport::{FailureKind, Op, TransportConfig, TransportError, TransportKind};
+
+#[test]
+#[ignore = "child process entry point, started by the other tests"]
+fn child_entry() {
+    common::child_main();
+}
+
+/// Send `sig` to the child; for SIGSTOP, return once every thread stopped.
+fn signal(child: &ChildTarget, sig: libc::c_int) {
+    let pid = child.child.id();
+    // SAFETY: kill with integer arguments on our own child's pid.
+    assert_eq!(unsafe { libc::kill(pid as i32, sig) }, 0);
+    if sig == libc::SIGSTOP {
+        let stopped = || {
+            std::fs::read_dir(format!("/proc/{pid}/task")).unwrap().all(|t| {
+                let stat = std::fs::read_to_string(t.unwrap().path().join("stat")).unwrap_or_default();
+                stat.rsplit(')').next().is_some_and(|rest| rest.trim_start().starts_with('T'))
+            })
+        };
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while !stopped() {
+            assert!(Instant::now() < deadline, "child {pid} did not stop");
+            std::thread::sleep(Duration::from_millis(1));
+        }
+    }
+}
+
+fn setup(kind: TransportKind, timeout: Duration) -> (ChildTarget, TransferEngine, Arc<HostBuffer>) {
+    let t = ChildTarget::spawn_on(kind, "target", &[(1 << 20, true)]);
+    let cfg = TransportConfig { peer_timeout: timeout, ..TransportConfig::default() };
+    let mut e = TransferEngine::new("initiator", kind, &cfg).unwrap();
+    let buf = Arc::new(HostBuffer::new(1 << 20).unwrap());
+    e.register(buf.clone()).unwrap();
+    e.connect(&t.meta).unwrap();
+    (t, e, buf)
+}
+
+fn post(e: &mut TransferEngine, t: &ChildTarget, buf: &HostBuffer, note: u8) -> Result<TransferHandle, EngineError> {
+    let addr = t.meta.regions[0].addr;
+    e.post(Op::Write, &[Desc::new(buf.addr(), 4096)], "target", &[Desc::new(addr, 4096)], Some(vec![note; 8]))
+}
+
+fn failed_kind(s: TransferStatus) -> FailureKind {
+    match s {
+        TransferStatus::Failed(why) => why.kind,
+        other => panic!("expected a failed transfer, got {other:?}"),
+    }
+}
+
+fn hung_times_out(kind: TransportKind) {
+    let (t, mut e, buf) = setup(kind, Duration::from_millis(800));
+    // Alive and answering first: the same post completes.
+    let h = post(&mut e, &t, &buf, 0).unwrap();
+    assert_eq!(wait(&mut e, h, Duration::from_secs(20)), TransferStatus::Done, "{kind}");
+    signal(&t, libc::SIGSTOP);
+    let h = post(&mut e, &t, &buf, 1).unwrap();
+    assert_eq!(
+        failed_kind(wait(&mut e, h, Duration::from_secs(30))),
+        FailureKind::PeerTimeout,
+        "{kind}: stopped target"
+    );
+    signal(&t, libc::SIGCONT);
+}
+
+fn dead_is_peer_died(kind: TransportKind) {
+    let (mut t, mut e, buf) = setup(kind, Duration::from_secs(30));
+    // Stopped first, so that the transfer is surely in flight when the
+    // target dies (well inside the 30 s timeout).
+    signal(&t, libc::SIGSTOP);
+    let h = post(&mut e, &t, &buf, 2).unwrap();
+    assert_eq!(e.wait(h, Duration::from_millis(100)).unwrap(), TransferStatus::InProgress, "{kind}");
+    t.child.kill().unwrap();
+    t.child.wait().unwrap();
+    let began = Instant::now();
+    assert_eq!(failed_kind(wait(&mut e, h, Duration::from_secs(20))), FailureKind::PeerDied, "{kind}: killed target");
+    assert!(began.elapsed() < Duration::from_secs(20), "{kind}: a dead peer must not wait for the timeout");
+    match post(&mut e, &t, &buf, 3) {
+        Err(EngineError::Transport(TransportError::PeerDisconnected(_))) => {}
+        other => panic!("{kind}: a post to a dead peer must raise PeerDisconnected, got {other:?}"),
+    }
+}
+
+#[test]
+fn shm_a_stopped_target_times_out() {
+    hung_times_out(TransportKind::Shm);
+}
+
+#[test]
+fn tcp_a_stopped_target_times_out() {
+    hung_times_out(TransportKind::Tcp);
+}
+
+#[test]
+fn shm_a_killed_target_is_peer_died() {
+    dead_is_peer_died(TransportKind::Shm);
+}
+
+#[test]
+fn tcp_a_killed_target_is_peer_died() {
+    dead_is_peer_died(TransportKind::Tcp);
+}
