@@ -51,6 +51,12 @@ fn agent_series_add_up_to_what_the_engines_did() {
     assert!(sample(&text, "kvwire_registration_seconds_total", "transport=\"shm\"") > 0.0);
     assert_eq!(sample(&text, "kvwire_regions", &format!("agent=\"{an}\",transport=\"shm\"")), 1.0);
     assert_eq!(sample(&text, "kvwire_regions", &format!("agent=\"{bn}\",transport=\"shm\"")), 1.0);
+    // One memory region per registration off verbs: ratio 1.
+    for n in [&an, &bn] {
+        let l = format!("agent=\"{n}\",transport=\"shm\"");
+        assert_eq!(sample(&text, "kvwire_memory_regions", &l), 1.0);
+        assert_eq!(sample(&text, "kvwire_region_coalescing_ratio", &l), 1.0);
+    }
     assert_eq!(sample(&text, "kvwire_agent_startup_seconds_count", "transport=\"shm\""), 2.0);
     // the peer dies: one disconnect; its region gauge goes, counters stay
     drop(b);

@@ -22,8 +22,8 @@ use std::time::{Duration, Instant};
 use kvwire::HostBuffer;
 use kvwire::engine::{Desc, EngineError, TransferEngine, TransferStatus};
 use kvwire::transport::{
-    FailureKind, MemoryBacking, Op, PostRequest, RemoteAccessKind, RemoteKey, RemoteRegion, Segment, Transport,
-    TransportConfig, TransportError, TransportKind, XferId,
+    FailureKind, MemoryBacking, MemoryKind, Op, PostRequest, RemoteAccessKind, RemoteKey, RemoteRegion, Segment,
+    Transport, TransportConfig, TransportError, TransportKind, View, XferId,
 };
 
 #[derive(Clone, Copy, Debug)]
@@ -326,6 +326,145 @@ fn a_removed_peer_reconnects(be: Backend) {
     }
 }
 
+/// `n` views of `len / n` bytes each over one buffer (vLLM's shape: per
+/// layer K and V views into one allocation).
+fn views(b: &Arc<HostBuffer>, n: u64) -> Vec<Arc<dyn MemoryBacking>> {
+    let each = b.len() as u64 / n;
+    (0..n).map(|i| Arc::new(View::new(b.clone(), i * each, each).unwrap()) as Arc<dyn MemoryBacking>).collect()
+}
+
+/// Memory regions expected for `regs` registrations over one buffer.
+fn one_region_on_verbs(be: Backend, regs: usize) -> usize {
+    if matches!(be, Backend::Verbs) { 1 } else { regs }
+}
+
+fn views_registered_as_a_list_move_data(be: Backend) {
+    let Some((mut a, mut b)) = pair(be, "views", &[]) else { return };
+    let (src, dst) = (buf(1 << 16, 5), Arc::new(HostBuffer::new(1 << 16).unwrap()));
+    let ha = a.register_batch(views(&src, 16)).unwrap();
+    let hb = b.register_batch(views(&dst, 16)).unwrap();
+    assert_eq!(ha.len(), 16);
+    assert_eq!(hb.len(), 16);
+    // Each view is its own registration; on verbs they share one MR.
+    assert_eq!(a.region_counts(), (16, one_region_on_verbs(be, 16)), "{be:?}");
+    assert_eq!(b.region_counts(), (16, one_region_on_verbs(be, 16)), "{be:?}");
+    assert_eq!(b.metadata().regions.len(), 16, "{be:?}: one published region per view");
+    a.connect(&b.metadata()).unwrap();
+    // Page i to page 15 - i: every transfer crosses views of the shared MR.
+    let l: Vec<Desc> = (0..16).map(|i| Desc::new(src.addr() + i * 4096, 4096)).collect();
+    let r: Vec<Desc> = (0..16).map(|i| Desc::new(dst.addr() + (15 - i) * 4096, 4096)).collect();
+    let h = a.post(Op::Write, &l, b.name(), &r, None).unwrap();
+    assert_eq!(wait(&mut a, h), TransferStatus::Done, "{be:?}");
+    a.release(h).unwrap();
+    for i in 0..16usize {
+        let at = (15 - i) * 4096;
+        assert_eq!(dst.to_vec(at..at + 4096), src.to_vec(i * 4096..(i + 1) * 4096), "{be:?}: page {i}");
+    }
+    src.fill_with(0, 1 << 16, |_| 0);
+    let h = a.post(Op::Read, &l, b.name(), &r, None).unwrap();
+    assert_eq!(wait(&mut a, h), TransferStatus::Done, "{be:?}");
+    a.release(h).unwrap();
+    assert_eq!(src.to_vec(..), buf(1 << 16, 5).to_vec(..), "{be:?}: read back");
+    // Two descriptors of one local view to the abutting ends of two remote
+    // views: on verbs (one rkey) the engine merges them into one segment
+    // across the views, which the initiator's key check must accept.
+    let l = [Desc::new(src.addr(), 2048), Desc::new(src.addr() + 2048, 2048)];
+    let r = [Desc::new(dst.addr() + 2048, 2048), Desc::new(dst.addr() + 4096, 2048)];
+    let h = a.post(Op::Write, &l, b.name(), &r, None).unwrap();
+    assert_eq!(wait(&mut a, h), TransferStatus::Done, "{be:?}: across abutting views");
+    a.release(h).unwrap();
+    assert_eq!(dst.to_vec(2048..6144), src.to_vec(..4096), "{be:?}");
+}
+
+fn bounds_hold_per_registration_of_a_view(be: Backend) {
+    let Some((mut a, mut b)) = pair(be, "viewbounds", &[]) else { return };
+    let (src, dst) = (buf(1 << 16, 6), Arc::new(HostBuffer::new(1 << 16).unwrap()));
+    a.register_batch(views(&src, 16)).unwrap();
+    b.register_batch(views(&dst, 16)).unwrap();
+    a.connect(&b.metadata()).unwrap();
+    // Straddling two abutting views (inside one verbs MR): refused on both
+    // sides, one kind everywhere.
+    let straddle_l = [Desc::new(src.addr() + 4096 - 512, 1024)];
+    let e = a.post(Op::Write, &straddle_l, b.name(), &[Desc::new(dst.addr(), 1024)], None).unwrap_err();
+    assert!(matches!(e, EngineError::LocalOutOfBounds { .. }), "{be:?}: {e}");
+    let straddle_r = [Desc::new(dst.addr() + 4096 - 512, 1024)];
+    let e = a.post(Op::Write, &[Desc::new(src.addr(), 1024)], b.name(), &straddle_r, None).unwrap_err();
+    assert!(matches!(e, EngineError::RemoteOutOfBounds { .. }), "{be:?}: {e}");
+    assert_eq!(dst.to_vec(..), vec![0; 1 << 16], "{be:?}: nothing moved");
+}
+
+/// The transport's own check (below the engine): a segment naming one
+/// view's key with its neighbour's range is refused, although on verbs both
+/// lie in one MR.
+fn a_view_key_covers_only_its_view(be: Backend) {
+    let Some((mut ta, mut tb, bn)) = raw_pair(be, "viewkey") else { return };
+    let (src, dst) = (buf(1 << 16, 7), Arc::new(HostBuffer::new(1 << 16).unwrap()));
+    let ra = ta.register_batch(views(&src, 16)).unwrap();
+    let rb = tb.register(dst.clone()).unwrap();
+    let regions =
+        [RemoteRegion { addr: dst.addr(), len_bytes: 1 << 16, rkey: rb.rkey, kind: MemoryKind::Dram, device_id: 0 }];
+    let peer = ta.connect(&bn, &tb.connection_info(), &regions).unwrap();
+    let seg = |lkey, at: u64| Segment {
+        local_addr: src.addr() + at,
+        remote_addr: dst.addr(),
+        len_bytes: 4096,
+        lkey,
+        rkey: rb.rkey,
+    };
+    for (key, at) in [(ra[3].lkey, 4 * 4096), (ra[3].lkey, 2 * 4096), (ra[3].lkey, 3 * 4096 + 1)] {
+        let req =
+            PostRequest { xfer: XferId(1), op: Op::Write, peer, segments: vec![seg(key, at)], notification: None };
+        let e = ta.post(req).unwrap_err();
+        assert!(matches!(e, TransportError::LocalOutOfBounds { .. }), "{be:?}: {e}");
+    }
+    // Its own range goes.
+    let req = PostRequest {
+        xfer: XferId(2),
+        op: Op::Write,
+        peer,
+        segments: vec![seg(ra[3].lkey, 3 * 4096)],
+        notification: None,
+    };
+    ta.post(req).unwrap();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let mut done = Vec::new();
+    while done.is_empty() {
+        assert!(Instant::now() < deadline, "{be:?}: no completion");
+        ta.wait(&mut done, Duration::from_millis(50));
+    }
+    assert_eq!(done[0].result, Ok(()), "{be:?}");
+    assert_eq!(dst.to_vec(..4096), src.to_vec(3 * 4096..4 * 4096), "{be:?}");
+    ta.disconnect(peer);
+}
+
+fn views_deregister_in_any_order(be: Backend) {
+    let Some((mut a, mut b)) = pair(be, "viewdereg", &[]) else { return };
+    let (src, dst) = (buf(1 << 15, 8), Arc::new(HostBuffer::new(1 << 15).unwrap()));
+    let ha = a.register_batch(views(&src, 8)).unwrap();
+    b.register(dst.clone()).unwrap();
+    a.connect(&b.metadata()).unwrap();
+    let order = [5usize, 0, 7, 2, 6, 1, 3];
+    for (n, &i) in order.iter().enumerate() {
+        a.deregister(ha[i]).unwrap();
+        let left = 8 - n - 1;
+        assert_eq!(a.region_counts(), (left, one_region_on_verbs(be, left)), "{be:?}");
+        // The deregistered view is refused; view 4 (last to go) still moves.
+        let gone = [Desc::new(src.addr() + i as u64 * 4096, 4096)];
+        let e = a.post(Op::Write, &gone, b.name(), &[Desc::new(dst.addr(), 4096)], None).unwrap_err();
+        assert!(matches!(e, EngineError::LocalOutOfBounds { .. }), "{be:?}: {e}");
+        let live = [Desc::new(src.addr() + 4 * 4096, 4096)];
+        let h = a.post(Op::Write, &live, b.name(), &[Desc::new(dst.addr() + n as u64 * 4096, 4096)], None).unwrap();
+        assert_eq!(wait(&mut a, h), TransferStatus::Done, "{be:?}");
+        a.release(h).unwrap();
+        assert_eq!(dst.to_vec(n * 4096..(n + 1) * 4096), src.to_vec(4 * 4096..5 * 4096), "{be:?}");
+    }
+    a.deregister(ha[4]).unwrap();
+    assert_eq!(a.region_counts(), (0, 0), "{be:?}");
+    // Registering again after the last one went works (a fresh MR on verbs).
+    a.register_batch(views(&src, 8)).unwrap();
+    assert_eq!(a.region_counts(), (8, one_region_on_verbs(be, 8)), "{be:?}");
+}
+
 macro_rules! contract {
     ($($rule:ident),* $(,)?) => {
         mod shm { $(#[test] fn $rule() { super::$rule(super::Backend::Shm) })* }
@@ -343,4 +482,8 @@ contract!(
     release_fences_the_memory,
     deregistering_memory_in_use_is_refused,
     a_removed_peer_reconnects,
+    views_registered_as_a_list_move_data,
+    bounds_hold_per_registration_of_a_view,
+    a_view_key_covers_only_its_view,
+    views_deregister_in_any_order,
 );

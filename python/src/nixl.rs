@@ -297,6 +297,34 @@ impl PyNixlCore {
         })
     }
 
+    /// Register a list of `(addr, length, dev)` of `mem` at once, all or
+    /// nothing (NIXL's `registerMem` of a descriptor list): the engine's
+    /// `register_batch`, so on verbs views of a few allocations share a few
+    /// memory regions. The caller keeps the memory valid until `deregister`.
+    fn register_many(&self, py: Python<'_>, items: Vec<(u64, u64, u32)>, mem: &str) -> PyResult<()> {
+        let kind = match mem {
+            "DRAM" => MemoryKind::Dram,
+            "VRAM" => MemoryKind::Vram,
+            other => return Err(err(status::NOT_SUPPORTED, format!("memory type {other} is not supported by kvwire"))),
+        };
+        self.run(py, |c| {
+            let mems: Vec<Arc<dyn kvwire::transport::MemoryBacking>> = items
+                .iter()
+                .map(|&(addr, length, dev)| {
+                    let device_id = if kind == MemoryKind::Dram { 0 } else { dev };
+                    // SAFETY: as in `register` (NIXL's `registerMem` contract).
+                    let mem = unsafe { RawMemory::new(MemoryDesc { addr, len_bytes: length, kind, device_id }) };
+                    Arc::new(mem) as Arc<dyn kvwire::transport::MemoryBacking>
+                })
+                .collect();
+            let hs = c.engine.register_batch(mems).map_err(engine_err)?;
+            for (&(addr, length, _), h) in items.iter().zip(hs) {
+                c.regs.insert((addr, length), h);
+            }
+            Ok(())
+        })
+    }
+
     /// Deregister what `register(addr, length, ...)` registered.
     fn deregister(&self, py: Python<'_>, addr: u64, length: u64) -> PyResult<()> {
         self.run(py, |c| {

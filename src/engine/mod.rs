@@ -211,23 +211,68 @@ impl TransferEngine {
     /// [`EngineError::EmptyRegistration`], [`EngineError::OverlappingRegistration`],
     /// [`EngineError::Transport`] when the backend refuses it.
     pub fn register(&mut self, backing: Arc<dyn MemoryBacking>) -> Result<RegistrationHandle, EngineError> {
-        let desc = backing.desc();
-        let end =
+        Ok(self.register_batch(vec![backing])?.remove(0))
+    }
+
+    /// Register a list (NIXL's `registerMem` of a descriptor list), all or
+    /// nothing; the handles come back in the order given, each
+    /// deregistrable on its own. The transport sees the whole list at once
+    /// ([`Transport::register_batch`]): on verbs, views of a few
+    /// allocations become one memory region per allocation. Work: O(k log k)
+    /// for k ranges plus one pass over the registration table.
+    ///
+    /// # Errors
+    /// As [`TransferEngine::register`], for the first range at fault
+    /// (ranges of one list must not overlap either).
+    pub fn register_batch(
+        &mut self,
+        backings: Vec<Arc<dyn MemoryBacking>>,
+    ) -> Result<Vec<RegistrationHandle>, EngineError> {
+        let mut order: Vec<(MemoryDesc, usize)> = Vec::with_capacity(backings.len());
+        for (i, b) in backings.iter().enumerate() {
+            let desc = b.desc();
             desc.end().filter(|_| desc.len_bytes > 0).ok_or(EngineError::EmptyRegistration { addr: desc.addr })?;
-        let pos = self.regs.partition_point(|r| r.desc.addr < desc.addr);
-        let overlaps_prev = pos > 0 && self.regs[pos - 1].desc.addr + self.regs[pos - 1].desc.len_bytes > desc.addr;
-        let overlaps_next = self.regs.get(pos).is_some_and(|r| r.desc.addr < end);
-        if overlaps_prev || overlaps_next {
-            return Err(EngineError::OverlappingRegistration { addr: desc.addr, len_bytes: desc.len_bytes });
+            order.push((desc, i));
+        }
+        order.sort_by_key(|(d, _)| d.addr);
+        for w in order.windows(2) {
+            if w[0].0.addr + w[0].0.len_bytes > w[1].0.addr {
+                return Err(EngineError::OverlappingRegistration { addr: w[1].0.addr, len_bytes: w[1].0.len_bytes });
+            }
+        }
+        for (desc, _) in &order {
+            let end = desc.addr + desc.len_bytes;
+            let pos = self.regs.partition_point(|r| r.desc.addr < desc.addr);
+            let overlaps_prev = pos > 0 && self.regs[pos - 1].desc.addr + self.regs[pos - 1].desc.len_bytes > desc.addr;
+            let overlaps_next = self.regs.get(pos).is_some_and(|r| r.desc.addr < end);
+            if overlaps_prev || overlaps_next {
+                return Err(EngineError::OverlappingRegistration { addr: desc.addr, len_bytes: desc.len_bytes });
+            }
         }
         let began = Instant::now();
-        let reg = self.transport.register(backing.clone())?;
-        crate::metrics::global().registered(&self.stats, desc.len_bytes, began.elapsed());
-        self.regs.insert(pos, LocalRegistration { desc, reg, _backing: backing, inflight: 0 });
-        self.stats.regions.store(self.regs.len() as u64, std::sync::atomic::Ordering::Relaxed);
-        self.rebuild_spans();
-        self.generation += 1;
-        Ok(RegistrationHandle(reg.lkey))
+        let regs = self.transport.register_batch(backings.clone())?;
+        let took = began.elapsed();
+        let bytes: u64 = order.iter().map(|(d, _)| d.len_bytes).sum();
+        crate::metrics::global().registered_many(&self.stats, order.len() as u64, bytes, took);
+        let handles = regs.iter().map(|r| RegistrationHandle(r.lkey)).collect();
+        let mut added: Vec<LocalRegistration> = backings
+            .into_iter()
+            .zip(regs)
+            .map(|(b, reg)| LocalRegistration { desc: b.desc(), reg, _backing: b, inflight: 0 })
+            .collect();
+        if added.len() == 1 {
+            let pos = self.regs.partition_point(|r| r.desc.addr < added[0].desc.addr);
+            let r = added.remove(0);
+            let span = LocalSpan { addr: r.desc.addr, end: r.desc.addr + r.desc.len_bytes, lkey: r.reg.lkey };
+            self.regs.insert(pos, r);
+            self.spans.insert(pos, span);
+        } else {
+            self.regs.append(&mut added);
+            self.regs.sort_by_key(|r| r.desc.addr);
+            self.rebuild_spans();
+        }
+        self.registrations_changed();
+        Ok(handles)
     }
 
     /// Deregister memory.
@@ -243,10 +288,24 @@ impl TransferEngine {
         }
         self.transport.deregister(handle.0)?;
         self.regs.remove(pos);
-        self.stats.regions.store(self.regs.len() as u64, std::sync::atomic::Ordering::Relaxed);
-        self.rebuild_spans();
-        self.generation += 1;
+        self.spans.remove(pos);
+        self.registrations_changed();
         Ok(())
+    }
+
+    /// Registrations and memory regions now (on verbs, several
+    /// registrations may share one memory region; elsewhere the two are
+    /// equal). Their ratio is the coalescing ratio.
+    pub fn region_counts(&self) -> (usize, usize) {
+        (self.regs.len(), self.transport.memory_regions().unwrap_or(self.regs.len()))
+    }
+
+    fn registrations_changed(&mut self) {
+        use std::sync::atomic::Ordering::Relaxed;
+        let (regs, mrs) = self.region_counts();
+        self.stats.regions.store(regs as u64, Relaxed);
+        self.stats.memory_regions.store(mrs as u64, Relaxed);
+        self.generation += 1;
     }
 
     fn rebuild_spans(&mut self) {

@@ -11,6 +11,8 @@
 //! | `kvwire_registered_bytes_total` | counter | `transport` | bytes registered |
 //! | `kvwire_registration_seconds_total` | counter | `transport` | seconds spent registering (divide by `kvwire_registered_bytes_total` / 2^30 for s/GiB) |
 //! | `kvwire_regions` | gauge | `agent`, `transport` | regions an agent has registered now |
+//! | `kvwire_memory_regions` | gauge | `agent`, `transport` | memory regions holding them (verbs MRs, shared by coalesced registrations; elsewhere equal to `kvwire_regions`) |
+//! | `kvwire_region_coalescing_ratio` | gauge | `agent`, `transport` | `kvwire_regions` / `kvwire_memory_regions` (1 with no registration) |
 //! | `kvwire_posted_descriptors_total` / `kvwire_posted_segments_total` | counter | `transport`, `nic` | descriptors callers posted / segments they became after coalescing (the ratio is the coalescing ratio) |
 //! | `kvwire_nic_bytes_total` | counter | `transport`, `nic` | bytes posted through that NIC (verbs `device`, else the transport) |
 //! | `kvwire_peer_disconnects_total` | counter | `transport`, `nic` | peers found dead |
@@ -69,8 +71,8 @@ pub(super) struct AgentState {
     startup: BTreeMap<String, Startup>,
     registration: BTreeMap<String, Registration>,
     links: BTreeMap<(String, String), Arc<LinkCounters>>,
-    /// agent name -> (transport, regions now)
-    regions: BTreeMap<String, (String, Arc<AtomicU64>)>,
+    /// agent name -> (transport, regions now, memory regions now)
+    regions: BTreeMap<String, (String, Arc<AtomicU64>, Arc<AtomicU64>)>,
 }
 
 /// What an engine holds to report into the registry (see [`super::Registry::agent`]).
@@ -80,6 +82,8 @@ pub struct AgentHandle {
     pub link: Arc<LinkCounters>,
     /// Its current region count.
     pub regions: Arc<AtomicU64>,
+    /// The memory regions (verbs MRs) holding them now.
+    pub memory_regions: Arc<AtomicU64>,
     agent: String,
     transport: String,
 }
@@ -104,15 +108,21 @@ impl super::Registry {
         st.sum_s += secs;
         let link = a.links.entry((transport.to_string(), nic.to_string())).or_default().clone();
         let regions = Arc::new(AtomicU64::new(0));
-        a.regions.insert(agent.to_string(), (transport.to_string(), regions.clone()));
-        AgentHandle { link, regions, agent: agent.to_string(), transport: transport.to_string() }
+        let memory_regions = Arc::new(AtomicU64::new(0));
+        a.regions.insert(agent.to_string(), (transport.to_string(), regions.clone(), memory_regions.clone()));
+        AgentHandle { link, regions, memory_regions, agent: agent.to_string(), transport: transport.to_string() }
     }
 
     /// Count one registration of `bytes` on `h`'s transport that took `took`.
     pub fn registered(&self, h: &AgentHandle, bytes: u64, took: Duration) {
+        self.registered_many(h, 1, bytes, took);
+    }
+
+    /// Count `count` registrations of `bytes` in all, made together in `took`.
+    pub fn registered_many(&self, h: &AgentHandle, count: u64, bytes: u64, took: Duration) {
         let mut s = self.lock();
         let r = s.agents.registration.entry(h.transport.clone()).or_default();
-        r.count += 1;
+        r.count += count;
         r.bytes = r.bytes.saturating_add(bytes);
         r.seconds += took.as_secs_f64();
     }
@@ -120,7 +130,7 @@ impl super::Registry {
     /// The engine `h` is gone: its region gauge goes (its counters stay).
     pub fn agent_dropped(&self, h: &AgentHandle) {
         let mut s = self.lock();
-        if s.agents.regions.get(&h.agent).is_some_and(|(_, r)| Arc::ptr_eq(r, &h.regions)) {
+        if s.agents.regions.get(&h.agent).is_some_and(|(_, r, _)| Arc::ptr_eq(r, &h.regions)) {
             s.agents.regions.remove(&h.agent);
         }
     }
@@ -143,14 +153,18 @@ pub(super) fn render(a: &AgentState, fams: &mut super::Families) {
         let n = "kvwire_registration_seconds_total";
         fams.add(n, "counter", "Seconds spent registering memory.", format!("{n}{{transport=\"{t}\"}} {}", r.seconds));
     }
-    for (agent, (t, n)) in &a.regions {
+    for (agent, (t, n, m)) in &a.regions {
+        let l = format!("agent=\"{}\",transport=\"{}\"", escape(agent), escape(t));
+        let (n, m) = (n.load(Relaxed), m.load(Relaxed));
         let g = "kvwire_regions";
-        fams.add(
-            g,
-            "gauge",
-            "Memory regions an agent has registered now.",
-            format!("{g}{{agent=\"{}\",transport=\"{}\"}} {}", escape(agent), escape(t), n.load(Relaxed)),
-        );
+        fams.add(g, "gauge", "Memory regions an agent has registered now.", format!("{g}{{{l}}} {n}"));
+        let g = "kvwire_memory_regions";
+        let help = "Memory regions (verbs MRs) holding an agent's registrations now.";
+        fams.add(g, "gauge", help, format!("{g}{{{l}}} {m}"));
+        let g = "kvwire_region_coalescing_ratio";
+        let ratio = if m == 0 { 1.0 } else { n as f64 / m as f64 };
+        let help = "Registrations per memory region (kvwire_regions / kvwire_memory_regions).";
+        fams.add(g, "gauge", help, format!("{g}{{{l}}} {ratio}"));
     }
     for ((t, nic), c) in &a.links {
         let l = format!("transport=\"{}\",nic=\"{}\"", escape(t), escape(nic));

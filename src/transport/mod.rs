@@ -31,7 +31,9 @@ pub use failure::{FailureKind, FailureSource, RemoteAccessKind, TransferFailure}
 pub use memory::{MemoryBacking, MemoryDesc, MemoryKind, RawMemory, Union, View};
 pub use options::{OptionSet, OptionSpec};
 
-/// Local key of a registration (the `lkey` of a verbs memory region).
+/// Local key of a registration: its id in the backend's registration
+/// table (on verbs not the hardware lkey, which several registrations of
+/// one coalesced memory region share; `post` translates it).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
 pub struct LocalKey(pub u32);
 
@@ -393,6 +395,38 @@ pub trait Transport: Send {
     /// # Errors
     /// [`TransportError::Registration`] when the backend refuses the range.
     fn register(&mut self, backing: Arc<dyn MemoryBacking>) -> Result<Registration, TransportError>;
+
+    /// Register a list (NIXL's `registerMem` of a descriptor list): the
+    /// registrations come back in the order given, each individually
+    /// deregistrable. All or nothing: on an error none of the list stays
+    /// registered. The default registers one at a time; `verbs` coalesces
+    /// the list into as few memory regions as its ranges allow.
+    ///
+    /// # Errors
+    /// As [`Transport::register`], for the first that fails.
+    fn register_batch(&mut self, backings: Vec<Arc<dyn MemoryBacking>>) -> Result<Vec<Registration>, TransportError> {
+        let mut done = Vec::with_capacity(backings.len());
+        for b in backings {
+            match self.register(b) {
+                Ok(r) => done.push(r),
+                Err(e) => {
+                    for r in done {
+                        let _ = self.deregister(r.lkey);
+                    }
+                    return Err(e);
+                }
+            }
+        }
+        Ok(done)
+    }
+
+    /// Memory regions the backend holds now for its registrations, where
+    /// that differs from the number of registrations: verbs MRs, which
+    /// several registrations may share (`coalesce`). `None` (the default):
+    /// one per registration. Registrations over this is the coalescing ratio.
+    fn memory_regions(&self) -> Option<usize> {
+        None
+    }
 
     /// Forget a registration. A transfer still using it keeps the memory
     /// alive until it ends.

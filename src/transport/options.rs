@@ -107,6 +107,12 @@ pub const VERBS_OPTIONS: &[OptionSpec] = &[
     spec("qps_per_peer", "count 1..=64", "1", "queue pairs per connected peer"),
     spec("cq_size", "entries", "device max, 256..=65536", "completion queue entries"),
     spec("cq_events", "0 or 1", "1", "sleep on completion events instead of polling"),
+    spec(
+        "coalesce",
+        "0 or 1",
+        "1",
+        "registrations inside a live memory region, or abutting in one list, share one MR (docs/VERBS.md)",
+    ),
 ];
 
 /// The options backend `kind` understands.

@@ -55,7 +55,10 @@
 //! progress thread for the next post is slow),
 //! `cq_size=N` (entries of the completion queue shared by every QP, at
 //! least 128; default the device's `max_cqe` within 256..65536; WRs wait in software
-//! rather than overrun it), `listen=IP` (default: the GID's IPv4 address).
+//! rather than overrun it), `listen=IP` (default: the GID's IPv4 address),
+//! `coalesce=0|1` (1: registrations inside a live memory region, or
+//! overlapping/abutting in one `register_batch` list, share one MR,
+//! reference-counted; 0: one MR per registration; `regions.rs`).
 
 /// Default `idle_yields` on software devices (rxe, siw); measured where `VerbsTransport::new` applies it.
 const SOFTWARE_IDLE_YIELDS: u32 = 5000;
@@ -69,6 +72,7 @@ mod keys;
 pub mod nic;
 mod ops;
 mod progress;
+mod regions;
 #[doc(hidden)]
 #[cfg(any(test, feature = "sim"))]
 pub mod sim;
@@ -80,6 +84,10 @@ pub mod sim_bench;
 #[cfg(any(test, feature = "sim"))]
 #[doc(hidden)]
 pub mod sim_scale;
+/// The registration table alone (`benches/registration.rs`).
+#[cfg(any(test, feature = "sim"))]
+#[doc(hidden)]
+pub use regions::bench as regions_bench;
 mod state;
 #[cfg(test)]
 mod tests;
@@ -163,9 +171,9 @@ pub struct VerbsTransport {
     agent: String,
     inner: Arc<Inner>,
     listen_addr: SocketAddr,
-    /// Registrations by lkey: the MR (dropped, i.e. deregistered, first)
-    /// and the memory it covers, kept alive until then.
-    regions: HashMap<u32, (MemoryRegion, Arc<dyn MemoryBacking>)>,
+    /// Registrations by their own key, each mapped to a shared,
+    /// reference-counted MR (`regions.rs`; option `coalesce`).
+    regions: regions::Regions<MemoryRegion>,
     peers: HashMap<u32, Peer>,
     next_peer: u32,
     qps_per_peer: u32,
@@ -202,6 +210,7 @@ struct Given {
     cq_size: Option<i32>,
     cq_events: bool,
     listen: Option<String>,
+    coalesce: bool,
 }
 
 impl Given {
@@ -237,6 +246,7 @@ impl Given {
             cq_size: o.get("cq_size")?,
             cq_events: o.get::<u8>("cq_events")?.unwrap_or(1) != 0,
             listen,
+            coalesce: o.get::<u8>("coalesce")?.unwrap_or(1) != 0,
         })
     }
 }
@@ -364,7 +374,7 @@ impl VerbsTransport {
             agent: agent.to_string(),
             inner,
             listen_addr,
-            regions: HashMap::new(),
+            regions: regions::Regions::new(o.coalesce),
             peers: HashMap::new(),
             next_peer: 1,
             qps_per_peer,
@@ -445,39 +455,59 @@ impl Transport for VerbsTransport {
     }
 
     fn register(&mut self, backing: Arc<dyn MemoryBacking>) -> Result<Registration, TransportError> {
-        let d = backing.desc();
-        let len = usize::try_from(d.len_bytes).map_err(|_| TransportError::Registration("range too large".into()))?;
-        let reg = |e: VerbsError| TransportError::Registration(e.to_string());
+        Ok(self.register_batch(vec![backing])?.remove(0))
+    }
+
+    /// Registers the list as few memory regions as it can (`regions.rs`):
+    /// ranges inside a live MR take a reference on it; the others are
+    /// sorted and merged into maximal contiguous runs (overlapping or
+    /// abutting ranges), one `ibv_reg_mr` each. Each registration keeps its
+    /// own key and range; those of one MR share its rkey.
+    fn register_batch(&mut self, backings: Vec<Arc<dyn MemoryBacking>>) -> Result<Vec<Registration>, TransportError> {
         let pd = &self.inner.nic.pd;
-        let mr = match d.kind {
-            // GPU memory: dma-buf, then the plain pointer (nvidia-peermem),
-            // else an error naming both causes (the chain of `cuda::register`).
-            MemoryKind::Vram => {
-                let dmabuf = backing.dmabuf_fd().ok_or_else(|| "the memory exports no dma-buf".to_string());
-                gpu::register_with_fallback(
-                    d.addr,
-                    d.len_bytes,
-                    dmabuf,
-                    // SAFETY: `self.regions` keeps `backing` (which owns
-                    // the memory and the dma-buf fd) alive until
-                    // `deregister`, which drops (deregisters) the MR first.
-                    |fd, off, _, iova| unsafe { MemoryRegion::register_dmabuf(pd, fd, off, len, iova) },
-                    // SAFETY: as above.
-                    |addr, _| unsafe { MemoryRegion::register(pd, addr, len) },
-                )
-                .map(|(mr, _path)| mr)
-                .map_err(|e| TransportError::Registration(e.to_string()))?
-            }
-            // SAFETY: as above (host memory).
-            MemoryKind::Dram => unsafe { MemoryRegion::register(pd, d.addr, len).map_err(reg)? },
+        let make = |run: &regions::Run<'_>| -> Result<(MemoryRegion, u32, u32), TransportError> {
+            let d = run.desc;
+            let len =
+                usize::try_from(d.len_bytes).map_err(|_| TransportError::Registration("range too large".into()))?;
+            let reg = |e: VerbsError| TransportError::Registration(e.to_string());
+            let mr = match d.kind {
+                // GPU memory: dma-buf, then the plain pointer (nvidia-peermem),
+                // else an error naming both causes (the chain of `cuda::register`).
+                MemoryKind::Vram => {
+                    let dmabuf = run.first.dmabuf_fd().ok_or_else(|| "the memory exports no dma-buf".to_string());
+                    gpu::register_with_fallback(
+                        d.addr,
+                        d.len_bytes,
+                        dmabuf,
+                        // SAFETY: the run is the union of backings that each
+                        // promise their range (`MemoryBacking`); the regions
+                        // table keeps every one of them alive until it drops
+                        // (deregisters) the MR, which it does first. A VRAM
+                        // run spans one dma-buf export (`regions.rs`).
+                        |fd, off, _, iova| unsafe { MemoryRegion::register_dmabuf(pd, fd, off, len, iova) },
+                        // SAFETY: as above.
+                        |addr, _| unsafe { MemoryRegion::register(pd, addr, len) },
+                    )
+                    .map(|(mr, _path)| mr)
+                    .map_err(|e| TransportError::Registration(e.to_string()))?
+                }
+                // SAFETY: as above (host memory: the run's bytes all lie in
+                // the ranges of its parts, which overlap or abut).
+                MemoryKind::Dram => unsafe { MemoryRegion::register(pd, d.addr, len).map_err(reg)? },
+            };
+            let (l, r) = (mr.lkey(), mr.rkey());
+            Ok((mr, l, r))
         };
-        let r = Registration { lkey: LocalKey(mr.lkey()), rkey: RemoteKey(mr.rkey()) };
-        self.regions.insert(mr.lkey(), (mr, backing));
-        Ok(r)
+        let keys = self.regions.register_batch(backings, make)?;
+        Ok(keys.into_iter().map(|k| Registration { lkey: k.lkey, rkey: RemoteKey(k.rkey) }).collect())
+    }
+
+    fn memory_regions(&self) -> Option<usize> {
+        Some(self.regions.memory_regions())
     }
 
     fn deregister(&mut self, lkey: LocalKey) -> Result<(), TransportError> {
-        self.regions.remove(&lkey.0).map(drop).ok_or(TransportError::UnknownLocalKey(lkey))
+        self.regions.deregister(lkey)
     }
 
     fn connection_info(&self) -> Vec<u8> {
@@ -532,7 +562,7 @@ impl Transport for VerbsTransport {
     /// `NOTIF_SLOTS` (256) notifications in flight, a peer that cannot be
     /// reconnected. Then the request goes to the engine without waiting for
     /// an answer; whatever else goes wrong fails the transfer in `poll`.
-    fn post(&mut self, req: PostRequest) -> Result<(), TransportError> {
+    fn post(&mut self, mut req: PostRequest) -> Result<(), TransportError> {
         if !self.peers.contains_key(&req.peer.0) {
             return Err(TransportError::NotConnected(req.peer));
         }
@@ -541,7 +571,8 @@ impl Transport for VerbsTransport {
         }
         // The HCA checks each lkey and range; checking here too gives the
         // same typed error as shm and tcp before anything is queued.
-        super::check_local(&req.segments, |k| self.regions.get(&k).map(|(_, b)| (b.desc(), b.clone())))?;
+        // Then each registration's key becomes its MR's hardware lkey.
+        self.regions.resolve(&mut req.segments)?;
         self.recover(req.peer)?;
         let p = &self.peers[&req.peer.0];
         // The remote check, with the same kinds as shm and tcp: the transfer

@@ -184,6 +184,18 @@ impl SimFabric {
         self.world().alloc(dev, len)
     }
 
+    /// Register `len` zeroed bytes on `dev` at address `addr` (as
+    /// `ibv_reg_mr` of a range the caller chose): its key (lkey = rkey).
+    /// The bytes are the simulation's own, whatever lives at `addr` in
+    /// this process.
+    pub fn alloc_at(&self, dev: u32, addr: u64, len: usize) -> u32 {
+        let mut w = self.world();
+        let key = w.next_key;
+        w.next_key += 1;
+        w.regions.insert(key, Region { dev, addr, bytes: vec![0; len] });
+        key
+    }
+
     /// Drop the region of `key` (deregister): later accesses fail.
     pub fn dealloc(&self, key: u32) {
         self.world().regions.remove(&key);

@@ -418,6 +418,7 @@ fn a_read_depth_of_one_still_fails_and_flushes_like_any_other_depth() {
     p.invariants();
 }
 
+mod coalesce;
 mod engine;
 mod prop;
 
