@@ -100,6 +100,9 @@ pub struct Engine<N: Nic> {
     /// How long the progress thread blocks on the completion channel at a
     /// time (a command wakes it at once).
     pub event_wait_ms: i32,
+    /// The progress thread takes no command while this many WRs wait in
+    /// the software queues (`progress::QUEUED_WR_LIMIT`).
+    pub queued_wr_limit: usize,
     peers: HashMap<u32, EnginePeer>,
     cancels: Vec<PendingCancel>,
 }
@@ -114,9 +117,15 @@ impl<N: Nic> Engine<N> {
             progress_timeout: Duration::from_secs(10),
             peer_timeout: Duration::from_secs(5),
             event_wait_ms: 20,
+            queued_wr_limit: super::progress::QUEUED_WR_LIMIT,
             peers: HashMap::new(),
             cancels: Vec::new(),
         }
+    }
+
+    /// WRs waiting in the software queues of every QP (not yet posted).
+    pub fn queued_wrs(&self) -> usize {
+        self.st.send_qps.values().map(|sq| sq.queue.len()).sum()
     }
 
     /// True while a cancel waits (the loop then looks at its deadlines).

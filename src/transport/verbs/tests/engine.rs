@@ -36,6 +36,11 @@ struct Rig {
 
 impl Rig {
     fn new(events: bool, event_wait_ms: i32) -> Self {
+        Self::build(events, event_wait_ms, crate::transport::verbs::progress::QUEUED_WR_LIMIT)
+    }
+
+    /// [`Rig::new`] with the engine's intake pause at `queued_wr_limit` WRs.
+    fn build(events: bool, event_wait_ms: i32, queued_wr_limit: usize) -> Self {
         let fabric = SimFabric::new(7);
         fabric.world().auto_step = 4;
         fabric.world().events = events;
@@ -56,6 +61,7 @@ impl Rig {
         let core = Core::start(nic, 256, limits(), |e| {
             e.event_wait_ms = event_wait_ms;
             e.peer_timeout = Duration::from_millis(200);
+            e.queued_wr_limit = queued_wr_limit;
         })
         .unwrap();
         let link = Arc::new(PeerLink::default());
@@ -69,6 +75,13 @@ impl Rig {
     }
 
     fn post(&self, x: u64, op: Op, pages: u64, notification: Option<&[u8]>) {
+        if notification.is_some() {
+            assert!(self.link.take_slot());
+        }
+        self.core().handle.send(Cmd::Post(self.request(x, op, pages, notification)));
+    }
+
+    fn request(&self, x: u64, op: Op, pages: u64, notification: Option<&[u8]>) -> PostRequest {
         let segments = (0..pages)
             .map(|i| Segment {
                 local_addr: self.src.0 + i * PAGE,
@@ -78,12 +91,8 @@ impl Rig {
                 len_bytes: PAGE,
             })
             .collect();
-        if notification.is_some() {
-            assert!(self.link.take_slot());
-        }
         let notification = notification.map(<[u8]>::to_vec);
-        let req = PostRequest { xfer: XferId(x), op, peer: PeerId(1), segments, notification };
-        self.core().handle.send(Cmd::Post(req));
+        PostRequest { xfer: XferId(x), op, peer: PeerId(1), segments, notification }
     }
 
     fn wait_done(&self, x: u64) -> crate::transport::Completion {
@@ -171,4 +180,45 @@ fn cancel_over_the_channel_returns_once_the_nic_let_go() {
     drop(w);
     assert!(r.core().done.try_recv().is_err(), "a cancelled transfer is not reported");
     assert_eq!(r.link.slots.load(Ordering::Acquire), 0, "the notification slot leaked");
+}
+
+#[test]
+fn a_fast_poster_blocks_in_the_bounded_channel_while_the_nic_is_behind() {
+    use crate::transport::verbs::progress::CMD_CAPACITY;
+    // The engine stops taking commands once 256 WRs wait in software; with
+    // the fabric frozen nothing frees room, so the channel fills and the
+    // poster blocks in `send` (mutation-checked: without the intake pause
+    // the engine takes every command and the channel never fills).
+    let r = Rig::build(false, 20, 256);
+    r.fabric.world().auto_step = 0;
+    let total = CMD_CAPACITY as u64 + 400;
+    let reqs: Vec<PostRequest> = (1..=total).map(|x| r.request(x, Op::Write, 16, None)).collect();
+    let h = r.core().handle.clone();
+    let sent = Arc::new(std::sync::atomic::AtomicU64::new(0));
+    let s2 = sent.clone();
+    let poster = std::thread::spawn(move || {
+        for req in reqs {
+            h.send(Cmd::Post(req));
+            s2.fetch_add(1, Ordering::AcqRel);
+        }
+    });
+    let t0 = Instant::now();
+    while r.core().handle.queued() < CMD_CAPACITY {
+        assert!(t0.elapsed() < Duration::from_secs(20), "the channel never filled: the engine took every command");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    // Frozen, it stays so: give an engine that kept taking commands time to
+    // drain the channel (a pass never depends on this wait being long).
+    std::thread::sleep(Duration::from_millis(300));
+    assert_eq!(r.core().handle.queued(), CMD_CAPACITY, "the engine took commands with the NIC frozen");
+    assert!(!poster.is_finished() && sent.load(Ordering::Acquire) < total, "the poster did not feel the NIC");
+    // The NIC moves again: every command goes through and every transfer ends.
+    r.fabric.world().auto_step = 4;
+    poster.join().unwrap();
+    let mut ok = 0;
+    while ok < total {
+        let c = r.core().done.recv_timeout(Duration::from_secs(20)).expect("a completion");
+        assert_eq!(c.result, Ok(()), "{:?}", c.xfer);
+        ok += 1;
+    }
 }
