@@ -6,13 +6,13 @@
 //! channels, so nothing is shared under a lock.
 //!
 //! Which commands answer (the caller waits on a reply channel):
-//! - `Post`: none. Everything `post` must refuse synchronously is decided on
-//!   the caller's side without the engine: an unknown peer, a notification
-//!   over a slot, more than `NOTIF_SLOTS` (256) notifications in flight (an
-//!   atomic count in [`PeerLink`], given back by the engine when a slot
-//!   frees) and a peer that cannot be reconnected (the caller reconnects
-//!   before posting when [`PeerLink::broken`] says so). Anything else the
-//!   engine finds fails the transfer through `done`, as a NIC error does.
+//! - `Post`: none. What `post` refuses synchronously is decided on the
+//!   caller's side without the engine: an unknown peer, a notification over
+//!   a slot. Anything else the engine finds fails the transfer through
+//!   `done`, as a NIC error does: more than `NOTIF_SLOTS` (256)
+//!   notifications in flight to the peer (`FailureKind::Overloaded`; the
+//!   engine is the only counter of the slots), a peer gone
+//!   (`FailureKind::PeerDied`).
 //! - `Cancel`, `Disconnect`, `Unplug`: the reply channel closes when the NIC
 //!   can no longer touch the buffers involved (QPs drained or destroyed).
 //! - `Query`, `ReserveRecv`: the answer.
@@ -39,6 +39,8 @@ pub struct PeerHealth {
     pub busy: bool,
     /// No QPs, or one missing or in error: the peer needs a reconnect.
     pub broken: bool,
+    /// Notification slots free (of `NOTIF_SLOTS`; 0 for an unknown peer).
+    pub free_slots: u32,
 }
 
 /// A command to the engine (see the module docs for which ones answer).
@@ -211,20 +213,19 @@ impl<N: Nic> Engine<N> {
     }
 
     fn post(&mut self, req: PostRequest) {
-        let (xfer, notified, peer) = (req.xfer, req.notification.is_some(), req.peer.0);
+        let (xfer, peer) = (req.xfer, req.peer.0);
         let result = match self.peers.get(&peer) {
             Some(p) => self.st.post(&req, &p.qpns, &p.name, &self.limits),
             None => Err(crate::transport::TransportError::NotConnected(req.peer)),
         };
         if let Err(e) = result {
-            // The caller checked what it could; the peer went away since.
-            if notified && let Some(l) = self.st.links.get(&peer) {
-                l.give_slot();
-            }
-            let _ = self
-                .st
-                .done
-                .send(Completion { xfer: XferId(xfer.0), result: Err(TransferFailure::peer_died(e.to_string())) });
+            let why = match e {
+                // Every notification slot of the peer is in flight.
+                crate::transport::TransportError::Post(m) => TransferFailure::overloaded(m),
+                // The caller checked what it could; the peer went away since.
+                e => TransferFailure::peer_died(e.to_string()),
+            };
+            let _ = self.st.done.send(Completion { xfer: XferId(xfer.0), result: Err(why) });
         }
     }
 
@@ -237,6 +238,7 @@ impl<N: Nic> Engine<N> {
         PeerHealth {
             busy: qpns.iter().any(|q| own(q).is_some_and(|s| s.outstanding > 0)),
             broken: qpns.is_empty() || qpns.iter().any(|q| own(q).is_none_or(|s| s.error.is_some())),
+            free_slots: self.st.slabs.get(&peer).map_or(0, |s| s.free.len() as u32),
         }
     }
 

@@ -141,7 +141,7 @@ struct Peer {
     addr: String,
     /// The target's connection secret (from its connection info).
     secret: AgentSecret,
-    /// Slots in use and a broken flag, shared with the engine (atomics).
+    /// The broken flag, shared with the engine (an atomic).
     link: Arc<PeerLink>,
     /// False after a failed reconnect: the next post tries again.
     has_qps: bool,
@@ -398,7 +398,7 @@ impl VerbsTransport {
         let budget = self.inner.config.peer_timeout + Duration::from_secs(10);
         let deadline = Instant::now() + budget;
         loop {
-            let gone = PeerHealth { busy: false, broken: true };
+            let gone = PeerHealth { busy: false, broken: true, free_slots: 0 };
             let h = self.core.handle.call(|reply| Cmd::Query { peer: peer.0, reply }).unwrap_or(gone);
             if !h.broken && p.has_qps {
                 return Ok(());
@@ -519,10 +519,11 @@ impl Transport for VerbsTransport {
     }
 
     /// Refuses here, on the caller's thread, what must be refused at once:
-    /// an unknown peer, a notification over a slot, more than
-    /// `NOTIF_SLOTS` (256) notifications in flight, a peer that cannot be
+    /// an unknown peer, a notification over a slot, a peer that cannot be
     /// reconnected. Then the request goes to the engine without waiting for
-    /// an answer; whatever else goes wrong fails the transfer in `poll`.
+    /// an answer; whatever else goes wrong fails the transfer in `poll`
+    /// (more than `NOTIF_SLOTS` (256) notifications in flight to the peer:
+    /// `FailureKind::Overloaded`, counted by the engine alone).
     fn post(&mut self, req: PostRequest) -> Result<(), TransportError> {
         if !self.peers.contains_key(&req.peer.0) {
             return Err(TransportError::NotConnected(req.peer));
@@ -534,10 +535,6 @@ impl Transport for VerbsTransport {
         // same typed error as shm and tcp before anything is queued.
         super::check_local(&req.segments, |k| self.regions.get(&k).map(|(_, b)| (b.desc(), b.clone())))?;
         self.recover(req.peer)?;
-        let p = &self.peers[&req.peer.0];
-        if req.notification.is_some() && !p.link.take_slot() {
-            return Err(TransportError::Post(format!("more than {NOTIF_SLOTS} notifications in flight to {}", p.name)));
-        }
         self.core.handle.send(Cmd::Post(req));
         Ok(())
     }

@@ -5,7 +5,7 @@
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+use std::sync::atomic::AtomicBool;
 use std::time::Instant;
 
 use crossbeam_channel::Sender;
@@ -116,8 +116,7 @@ pub struct State<Q: NicQp> {
     pub send_qps: HashMap<u32, SendQp<Q>>,
     pub xfers: HashMap<u64, Xfer>,
     pub slabs: HashMap<u32, NotifSlab<Q::Slab>>,
-    /// Per peer, what the caller sees of it ([`PeerLink`]): slots in use,
-    /// QPs broken. Absent in tests that drive the state directly.
+    /// Per peer, what the caller sees of it ([`PeerLink`]): QPs broken. Absent in tests that drive the state directly.
     pub links: HashMap<u32, Arc<PeerLink>>,
     /// Finished transfers, to the transport's `poll` without this state's
     /// lock, so a scheduler polling `status` never waits for the progress
@@ -361,13 +360,10 @@ impl<Q: NicQp> State<Q> {
     /// Remove transfer `x`'s record, giving its notification slot back.
     fn take_xfer(&mut self, x: u64) -> Option<Xfer> {
         let xf = self.xfers.remove(&x)?;
-        if let Some((peer, slot)) = xf.slot {
-            if let Some(s) = self.slabs.get_mut(&peer) {
-                s.free.push(slot);
-            }
-            if let Some(l) = self.links.get(&peer) {
-                l.give_slot();
-            }
+        if let Some((peer, slot)) = xf.slot
+            && let Some(s) = self.slabs.get_mut(&peer)
+        {
+            s.free.push(slot);
         }
         Some(xf)
     }
@@ -598,27 +594,12 @@ impl<Q: NicQp> State<Q> {
     }
 }
 
-/// What the user thread and the engine both see of one connected peer:
-/// two atomics, no lock.
+/// What the user thread and the engine both see of one connected peer: one
+/// atomic, no lock. (Notification slots are counted by the engine alone:
+/// its [`NotifSlab`] free list.)
 #[derive(Debug, Default)]
 pub struct PeerLink {
-    /// Notification slots taken or about to be: the caller adds one before
-    /// it posts a notification (at most `NOTIF_SLOTS` (256)), the engine takes
-    /// one off when the slot is free again.
-    pub slots: AtomicU32,
     /// A QP of the peer failed or was removed: the next post reconnects.
     /// Set by the engine, cleared when it installs new QPs.
     pub broken: AtomicBool,
-}
-
-impl PeerLink {
-    /// Take a notification slot; false when all [`NOTIF_SLOTS`] are taken.
-    pub fn take_slot(&self) -> bool {
-        self.slots.fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| (n < NOTIF_SLOTS).then_some(n + 1)).is_ok()
-    }
-
-    /// Give a slot back.
-    pub fn give_slot(&self) {
-        let _ = self.slots.fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| n.checked_sub(1));
-    }
 }

@@ -75,9 +75,6 @@ impl Rig {
     }
 
     fn post(&self, x: u64, op: Op, pages: u64, notification: Option<&[u8]>) {
-        if notification.is_some() {
-            assert!(self.link.take_slot());
-        }
         self.core().handle.send(Cmd::Post(self.request(x, op, pages, notification)));
     }
 
@@ -110,11 +107,10 @@ fn posts_complete_through_the_channels_and_drop_ends_the_thread_and_frees_the_ni
     r.post(1, Op::Write, 64, Some(b"hello"));
     assert_eq!(r.wait_done(1).result, Ok(()));
     assert_eq!(r.fabric.read(r.dst.1, r.dst.0, data.len()), Some(data));
-    // The slot came back to the caller's count once the SEND completed.
-    assert_eq!(r.link.slots.load(Ordering::Acquire), 0);
+    // The slot came back to the engine's count once the SEND completed.
     assert!(!r.link.broken.load(Ordering::Acquire));
     let h = r.core().handle.call(|reply| Cmd::Query { peer: 1, reply });
-    assert_eq!(h, Some(PeerHealth { busy: false, broken: false }));
+    assert_eq!(h, Some(PeerHealth { busy: false, broken: false, free_slots: NOTIF_SLOTS }));
     // Drop: the progress thread ends (joined) and with it every QP, slab
     // and the NIC it owned; with the test's own handles gone, only the
     // fabric itself is left.
@@ -179,7 +175,8 @@ fn cancel_over_the_channel_returns_once_the_nic_let_go() {
     assert!(w.touches.iter().all(|&(s, key, _, _)| s <= at || key != r.src.1), "touched after cancel");
     drop(w);
     assert!(r.core().done.try_recv().is_err(), "a cancelled transfer is not reported");
-    assert_eq!(r.link.slots.load(Ordering::Acquire), 0, "the notification slot leaked");
+    let h = r.core().handle.call(|reply| Cmd::Query { peer: 1, reply }).unwrap();
+    assert_eq!(h.free_slots, NOTIF_SLOTS, "the notification slot leaked");
 }
 
 #[test]
@@ -221,4 +218,35 @@ fn a_fast_poster_blocks_in_the_bounded_channel_while_the_nic_is_behind() {
         assert_eq!(c.result, Ok(()), "{:?}", c.xfer);
         ok += 1;
     }
+}
+
+#[test]
+fn the_engine_alone_counts_notification_slots_and_refuses_past_them_as_overloaded() {
+    use crate::transport::FailureKind;
+    // The fabric frozen: no SEND completes, so no slot comes back.
+    let r = Rig::new(false, 20);
+    r.fabric.world().auto_step = 0;
+    let n = u64::from(NOTIF_SLOTS);
+    for x in 1..=n + 2 {
+        r.post(x, Op::Write, 1, Some(b"n"));
+    }
+    let h = r.core().handle.call(|reply| Cmd::Query { peer: 1, reply }).unwrap();
+    assert_eq!(h.free_slots, 0);
+    for x in [n + 1, n + 2] {
+        let c = r.wait_done(x);
+        let why = c.result.expect_err("past the slots");
+        assert_eq!(why.kind, FailureKind::Overloaded, "{why}");
+        assert!(why.detail.contains("notifications in flight"), "{why}");
+    }
+    // The NIC moves again: the first 256 end and give their slots back (the
+    // test's target holds 64 receives and reposts none, so the later ones
+    // fail on RNR: ending is what counts here).
+    r.fabric.world().auto_step = 4;
+    let mut done = std::collections::HashSet::new();
+    while done.len() < NOTIF_SLOTS as usize {
+        let c = r.core().done.recv_timeout(Duration::from_secs(20)).expect("a completion");
+        assert!(c.xfer.0 <= n && done.insert(c.xfer.0), "{:?}", c.xfer);
+    }
+    let h = r.core().handle.call(|reply| Cmd::Query { peer: 1, reply }).unwrap();
+    assert_eq!(h.free_slots, NOTIF_SLOTS, "a slot leaked");
 }
