@@ -16,8 +16,15 @@
 //! - `Cancel`, `Disconnect`, `Unplug`: the reply channel closes when the NIC
 //!   can no longer touch the buffers involved (QPs drained or destroyed).
 //! - `Query`, `ReserveRecv`: the answer.
-//! - `Install`, `AddRecv`, `RemoveRecv`, `FailPeer`, `Stop`: none (the
-//!   channel keeps their order ahead of any later command).
+//! - `Install`, `Reconnecting`, `Resume`, `AddRecv`, `RemoveRecv`,
+//!   `FailPeer`, `Stop`: none (the channel keeps their order ahead of any
+//!   later command).
+//!
+//! Reconnection runs on a connection-manager thread (`reconnect.rs`), never
+//! on the caller's: the caller sends `Reconnecting` and starts it; from then
+//! on the engine holds the peer's posts, in order, until the thread hands
+//! over new QPs (`Install`: the held posts go on them) or gives up
+//! (`Resume` with the reason: they fail with `PeerDied` naming it).
 
 use std::collections::HashMap;
 use std::os::fd::{AsFd, BorrowedFd};
@@ -52,6 +59,12 @@ pub enum Cmd<Q: NicQp> {
     /// Hand over a peer's connected QPs: a new peer with its name,
     /// notification slab and link, or new QPs of a known peer (reconnect).
     Install { peer: u32, name: String, qps: Vec<Q>, slab: Option<Q::Slab>, link: Option<Arc<PeerLink>> },
+    /// A reconnect of the peer started: hold its posts until `Install` or
+    /// `Resume`.
+    Reconnecting { peer: u32 },
+    /// The reconnect ended without new QPs: with `failed`, the held posts
+    /// fail with it; without, they go on the peer's QPs.
+    Resume { peer: u32, failed: Option<String> },
     /// How the peer's QPs stand.
     Query { peer: u32, reply: Sender<PeerHealth> },
     /// Destroy the peer's QPs (before a reconnect), failing what they carried.
@@ -76,6 +89,8 @@ pub enum Cmd<Q: NicQp> {
 struct EnginePeer {
     name: String,
     qpns: Vec<u32>,
+    /// `Some` while a reconnect is in progress: the posts held behind it.
+    held: Option<Vec<PostRequest>>,
 }
 
 /// A cancel waiting for the NIC to let go of a transfer.
@@ -142,6 +157,12 @@ impl<N: Nic> Engine<N> {
         match cmd {
             Cmd::Post(req) => self.post(req),
             Cmd::Cancel { xfer, done } => {
+                // Posts held behind a reconnect never reached the NIC.
+                for p in self.peers.values_mut() {
+                    if let Some(h) = p.held.as_mut() {
+                        h.retain(|r| xfer.is_some_and(|x| r.xfer.0 != x));
+                    }
+                }
                 let ids: Vec<u64> = match xfer {
                     Some(x) => vec![x],
                     None => self.st.xfers.keys().copied().collect(),
@@ -157,6 +178,11 @@ impl<N: Nic> Engine<N> {
                 self.check_cancels(now);
             }
             Cmd::Install { peer, name, qps, slab, link } => {
+                if link.is_none() && !self.peers.contains_key(&peer) {
+                    // A reconnect that finished after its peer was
+                    // disconnected: the QPs are dropped (destroyed) here.
+                    return true;
+                }
                 let qpns: Vec<u32> = qps.iter().map(NicQp::qp_num).collect();
                 for qp in qps {
                     self.st.send_qps.insert(qp.qp_num(), SendQp::new(qp, peer, now));
@@ -170,9 +196,16 @@ impl<N: Nic> Engine<N> {
                 if let Some(l) = self.st.links.get(&peer) {
                     l.broken.store(qpns.is_empty(), Ordering::Release);
                 }
-                let p = self.peers.entry(peer).or_insert_with(|| EnginePeer { name, qpns: Vec::new() });
+                let p = self.peers.entry(peer).or_insert_with(|| EnginePeer { name, qpns: Vec::new(), held: None });
                 p.qpns = qpns;
+                self.resume(peer, None);
             }
+            Cmd::Reconnecting { peer } => {
+                if let Some(p) = self.peers.get_mut(&peer) {
+                    p.held.get_or_insert_with(Vec::new);
+                }
+            }
+            Cmd::Resume { peer, failed } => self.resume(peer, failed),
             Cmd::Query { peer, reply } => {
                 let _ = reply.send(self.health(peer));
             }
@@ -183,6 +216,7 @@ impl<N: Nic> Engine<N> {
                 }
             }
             Cmd::Disconnect { peer, done: _done } => {
+                self.resume(peer, Some("disconnected".into()));
                 if let Some(p) = self.peers.remove(&peer) {
                     for q in p.qpns {
                         self.st.remove_peer_qp(q, peer, &limits);
@@ -212,7 +246,32 @@ impl<N: Nic> Engine<N> {
         true
     }
 
+    /// End the hold of `peer`'s posts: post them (`failed` is `None`) or
+    /// fail them with `PeerDied` naming the reason.
+    fn resume(&mut self, peer: u32, failed: Option<String>) {
+        let Some(p) = self.peers.get_mut(&peer) else {
+            return;
+        };
+        let Some(held) = p.held.take() else {
+            return;
+        };
+        let name = p.name.clone();
+        for req in held {
+            match &failed {
+                None => self.post(req),
+                Some(why) => {
+                    let f = TransferFailure::peer_died(format!("{name} (reconnect failed: {why})"));
+                    let _ = self.st.done.send(Completion { xfer: req.xfer, result: Err(f) });
+                }
+            }
+        }
+    }
+
     fn post(&mut self, req: PostRequest) {
+        if let Some(held) = self.peers.get_mut(&req.peer.0).and_then(|p| p.held.as_mut()) {
+            held.push(req);
+            return;
+        }
         let (xfer, peer) = (req.xfer, req.peer.0);
         let result = match self.peers.get(&peer) {
             Some(p) => self.st.post(&req, &p.qpns, &p.name, &self.limits),

@@ -250,3 +250,69 @@ fn the_engine_alone_counts_notification_slots_and_refuses_past_them_as_overloade
     let h = r.core().handle.call(|reply| Cmd::Query { peer: 1, reply }).unwrap();
     assert_eq!(h.free_slots, NOTIF_SLOTS, "a slot leaked");
 }
+
+/// A new QP pair between the rig's devices, receives posted on the target
+/// side: what a reconnect hands the engine. Returns the initiator's QP and
+/// keeps the target's in the rig.
+fn new_qps(r: &mut Rig) -> SimQp {
+    let iq = r.fabric.handle(0).create_qp(64, 1).unwrap();
+    let t = r.fabric.handle(1);
+    let mut tq = t.create_qp(4, RECVS_PER_QP).unwrap();
+    r.fabric.connect(iq.qp_num(), tq.qp_num());
+    let tslab = Arc::new(t.alloc_slab(RECVS_PER_QP as usize * NOTIF_SLOT_BYTES).unwrap());
+    for slot in 0..RECVS_PER_QP {
+        let off = slot as usize * NOTIF_SLOT_BYTES;
+        tq.post_recv(RECV_BIT | u64::from(slot), &tslab, off, NOTIF_SLOT_BYTES as u32).unwrap();
+    }
+    r.target = Some((tq, tslab));
+    iq
+}
+
+/// Break the rig's QP with an error completion (transfer `x` fails).
+fn break_link(r: &Rig, x: u64) {
+    r.fabric.fail_next(r.qpn, crate::verbs::WcStatus::RemAccessErr);
+    r.post(x, Op::Write, 4, None);
+    assert!(r.wait_done(x).result.is_err());
+    assert!(r.link.broken.load(Ordering::Acquire));
+}
+
+#[test]
+fn posts_wait_in_the_engine_behind_a_reconnect_and_go_on_the_new_qps() {
+    let mut r = Rig::new(false, 20);
+    break_link(&r, 1);
+    // VerbsTransport::post on a broken peer: `Reconnecting`, then the post,
+    // and it returns; the reconnect thread does the rest.
+    r.core().handle.send(Cmd::Reconnecting { peer: 1 });
+    let data: Vec<u8> = (0..4 * PAGE as usize).map(|i| (i % 239) as u8).collect();
+    assert!(r.fabric.write(r.src.1, r.src.0, &data));
+    r.post(2, Op::Write, 4, Some(b"after"));
+    let h = r.core().handle.call(|reply| Cmd::Query { peer: 1, reply }).unwrap();
+    assert!(h.broken && !h.busy, "{h:?}");
+    r.core().handle.call::<()>(|done| Cmd::Unplug { peer: 1, done });
+    // Channel order: had the post not been held, it would have failed on
+    // the broken QP before the Unplug answered (mutation-checked).
+    assert!(r.core().done.try_recv().is_err(), "a post behind the reconnect ran on the broken QP");
+    let iq = new_qps(&mut r);
+    r.core().handle.send(Cmd::Install { peer: 1, name: "target".into(), qps: vec![iq], slab: None, link: None });
+    assert_eq!(r.wait_done(2).result, Ok(()));
+    assert_eq!(r.fabric.read(r.dst.1, r.dst.0, data.len()), Some(data));
+    assert!(!r.link.broken.load(Ordering::Acquire));
+}
+
+#[test]
+fn a_failed_reconnect_fails_the_posts_held_behind_it_and_a_cancelled_one_is_not_reported() {
+    use crate::transport::FailureKind;
+    let r = Rig::new(false, 20);
+    break_link(&r, 1);
+    r.core().handle.send(Cmd::Reconnecting { peer: 1 });
+    r.post(2, Op::Write, 4, None);
+    r.post(3, Op::Write, 4, Some(b"n"));
+    r.core().handle.call::<()>(|done| Cmd::Cancel { xfer: Some(3), done });
+    r.core().handle.send(Cmd::Resume { peer: 1, failed: Some("target refused: authentication failed".into()) });
+    let why = r.wait_done(2).result.expect_err("held behind a failed reconnect");
+    assert_eq!(why.kind, FailureKind::PeerDied);
+    assert!(why.detail.contains("reconnect failed: target refused"), "{why}");
+    let h = r.core().handle.call(|reply| Cmd::Query { peer: 1, reply }).unwrap();
+    assert!(r.core().done.try_recv().is_err(), "the cancelled post was reported");
+    assert_eq!(h.free_slots, NOTIF_SLOTS, "a held post took a slot");
+}
