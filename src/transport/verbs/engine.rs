@@ -36,7 +36,7 @@ use std::time::{Duration, Instant};
 use crossbeam_channel::{Receiver, Sender};
 
 use super::nic::{Nic, NicQp};
-use super::state::{NOTIF_SLOTS, NotifSlab, PeerLink, PostLimits, RecvQp, SendQp, State};
+use super::state::{PeerLink, PostLimits, RecvQp, SendQp, State};
 use crate::transport::{Completion, Notification, PostRequest, TransferFailure, XferId};
 
 /// Whether a peer's QPs can take work ([`Cmd::Query`]).
@@ -188,7 +188,7 @@ impl<N: Nic> Engine<N> {
                     self.st.send_qps.insert(qp.qp_num(), SendQp::new(qp, peer, now));
                 }
                 if let Some(mr) = slab {
-                    self.st.slabs.insert(peer, NotifSlab { mr, free: (0..NOTIF_SLOTS).rev().collect() });
+                    self.st.slots.install(peer, mr);
                 }
                 if let Some(l) = link {
                     self.st.links.insert(peer, l);
@@ -222,7 +222,7 @@ impl<N: Nic> Engine<N> {
                         self.st.remove_peer_qp(q, peer, &limits);
                     }
                 }
-                self.st.slabs.remove(&peer);
+                self.st.slots.remove(peer);
                 self.st.links.remove(&peer);
             }
             Cmd::FailPeer { peer, why } => self.st.fail_peer(peer, &why, &limits),
@@ -297,7 +297,7 @@ impl<N: Nic> Engine<N> {
         PeerHealth {
             busy: qpns.iter().any(|q| own(q).is_some_and(|s| s.outstanding > 0)),
             broken: qpns.is_empty() || qpns.iter().any(|q| own(q).is_none_or(|s| s.error.is_some())),
-            free_slots: self.st.slabs.get(&peer).map_or(0, |s| s.free.len() as u32),
+            free_slots: self.st.slots.free(peer),
         }
     }
 

@@ -50,8 +50,8 @@ pub struct SendQp<Q> {
     pub peer: u32,
     /// WRs posted and not yet covered by a polled completion.
     pub outstanding: u32,
-    /// Chunk id (the wr_id of every WR of the chunk) → (xfer, WRs in chunk).
-    pub chunks: HashMap<u64, (u64, u32)>,
+    /// Chunk id (the wr_id of every WR of the chunk) → its chunk.
+    pub chunks: HashMap<u64, Chunk>,
     pub queue: VecDeque<Work>,
     /// Set by the first error completion: the QP needs a reset + reconnect.
     pub error: Option<TransferFailure>,
@@ -82,6 +82,33 @@ impl<Q> SendQp<Q> {
     }
 }
 
+/// Signalled WRs posted together: one completion retires them all.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Chunk {
+    /// The transfer they belong to.
+    pub xfer: u64,
+    /// WRs in the chunk (its last one signalled).
+    pub wrs: u32,
+}
+
+/// A notification SEND waiting for every WR of its transfer to complete
+/// (multi-QP peers).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DeferredNotify {
+    /// The QP it goes on.
+    pub qpn: u32,
+    /// Its slot in the peer's slab, and its length in bytes.
+    pub slot: u32,
+    pub len: u32,
+}
+
+/// A notification slot taken by a transfer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SlotRef {
+    pub peer: u32,
+    pub slot: u32,
+}
+
 /// A transfer in flight.
 pub struct Xfer {
     /// Work items queued but not yet posted.
@@ -90,11 +117,10 @@ pub struct Xfer {
     pub chunks: u32,
     pub error: Option<TransferFailure>,
     pub cancelled: bool,
-    /// Notification to send once all data completed (multi-QP peers), with
-    /// its slot: `(qpn, slot, len)`.
-    pub deferred_notify: Option<(u32, u32, u32)>,
-    /// Notification slot to free at the end: `(peer, slot)`.
-    pub slot: Option<(u32, u32)>,
+    /// Notification to send once all data completed (multi-QP peers).
+    pub deferred_notify: Option<DeferredNotify>,
+    /// Notification slot to free at the end.
+    pub slot: Option<SlotRef>,
 }
 
 /// A target-side QP receiving notifications from one initiator.
@@ -106,16 +132,165 @@ pub struct RecvQp<Q: NicQp> {
 }
 
 /// Notification slots of one peer (a registered slab on the initiator).
-pub struct NotifSlab<S> {
-    pub mr: S,
-    pub free: Vec<u32>,
+struct NotifSlab<S> {
+    mr: S,
+    free: Vec<u32>,
+}
+
+/// Why no notification slot could be taken.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SlotRefusal {
+    /// The peer has no slab (unknown or disconnected).
+    NoSlab,
+    /// All [`NOTIF_SLOTS`] of the peer are in flight.
+    Full,
+}
+
+/// The notification slots of every peer: the one count of them (a slot is
+/// taken by a notified post and given back when its transfer ends).
+pub struct NotifSlots<S> {
+    slabs: HashMap<u32, NotifSlab<S>>,
+}
+
+impl<S: NicSlab> NotifSlots<S> {
+    fn new() -> Self {
+        Self { slabs: HashMap::new() }
+    }
+
+    /// Give `peer` the slab `mr` of [`NOTIF_SLOTS`] slots, all free.
+    pub fn install(&mut self, peer: u32, mr: S) {
+        self.slabs.insert(peer, NotifSlab { mr, free: (0..NOTIF_SLOTS).rev().collect() });
+    }
+
+    /// Forget `peer`'s slab (disconnect).
+    pub fn remove(&mut self, peer: u32) {
+        self.slabs.remove(&peer);
+    }
+
+    /// Free slots of `peer` (0 for a peer without a slab).
+    pub fn free(&self, peer: u32) -> u32 {
+        self.slabs.get(&peer).map_or(0, |s| s.free.len() as u32)
+    }
+
+    /// Take a slot of `peer` and write `payload` (≤ [`NOTIF_SLOT_BYTES`])
+    /// into it.
+    ///
+    /// # Errors
+    /// [`SlotRefusal`] when the peer has no slab or no free slot.
+    pub fn take(&mut self, peer: u32, payload: &[u8]) -> Result<SlotRef, SlotRefusal> {
+        let slab = self.slabs.get_mut(&peer).ok_or(SlotRefusal::NoSlab)?;
+        let slot = slab.free.pop().ok_or(SlotRefusal::Full)?;
+        // Slot `slot` is free: no WR reads it until one is posted.
+        let written = slab.mr.write(slot as usize * NOTIF_SLOT_BYTES, payload);
+        debug_assert!(written, "payloads fit a slot");
+        Ok(SlotRef { peer, slot })
+    }
+
+    /// Give a slot back (its transfer ended).
+    fn give(&mut self, r: SlotRef) {
+        if let Some(s) = self.slabs.get_mut(&r.peer) {
+            s.free.push(r.slot);
+        }
+    }
+
+    /// The SGE of `slot` of `peer`: `(address, lkey)`, `(0, 0)` without a
+    /// slab (the WR then fails on the NIC).
+    fn sge(&self, peer: u32, slot: u32) -> (u64, u32) {
+        self.slabs
+            .get(&peer)
+            .map(|s| (s.mr.addr() + u64::from(slot) * NOTIF_SLOT_BYTES as u64, s.mr.lkey()))
+            .unwrap_or((0, 0))
+    }
+}
+
+/// The CQE budget of the shared completion queue: what it can still take,
+/// and how much of it the posted receives hold. No WR is posted beyond it,
+/// so the CQ never overruns (an overrun would put every QP on it in error).
+#[derive(Debug)]
+pub struct CqBudget {
+    /// CQEs the CQ can still take: its size less one per posted send WR
+    /// (signalled ones complete with a CQE, and after an error every WR is
+    /// flushed with one) and one per posted receive.
+    free: u32,
+    /// A QP stopped posting for want of CQEs: completions then pump every
+    /// QP with queued work.
+    starved: bool,
+    /// CQEs held for posted receives, at most `recv_cap` (half the CQ).
+    recv_reserved: u32,
+    recv_cap: u32,
+}
+
+impl CqBudget {
+    /// The budget of an empty CQ of `cqes` entries.
+    pub fn new(cqes: u32) -> Self {
+        Self { free: cqes, starved: false, recv_reserved: 0, recv_cap: cqes / 2 }
+    }
+
+    /// CQEs the CQ can still take.
+    pub fn free(&self) -> u32 {
+        self.free
+    }
+
+    /// CQEs held for posted receives.
+    pub fn recv_reserved(&self) -> u32 {
+        self.recv_reserved
+    }
+
+    /// Hold `n` CQEs for receives; false when they do not fit (receives
+    /// take at most half of the CQ).
+    fn reserve_recv(&mut self, n: u32) -> bool {
+        let ok = self.recv_reserved + n <= self.recv_cap && self.free >= n;
+        if ok {
+            self.free -= n;
+            self.recv_reserved += n;
+        }
+        ok
+    }
+
+    /// Give back `n` CQEs held for receives.
+    fn unreserve_recv(&mut self, n: u32) {
+        self.recv_reserved = self.recv_reserved.saturating_sub(n);
+        self.release(n);
+    }
+
+    /// Give back `n` CQEs held by posted WRs.
+    fn release(&mut self, n: u32) {
+        self.free = self.free.saturating_add(n);
+    }
+
+    /// Hold `n` CQEs for WRs just posted (at most [`free`](Self::free)).
+    fn take(&mut self, n: u32) {
+        self.free -= n;
+    }
+
+    /// A QP stopped posting for want of CQEs.
+    fn starve(&mut self) {
+        self.starved = true;
+    }
+
+    /// True (once) when a QP starved and CQEs are free again: the waiting
+    /// QPs are to be pumped.
+    fn wake_starved(&mut self) -> bool {
+        let wake = self.starved && self.free > 0;
+        if wake {
+            self.starved = false;
+        }
+        wake
+    }
+
+    /// Pretend the CQ is full (tests of starvation).
+    #[cfg(test)]
+    pub fn exhaust(&mut self) {
+        self.free = 0;
+    }
 }
 
 /// Everything the engine owns.
 pub struct State<Q: NicQp> {
     pub send_qps: HashMap<u32, SendQp<Q>>,
     pub xfers: HashMap<u64, Xfer>,
-    pub slabs: HashMap<u32, NotifSlab<Q::Slab>>,
+    /// Notification slots per peer: the one count of them.
+    pub slots: NotifSlots<Q::Slab>,
     /// Per peer, what the caller sees of it ([`PeerLink`]): QPs broken. Absent in tests that drive the state directly.
     pub links: HashMap<u32, Arc<PeerLink>>,
     /// Finished transfers, to the transport's `poll` without this state's
@@ -127,18 +302,8 @@ pub struct State<Q: NicQp> {
     pub notifs: Sender<Notification>,
     pub next_chunk: u64,
     pub batch: WrBatch,
-    /// CQEs the shared completion queue can still take: its size less one
-    /// per posted send WR (signalled ones complete with a CQE, and after an
-    /// error every WR is flushed with one) and one per posted receive. No WR
-    /// is posted beyond it, so the CQ never overruns (an overrun would put
-    /// every QP on it in error).
-    pub cq_free: u32,
-    /// A QP stopped posting for want of `cq_free`: completions then pump
-    /// every QP with queued work.
-    pub cq_starved: bool,
-    /// CQEs held for posted receives, at most `recv_cap` (half the CQ).
-    pub recv_reserved: u32,
-    pub recv_cap: u32,
+    /// The CQE budget of the shared completion queue.
+    pub cq: CqBudget,
     /// The time the caller last set (the state reads no clock itself, so a
     /// simulation drives it): stamps QP progress for [`State::expire`].
     pub now: Instant,
@@ -194,17 +359,14 @@ impl<Q: NicQp> State<Q> {
         Self {
             send_qps: HashMap::new(),
             xfers: HashMap::new(),
-            slabs: HashMap::new(),
+            slots: NotifSlots::new(),
             links: HashMap::new(),
             done,
             recv_qps: HashMap::new(),
             notifs,
             next_chunk: 0,
             batch: WrBatch::default(),
-            cq_free: cqes,
-            cq_starved: false,
-            recv_reserved: 0,
-            recv_cap: cqes / 2,
+            cq: CqBudget::new(cqes),
             now: Instant::now(),
         }
     }
@@ -214,19 +376,13 @@ impl<Q: NicQp> State<Q> {
     /// room (receives stay posted for as long as their initiator is
     /// connected, and sends waiting for them would wait as long).
     pub fn reserve_recv_cqes(&mut self, n: u32) -> bool {
-        let ok = self.recv_reserved + n <= self.recv_cap && self.cq_free >= n;
-        if ok {
-            self.cq_free -= n;
-            self.recv_reserved += n;
-        }
-        ok
+        self.cq.reserve_recv(n)
     }
 
     /// Give back `n` CQEs held by [`reserve_recv_cqes`](Self::reserve_recv_cqes)
     /// and post the work that waited for them.
     pub fn release_recv_cqes(&mut self, n: u32, limits: &PostLimits) {
-        self.recv_reserved = self.recv_reserved.saturating_sub(n);
-        self.release_cqes(n);
+        self.cq.unreserve_recv(n);
         self.pump_starved(limits);
     }
 
@@ -234,7 +390,7 @@ impl<Q: NicQp> State<Q> {
     /// posted WRs. Callers then [`pump_starved`](Self::pump_starved): work
     /// that waits for CQEs is posted only from there.
     pub fn release_cqes(&mut self, n: u32) {
-        self.cq_free = self.cq_free.saturating_add(n);
+        self.cq.release(n);
     }
 
     /// After CQEs were given back: post the work of every QP that stopped
@@ -246,10 +402,9 @@ impl<Q: NicQp> State<Q> {
 
     /// [`pump_starved`](Self::pump_starved) but for `skip`, which the caller pumps next.
     fn pump_starved_except(&mut self, skip: Option<u32>, limits: &PostLimits) {
-        if !self.cq_starved || self.cq_free == 0 {
+        if !self.cq.wake_starved() {
             return;
         }
-        self.cq_starved = false;
         let waiting: Vec<u32> =
             self.send_qps.iter().filter(|&(&q, sq)| !sq.queue.is_empty() && Some(q) != skip).map(|(&q, _)| q).collect();
         for q in waiting {
@@ -330,7 +485,7 @@ impl<Q: NicQp> State<Q> {
         };
         self.mark_broken(sq.peer);
         self.release_cqes(sq.outstanding + sq.flush_reserved);
-        let in_flight: Vec<u64> = sq.chunks.values().map(|&(x, _)| x).collect();
+        let in_flight: Vec<u64> = sq.chunks.values().map(|c| c.xfer).collect();
         drop(sq);
         self.pump_starved(limits);
         for x in in_flight {
@@ -360,10 +515,8 @@ impl<Q: NicQp> State<Q> {
     /// Remove transfer `x`'s record, giving its notification slot back.
     fn take_xfer(&mut self, x: u64) -> Option<Xfer> {
         let xf = self.xfers.remove(&x)?;
-        if let Some((peer, slot)) = xf.slot
-            && let Some(s) = self.slabs.get_mut(&peer)
-        {
-            s.free.push(slot);
+        if let Some(r) = xf.slot {
+            self.slots.give(r);
         }
         Some(xf)
     }
@@ -376,16 +529,16 @@ impl<Q: NicQp> State<Q> {
             self.fail_queue(qpn, limits);
             return;
         }
-        let State { send_qps, xfers, slabs, batch, next_chunk, cq_free, cq_starved, now, .. } = self;
+        let State { send_qps, xfers, slots, batch, next_chunk, cq, now, .. } = self;
         let Some(sq) = send_qps.get_mut(&qpn) else {
             return;
         };
         while !sq.queue.is_empty() && sq.outstanding < limits.max_send_wr {
-            if *cq_free == 0 {
-                *cq_starved = true;
+            if cq.free() == 0 {
+                cq.starve();
                 break;
             }
-            let room = ((limits.max_send_wr - sq.outstanding) as usize).min(*cq_free as usize);
+            let room = ((limits.max_send_wr - sq.outstanding) as usize).min(cq.free() as usize);
             let n = batch_len(&sq.queue, room, limits);
             batch.clear();
             let mut records: Vec<(u64, u64, u32)> = Vec::new();
@@ -408,10 +561,7 @@ impl<Q: NicQp> State<Q> {
                         seg.rkey.0,
                     ),
                     Work::Notify { slot, len, fence, .. } => {
-                        let (addr, lkey) = slabs
-                            .get(&sq.peer)
-                            .map(|s| (s.mr.addr() + u64::from(slot) * NOTIF_SLOT_BYTES as u64, s.mr.lkey()))
-                            .unwrap_or((0, 0));
+                        let (addr, lkey) = slots.sge(sq.peer, slot);
                         batch.push_send(WrId(chunk), signaled, fence, addr, len, lkey);
                     }
                 }
@@ -441,12 +591,12 @@ impl<Q: NicQp> State<Q> {
                 }
                 let cnt = cnt.min((ok_upto - covered) as u32);
                 covered += cnt as usize;
-                sq.chunks.insert(id, (x, cnt));
+                sq.chunks.insert(id, Chunk { xfer: x, wrs: cnt });
                 if let Some(xf) = xfers.get_mut(&x) {
                     xf.chunks += 1;
                 }
             }
-            *cq_free -= covered as u32;
+            cq.take(covered as u32);
             if sq.outstanding == 0 && covered > 0 {
                 sq.progress_at = *now;
             }
@@ -493,7 +643,7 @@ impl<Q: NicQp> State<Q> {
         let Some(sq) = self.send_qps.get_mut(&wc.qp_num) else {
             return;
         };
-        let Some((x, cnt)) = sq.chunks.remove(&wc.wr_id) else {
+        let Some(Chunk { xfer: x, wrs: cnt }) = sq.chunks.remove(&wc.wr_id) else {
             // Another flushed WR of a chunk already reported.
             if wc.wc_status() != Some(WcStatus::Success) && sq.flush_reserved > 0 {
                 sq.flush_reserved -= 1;
@@ -555,7 +705,7 @@ impl<Q: NicQp> State<Q> {
             return;
         }
         if xf.error.is_none()
-            && let Some((qpn, slot, len)) = xf.deferred_notify.take()
+            && let Some(DeferredNotify { qpn, slot, len }) = xf.deferred_notify.take()
         {
             // Every WR of `x` completed: nothing left to fence.
             self.enqueue_notify(x, qpn, slot, len, false, limits);

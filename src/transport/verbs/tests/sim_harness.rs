@@ -13,7 +13,7 @@ use crate::transport::verbs::conn::RECVS_PER_QP;
 use crate::transport::verbs::nic::{Nic, NicQp};
 use crate::transport::verbs::sim::{DEFAULT_READ_DEPTH, SimFabric, SimNic, SimQp};
 use crate::transport::verbs::state::NOTIF_SLOTS;
-use crate::transport::verbs::state::{NOTIF_SLOT_BYTES, NotifSlab, PostLimits, RECV_BIT, RecvQp, SendQp, State};
+use crate::transport::verbs::state::{NOTIF_SLOT_BYTES, PostLimits, RECV_BIT, RecvQp, SendQp, State};
 use crate::transport::{
     Completion, LocalKey, Notification, Op, PeerId, PostRequest, RemoteKey, Segment, TransferFailure, TransportError,
     XferId,
@@ -145,7 +145,7 @@ impl Pair {
             early_done: Vec::new(),
         };
         let slab = p.i.nic.alloc_slab(NOTIF_SLOTS as usize * NOTIF_SLOT_BYTES).unwrap();
-        p.i.st.slabs.insert(1, NotifSlab { mr: slab, free: (0..NOTIF_SLOTS).rev().collect() });
+        p.i.st.slots.install(1, slab);
         p.qpns = connect(&p.fabric, &mut p.i, &mut p.t, 1, opts, p.now);
         p
     }
@@ -156,7 +156,7 @@ impl Pair {
         let mut t = side(&self.fabric, id, self.opts.cq_target);
         let dst = self.fabric.alloc(id, REGION);
         let slab = self.i.nic.alloc_slab(NOTIF_SLOTS as usize * NOTIF_SLOT_BYTES).unwrap();
-        self.i.st.slabs.insert(id, NotifSlab { mr: slab, free: (0..NOTIF_SLOTS).rev().collect() });
+        self.i.st.slots.install(id, slab);
         let qpns = connect(&self.fabric, &mut self.i, &mut t, id, self.opts, self.now);
         self.others.insert(id, Remote { t, dst, qpns });
         id
@@ -414,7 +414,7 @@ impl Pair {
         assert!(self.early_done.is_empty(), "Done before the data landed: {:?}", self.early_done);
         for (s, cq) in [(&self.i.st, self.opts.cq), (&self.t.st, self.opts.cq_target)] {
             let held: u32 = s.send_qps.values().map(|q| q.outstanding + q.flush_reserved).sum();
-            assert_eq!(s.cq_free + s.recv_reserved + held, cq as u32, "CQE budget");
+            assert_eq!(s.cq.free() + s.cq.recv_reserved() + held, cq as u32, "CQE budget");
         }
     }
 }
