@@ -304,6 +304,10 @@ pub struct State<Q: NicQp> {
     pub batch: WrBatch,
     /// The CQE budget of the shared completion queue.
     pub cq: CqBudget,
+    /// Steps waiting to be handled, and whether a handler runs
+    /// ([`State::settle`]).
+    events: VecDeque<Event>,
+    settling: bool,
     /// The time the caller last set (the state reads no clock itself, so a
     /// simulation drives it): stamps QP progress for [`State::expire`].
     pub now: Instant,
@@ -350,6 +354,18 @@ pub(super) fn batch_len(queue: &VecDeque<Work>, room: usize, limits: &PostLimits
     n
 }
 
+/// A step of the state machine that another step caused, handled at the top
+/// ([`State::settle`]) rather than inside the step that caused it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Event {
+    /// Post what fits of the QP's queue (or fail it, the QP in error).
+    Pump(u32),
+    /// Report the transfer if nothing of it is queued or in flight.
+    Finish(u64),
+    /// CQEs came back: pump the QPs that waited for them, but `skip`.
+    PumpStarved { skip: Option<u32> },
+}
+
 /// Receive chunk ids have the top bit set; the rest is the slot.
 pub(super) const RECV_BIT: u64 = 1 << 63;
 
@@ -367,6 +383,8 @@ impl<Q: NicQp> State<Q> {
             next_chunk: 0,
             batch: WrBatch::default(),
             cq: CqBudget::new(cqes),
+            events: VecDeque::new(),
+            settling: false,
             now: Instant::now(),
         }
     }
@@ -402,6 +420,32 @@ impl<Q: NicQp> State<Q> {
 
     /// [`pump_starved`](Self::pump_starved) but for `skip`, which the caller pumps next.
     fn pump_starved_except(&mut self, skip: Option<u32>, limits: &PostLimits) {
+        self.events.push_back(Event::PumpStarved { skip });
+        self.settle(limits);
+    }
+
+    /// Handle events until none is left, unless a handler is running
+    /// already (then it returns at once and the loop below takes the new
+    /// events after that handler returned). So a handler never runs inside
+    /// another: work a step causes (posting a QP's queue, reporting a
+    /// transfer, the QPs waiting for CQEs) is an event, handled in order
+    /// at the top.
+    fn settle(&mut self, limits: &PostLimits) {
+        if self.settling {
+            return;
+        }
+        self.settling = true;
+        while let Some(e) = self.events.pop_front() {
+            match e {
+                Event::Pump(q) => self.pump_now(q, limits),
+                Event::Finish(x) => self.finish_now(x, limits),
+                Event::PumpStarved { skip } => self.pump_starved_now(skip, limits),
+            }
+        }
+        self.settling = false;
+    }
+
+    fn pump_starved_now(&mut self, skip: Option<u32>, limits: &PostLimits) {
         if !self.cq.wake_starved() {
             return;
         }
@@ -521,8 +565,14 @@ impl<Q: NicQp> State<Q> {
         Some(xf)
     }
 
-    /// Post as much of `qpn`'s queue as the send queue has room for.
+    /// Post as much of `qpn`'s queue as the send queue has room for (as an
+    /// event: see [`settle`](Self::settle)).
     pub fn pump(&mut self, qpn: u32, limits: &PostLimits) {
+        self.events.push_back(Event::Pump(qpn));
+        self.settle(limits);
+    }
+
+    fn pump_now(&mut self, qpn: u32, limits: &PostLimits) {
         if self.send_qps.get(&qpn).is_some_and(|sq| sq.error.is_some()) {
             // Work queued on a QP in error (e.g. a deferred notification)
             // would wait forever: fail it.
@@ -696,8 +746,14 @@ impl<Q: NicQp> State<Q> {
         self.try_finish(x, limits);
     }
 
-    /// Report `x` when nothing of it is queued or in flight.
+    /// Report `x` when nothing of it is queued or in flight (as an event:
+    /// see [`settle`](Self::settle)).
     pub fn try_finish(&mut self, x: u64, limits: &PostLimits) {
+        self.events.push_back(Event::Finish(x));
+        self.settle(limits);
+    }
+
+    fn finish_now(&mut self, x: u64, limits: &PostLimits) {
         let Some(xf) = self.xfers.get_mut(&x) else {
             return;
         };
