@@ -36,8 +36,8 @@ use std::time::{Duration, Instant};
 use crossbeam_channel::{Receiver, Sender};
 
 use super::nic::{Nic, NicQp};
-use super::state::{PeerLink, PostLimits, RecvQp, SendQp, State};
-use crate::transport::{Completion, Notification, PostRequest, TransferFailure, XferId};
+use super::state::{PeerLink, PostLimits, RecvQp, State};
+use crate::transport::{Completion, Notification, PostRequest, TransferFailure};
 
 /// Whether a peer's QPs can take work ([`Cmd::Query`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -142,7 +142,7 @@ impl<N: Nic> Engine<N> {
 
     /// WRs waiting in the software queues of every QP (not yet posted).
     pub fn queued_wrs(&self) -> usize {
-        self.st.send_qps.values().map(|sq| sq.queue.len()).sum()
+        self.st.queued_wrs()
     }
 
     /// True while a cancel waits (the loop then looks at its deadlines).
@@ -152,7 +152,7 @@ impl<N: Nic> Engine<N> {
 
     /// Carry out `cmd` at time `now`; false for [`Cmd::Stop`].
     pub fn command(&mut self, cmd: Cmd<N::Qp>, now: Instant) -> bool {
-        self.st.now = now;
+        self.st.set_now(now);
         let limits = self.limits;
         match cmd {
             Cmd::Post(req) => self.post(req),
@@ -165,7 +165,7 @@ impl<N: Nic> Engine<N> {
                 }
                 let ids: Vec<u64> = match xfer {
                     Some(x) => vec![x],
-                    None => self.st.xfers.keys().copied().collect(),
+                    None => self.st.xfer_ids(),
                 };
                 let flush_at = now + self.peer_timeout;
                 for x in ids {
@@ -185,17 +185,15 @@ impl<N: Nic> Engine<N> {
                 }
                 let qpns: Vec<u32> = qps.iter().map(NicQp::qp_num).collect();
                 for qp in qps {
-                    self.st.send_qps.insert(qp.qp_num(), SendQp::new(qp, peer, now));
+                    self.st.add_send_qp(qp, peer);
                 }
                 if let Some(mr) = slab {
-                    self.st.slots.install(peer, mr);
+                    self.st.slots_mut().install(peer, mr);
                 }
                 if let Some(l) = link {
-                    self.st.links.insert(peer, l);
+                    self.st.set_link(peer, Some(l));
                 }
-                if let Some(l) = self.st.links.get(&peer) {
-                    l.broken.store(qpns.is_empty(), Ordering::Release);
-                }
+                self.st.set_broken(peer, qpns.is_empty());
                 let p = self.peers.entry(peer).or_insert_with(|| EnginePeer { name, qpns: Vec::new(), held: None });
                 p.qpns = qpns;
                 self.resume(peer, None);
@@ -222,8 +220,8 @@ impl<N: Nic> Engine<N> {
                         self.st.remove_peer_qp(q, peer, &limits);
                     }
                 }
-                self.st.slots.remove(peer);
-                self.st.links.remove(&peer);
+                self.st.slots_mut().remove(peer);
+                self.st.set_link(peer, None);
             }
             Cmd::FailPeer { peer, why } => self.st.fail_peer(peer, &why, &limits),
             Cmd::ReserveRecv { cqes, reply } => {
@@ -232,12 +230,12 @@ impl<N: Nic> Engine<N> {
             Cmd::ReleaseRecv { cqes } => self.st.release_recv_cqes(cqes, &limits),
             Cmd::AddRecv { qps } => {
                 for r in qps {
-                    self.st.recv_qps.insert(r.qp.qp_num(), r);
+                    self.st.add_recv_qp(r);
                 }
             }
             Cmd::RemoveRecv { qpns, cqes } => {
                 for q in qpns {
-                    self.st.recv_qps.remove(&q);
+                    self.st.remove_recv_qp(q);
                 }
                 self.st.release_recv_cqes(cqes, &limits);
             }
@@ -261,7 +259,7 @@ impl<N: Nic> Engine<N> {
                 None => self.post(req),
                 Some(why) => {
                     let f = TransferFailure::peer_died(format!("{name} (reconnect failed: {why})"));
-                    let _ = self.st.done.send(Completion { xfer: req.xfer, result: Err(f) });
+                    self.st.report_failed(req.xfer, f);
                 }
             }
         }
@@ -284,7 +282,7 @@ impl<N: Nic> Engine<N> {
                 // The caller checked what it could; the peer went away since.
                 e => TransferFailure::peer_died(e.to_string()),
             };
-            let _ = self.st.done.send(Completion { xfer: XferId(xfer.0), result: Err(why) });
+            self.st.report_failed(xfer, why);
         }
     }
 
@@ -293,17 +291,13 @@ impl<N: Nic> Engine<N> {
     /// QP (reused): only a QP of this peer counts.
     pub fn health(&self, peer: u32) -> PeerHealth {
         let qpns = self.peers.get(&peer).map(|p| p.qpns.as_slice()).unwrap_or_default();
-        let own = |q: &u32| self.st.send_qps.get(q).filter(|s| s.peer == peer);
-        PeerHealth {
-            busy: qpns.iter().any(|q| own(q).is_some_and(|s| s.outstanding > 0)),
-            broken: qpns.is_empty() || qpns.iter().any(|q| own(q).is_none_or(|s| s.error.is_some())),
-            free_slots: self.st.slots.free(peer),
-        }
+        let (busy, broken) = self.st.peer_state(peer, qpns);
+        PeerHealth { busy, broken, free_slots: self.st.slots().free(peer) }
     }
 
     /// Hand completions to the state machine.
     pub fn on_completions(&mut self, wcs: &[crate::verbs::WorkCompletion], now: Instant) {
-        self.st.now = now;
+        self.st.set_now(now);
         for wc in wcs {
             self.st.on_completion(wc, &self.limits);
         }
@@ -312,7 +306,7 @@ impl<N: Nic> Engine<N> {
 
     /// The progress deadlines (every few ms) and the cancels' deadlines.
     pub fn tick(&mut self, now: Instant) {
-        self.st.now = now;
+        self.st.set_now(now);
         self.st.expire(self.progress_timeout, &self.limits);
         self.check_cancels(now);
     }

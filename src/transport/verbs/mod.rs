@@ -61,12 +61,10 @@
 const SOFTWARE_IDLE_YIELDS: u32 = 5000;
 
 mod conn;
-mod deadline;
 #[doc(hidden)]
 pub mod engine;
 pub mod gpu;
 pub mod nic;
-mod ops;
 mod progress;
 mod reconnect;
 #[doc(hidden)]

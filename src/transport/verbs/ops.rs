@@ -4,8 +4,8 @@
 //! it). The engine (`engine.rs`) and the simulated tests call these same
 //! functions.
 
-use super::nic::NicQp;
-use super::state::{DeferredNotify, NOTIF_SLOT_BYTES, NOTIF_SLOTS, PostLimits, SlotRefusal, State, Xfer};
+use super::super::nic::NicQp;
+use super::{DeferredNotify, NOTIF_SLOT_BYTES, NOTIF_SLOTS, PostLimits, SlotRefusal, State, Xfer};
 use crate::transport::{Op, PostRequest, TransferFailure, TransportError};
 
 impl<Q: NicQp> State<Q> {

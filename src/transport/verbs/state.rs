@@ -25,7 +25,7 @@ pub(super) const MAX_WR_BYTES: u64 = 1 << 30;
 
 /// One unit of queued work: an RDMA WR or a notification SEND.
 #[derive(Debug, Clone, Copy)]
-pub enum Work {
+pub(super) enum Work {
     /// RDMA READ/WRITE of one segment (≤ [`MAX_WR_BYTES`]).
     Rdma { xfer: u64, read: bool, seg: Segment },
     /// SEND of `len` bytes from notification slot `slot` of the peer slab;
@@ -36,7 +36,7 @@ pub enum Work {
 
 impl Work {
     /// The transfer this work belongs to.
-    pub fn xfer(&self) -> u64 {
+    pub(super) fn xfer(&self) -> u64 {
         match *self {
             Work::Rdma { xfer, .. } | Work::Notify { xfer, .. } => xfer,
         }
@@ -45,7 +45,7 @@ impl Work {
 
 /// An initiator-side QP: its queue of work not yet posted and the
 /// signalled chunks in flight.
-pub struct SendQp<Q> {
+pub(super) struct SendQp<Q> {
     pub qp: Q,
     pub peer: u32,
     /// WRs posted and not yet covered by a polled completion.
@@ -67,7 +67,7 @@ pub struct SendQp<Q> {
 
 impl<Q> SendQp<Q> {
     /// A connected QP of `peer` with nothing queued or in flight.
-    pub fn new(qp: Q, peer: u32, now: Instant) -> Self {
+    pub(super) fn new(qp: Q, peer: u32, now: Instant) -> Self {
         Self {
             qp,
             peer,
@@ -84,7 +84,7 @@ impl<Q> SendQp<Q> {
 
 /// Signalled WRs posted together: one completion retires them all.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Chunk {
+pub(super) struct Chunk {
     /// The transfer they belong to.
     pub xfer: u64,
     /// WRs in the chunk (its last one signalled).
@@ -94,7 +94,7 @@ pub struct Chunk {
 /// A notification SEND waiting for every WR of its transfer to complete
 /// (multi-QP peers).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct DeferredNotify {
+pub(super) struct DeferredNotify {
     /// The QP it goes on.
     pub qpn: u32,
     /// Its slot in the peer's slab, and its length in bytes.
@@ -110,7 +110,7 @@ pub struct SlotRef {
 }
 
 /// A transfer in flight.
-pub struct Xfer {
+pub(super) struct Xfer {
     /// Work items queued but not yet posted.
     pub queued: u32,
     /// Signalled chunks posted and not yet completed.
@@ -285,32 +285,34 @@ impl CqBudget {
     }
 }
 
-/// Everything the engine owns.
+/// Everything the engine owns, behind walls: its fields are private to
+/// this module (and its `ops` and `deadline` parts); the engine and the
+/// tests go through the methods.
 pub struct State<Q: NicQp> {
-    pub send_qps: HashMap<u32, SendQp<Q>>,
-    pub xfers: HashMap<u64, Xfer>,
+    send_qps: HashMap<u32, SendQp<Q>>,
+    xfers: HashMap<u64, Xfer>,
     /// Notification slots per peer: the one count of them.
-    pub slots: NotifSlots<Q::Slab>,
+    slots: NotifSlots<Q::Slab>,
     /// Per peer, what the caller sees of it ([`PeerLink`]): QPs broken. Absent in tests that drive the state directly.
-    pub links: HashMap<u32, Arc<PeerLink>>,
+    links: HashMap<u32, Arc<PeerLink>>,
     /// Finished transfers, to the transport's `poll` without this state's
     /// lock, so a scheduler polling `status` never waits for the progress
     /// thread.
-    pub done: Sender<Completion>,
-    pub recv_qps: HashMap<u32, RecvQp<Q>>,
+    done: Sender<Completion>,
+    recv_qps: HashMap<u32, RecvQp<Q>>,
     /// Received notifications, to `take_notifications` likewise.
-    pub notifs: Sender<Notification>,
-    pub next_chunk: u64,
-    pub batch: WrBatch,
+    notifs: Sender<Notification>,
+    next_chunk: u64,
+    batch: WrBatch,
     /// The CQE budget of the shared completion queue.
-    pub cq: CqBudget,
+    cq: CqBudget,
     /// Steps waiting to be handled, and whether a handler runs
     /// ([`State::settle`]).
     events: VecDeque<Event>,
     settling: bool,
     /// The time the caller last set (the state reads no clock itself, so a
     /// simulation drives it): stamps QP progress for [`State::expire`].
-    pub now: Instant,
+    now: Instant,
 }
 
 /// Posting parameters.
@@ -369,7 +371,110 @@ enum Event {
 /// Receive chunk ids have the top bit set; the rest is the slot.
 pub(super) const RECV_BIT: u64 = 1 << 63;
 
+#[path = "deadline.rs"]
+mod deadline;
+#[path = "ops.rs"]
+mod ops;
+
 impl<Q: NicQp> State<Q> {
+    /// Set the time (the state reads no clock itself).
+    pub fn set_now(&mut self, now: Instant) {
+        self.now = now;
+    }
+
+    /// The notification slots.
+    pub fn slots(&self) -> &NotifSlots<Q::Slab> {
+        &self.slots
+    }
+
+    /// The notification slots, to give a peer its slab or take it away.
+    pub fn slots_mut(&mut self) -> &mut NotifSlots<Q::Slab> {
+        &mut self.slots
+    }
+
+    /// The CQE budget.
+    pub fn cq(&self) -> &CqBudget {
+        &self.cq
+    }
+
+    /// The CQE budget, for tests that starve it.
+    #[cfg(test)]
+    pub fn cq_mut(&mut self) -> &mut CqBudget {
+        &mut self.cq
+    }
+
+    /// CQEs held by the send QPs' posted WRs and expected flushes.
+    pub fn send_cqes_held(&self) -> u32 {
+        self.send_qps.values().map(|q| q.outstanding + q.flush_reserved).sum()
+    }
+
+    /// Add connected send QP `qp` of `peer`, nothing queued or in flight.
+    pub fn add_send_qp(&mut self, qp: Q, peer: u32) {
+        self.send_qps.insert(qp.qp_num(), SendQp::new(qp, peer, self.now));
+    }
+
+    /// True while `qpn` is a send QP here.
+    pub fn has_send_qp(&self, qpn: u32) -> bool {
+        self.send_qps.contains_key(&qpn)
+    }
+
+    /// Add a target-side receive QP (receives posted).
+    pub fn add_recv_qp(&mut self, r: RecvQp<Q>) {
+        self.recv_qps.insert(r.qp.qp_num(), r);
+    }
+
+    /// Destroy receive QP `qpn` (its CQEs are released by the caller).
+    pub fn remove_recv_qp(&mut self, qpn: u32) {
+        self.recv_qps.remove(&qpn);
+    }
+
+    /// Numbers of the receive QPs.
+    pub fn recv_qpns(&self) -> Vec<u32> {
+        self.recv_qps.keys().copied().collect()
+    }
+
+    /// WRs waiting in the software queues of every QP (not yet posted).
+    pub fn queued_wrs(&self) -> usize {
+        self.send_qps.values().map(|sq| sq.queue.len()).sum()
+    }
+
+    /// The transfers in flight.
+    pub fn xfer_ids(&self) -> Vec<u64> {
+        self.xfers.keys().copied().collect()
+    }
+
+    /// Give `peer` the link its caller watches, or take it away (`None`).
+    pub fn set_link(&mut self, peer: u32, link: Option<Arc<PeerLink>>) {
+        match link {
+            Some(l) => self.links.insert(peer, l),
+            None => self.links.remove(&peer),
+        };
+    }
+
+    /// Set or clear `peer`'s broken flag.
+    pub fn set_broken(&mut self, peer: u32, broken: bool) {
+        if let Some(l) = self.links.get(&peer) {
+            l.broken.store(broken, std::sync::atomic::Ordering::Release);
+        }
+    }
+
+    /// Report `x` as failed with `why` without it ever having been a
+    /// transfer here (refused, or held behind a failed reconnect).
+    pub fn report_failed(&self, x: XferId, why: TransferFailure) {
+        let _ = self.done.send(Completion { xfer: x, result: Err(why) });
+    }
+
+    /// How `peer`'s QPs `qpns` stand: `(busy, broken)`. A QP number the
+    /// peer kept may since name another peer's QP (reused): only a QP of
+    /// this peer counts.
+    pub fn peer_state(&self, peer: u32, qpns: &[u32]) -> (bool, bool) {
+        let own = |q: &u32| self.send_qps.get(q).filter(|s| s.peer == peer);
+        (
+            qpns.iter().any(|q| own(q).is_some_and(|s| s.outstanding > 0)),
+            qpns.is_empty() || qpns.iter().any(|q| own(q).is_none_or(|s| s.error.is_some())),
+        )
+    }
+
     /// Empty state for a completion queue of `cqes` entries.
     pub fn new(cqes: u32, done: Sender<Completion>, notifs: Sender<Notification>) -> Self {
         Self {
