@@ -39,6 +39,12 @@ use super::nic::{Nic, NicQp};
 use super::state::{PeerLink, PostLimits, RecvQp, State};
 use crate::transport::{Completion, Notification, PostRequest, TransferFailure};
 
+/// The engine stops taking commands while this many WRs (all QPs together)
+/// wait in its software queues for room on the send queues or the CQ; it
+/// takes them again as completions drain the queues (the default of
+/// `Engine::queued_wr_limit`; `progress::CMD_CAPACITY` bounds the channel).
+pub(super) const QUEUED_WR_LIMIT: usize = 1 << 16;
+
 /// Whether a peer's QPs can take work ([`Cmd::Query`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct PeerHealth {
@@ -118,7 +124,7 @@ pub struct Engine<N: Nic> {
     /// time (a command wakes it at once).
     pub event_wait_ms: i32,
     /// The progress thread takes no command while this many WRs wait in
-    /// the software queues (`progress::QUEUED_WR_LIMIT`).
+    /// the software queues ([`QUEUED_WR_LIMIT`]).
     pub queued_wr_limit: usize,
     peers: HashMap<u32, EnginePeer>,
     cancels: Vec<PendingCancel>,
@@ -134,7 +140,7 @@ impl<N: Nic> Engine<N> {
             progress_timeout: Duration::from_secs(10),
             peer_timeout: Duration::from_secs(5),
             event_wait_ms: 20,
-            queued_wr_limit: super::progress::QUEUED_WR_LIMIT,
+            queued_wr_limit: QUEUED_WR_LIMIT,
             peers: HashMap::new(),
             cancels: Vec::new(),
         }

@@ -30,16 +30,11 @@ const EXPIRE_EVERY: Duration = Duration::from_millis(10);
 /// posts cannot hold completions back.
 const COMMANDS_PER_TURN: usize = 64;
 /// Capacity of the command channel (commands). With the intake pause
-/// ([`QUEUED_WR_LIMIT`]) it makes a poster feel the NIC: once the engine
+/// ([`QUEUED_WR_LIMIT`](super::engine::QUEUED_WR_LIMIT)) it makes a poster feel the NIC: once the engine
 /// holds that many WRs in software and this many commands wait behind them,
 /// `VerbsTransport::post` blocks in the channel's `send` until completions
 /// free room (it never fails for it, and never waits on anything but the NIC).
 pub(super) const CMD_CAPACITY: usize = 1024;
-/// The engine stops taking commands while this many WRs (all QPs together)
-/// wait in its software queues for room on the send queues or the CQ; it
-/// takes them again as completions drain the queues (the default of
-/// `Engine::queued_wr_limit`).
-pub(super) const QUEUED_WR_LIMIT: usize = 1 << 16;
 
 /// Run `engine` until [`Cmd::Stop`] (or every sender is gone); then it is
 /// dropped here, destroying its QPs, memory and NIC on this thread.
@@ -159,7 +154,7 @@ impl<Q: NicQp> Clone for Handle<Q> {
 impl<Q: NicQp> Handle<Q> {
     /// Send `cmd` (dropped if the engine has stopped). Blocks while the
     /// channel holds [`CMD_CAPACITY`] commands (the engine paused its
-    /// intake for want of NIC room: [`QUEUED_WR_LIMIT`]).
+    /// intake for want of NIC room: [`QUEUED_WR_LIMIT`](super::engine::QUEUED_WR_LIMIT)).
     pub(crate) fn send(&self, cmd: Cmd<Q>) {
         if self.tx.send(cmd).is_ok() {
             self.wake.after_send();

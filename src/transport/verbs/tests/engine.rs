@@ -36,7 +36,7 @@ struct Rig {
 
 impl Rig {
     fn new(events: bool, event_wait_ms: i32) -> Self {
-        Self::build(events, event_wait_ms, crate::transport::verbs::progress::QUEUED_WR_LIMIT)
+        Self::build(events, event_wait_ms, crate::transport::verbs::engine::QUEUED_WR_LIMIT)
     }
 
     /// [`Rig::new`] with the engine's intake pause at `queued_wr_limit` WRs.
