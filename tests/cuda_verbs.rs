@@ -143,26 +143,32 @@ fn kv_engine_registers_vram_groups_over_verbs() {
 #[test]
 #[ignore = "needs a CUDA GPU and an RDMA device (scripts/gpu-check.sh; scripts/cuda-softroce-check.sh with the fake driver)"]
 fn registration_path_is_reported() {
-    use kvwire::cuda::{GpuMemoryRegion, RegistrationPath};
+    use kvwire::cuda::{RegistrationPath, register_with_fallback};
     use kvwire::verbs::{Context, MemoryRegion, ProtectionDomain};
     let Some((gpu, dev, _)) = setup("registration_path_is_reported") else { return };
     let pd = ProtectionDomain::new(&Arc::new(Context::open(Some(&dev)).unwrap())).unwrap();
     let buf = Arc::new(DeviceBuffer::new(gpu, 4 << 20).unwrap());
     let len = buf.len_bytes() as usize;
-    let mr = GpuMemoryRegion::register(
-        buf.clone() as Arc<dyn MemoryBacking>,
-        // SAFETY: the region holds the buffer and is dropped first.
+    // The chain `VerbsTransport::register` runs for VRAM.
+    let d = buf.desc();
+    let fd = buf.dmabuf_fd().ok_or_else(|| "the memory exports no dma-buf".to_string());
+    let (mr, path) = register_with_fallback(
+        d.addr,
+        d.len_bytes,
+        fd,
+        // SAFETY: `buf` outlives `mr`, dropped first at the end of the test.
         |fd, off, _, iova| unsafe { MemoryRegion::register_dmabuf(&pd, fd, off, len, iova) },
         // SAFETY: as above.
         |addr, _| unsafe { MemoryRegion::register(&pd, addr, len) },
     )
     .unwrap();
-    assert_eq!(mr.region().addr(), buf.addr());
-    let line = format!("registration_path_is_reported: GPU {gpu} on {dev}: {:?}\n", mr.path());
+    assert_eq!(mr.addr(), buf.addr());
+    let line = format!("registration_path_is_reported: GPU {gpu} on {dev}: {path:?}\n");
     let _ = std::io::stderr().write_all(line.as_bytes());
     let info = &cuda::probe().devices[0];
     if info.dma_buf_supported && info.name != "kvwire fake GPU" {
         // A real GPU that exports dma-bufs should register that way.
-        assert_eq!(mr.path(), RegistrationPath::DmaBuf);
+        assert_eq!(path, RegistrationPath::DmaBuf);
     }
+    drop(mr);
 }

@@ -44,7 +44,7 @@ mod stream;
 
 pub use error::CudaError;
 pub use probe::{GpuInfo, ProbeReport, probe};
-pub use register::{GpuMemoryRegion, RegistrationPath, register_with_fallback};
+pub use register::{RegistrationPath, register_with_fallback};
 
 #[cfg(feature = "cuda")]
 pub use buffer::{ALLOC_ALIGN_BYTES, DeviceBuffer};

@@ -3,8 +3,8 @@
 
 use std::time::Duration;
 
-use super::nic::NicQp;
-use super::state::{PostLimits, State};
+use super::super::nic::NicQp;
+use super::{PostLimits, State};
 use crate::transport::TransferFailure;
 
 impl<Q: NicQp> State<Q> {

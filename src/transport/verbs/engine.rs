@@ -6,18 +6,25 @@
 //! channels, so nothing is shared under a lock.
 //!
 //! Which commands answer (the caller waits on a reply channel):
-//! - `Post`: none. Everything `post` must refuse synchronously is decided on
-//!   the caller's side without the engine: an unknown peer, a notification
-//!   over a slot, more than `NOTIF_SLOTS` (256) notifications in flight (an
-//!   atomic count in [`PeerLink`], given back by the engine when a slot
-//!   frees) and a peer that cannot be reconnected (the caller reconnects
-//!   before posting when [`PeerLink::broken`] says so). Anything else the
-//!   engine finds fails the transfer through `done`, as a NIC error does.
+//! - `Post`: none. What `post` refuses synchronously is decided on the
+//!   caller's side without the engine: an unknown peer, a notification over
+//!   a slot. Anything else the engine finds fails the transfer through
+//!   `done`, as a NIC error does: more than `NOTIF_SLOTS` (256)
+//!   notifications in flight to the peer (`FailureKind::Overloaded`; the
+//!   engine is the only counter of the slots), a peer gone
+//!   (`FailureKind::PeerDied`).
 //! - `Cancel`, `Disconnect`, `Unplug`: the reply channel closes when the NIC
 //!   can no longer touch the buffers involved (QPs drained or destroyed).
 //! - `Query`, `ReserveRecv`: the answer.
-//! - `Install`, `AddRecv`, `RemoveRecv`, `FailPeer`, `Stop`: none (the
-//!   channel keeps their order ahead of any later command).
+//! - `Install`, `Reconnecting`, `Resume`, `AddRecv`, `RemoveRecv`,
+//!   `FailPeer`, `Stop`: none (the channel keeps their order ahead of any
+//!   later command).
+//!
+//! Reconnection runs on a connection-manager thread (`reconnect.rs`), never
+//! on the caller's: the caller sends `Reconnecting` and starts it; from then
+//! on the engine holds the peer's posts, in order, until the thread hands
+//! over new QPs (`Install`: the held posts go on them) or gives up
+//! (`Resume` with the reason: they fail with `PeerDied` naming it).
 
 use std::collections::HashMap;
 use std::os::fd::{AsFd, BorrowedFd};
@@ -29,8 +36,14 @@ use std::time::{Duration, Instant};
 use crossbeam_channel::{Receiver, Sender};
 
 use super::nic::{Nic, NicQp};
-use super::state::{NOTIF_SLOTS, NotifSlab, PeerLink, PostLimits, RecvQp, SendQp, State};
-use crate::transport::{Completion, Notification, PostRequest, TransferFailure, XferId};
+use super::state::{PeerLink, PostLimits, RecvQp, State};
+use crate::transport::{Completion, Notification, PostRequest, TransferFailure};
+
+/// The engine stops taking commands while this many WRs (all QPs together)
+/// wait in its software queues for room on the send queues or the CQ; it
+/// takes them again as completions drain the queues (the default of
+/// `Engine::queued_wr_limit`; `progress::CMD_CAPACITY` bounds the channel).
+pub(super) const QUEUED_WR_LIMIT: usize = 1 << 16;
 
 /// Whether a peer's QPs can take work ([`Cmd::Query`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -39,6 +52,8 @@ pub struct PeerHealth {
     pub busy: bool,
     /// No QPs, or one missing or in error: the peer needs a reconnect.
     pub broken: bool,
+    /// Notification slots free (of `NOTIF_SLOTS`; 0 for an unknown peer).
+    pub free_slots: u32,
 }
 
 /// A command to the engine (see the module docs for which ones answer).
@@ -50,6 +65,12 @@ pub enum Cmd<Q: NicQp> {
     /// Hand over a peer's connected QPs: a new peer with its name,
     /// notification slab and link, or new QPs of a known peer (reconnect).
     Install { peer: u32, name: String, qps: Vec<Q>, slab: Option<Q::Slab>, link: Option<Arc<PeerLink>> },
+    /// A reconnect of the peer started: hold its posts until `Install` or
+    /// `Resume`.
+    Reconnecting { peer: u32 },
+    /// The reconnect ended without new QPs: with `failed`, the held posts
+    /// fail with it; without, they go on the peer's QPs.
+    Resume { peer: u32, failed: Option<String> },
     /// How the peer's QPs stand.
     Query { peer: u32, reply: Sender<PeerHealth> },
     /// Destroy the peer's QPs (before a reconnect), failing what they carried.
@@ -74,6 +95,8 @@ pub enum Cmd<Q: NicQp> {
 struct EnginePeer {
     name: String,
     qpns: Vec<u32>,
+    /// `Some` while a reconnect is in progress: the posts held behind it.
+    held: Option<Vec<PostRequest>>,
 }
 
 /// A cancel waiting for the NIC to let go of a transfer.
@@ -100,6 +123,9 @@ pub struct Engine<N: Nic> {
     /// How long the progress thread blocks on the completion channel at a
     /// time (a command wakes it at once).
     pub event_wait_ms: i32,
+    /// The progress thread takes no command while this many WRs wait in
+    /// the software queues ([`QUEUED_WR_LIMIT`]).
+    pub queued_wr_limit: usize,
     peers: HashMap<u32, EnginePeer>,
     cancels: Vec<PendingCancel>,
 }
@@ -114,9 +140,15 @@ impl<N: Nic> Engine<N> {
             progress_timeout: Duration::from_secs(10),
             peer_timeout: Duration::from_secs(5),
             event_wait_ms: 20,
+            queued_wr_limit: QUEUED_WR_LIMIT,
             peers: HashMap::new(),
             cancels: Vec::new(),
         }
+    }
+
+    /// WRs waiting in the software queues of every QP (not yet posted).
+    pub fn queued_wrs(&self) -> usize {
+        self.st.queued_wrs()
     }
 
     /// True while a cancel waits (the loop then looks at its deadlines).
@@ -126,14 +158,20 @@ impl<N: Nic> Engine<N> {
 
     /// Carry out `cmd` at time `now`; false for [`Cmd::Stop`].
     pub fn command(&mut self, cmd: Cmd<N::Qp>, now: Instant) -> bool {
-        self.st.now = now;
+        self.st.set_now(now);
         let limits = self.limits;
         match cmd {
             Cmd::Post(req) => self.post(req),
             Cmd::Cancel { xfer, done } => {
+                // Posts held behind a reconnect never reached the NIC.
+                for p in self.peers.values_mut() {
+                    if let Some(h) = p.held.as_mut() {
+                        h.retain(|r| xfer.is_some_and(|x| r.xfer.0 != x));
+                    }
+                }
                 let ids: Vec<u64> = match xfer {
                     Some(x) => vec![x],
-                    None => self.st.xfers.keys().copied().collect(),
+                    None => self.st.xfer_ids(),
                 };
                 let flush_at = now + self.peer_timeout;
                 for x in ids {
@@ -146,22 +184,32 @@ impl<N: Nic> Engine<N> {
                 self.check_cancels(now);
             }
             Cmd::Install { peer, name, qps, slab, link } => {
+                if link.is_none() && !self.peers.contains_key(&peer) {
+                    // A reconnect that finished after its peer was
+                    // disconnected: the QPs are dropped (destroyed) here.
+                    return true;
+                }
                 let qpns: Vec<u32> = qps.iter().map(NicQp::qp_num).collect();
                 for qp in qps {
-                    self.st.send_qps.insert(qp.qp_num(), SendQp::new(qp, peer, now));
+                    self.st.add_send_qp(qp, peer);
                 }
                 if let Some(mr) = slab {
-                    self.st.slabs.insert(peer, NotifSlab { mr, free: (0..NOTIF_SLOTS).rev().collect() });
+                    self.st.slots_mut().install(peer, mr);
                 }
                 if let Some(l) = link {
-                    self.st.links.insert(peer, l);
+                    self.st.set_link(peer, Some(l));
                 }
-                if let Some(l) = self.st.links.get(&peer) {
-                    l.broken.store(qpns.is_empty(), Ordering::Release);
-                }
-                let p = self.peers.entry(peer).or_insert_with(|| EnginePeer { name, qpns: Vec::new() });
+                self.st.set_broken(peer, qpns.is_empty());
+                let p = self.peers.entry(peer).or_insert_with(|| EnginePeer { name, qpns: Vec::new(), held: None });
                 p.qpns = qpns;
+                self.resume(peer, None);
             }
+            Cmd::Reconnecting { peer } => {
+                if let Some(p) = self.peers.get_mut(&peer) {
+                    p.held.get_or_insert_with(Vec::new);
+                }
+            }
+            Cmd::Resume { peer, failed } => self.resume(peer, failed),
             Cmd::Query { peer, reply } => {
                 let _ = reply.send(self.health(peer));
             }
@@ -172,13 +220,14 @@ impl<N: Nic> Engine<N> {
                 }
             }
             Cmd::Disconnect { peer, done: _done } => {
+                self.resume(peer, Some("disconnected".into()));
                 if let Some(p) = self.peers.remove(&peer) {
                     for q in p.qpns {
                         self.st.remove_peer_qp(q, peer, &limits);
                     }
                 }
-                self.st.slabs.remove(&peer);
-                self.st.links.remove(&peer);
+                self.st.slots_mut().remove(peer);
+                self.st.set_link(peer, None);
             }
             Cmd::FailPeer { peer, why } => self.st.fail_peer(peer, &why, &limits),
             Cmd::ReserveRecv { cqes, reply } => {
@@ -187,12 +236,12 @@ impl<N: Nic> Engine<N> {
             Cmd::ReleaseRecv { cqes } => self.st.release_recv_cqes(cqes, &limits),
             Cmd::AddRecv { qps } => {
                 for r in qps {
-                    self.st.recv_qps.insert(r.qp.qp_num(), r);
+                    self.st.add_recv_qp(r);
                 }
             }
             Cmd::RemoveRecv { qpns, cqes } => {
                 for q in qpns {
-                    self.st.recv_qps.remove(&q);
+                    self.st.remove_recv_qp(q);
                 }
                 self.st.release_recv_cqes(cqes, &limits);
             }
@@ -201,21 +250,45 @@ impl<N: Nic> Engine<N> {
         true
     }
 
+    /// End the hold of `peer`'s posts: post them (`failed` is `None`) or
+    /// fail them with `PeerDied` naming the reason.
+    fn resume(&mut self, peer: u32, failed: Option<String>) {
+        let Some(p) = self.peers.get_mut(&peer) else {
+            return;
+        };
+        let Some(held) = p.held.take() else {
+            return;
+        };
+        let name = p.name.clone();
+        for req in held {
+            match &failed {
+                None => self.post(req),
+                Some(why) => {
+                    let f = TransferFailure::peer_died(format!("{name} (reconnect failed: {why})"));
+                    self.st.report_failed(req.xfer, f);
+                }
+            }
+        }
+    }
+
     fn post(&mut self, req: PostRequest) {
-        let (xfer, notified, peer) = (req.xfer, req.notification.is_some(), req.peer.0);
+        if let Some(held) = self.peers.get_mut(&req.peer.0).and_then(|p| p.held.as_mut()) {
+            held.push(req);
+            return;
+        }
+        let (xfer, peer) = (req.xfer, req.peer.0);
         let result = match self.peers.get(&peer) {
             Some(p) => self.st.post(&req, &p.qpns, &p.name, &self.limits),
             None => Err(crate::transport::TransportError::NotConnected(req.peer)),
         };
         if let Err(e) = result {
-            // The caller checked what it could; the peer went away since.
-            if notified && let Some(l) = self.st.links.get(&peer) {
-                l.give_slot();
-            }
-            let _ = self
-                .st
-                .done
-                .send(Completion { xfer: XferId(xfer.0), result: Err(TransferFailure::peer_died(e.to_string())) });
+            let why = match e {
+                // Every notification slot of the peer is in flight.
+                crate::transport::TransportError::Post(m) => TransferFailure::overloaded(m),
+                // The caller checked what it could; the peer went away since.
+                e => TransferFailure::peer_died(e.to_string()),
+            };
+            self.st.report_failed(xfer, why);
         }
     }
 
@@ -224,16 +297,13 @@ impl<N: Nic> Engine<N> {
     /// QP (reused): only a QP of this peer counts.
     pub fn health(&self, peer: u32) -> PeerHealth {
         let qpns = self.peers.get(&peer).map(|p| p.qpns.as_slice()).unwrap_or_default();
-        let own = |q: &u32| self.st.send_qps.get(q).filter(|s| s.peer == peer);
-        PeerHealth {
-            busy: qpns.iter().any(|q| own(q).is_some_and(|s| s.outstanding > 0)),
-            broken: qpns.is_empty() || qpns.iter().any(|q| own(q).is_none_or(|s| s.error.is_some())),
-        }
+        let (busy, broken) = self.st.peer_state(peer, qpns);
+        PeerHealth { busy, broken, free_slots: self.st.slots().free(peer) }
     }
 
     /// Hand completions to the state machine.
     pub fn on_completions(&mut self, wcs: &[crate::verbs::WorkCompletion], now: Instant) {
-        self.st.now = now;
+        self.st.set_now(now);
         for wc in wcs {
             self.st.on_completion(wc, &self.limits);
         }
@@ -242,7 +312,7 @@ impl<N: Nic> Engine<N> {
 
     /// The progress deadlines (every few ms) and the cancels' deadlines.
     pub fn tick(&mut self, now: Instant) {
-        self.st.now = now;
+        self.st.set_now(now);
         self.st.expire(self.progress_timeout, &self.limits);
         self.check_cancels(now);
     }

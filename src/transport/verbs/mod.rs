@@ -64,14 +64,13 @@
 const SOFTWARE_IDLE_YIELDS: u32 = 5000;
 
 mod conn;
-mod deadline;
 #[doc(hidden)]
 pub mod engine;
 pub mod gpu;
 mod keys;
 pub mod nic;
-mod ops;
 mod progress;
+mod reconnect;
 mod regions;
 #[doc(hidden)]
 #[cfg(any(test, feature = "sim"))]
@@ -98,7 +97,7 @@ use std::net::{SocketAddr, TcpListener};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::thread::JoinHandle;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use crossbeam_channel::RecvTimeoutError;
 use serde::{Deserialize, Serialize};
@@ -113,9 +112,10 @@ use crate::sidechannel::SideChannel;
 use crate::verbs::ffi::IBV_LINK_LAYER_INFINIBAND;
 use crate::verbs::{CompletionQueue, Context, MemoryRegion, ProtectionDomain, QpOptions, QueuePair, VerbsError};
 use conn::Liveness;
-use engine::{Cmd, PeerHealth};
+use engine::Cmd;
 use nic::{Nic, RealNic};
 use progress::{Core, Handle};
+use reconnect::Reconnect;
 use state::NOTIF_SLOTS;
 use state::PeerLink;
 use state::{NOTIF_SLOT_BYTES, PostLimits};
@@ -154,16 +154,17 @@ struct Peer {
     addr: String,
     /// The target's connection secret (from its connection info).
     secret: AgentSecret,
-    /// Slots in use and a broken flag, shared with the engine (atomics).
+    /// The broken flag, shared with the engine (an atomic).
     link: Arc<PeerLink>,
-    /// False after a failed reconnect: the next post tries again.
-    has_qps: bool,
     /// Watch over the control connection, which it owns: closing it tells
     /// the target to drop its QPs; the target's side closing fails ours.
+    /// Moves into a reconnect while one runs.
     live: Option<Liveness>,
     /// The target's regions (given to `connect`): an rkey outside them
     /// fails `UnknownKey` before anything is posted.
     keys: keys::RemoteKeys,
+    /// The reconnect in progress, on its own thread (`reconnect.rs`).
+    redial: Option<Reconnect>,
 }
 
 /// The RDMA backend. See the module docs.
@@ -184,6 +185,9 @@ pub struct VerbsTransport {
     /// Liveness watchers of peers disconnected or reconnected (each ends
     /// within `conn::WATCH_MS`); reaped on connect, joined on drop.
     retired: Vec<JoinHandle<()>>,
+    /// Reconnects of peers disconnected while they ran (abandoned: each
+    /// ends at its next step); reaped on connect, joined on drop.
+    redials: Vec<Reconnect>,
     /// The engine: its progress thread (joined on drop), its command
     /// handle, and the channels of finished transfers and notifications.
     core: Core<QueuePair>,
@@ -381,6 +385,7 @@ impl VerbsTransport {
             max_send_wr,
             threads,
             retired: Vec::new(),
+            redials: Vec::new(),
             core,
             done_held: Vec::new(),
         })
@@ -388,64 +393,67 @@ impl VerbsTransport {
 
     /// Create `n` send QPs, handshake with `addr`, bring them to RTS.
     fn open_qps(&self, addr: &str, secret: &AgentSecret, n: u32) -> Result<(Vec<QueuePair>, SideChannel), String> {
-        let o = &self.inner.qp_options;
-        let mut qps = Vec::new();
-        let mut eps = Vec::new();
-        for _ in 0..n {
-            let qp = self.inner.nic.create_qp(self.max_send_wr, 1).map_err(|e| e.to_string())?;
-            eps.push(qp.endpoint(o).map_err(|e| e.to_string())?);
-            qps.push(qp);
-        }
-        let (remote, ch) = conn::handshake(addr, &self.agent, secret, &eps, self.inner.config.peer_timeout)?;
-        for ((qp, l), r) in qps.iter().zip(&eps).zip(&remote) {
-            qp.connect(l, r, o).map_err(|e| e.to_string())?;
-        }
-        Ok((qps, ch))
+        reconnect::open_qps(&self.inner, &self.agent, addr, secret, n, self.max_send_wr)
     }
 
-    /// Reset and reconnect a peer whose QP hit an error, once its work
-    /// drained. Costs nothing while the peer's [`PeerLink::broken`] is
-    /// clear; otherwise it asks the engine ([`Cmd::Query`]) until the QPs
-    /// drained, has them destroyed ([`Cmd::Unplug`]), connects new ones on
-    /// this thread and hands them over ([`Cmd::Install`]).
+    /// Reset and reconnect a peer whose QP hit an error, without waiting
+    /// for it. Costs nothing while the peer's [`PeerLink::broken`] is
+    /// clear; otherwise it starts a reconnect on its own thread
+    /// ([`Reconnect`]) unless one runs, and the engine holds this post and
+    /// the peer's later ones behind it (`Cmd::Reconnecting`).
+    ///
+    /// # Errors
+    /// [`TransportError::NotConnected`] for an unknown peer;
+    /// [`TransportError::PeerDisconnected`] when the reconnect thread cannot
+    /// be started.
     fn recover(&mut self, peer: PeerId) -> Result<(), TransportError> {
-        let p = self.peers.get(&peer.0).ok_or(TransportError::NotConnected(peer))?;
-        if p.has_qps && !p.link.broken.load(Ordering::Acquire) {
+        let p = self.peers.get_mut(&peer.0).ok_or(TransportError::NotConnected(peer))?;
+        if p.redial.as_ref().is_some_and(Reconnect::is_finished)
+            && let Some(r) = p.redial.take()
+        {
+            let o = r.finish();
+            if let Some(l) = o.live {
+                p.live = Some(l);
+            }
+            self.retired.extend(o.retired);
+        }
+        if p.redial.is_some() || !p.link.broken.load(Ordering::Acquire) {
             return Ok(());
         }
-        let budget = self.inner.config.peer_timeout + Duration::from_secs(10);
-        let deadline = Instant::now() + budget;
-        loop {
-            let gone = PeerHealth { busy: false, broken: true };
-            let h = self.core.handle.call(|reply| Cmd::Query { peer: peer.0, reply }).unwrap_or(gone);
-            if !h.broken && p.has_qps {
-                return Ok(());
+        self.core.handle.send(Cmd::Reconnecting { peer: peer.0 });
+        let dial = reconnect::Dial {
+            agent: self.agent.clone(),
+            peer: peer.0,
+            name: p.name.clone(),
+            addr: p.addr.clone(),
+            secret: p.secret.clone(),
+            qps: self.qps_per_peer,
+            max_send_wr: self.max_send_wr,
+        };
+        match Reconnect::start(&self.inner, dial, p.live.take()) {
+            Ok(r) => {
+                p.redial = Some(r);
+                Ok(())
             }
-            if !h.busy {
-                break;
+            Err((e, old)) => {
+                p.live = old;
+                let why = format!("cannot start its reconnect: {e}");
+                self.core.handle.send(Cmd::Resume { peer: peer.0, failed: Some(why.clone()) });
+                Err(TransportError::PeerDisconnected(format!("{} ({why})", p.name)))
             }
-            if Instant::now() > deadline {
-                return Err(TransportError::PeerDisconnected(format!("{} (QP did not drain in {budget:?})", p.name)));
-            }
-            std::thread::sleep(Duration::from_millis(1));
         }
-        let (name, addr, secret) = (p.name.clone(), p.addr.clone(), p.secret.clone());
-        self.core.handle.call::<()>(|done| Cmd::Unplug { peer: peer.0, done });
-        if let Some(p) = self.peers.get_mut(&peer.0) {
-            let old = p.live.take();
-            p.has_qps = false;
-            self.retired.extend(old.and_then(Liveness::retire));
+    }
+
+    /// Join the reconnects of disconnected peers that ended (`all`: every
+    /// one, waiting), and join or retire what they left.
+    fn reap_redials(&mut self, all: bool) {
+        let (done, live): (Vec<_>, Vec<_>) = self.redials.drain(..).partition(|r| all || r.is_finished());
+        self.redials = live;
+        for r in done {
+            let o = r.finish();
+            self.retired.extend(o.live.and_then(Liveness::retire));
+            self.retired.extend(o.retired);
         }
-        let failed = |why: String| TransportError::PeerDisconnected(format!("{name} (reconnect failed: {why})"));
-        let (qps, ch) = self.open_qps(&addr, &secret, self.qps_per_peer).map_err(failed)?;
-        let live = Liveness::watch(&self.inner, peer.0, &name, ch).map_err(failed)?;
-        tracing::info!("verbs: reconnected to {name}");
-        self.core.handle.send(Cmd::Install { peer: peer.0, name, qps, slab: None, link: None });
-        if let Some(p) = self.peers.get_mut(&peer.0) {
-            p.has_qps = true;
-            p.live = Some(live);
-        }
-        Ok(())
     }
 }
 
@@ -524,6 +532,7 @@ impl Transport for VerbsTransport {
             .nic
             .alloc_slab(NOTIF_SLOTS as usize * NOTIF_SLOT_BYTES)
             .map_err(|e| TransportError::Registration(e.to_string()))?;
+        self.reap_redials(false);
         let (done, live): (Vec<_>, Vec<_>) = self.retired.drain(..).partition(|t| t.is_finished());
         self.retired = live;
         done.into_iter().for_each(|t| drop(t.join()));
@@ -539,9 +548,9 @@ impl Transport for VerbsTransport {
             addr: info.addr,
             secret: info.secret,
             link,
-            has_qps: true,
             live: Some(live),
             keys: keys::RemoteKeys::new(regions),
+            redial: None,
         };
         self.peers.insert(id, peer);
         Ok(PeerId(id))
@@ -551,17 +560,24 @@ impl Transport for VerbsTransport {
         let Some(mut p) = self.peers.remove(&peer.0) else {
             return;
         };
-        // Stop the watch first: the QPs go away on purpose.
+        // Stop the watch (and any reconnect) first: the QPs go away on
+        // purpose. A reconnect that still installs QPs after the
+        // `Disconnect` below finds the peer gone and drops them.
         self.retired.extend(p.live.take().and_then(Liveness::retire));
+        if let Some(r) = p.redial.take() {
+            r.abandon();
+            self.redials.push(r);
+        }
         // Returns once the engine destroyed the peer's QPs.
         self.core.handle.call::<()>(|done| Cmd::Disconnect { peer: peer.0, done });
     }
 
     /// Refuses here, on the caller's thread, what must be refused at once:
-    /// an unknown peer, a notification over a slot, more than
-    /// `NOTIF_SLOTS` (256) notifications in flight, a peer that cannot be
+    /// an unknown peer, a notification over a slot, a peer that cannot be
     /// reconnected. Then the request goes to the engine without waiting for
-    /// an answer; whatever else goes wrong fails the transfer in `poll`.
+    /// an answer; whatever else goes wrong fails the transfer in `poll`
+    /// (more than `NOTIF_SLOTS` (256) notifications in flight to the peer:
+    /// `FailureKind::Overloaded`, counted by the engine alone).
     fn post(&mut self, mut req: PostRequest) -> Result<(), TransportError> {
         if !self.peers.contains_key(&req.peer.0) {
             return Err(TransportError::NotConnected(req.peer));
@@ -574,15 +590,11 @@ impl Transport for VerbsTransport {
         // Then each registration's key becomes its MR's hardware lkey.
         self.regions.resolve(&mut req.segments)?;
         self.recover(req.peer)?;
-        let p = &self.peers[&req.peer.0];
         // The remote check, with the same kinds as shm and tcp: the transfer
         // fails (reported by `poll`) before a WR is posted.
-        if let Err(why) = p.keys.check(&req.segments) {
+        if let Err(why) = self.peers[&req.peer.0].keys.check(&req.segments) {
             self.done_held.push(Completion { xfer: req.xfer, result: Err(why) });
             return Ok(());
-        }
-        if req.notification.is_some() && !p.link.take_slot() {
-            return Err(TransportError::Post(format!("more than {NOTIF_SLOTS} notifications in flight to {}", p.name)));
         }
         self.core.handle.send(Cmd::Post(req));
         Ok(())
@@ -645,7 +657,14 @@ impl Drop for VerbsTransport {
             if let Some(l) = p.live.take() {
                 l.join();
             }
+            // Ends at its next step (`stopping`), its handshake bounded by
+            // `peer_timeout`; the engine still runs for its commands.
+            if let Some(r) = p.redial.take() {
+                r.abandon();
+                self.redials.push(r);
+            }
         }
+        self.reap_redials(true);
         for t in self.retired.drain(..) {
             let _ = t.join();
         }

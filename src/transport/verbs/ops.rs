@@ -4,8 +4,8 @@
 //! it). The engine (`engine.rs`) and the simulated tests call these same
 //! functions.
 
-use super::nic::{NicQp, NicSlab};
-use super::state::{NOTIF_SLOT_BYTES, NOTIF_SLOTS, PostLimits, State, Xfer};
+use super::super::nic::NicQp;
+use super::{DeferredNotify, NOTIF_SLOT_BYTES, NOTIF_SLOTS, PostLimits, SlotRefusal, State, Xfer};
 use crate::transport::{Op, PostRequest, TransferFailure, TransportError};
 
 impl<Q: NicQp> State<Q> {
@@ -34,14 +34,13 @@ impl<Q: NicQp> State<Q> {
         }
         let mut slot = None;
         if let Some(payload) = &req.notification {
-            let slab = self.slabs.get_mut(&req.peer.0).ok_or(TransportError::NotConnected(req.peer))?;
-            let s = slab.free.pop().ok_or_else(|| {
-                TransportError::Post(format!("more than {NOTIF_SLOTS} notifications in flight to {peer_name}"))
+            let r = self.slots.take(req.peer.0, payload).map_err(|e| match e {
+                SlotRefusal::NoSlab => TransportError::NotConnected(req.peer),
+                SlotRefusal::Full => {
+                    TransportError::Post(format!("more than {NOTIF_SLOTS} notifications in flight to {peer_name}"))
+                }
             })?;
-            // Slot `s` is free: no WR reads it until we post one.
-            let written = slab.mr.write(s as usize * NOTIF_SLOT_BYTES, payload);
-            debug_assert!(written, "payloads fit a slot");
-            slot = Some((s, payload.len() as u32));
+            slot = Some((r, payload.len() as u32));
         }
         let qp0 = qpns[0];
         let multi = qpns.len() > 1;
@@ -52,18 +51,18 @@ impl<Q: NicQp> State<Q> {
                 chunks: 0,
                 error: None,
                 cancelled: false,
-                deferred_notify: slot.filter(|_| multi).map(|(s, l)| (qp0, s, l)),
-                slot: slot.map(|(s, _)| (req.peer.0, s)),
+                deferred_notify: slot.filter(|_| multi).map(|(r, len)| DeferredNotify { qpn: qp0, slot: r.slot, len }),
+                slot: slot.map(|(r, _)| r),
             },
         );
         self.enqueue(req.xfer, req.op, &req.segments, qpns, limits);
-        if let (Some((s, l)), false) = (slot, multi) {
+        if let (Some((r, l)), false) = (slot, multi) {
             // One QP: the notification goes right behind the data. After
             // WRITEs in-order delivery suffices; after READs it must wait
             // for their data to arrive here (the target may reuse the pages
             // once notified, and a READ answered again after a lost packet
             // would read them anew), which the fence makes the NIC do.
-            self.enqueue_notify(req.xfer.0, qp0, s, l, req.op == Op::Read, limits);
+            self.enqueue_notify(req.xfer.0, qp0, r.slot, l, req.op == Op::Read, limits);
         }
         self.try_finish(req.xfer.0, limits);
         Ok(())
@@ -122,7 +121,7 @@ impl<Q: NicQp> State<Q> {
         let carrying: Vec<u32> = self
             .send_qps
             .iter()
-            .filter(|(_, sq)| sq.chunks.values().any(|(x, _)| *x == xfer))
+            .filter(|(_, sq)| sq.chunks.values().any(|c| c.xfer == xfer))
             .map(|(&q, _)| q)
             .collect();
         if !*flushed {

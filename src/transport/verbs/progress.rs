@@ -29,6 +29,12 @@ const EXPIRE_EVERY: Duration = Duration::from_millis(10);
 /// Commands taken per turn before the CQ is polled again, so a stream of
 /// posts cannot hold completions back.
 const COMMANDS_PER_TURN: usize = 64;
+/// Capacity of the command channel (commands). With the intake pause
+/// ([`QUEUED_WR_LIMIT`](super::engine::QUEUED_WR_LIMIT)) it makes a poster feel the NIC: once the engine
+/// holds that many WRs in software and this many commands wait behind them,
+/// `VerbsTransport::post` blocks in the channel's `send` until completions
+/// free room (it never fails for it, and never waits on anything but the NIC).
+pub(super) const CMD_CAPACITY: usize = 1024;
 
 /// Run `engine` until [`Cmd::Stop`] (or every sender is gone); then it is
 /// dropped here, destroying its QPs, memory and NIC on this thread.
@@ -43,7 +49,10 @@ pub(super) fn run<N: Nic>(mut engine: Engine<N>, rx: &Receiver<Cmd<N::Qp>>, wake
     let poll_sleep = Duration::from_micros(u64::from(engine.limits.poll_sleep_us));
     loop {
         let mut took = 0;
-        while took < COMMANDS_PER_TURN {
+        // Past the limit, commands wait in the (bounded) channel: a fast
+        // poster then blocks in `send` until the NIC catches up.
+        let intake = engine.queued_wrs() < engine.queued_wr_limit;
+        while intake && took < COMMANDS_PER_TURN {
             match rx.try_recv() {
                 Ok(cmd) => {
                     took += 1;
@@ -71,6 +80,10 @@ pub(super) fn run<N: Nic>(mut engine: Engine<N>, rx: &Receiver<Cmd<N::Qp>>, wake
                 }
                 if idle < IDLE_SPINS {
                     std::hint::spin_loop();
+                } else if !intake {
+                    // Commands wait and so does queued work: do not block on
+                    // the channel or the wake fd, only give the NIC time.
+                    std::thread::sleep(poll_sleep);
                 } else if idle < IDLE_SPINS + idle_yields {
                     std::thread::yield_now();
                 } else if events && !armed {
@@ -139,11 +152,19 @@ impl<Q: NicQp> Clone for Handle<Q> {
 }
 
 impl<Q: NicQp> Handle<Q> {
-    /// Send `cmd` (dropped if the engine has stopped).
+    /// Send `cmd` (dropped if the engine has stopped). Blocks while the
+    /// channel holds [`CMD_CAPACITY`] commands (the engine paused its
+    /// intake for want of NIC room: [`QUEUED_WR_LIMIT`](super::engine::QUEUED_WR_LIMIT)).
     pub(crate) fn send(&self, cmd: Cmd<Q>) {
         if self.tx.send(cmd).is_ok() {
             self.wake.after_send();
         }
+    }
+
+    /// Commands waiting in the channel.
+    #[cfg(test)]
+    pub(crate) fn queued(&self) -> usize {
+        self.tx.len()
     }
 
     /// Send the command `make` builds around a reply channel and wait for
@@ -180,7 +201,7 @@ impl<Q: NicQp> Core<Q> {
     ) -> std::io::Result<Self> {
         let (done_tx, done) = crossbeam_channel::unbounded();
         let (notif_tx, notifs) = crossbeam_channel::unbounded();
-        let (tx, rx) = crossbeam_channel::unbounded();
+        let (tx, rx) = crossbeam_channel::bounded(CMD_CAPACITY);
         let wake = Arc::new(Wake::new()?);
         let mut engine = Engine::new(nic, cqes, limits, done_tx, notif_tx);
         set_up(&mut engine);

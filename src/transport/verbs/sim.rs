@@ -179,6 +179,13 @@ impl SimFabric {
         SimNic { fabric: self.clone(), dev }
     }
 
+    /// Another handle to device `dev` made by [`device`](Self::device), its
+    /// completion queue kept (to create QPs beside an engine that owns the
+    /// first).
+    pub fn handle(&self, dev: u32) -> SimNic {
+        SimNic { fabric: self.clone(), dev }
+    }
+
     /// Register `len` zeroed bytes on `dev`: `(address, key)` (lkey = rkey).
     pub fn alloc(&self, dev: u32, len: usize) -> (u64, u32) {
         self.world().alloc(dev, len)

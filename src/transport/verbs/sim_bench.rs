@@ -30,7 +30,7 @@ impl Default for CommandBench {
         let (dtx, done) = crossbeam_channel::unbounded();
         let (ntx, _) = crossbeam_channel::unbounded();
         let mut st = super::state::State::new(4096, dtx, ntx);
-        st.send_qps.insert(qpn, super::state::SendQp::new(qp, 1, std::time::Instant::now()));
+        st.add_send_qp(qp, 1);
         let limits = bench_limits(0);
         let wcs = vec![WorkCompletion::default(); 64];
         Self { fabric, nic, st, done, _target: t, qpn, src, dst, limits, next: 0, wcs }

@@ -5,7 +5,7 @@
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+use std::sync::atomic::AtomicBool;
 use std::time::Instant;
 
 use crossbeam_channel::Sender;
@@ -25,7 +25,7 @@ pub(super) const MAX_WR_BYTES: u64 = 1 << 30;
 
 /// One unit of queued work: an RDMA WR or a notification SEND.
 #[derive(Debug, Clone, Copy)]
-pub enum Work {
+pub(super) enum Work {
     /// RDMA READ/WRITE of one segment (≤ [`MAX_WR_BYTES`]).
     Rdma { xfer: u64, read: bool, seg: Segment },
     /// SEND of `len` bytes from notification slot `slot` of the peer slab;
@@ -36,7 +36,7 @@ pub enum Work {
 
 impl Work {
     /// The transfer this work belongs to.
-    pub fn xfer(&self) -> u64 {
+    pub(super) fn xfer(&self) -> u64 {
         match *self {
             Work::Rdma { xfer, .. } | Work::Notify { xfer, .. } => xfer,
         }
@@ -45,13 +45,13 @@ impl Work {
 
 /// An initiator-side QP: its queue of work not yet posted and the
 /// signalled chunks in flight.
-pub struct SendQp<Q> {
+pub(super) struct SendQp<Q> {
     pub qp: Q,
     pub peer: u32,
     /// WRs posted and not yet covered by a polled completion.
     pub outstanding: u32,
-    /// Chunk id (the wr_id of every WR of the chunk) → (xfer, WRs in chunk).
-    pub chunks: HashMap<u64, (u64, u32)>,
+    /// Chunk id (the wr_id of every WR of the chunk) → its chunk.
+    pub chunks: HashMap<u64, Chunk>,
     pub queue: VecDeque<Work>,
     /// Set by the first error completion: the QP needs a reset + reconnect.
     pub error: Option<TransferFailure>,
@@ -67,7 +67,7 @@ pub struct SendQp<Q> {
 
 impl<Q> SendQp<Q> {
     /// A connected QP of `peer` with nothing queued or in flight.
-    pub fn new(qp: Q, peer: u32, now: Instant) -> Self {
+    pub(super) fn new(qp: Q, peer: u32, now: Instant) -> Self {
         Self {
             qp,
             peer,
@@ -82,19 +82,45 @@ impl<Q> SendQp<Q> {
     }
 }
 
+/// Signalled WRs posted together: one completion retires them all.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) struct Chunk {
+    /// The transfer they belong to.
+    pub xfer: u64,
+    /// WRs in the chunk (its last one signalled).
+    pub wrs: u32,
+}
+
+/// A notification SEND waiting for every WR of its transfer to complete
+/// (multi-QP peers).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) struct DeferredNotify {
+    /// The QP it goes on.
+    pub qpn: u32,
+    /// Its slot in the peer's slab, and its length in bytes.
+    pub slot: u32,
+    pub len: u32,
+}
+
+/// A notification slot taken by a transfer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SlotRef {
+    pub peer: u32,
+    pub slot: u32,
+}
+
 /// A transfer in flight.
-pub struct Xfer {
+pub(super) struct Xfer {
     /// Work items queued but not yet posted.
     pub queued: u32,
     /// Signalled chunks posted and not yet completed.
     pub chunks: u32,
     pub error: Option<TransferFailure>,
     pub cancelled: bool,
-    /// Notification to send once all data completed (multi-QP peers), with
-    /// its slot: `(qpn, slot, len)`.
-    pub deferred_notify: Option<(u32, u32, u32)>,
-    /// Notification slot to free at the end: `(peer, slot)`.
-    pub slot: Option<(u32, u32)>,
+    /// Notification to send once all data completed (multi-QP peers).
+    pub deferred_notify: Option<DeferredNotify>,
+    /// Notification slot to free at the end.
+    pub slot: Option<SlotRef>,
 }
 
 /// A target-side QP receiving notifications from one initiator.
@@ -106,43 +132,187 @@ pub struct RecvQp<Q: NicQp> {
 }
 
 /// Notification slots of one peer (a registered slab on the initiator).
-pub struct NotifSlab<S> {
-    pub mr: S,
-    pub free: Vec<u32>,
+struct NotifSlab<S> {
+    mr: S,
+    free: Vec<u32>,
 }
 
-/// Everything the engine owns.
+/// Why no notification slot could be taken.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SlotRefusal {
+    /// The peer has no slab (unknown or disconnected).
+    NoSlab,
+    /// All [`NOTIF_SLOTS`] of the peer are in flight.
+    Full,
+}
+
+/// The notification slots of every peer: the one count of them (a slot is
+/// taken by a notified post and given back when its transfer ends).
+pub struct NotifSlots<S> {
+    slabs: HashMap<u32, NotifSlab<S>>,
+}
+
+impl<S: NicSlab> NotifSlots<S> {
+    fn new() -> Self {
+        Self { slabs: HashMap::new() }
+    }
+
+    /// Give `peer` the slab `mr` of [`NOTIF_SLOTS`] slots, all free.
+    pub fn install(&mut self, peer: u32, mr: S) {
+        self.slabs.insert(peer, NotifSlab { mr, free: (0..NOTIF_SLOTS).rev().collect() });
+    }
+
+    /// Forget `peer`'s slab (disconnect).
+    pub fn remove(&mut self, peer: u32) {
+        self.slabs.remove(&peer);
+    }
+
+    /// Free slots of `peer` (0 for a peer without a slab).
+    pub fn free(&self, peer: u32) -> u32 {
+        self.slabs.get(&peer).map_or(0, |s| s.free.len() as u32)
+    }
+
+    /// Take a slot of `peer` and write `payload` (≤ [`NOTIF_SLOT_BYTES`])
+    /// into it.
+    ///
+    /// # Errors
+    /// [`SlotRefusal`] when the peer has no slab or no free slot.
+    pub fn take(&mut self, peer: u32, payload: &[u8]) -> Result<SlotRef, SlotRefusal> {
+        let slab = self.slabs.get_mut(&peer).ok_or(SlotRefusal::NoSlab)?;
+        let slot = slab.free.pop().ok_or(SlotRefusal::Full)?;
+        // Slot `slot` is free: no WR reads it until one is posted.
+        let written = slab.mr.write(slot as usize * NOTIF_SLOT_BYTES, payload);
+        debug_assert!(written, "payloads fit a slot");
+        Ok(SlotRef { peer, slot })
+    }
+
+    /// Give a slot back (its transfer ended).
+    fn give(&mut self, r: SlotRef) {
+        if let Some(s) = self.slabs.get_mut(&r.peer) {
+            s.free.push(r.slot);
+        }
+    }
+
+    /// The SGE of `slot` of `peer`: `(address, lkey)`, `(0, 0)` without a
+    /// slab (the WR then fails on the NIC).
+    fn sge(&self, peer: u32, slot: u32) -> (u64, u32) {
+        self.slabs
+            .get(&peer)
+            .map(|s| (s.mr.addr() + u64::from(slot) * NOTIF_SLOT_BYTES as u64, s.mr.lkey()))
+            .unwrap_or((0, 0))
+    }
+}
+
+/// The CQE budget of the shared completion queue: what it can still take,
+/// and how much of it the posted receives hold. No WR is posted beyond it,
+/// so the CQ never overruns (an overrun would put every QP on it in error).
+#[derive(Debug)]
+pub struct CqBudget {
+    /// CQEs the CQ can still take: its size less one per posted send WR
+    /// (signalled ones complete with a CQE, and after an error every WR is
+    /// flushed with one) and one per posted receive.
+    free: u32,
+    /// A QP stopped posting for want of CQEs: completions then pump every
+    /// QP with queued work.
+    starved: bool,
+    /// CQEs held for posted receives, at most `recv_cap` (half the CQ).
+    recv_reserved: u32,
+    recv_cap: u32,
+}
+
+impl CqBudget {
+    /// The budget of an empty CQ of `cqes` entries.
+    pub fn new(cqes: u32) -> Self {
+        Self { free: cqes, starved: false, recv_reserved: 0, recv_cap: cqes / 2 }
+    }
+
+    /// CQEs the CQ can still take.
+    pub fn free(&self) -> u32 {
+        self.free
+    }
+
+    /// CQEs held for posted receives.
+    pub fn recv_reserved(&self) -> u32 {
+        self.recv_reserved
+    }
+
+    /// Hold `n` CQEs for receives; false when they do not fit (receives
+    /// take at most half of the CQ).
+    fn reserve_recv(&mut self, n: u32) -> bool {
+        let ok = self.recv_reserved + n <= self.recv_cap && self.free >= n;
+        if ok {
+            self.free -= n;
+            self.recv_reserved += n;
+        }
+        ok
+    }
+
+    /// Give back `n` CQEs held for receives.
+    fn unreserve_recv(&mut self, n: u32) {
+        self.recv_reserved = self.recv_reserved.saturating_sub(n);
+        self.release(n);
+    }
+
+    /// Give back `n` CQEs held by posted WRs.
+    fn release(&mut self, n: u32) {
+        self.free = self.free.saturating_add(n);
+    }
+
+    /// Hold `n` CQEs for WRs just posted (at most [`free`](Self::free)).
+    fn take(&mut self, n: u32) {
+        self.free -= n;
+    }
+
+    /// A QP stopped posting for want of CQEs.
+    fn starve(&mut self) {
+        self.starved = true;
+    }
+
+    /// True (once) when a QP starved and CQEs are free again: the waiting
+    /// QPs are to be pumped.
+    fn wake_starved(&mut self) -> bool {
+        let wake = self.starved && self.free > 0;
+        if wake {
+            self.starved = false;
+        }
+        wake
+    }
+
+    /// Pretend the CQ is full (tests of starvation).
+    #[cfg(test)]
+    pub fn exhaust(&mut self) {
+        self.free = 0;
+    }
+}
+
+/// Everything the engine owns, behind walls: its fields are private to
+/// this module (and its `ops` and `deadline` parts); the engine and the
+/// tests go through the methods.
 pub struct State<Q: NicQp> {
-    pub send_qps: HashMap<u32, SendQp<Q>>,
-    pub xfers: HashMap<u64, Xfer>,
-    pub slabs: HashMap<u32, NotifSlab<Q::Slab>>,
-    /// Per peer, what the caller sees of it ([`PeerLink`]): slots in use,
-    /// QPs broken. Absent in tests that drive the state directly.
-    pub links: HashMap<u32, Arc<PeerLink>>,
+    send_qps: HashMap<u32, SendQp<Q>>,
+    xfers: HashMap<u64, Xfer>,
+    /// Notification slots per peer: the one count of them.
+    slots: NotifSlots<Q::Slab>,
+    /// Per peer, what the caller sees of it ([`PeerLink`]): QPs broken. Absent in tests that drive the state directly.
+    links: HashMap<u32, Arc<PeerLink>>,
     /// Finished transfers, to the transport's `poll` without this state's
     /// lock, so a scheduler polling `status` never waits for the progress
     /// thread.
-    pub done: Sender<Completion>,
-    pub recv_qps: HashMap<u32, RecvQp<Q>>,
+    done: Sender<Completion>,
+    recv_qps: HashMap<u32, RecvQp<Q>>,
     /// Received notifications, to `take_notifications` likewise.
-    pub notifs: Sender<Notification>,
-    pub next_chunk: u64,
-    pub batch: WrBatch,
-    /// CQEs the shared completion queue can still take: its size less one
-    /// per posted send WR (signalled ones complete with a CQE, and after an
-    /// error every WR is flushed with one) and one per posted receive. No WR
-    /// is posted beyond it, so the CQ never overruns (an overrun would put
-    /// every QP on it in error).
-    pub cq_free: u32,
-    /// A QP stopped posting for want of `cq_free`: completions then pump
-    /// every QP with queued work.
-    pub cq_starved: bool,
-    /// CQEs held for posted receives, at most `recv_cap` (half the CQ).
-    pub recv_reserved: u32,
-    pub recv_cap: u32,
+    notifs: Sender<Notification>,
+    next_chunk: u64,
+    batch: WrBatch,
+    /// The CQE budget of the shared completion queue.
+    cq: CqBudget,
+    /// Steps waiting to be handled, and whether a handler runs
+    /// ([`State::settle`]).
+    events: VecDeque<Event>,
+    settling: bool,
     /// The time the caller last set (the state reads no clock itself, so a
     /// simulation drives it): stamps QP progress for [`State::expire`].
-    pub now: Instant,
+    now: Instant,
 }
 
 /// Posting parameters.
@@ -186,26 +356,140 @@ pub(super) fn batch_len(queue: &VecDeque<Work>, room: usize, limits: &PostLimits
     n
 }
 
+/// A step of the state machine that another step caused, handled at the top
+/// ([`State::settle`]) rather than inside the step that caused it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Event {
+    /// Post what fits of the QP's queue (or fail it, the QP in error).
+    Pump(u32),
+    /// Report the transfer if nothing of it is queued or in flight.
+    Finish(u64),
+    /// CQEs came back: pump the QPs that waited for them, but `skip`.
+    PumpStarved { skip: Option<u32> },
+}
+
 /// Receive chunk ids have the top bit set; the rest is the slot.
 pub(super) const RECV_BIT: u64 = 1 << 63;
 
+#[path = "deadline.rs"]
+mod deadline;
+#[path = "ops.rs"]
+mod ops;
+
 impl<Q: NicQp> State<Q> {
+    /// Set the time (the state reads no clock itself).
+    pub fn set_now(&mut self, now: Instant) {
+        self.now = now;
+    }
+
+    /// The notification slots.
+    pub fn slots(&self) -> &NotifSlots<Q::Slab> {
+        &self.slots
+    }
+
+    /// The notification slots, to give a peer its slab or take it away.
+    pub fn slots_mut(&mut self) -> &mut NotifSlots<Q::Slab> {
+        &mut self.slots
+    }
+
+    /// The CQE budget.
+    pub fn cq(&self) -> &CqBudget {
+        &self.cq
+    }
+
+    /// The CQE budget, for tests that starve it.
+    #[cfg(test)]
+    pub fn cq_mut(&mut self) -> &mut CqBudget {
+        &mut self.cq
+    }
+
+    /// CQEs held by the send QPs' posted WRs and expected flushes.
+    pub fn send_cqes_held(&self) -> u32 {
+        self.send_qps.values().map(|q| q.outstanding + q.flush_reserved).sum()
+    }
+
+    /// Add connected send QP `qp` of `peer`, nothing queued or in flight.
+    pub fn add_send_qp(&mut self, qp: Q, peer: u32) {
+        self.send_qps.insert(qp.qp_num(), SendQp::new(qp, peer, self.now));
+    }
+
+    /// True while `qpn` is a send QP here.
+    pub fn has_send_qp(&self, qpn: u32) -> bool {
+        self.send_qps.contains_key(&qpn)
+    }
+
+    /// Add a target-side receive QP (receives posted).
+    pub fn add_recv_qp(&mut self, r: RecvQp<Q>) {
+        self.recv_qps.insert(r.qp.qp_num(), r);
+    }
+
+    /// Destroy receive QP `qpn` (its CQEs are released by the caller).
+    pub fn remove_recv_qp(&mut self, qpn: u32) {
+        self.recv_qps.remove(&qpn);
+    }
+
+    /// Numbers of the receive QPs.
+    pub fn recv_qpns(&self) -> Vec<u32> {
+        self.recv_qps.keys().copied().collect()
+    }
+
+    /// WRs waiting in the software queues of every QP (not yet posted).
+    pub fn queued_wrs(&self) -> usize {
+        self.send_qps.values().map(|sq| sq.queue.len()).sum()
+    }
+
+    /// The transfers in flight.
+    pub fn xfer_ids(&self) -> Vec<u64> {
+        self.xfers.keys().copied().collect()
+    }
+
+    /// Give `peer` the link its caller watches, or take it away (`None`).
+    pub fn set_link(&mut self, peer: u32, link: Option<Arc<PeerLink>>) {
+        match link {
+            Some(l) => self.links.insert(peer, l),
+            None => self.links.remove(&peer),
+        };
+    }
+
+    /// Set or clear `peer`'s broken flag.
+    pub fn set_broken(&mut self, peer: u32, broken: bool) {
+        if let Some(l) = self.links.get(&peer) {
+            l.broken.store(broken, std::sync::atomic::Ordering::Release);
+        }
+    }
+
+    /// Report `x` as failed with `why` without it ever having been a
+    /// transfer here (refused, or held behind a failed reconnect).
+    pub fn report_failed(&self, x: XferId, why: TransferFailure) {
+        let _ = self.done.send(Completion { xfer: x, result: Err(why) });
+    }
+
+    /// How `peer`'s QPs `qpns` stand: `(busy, broken)`. A QP number the
+    /// peer kept may since name another peer's QP (reused): only a QP of
+    /// this peer counts.
+    pub fn peer_state(&self, peer: u32, qpns: &[u32]) -> (bool, bool) {
+        let own = |q: &u32| self.send_qps.get(q).filter(|s| s.peer == peer);
+        (
+            qpns.iter().any(|q| own(q).is_some_and(|s| s.outstanding > 0)),
+            qpns.is_empty() || qpns.iter().any(|q| own(q).is_none_or(|s| s.error.is_some())),
+        )
+    }
+
     /// Empty state for a completion queue of `cqes` entries.
     pub fn new(cqes: u32, done: Sender<Completion>, notifs: Sender<Notification>) -> Self {
         Self {
             send_qps: HashMap::new(),
             xfers: HashMap::new(),
-            slabs: HashMap::new(),
+            slots: NotifSlots::new(),
             links: HashMap::new(),
             done,
             recv_qps: HashMap::new(),
             notifs,
             next_chunk: 0,
             batch: WrBatch::default(),
-            cq_free: cqes,
-            cq_starved: false,
-            recv_reserved: 0,
-            recv_cap: cqes / 2,
+            cq: CqBudget::new(cqes),
+            events: VecDeque::new(),
+            settling: false,
             now: Instant::now(),
         }
     }
@@ -215,19 +499,13 @@ impl<Q: NicQp> State<Q> {
     /// room (receives stay posted for as long as their initiator is
     /// connected, and sends waiting for them would wait as long).
     pub fn reserve_recv_cqes(&mut self, n: u32) -> bool {
-        let ok = self.recv_reserved + n <= self.recv_cap && self.cq_free >= n;
-        if ok {
-            self.cq_free -= n;
-            self.recv_reserved += n;
-        }
-        ok
+        self.cq.reserve_recv(n)
     }
 
     /// Give back `n` CQEs held by [`reserve_recv_cqes`](Self::reserve_recv_cqes)
     /// and post the work that waited for them.
     pub fn release_recv_cqes(&mut self, n: u32, limits: &PostLimits) {
-        self.recv_reserved = self.recv_reserved.saturating_sub(n);
-        self.release_cqes(n);
+        self.cq.unreserve_recv(n);
         self.pump_starved(limits);
     }
 
@@ -235,7 +513,7 @@ impl<Q: NicQp> State<Q> {
     /// posted WRs. Callers then [`pump_starved`](Self::pump_starved): work
     /// that waits for CQEs is posted only from there.
     pub fn release_cqes(&mut self, n: u32) {
-        self.cq_free = self.cq_free.saturating_add(n);
+        self.cq.release(n);
     }
 
     /// After CQEs were given back: post the work of every QP that stopped
@@ -247,10 +525,35 @@ impl<Q: NicQp> State<Q> {
 
     /// [`pump_starved`](Self::pump_starved) but for `skip`, which the caller pumps next.
     fn pump_starved_except(&mut self, skip: Option<u32>, limits: &PostLimits) {
-        if !self.cq_starved || self.cq_free == 0 {
+        self.events.push_back(Event::PumpStarved { skip });
+        self.settle(limits);
+    }
+
+    /// Handle events until none is left, unless a handler is running
+    /// already (then it returns at once and the loop below takes the new
+    /// events after that handler returned). So a handler never runs inside
+    /// another: work a step causes (posting a QP's queue, reporting a
+    /// transfer, the QPs waiting for CQEs) is an event, handled in order
+    /// at the top.
+    fn settle(&mut self, limits: &PostLimits) {
+        if self.settling {
             return;
         }
-        self.cq_starved = false;
+        self.settling = true;
+        while let Some(e) = self.events.pop_front() {
+            match e {
+                Event::Pump(q) => self.pump_now(q, limits),
+                Event::Finish(x) => self.finish_now(x, limits),
+                Event::PumpStarved { skip } => self.pump_starved_now(skip, limits),
+            }
+        }
+        self.settling = false;
+    }
+
+    fn pump_starved_now(&mut self, skip: Option<u32>, limits: &PostLimits) {
+        if !self.cq.wake_starved() {
+            return;
+        }
         let waiting: Vec<u32> =
             self.send_qps.iter().filter(|&(&q, sq)| !sq.queue.is_empty() && Some(q) != skip).map(|(&q, _)| q).collect();
         for q in waiting {
@@ -331,7 +634,7 @@ impl<Q: NicQp> State<Q> {
         };
         self.mark_broken(sq.peer);
         self.release_cqes(sq.outstanding + sq.flush_reserved);
-        let in_flight: Vec<u64> = sq.chunks.values().map(|&(x, _)| x).collect();
+        let in_flight: Vec<u64> = sq.chunks.values().map(|c| c.xfer).collect();
         drop(sq);
         self.pump_starved(limits);
         for x in in_flight {
@@ -361,35 +664,36 @@ impl<Q: NicQp> State<Q> {
     /// Remove transfer `x`'s record, giving its notification slot back.
     fn take_xfer(&mut self, x: u64) -> Option<Xfer> {
         let xf = self.xfers.remove(&x)?;
-        if let Some((peer, slot)) = xf.slot {
-            if let Some(s) = self.slabs.get_mut(&peer) {
-                s.free.push(slot);
-            }
-            if let Some(l) = self.links.get(&peer) {
-                l.give_slot();
-            }
+        if let Some(r) = xf.slot {
+            self.slots.give(r);
         }
         Some(xf)
     }
 
-    /// Post as much of `qpn`'s queue as the send queue has room for.
+    /// Post as much of `qpn`'s queue as the send queue has room for (as an
+    /// event: see [`settle`](Self::settle)).
     pub fn pump(&mut self, qpn: u32, limits: &PostLimits) {
+        self.events.push_back(Event::Pump(qpn));
+        self.settle(limits);
+    }
+
+    fn pump_now(&mut self, qpn: u32, limits: &PostLimits) {
         if self.send_qps.get(&qpn).is_some_and(|sq| sq.error.is_some()) {
             // Work queued on a QP in error (e.g. a deferred notification)
             // would wait forever: fail it.
             self.fail_queue(qpn, limits);
             return;
         }
-        let State { send_qps, xfers, slabs, batch, next_chunk, cq_free, cq_starved, now, .. } = self;
+        let State { send_qps, xfers, slots, batch, next_chunk, cq, now, .. } = self;
         let Some(sq) = send_qps.get_mut(&qpn) else {
             return;
         };
         while !sq.queue.is_empty() && sq.outstanding < limits.max_send_wr {
-            if *cq_free == 0 {
-                *cq_starved = true;
+            if cq.free() == 0 {
+                cq.starve();
                 break;
             }
-            let room = ((limits.max_send_wr - sq.outstanding) as usize).min(*cq_free as usize);
+            let room = ((limits.max_send_wr - sq.outstanding) as usize).min(cq.free() as usize);
             let n = batch_len(&sq.queue, room, limits);
             batch.clear();
             let mut records: Vec<(u64, u64, u32)> = Vec::new();
@@ -412,10 +716,7 @@ impl<Q: NicQp> State<Q> {
                         seg.rkey.0,
                     ),
                     Work::Notify { slot, len, fence, .. } => {
-                        let (addr, lkey) = slabs
-                            .get(&sq.peer)
-                            .map(|s| (s.mr.addr() + u64::from(slot) * NOTIF_SLOT_BYTES as u64, s.mr.lkey()))
-                            .unwrap_or((0, 0));
+                        let (addr, lkey) = slots.sge(sq.peer, slot);
                         batch.push_send(WrId(chunk), signaled, fence, addr, len, lkey);
                     }
                 }
@@ -445,12 +746,12 @@ impl<Q: NicQp> State<Q> {
                 }
                 let cnt = cnt.min((ok_upto - covered) as u32);
                 covered += cnt as usize;
-                sq.chunks.insert(id, (x, cnt));
+                sq.chunks.insert(id, Chunk { xfer: x, wrs: cnt });
                 if let Some(xf) = xfers.get_mut(&x) {
                     xf.chunks += 1;
                 }
             }
-            *cq_free -= covered as u32;
+            cq.take(covered as u32);
             if sq.outstanding == 0 && covered > 0 {
                 sq.progress_at = *now;
             }
@@ -497,7 +798,7 @@ impl<Q: NicQp> State<Q> {
         let Some(sq) = self.send_qps.get_mut(&wc.qp_num) else {
             return;
         };
-        let Some((x, cnt)) = sq.chunks.remove(&wc.wr_id) else {
+        let Some(Chunk { xfer: x, wrs: cnt }) = sq.chunks.remove(&wc.wr_id) else {
             // Another flushed WR of a chunk already reported.
             if wc.wc_status() != Some(WcStatus::Success) && sq.flush_reserved > 0 {
                 sq.flush_reserved -= 1;
@@ -550,8 +851,14 @@ impl<Q: NicQp> State<Q> {
         self.try_finish(x, limits);
     }
 
-    /// Report `x` when nothing of it is queued or in flight.
+    /// Report `x` when nothing of it is queued or in flight (as an event:
+    /// see [`settle`](Self::settle)).
     pub fn try_finish(&mut self, x: u64, limits: &PostLimits) {
+        self.events.push_back(Event::Finish(x));
+        self.settle(limits);
+    }
+
+    fn finish_now(&mut self, x: u64, limits: &PostLimits) {
         let Some(xf) = self.xfers.get_mut(&x) else {
             return;
         };
@@ -559,7 +866,7 @@ impl<Q: NicQp> State<Q> {
             return;
         }
         if xf.error.is_none()
-            && let Some((qpn, slot, len)) = xf.deferred_notify.take()
+            && let Some(DeferredNotify { qpn, slot, len }) = xf.deferred_notify.take()
         {
             // Every WR of `x` completed: nothing left to fence.
             self.enqueue_notify(x, qpn, slot, len, false, limits);
@@ -598,27 +905,12 @@ impl<Q: NicQp> State<Q> {
     }
 }
 
-/// What the user thread and the engine both see of one connected peer:
-/// two atomics, no lock.
+/// What the user thread and the engine both see of one connected peer: one
+/// atomic, no lock. (Notification slots are counted by the engine alone:
+/// its [`NotifSlab`] free list.)
 #[derive(Debug, Default)]
 pub struct PeerLink {
-    /// Notification slots taken or about to be: the caller adds one before
-    /// it posts a notification (at most `NOTIF_SLOTS` (256)), the engine takes
-    /// one off when the slot is free again.
-    pub slots: AtomicU32,
     /// A QP of the peer failed or was removed: the next post reconnects.
     /// Set by the engine, cleared when it installs new QPs.
     pub broken: AtomicBool,
-}
-
-impl PeerLink {
-    /// Take a notification slot; false when all [`NOTIF_SLOTS`] are taken.
-    pub fn take_slot(&self) -> bool {
-        self.slots.fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| (n < NOTIF_SLOTS).then_some(n + 1)).is_ok()
-    }
-
-    /// Give a slot back.
-    pub fn give_slot(&self) {
-        let _ = self.slots.fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| n.checked_sub(1));
-    }
 }

@@ -105,7 +105,7 @@ fn cancel_returns_only_when_nothing_can_touch_the_buffers_and_frees_the_slot() {
         assert_eq!(p.result(1), None, "a cancelled transfer is not reported");
         assert!(p.notifs().is_empty(), "notification of a cancelled transfer");
         assert!(p.fabric.world().touches.iter().all(|&(s, key, _, _)| s <= returned_at || key != p.src.1));
-        assert_eq!(p.i.st.slabs[&p.peer].free.len(), 256, "the notification slot leaked");
+        assert_eq!(p.i.st.slots().free(p.peer), 256, "the notification slot leaked");
         p.invariants();
     }
 }
@@ -235,7 +235,7 @@ fn cq_room_given_back_outside_a_completion_posts_waiting_work() {
     let mut p = Pair::new(8, Opts { cq: 128, max_send_wr: 256, signal_every: 1, ..Opts::default() });
     assert!(p.i.st.reserve_recv_cqes(64), "receives take half of the CQ");
     // The other half is held elsewhere (sends of another peer in flight).
-    p.i.st.cq_free = 0;
+    p.i.st.cq_mut().exhaust();
     let segs: Vec<(u64, u64)> = (0..64).map(|i| (i * 2 * PAGE, PAGE)).collect();
     p.post(1, Op::Write, &segs, None).unwrap();
     p.run();
@@ -274,7 +274,7 @@ fn qp_number_reuse_after_destroy_never_removes_another_peers_qp() {
     assert_eq!(reused, old, "the simulator hands out the freed number first");
     // Disconnecting the first peer by its stale number leaves the second's QP.
     p.i.st.remove_peer_qp(old, p.peer, &p.limits);
-    assert!(p.i.st.send_qps.contains_key(&reused));
+    assert!(p.i.st.has_send_qp(reused));
     p.post_to(second, 1, Op::Write, &[(0, 64)], None).unwrap();
     p.run();
     assert!(ok(&p, 1));

@@ -13,7 +13,7 @@ use crate::transport::verbs::conn::RECVS_PER_QP;
 use crate::transport::verbs::nic::{Nic, NicQp};
 use crate::transport::verbs::sim::{DEFAULT_READ_DEPTH, SimFabric, SimNic, SimQp};
 use crate::transport::verbs::state::NOTIF_SLOTS;
-use crate::transport::verbs::state::{NOTIF_SLOT_BYTES, NotifSlab, PostLimits, RECV_BIT, RecvQp, SendQp, State};
+use crate::transport::verbs::state::{NOTIF_SLOT_BYTES, PostLimits, RECV_BIT, RecvQp, State};
 use crate::transport::{
     Completion, LocalKey, Notification, Op, PeerId, PostRequest, RemoteKey, Segment, TransferFailure, TransportError,
     XferId,
@@ -145,7 +145,7 @@ impl Pair {
             early_done: Vec::new(),
         };
         let slab = p.i.nic.alloc_slab(NOTIF_SLOTS as usize * NOTIF_SLOT_BYTES).unwrap();
-        p.i.st.slabs.insert(1, NotifSlab { mr: slab, free: (0..NOTIF_SLOTS).rev().collect() });
+        p.i.st.slots_mut().install(1, slab);
         p.qpns = connect(&p.fabric, &mut p.i, &mut p.t, 1, opts, p.now);
         p
     }
@@ -156,7 +156,7 @@ impl Pair {
         let mut t = side(&self.fabric, id, self.opts.cq_target);
         let dst = self.fabric.alloc(id, REGION);
         let slab = self.i.nic.alloc_slab(NOTIF_SLOTS as usize * NOTIF_SLOT_BYTES).unwrap();
-        self.i.st.slabs.insert(id, NotifSlab { mr: slab, free: (0..NOTIF_SLOTS).rev().collect() });
+        self.i.st.slots_mut().install(id, slab);
         let qpns = connect(&self.fabric, &mut self.i, &mut t, id, self.opts, self.now);
         self.others.insert(id, Remote { t, dst, qpns });
         id
@@ -172,9 +172,9 @@ impl Pair {
         for q in self.qpns.clone() {
             self.i.st.remove_peer_qp(q, self.peer, &self.limits);
         }
-        let recv: Vec<u32> = self.t.st.recv_qps.keys().copied().collect();
+        let recv: Vec<u32> = self.t.st.recv_qpns();
         for q in recv {
-            self.t.st.recv_qps.remove(&q);
+            self.t.st.remove_recv_qp(q);
             self.t.st.release_recv_cqes(RECVS_PER_QP, &self.limits);
         }
         self.qpns = connect(&self.fabric, &mut self.i, &mut self.t, self.peer, self.opts, self.now);
@@ -214,7 +214,7 @@ impl Pair {
             segments: self.segs(dst, dst.1, segs),
             notification: notif.map(<[u8]>::to_vec),
         };
-        self.i.st.now = self.now;
+        self.i.st.set_now(self.now);
         self.i.st.post(&req, &qpns, "target", &self.limits)?;
         // Either way the bytes at `segs` of the source and the destination
         // are equal once the transfer moved them.
@@ -257,7 +257,7 @@ impl Pair {
     /// Move the clock on by `d`.
     pub(super) fn advance(&mut self, d: Duration) {
         self.now += d;
-        self.i.st.now = self.now;
+        self.i.st.set_now(self.now);
     }
 
     /// Hand every queued completion to its side's state machine.
@@ -413,8 +413,8 @@ impl Pair {
         assert!(self.late_data.is_empty(), "notification before its data: {:?}", self.late_data);
         assert!(self.early_done.is_empty(), "Done before the data landed: {:?}", self.early_done);
         for (s, cq) in [(&self.i.st, self.opts.cq), (&self.t.st, self.opts.cq_target)] {
-            let held: u32 = s.send_qps.values().map(|q| q.outstanding + q.flush_reserved).sum();
-            assert_eq!(s.cq_free + s.recv_reserved + held, cq as u32, "CQE budget");
+            let held: u32 = s.send_cqes_held();
+            assert_eq!(s.cq().free() + s.cq().recv_reserved() + held, cq as u32, "CQE budget");
         }
     }
 }
@@ -432,9 +432,10 @@ fn connect(fabric: &SimFabric, i: &mut Side, t: &mut Side, peer: u32, opts: Opts
             let off = slot as usize * NOTIF_SLOT_BYTES;
             tq.post_recv(RECV_BIT | u64::from(slot), &slab, off, NOTIF_SLOT_BYTES as u32).unwrap();
         }
-        t.st.recv_qps.insert(tq.qp_num(), RecvQp { qp: tq, agent: "initiator".into(), slab });
+        t.st.add_recv_qp(RecvQp { qp: tq, agent: "initiator".into(), slab });
         qpns.push(iq.qp_num());
-        i.st.send_qps.insert(iq.qp_num(), SendQp::new(iq, peer, now));
+        i.st.set_now(now);
+        i.st.add_send_qp(iq, peer);
     }
     qpns
 }

@@ -1,0 +1,186 @@
+//! Reconnection of a peer whose QPs failed, on a connection-manager thread
+//! of its own, never on the caller's `post` thread.
+//!
+//! The first `post` that finds the peer broken (`PeerLink::broken`) sends
+//! the engine [`Cmd::Reconnecting`] and starts a [`Reconnect`]; that post and
+//! every later one to the peer queue in the engine behind it and `post`
+//! returns at once. The thread waits (up to `peer_timeout` + 10 s) until the
+//! old QPs drained ([`Cmd::Query`]), has them destroyed ([`Cmd::Unplug`]),
+//! closes the old control connection, handshakes and connects new QPs and
+//! hands them over ([`Cmd::Install`]: the held posts go on them). When any
+//! step fails it tells the engine why ([`Cmd::Resume`]), which fails the held
+//! posts with `PeerDied` naming it; the next post starts another attempt.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use super::Inner;
+use super::conn::{self, Liveness};
+use super::engine::{Cmd, PeerHealth};
+use super::nic::Nic;
+use crate::sidechannel::SideChannel;
+use crate::transport::auth::AgentSecret;
+use crate::verbs::QueuePair;
+
+/// Who to dial: everything the thread needs of the transport and the peer.
+pub(super) struct Dial {
+    /// This transport's agent name (the hello's).
+    pub(super) agent: String,
+    /// The engine's number of the peer.
+    pub(super) peer: u32,
+    /// The peer's agent name.
+    pub(super) name: String,
+    /// The target's listener (`ip:port`) and connection secret.
+    pub(super) addr: String,
+    pub(super) secret: AgentSecret,
+    /// QPs to open, and the send queue depth of each.
+    pub(super) qps: u32,
+    pub(super) max_send_wr: u32,
+}
+
+/// What a finished reconnect leaves to its owner.
+pub(super) struct Outcome {
+    /// The watch over the new control connection (or the old one, kept,
+    /// when the peer turned out not to need a reconnect).
+    pub(super) live: Option<Liveness>,
+    /// The old watch, stopped; to be joined (it ends within `WATCH_MS`).
+    pub(super) retired: Option<JoinHandle<()>>,
+}
+
+/// A reconnect in progress on its own thread.
+pub(super) struct Reconnect {
+    stop: Arc<AtomicBool>,
+    thread: JoinHandle<Outcome>,
+}
+
+impl Reconnect {
+    /// Start reconnecting `dial.peer`, taking over its old watch `old`.
+    ///
+    /// # Errors
+    /// The thread could not be spawned; `old` comes back with the error.
+    pub(super) fn start(
+        inner: &Arc<Inner>,
+        dial: Dial,
+        old: Option<Liveness>,
+    ) -> Result<Self, (std::io::Error, Option<Liveness>)> {
+        let stop = Arc::new(AtomicBool::new(false));
+        let (inner, stop2) = (inner.clone(), stop.clone());
+        // The watch moves into the thread only once it runs: a failed spawn
+        // hands it back.
+        let (tx, rx) = crossbeam_channel::bounded::<Option<Liveness>>(1);
+        let thread = std::thread::Builder::new().name("kvwire-verbs-redial".into()).spawn(move || {
+            let old = rx.recv().ok().flatten();
+            run(&inner, &dial, old, &stop2)
+        });
+        match thread {
+            Ok(thread) => {
+                let _ = tx.send(old);
+                Ok(Self { stop, thread })
+            }
+            Err(e) => Err((e, old)),
+        }
+    }
+
+    /// True once the thread ended ([`finish`](Self::finish) will not wait).
+    pub(super) fn is_finished(&self) -> bool {
+        self.thread.is_finished()
+    }
+
+    /// Wait for the thread (bounded: see the module docs) and take what it
+    /// left.
+    pub(super) fn finish(self) -> Outcome {
+        self.thread.join().unwrap_or(Outcome { live: None, retired: None })
+    }
+
+    /// Ask the thread to give up (its peer was disconnected): it stops at
+    /// its next step; [`finish`](Self::finish) still joins it.
+    pub(super) fn abandon(&self) {
+        self.stop.store(true, Ordering::Release);
+    }
+}
+
+fn run(inner: &Arc<Inner>, dial: &Dial, old: Option<Liveness>, stop: &AtomicBool) -> Outcome {
+    let mut retired = None;
+    let r = attempt(inner, dial, old, stop, &mut retired);
+    match r {
+        Ok(live) => Outcome { live, retired },
+        Err(why) => {
+            tracing::warn!("verbs: reconnect to {} failed: {why}", dial.name);
+            inner.cmds.send(Cmd::Resume { peer: dial.peer, failed: Some(why) });
+            Outcome { live: None, retired }
+        }
+    }
+}
+
+fn attempt(
+    inner: &Arc<Inner>,
+    dial: &Dial,
+    old: Option<Liveness>,
+    stop: &AtomicBool,
+    retired: &mut Option<JoinHandle<()>>,
+) -> Result<Option<Liveness>, String> {
+    let peer = dial.peer;
+    let budget = inner.config.peer_timeout + Duration::from_secs(10);
+    let deadline = Instant::now() + budget;
+    let stopped = || stop.load(Ordering::Acquire) || inner.stopping.load(Ordering::Acquire);
+    let gone = PeerHealth { busy: false, broken: true, free_slots: 0 };
+    loop {
+        if stopped() {
+            *retired = old.and_then(Liveness::retire);
+            return Err("the peer was disconnected".into());
+        }
+        let h = inner.cmds.call(|reply| Cmd::Query { peer, reply }).unwrap_or(gone);
+        if !h.broken {
+            // Nothing to do after all: the held posts go on its QPs.
+            inner.cmds.send(Cmd::Resume { peer, failed: None });
+            return Ok(old);
+        }
+        if !h.busy {
+            break;
+        }
+        if Instant::now() > deadline {
+            *retired = old.and_then(Liveness::retire);
+            return Err(format!("QP did not drain in {budget:?}"));
+        }
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    inner.cmds.call::<()>(|done| Cmd::Unplug { peer, done });
+    // Closing the old control connection tells the target to drop its QPs
+    // (and give back their receive completions) before the new hello.
+    *retired = old.and_then(Liveness::retire);
+    let (qps, ch) = open_qps(inner, &dial.agent, &dial.addr, &dial.secret, dial.qps, dial.max_send_wr)?;
+    if stopped() {
+        return Err("the peer was disconnected".into());
+    }
+    let live = Liveness::watch(inner, peer, &dial.name, ch)?;
+    tracing::info!("verbs: reconnected to {}", dial.name);
+    inner.cmds.send(Cmd::Install { peer, name: dial.name.clone(), qps, slab: None, link: None });
+    Ok(Some(live))
+}
+
+/// Create `n` send QPs of depth `max_send_wr`, handshake with `addr` as
+/// `agent` (proving `secret`), bring them to RTS.
+pub(super) fn open_qps(
+    inner: &Inner,
+    agent: &str,
+    addr: &str,
+    secret: &AgentSecret,
+    n: u32,
+    max_send_wr: u32,
+) -> Result<(Vec<QueuePair>, SideChannel), String> {
+    let o = &inner.qp_options;
+    let mut qps = Vec::new();
+    let mut eps = Vec::new();
+    for _ in 0..n {
+        let qp = inner.nic.create_qp(max_send_wr, 1).map_err(|e| e.to_string())?;
+        eps.push(qp.endpoint(o).map_err(|e| e.to_string())?);
+        qps.push(qp);
+    }
+    let (remote, ch) = conn::handshake(addr, agent, secret, &eps, inner.config.peer_timeout)?;
+    for ((qp, l), r) in qps.iter().zip(&eps).zip(&remote) {
+        qp.connect(l, r, o).map_err(|e| e.to_string())?;
+    }
+    Ok((qps, ch))
+}
