@@ -22,7 +22,9 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <atomic>
 #include <mutex>
+#include <thread>
 #include <set>
 #include <string>
 #include <vector>
@@ -293,13 +295,24 @@ public:
         auto *req = dynamic_cast<ReqH *>(handle);
         if (!req) return NIXL_ERR_INVALID_PARAM;
         if (!req->posted) return NIXL_ERR_NOT_POSTED;
-        std::lock_guard<std::mutex> g(mu_);
         KvwXferState st = KVW_XFER_IN_PROGRESS;
         KvwStatus code = KVW_OK;
-        if (kvw_status_code(engine_, req->handle, &st, &code) != KVW_OK) return NIXL_ERR_BACKEND;
-        switch (st) {
-        case KVW_XFER_IN_PROGRESS:
+        {
+            std::lock_guard<std::mutex> g(mu_);
+            if (kvw_status_code(engine_, req->handle, &st, &code) != KVW_OK) return NIXL_ERR_BACKEND;
+        }
+        if (st == KVW_XFER_IN_PROGRESS) {
+            /* NIXL's users poll checkXfer back to back (UCX progresses inside
+               it); kvwire copies on its own threads, which such a loop starves
+               where cores are few. After kSpinPolls in-progress answers in a
+               row, give the core away once per call, as kvwire's `nixl`
+               package does (python/src/nixl.rs, SPIN_POLLS). */
+            if (busyPolls_.fetch_add(1, std::memory_order_relaxed) >= kSpinPolls) std::this_thread::yield();
             return NIXL_IN_PROG;
+        }
+        busyPolls_.store(0, std::memory_order_relaxed);
+        std::lock_guard<std::mutex> g(mu_);
+        switch (st) {
         case KVW_XFER_DONE:
             return NIXL_SUCCESS;
         default:
@@ -456,6 +469,9 @@ private:
     KvwEngine *engine_ = nullptr;
     std::string transport_, connInfo_, tcpOptions_;
     mutable std::mutex mu_;
+    /* in-progress answers of checkXfer in a row (see checkXfer) */
+    mutable std::atomic<unsigned> busyPolls_{0};
+    static constexpr unsigned kSpinPolls = 16;
     mutable std::set<std::string> known_, dead_;
 };
 
