@@ -258,3 +258,41 @@ fn a_whole_view_registered_alone_is_rehomed_while_the_buffer_lives() {
     drop(t);
     assert_eq!(ack.join().unwrap(), vec![reg.rkey.0]);
 }
+
+/// Revocation without consent (issue 27 item 4): a live peer that never
+/// answers `Revoke` does not keep the memory registered. `deregister`
+/// returns after `peer_timeout`, the silent peer is cut off, and its kept
+/// mapping reaches nothing of the owner's.
+#[test]
+fn a_peer_that_never_acknowledges_cannot_hold_the_memory() {
+    let cfg = TransportConfig { peer_timeout: Duration::from_millis(300), ..TransportConfig::default() };
+    let mut t = ShmTransport::new("target", &cfg).unwrap();
+    let buf = Arc::new(HostBuffer::new(LEN).unwrap());
+    buf.fill_with(0, LEN, |i| (i % 251) as u8);
+    let reg = t.register(buf.clone()).unwrap();
+    let info = ShmInfo::decode(&t.connection_info()).unwrap();
+    let (h, ch) = hello_and_stay(&info, &info.secret, "silent", &[reg.rkey.0]);
+    assert_eq!(h.fds.len(), 1, "{:?}", h.msgs);
+    let map = PeerMap::new(&h.fds[0], LEN);
+    assert_eq!(map.read(0, 64), pattern(0, 64));
+
+    t.deregister(reg.lkey).expect("a silent peer must not keep the memory registered");
+
+    buf.write(64, b"owner-after");
+    assert_ne!(map.read(64, 11), b"owner-after");
+    assert_ne!(map.read(4096, 64), pattern(4096, 64), "the silent peer's mapping still shows the owner's bytes");
+    map.write(128, b"silent-write");
+    assert_eq!(buf.to_vec(128..140), pattern(128, 12));
+    // The silent peer was cut off: its connection is closed.
+    let mut closed = false;
+    for _ in 0..50 {
+        match ch.recv() {
+            Ok(None) | Err(_) => {
+                closed = true;
+                break;
+            }
+            Ok(Some(_)) => {}
+        }
+    }
+    assert!(closed, "the silent peer is still connected");
+}

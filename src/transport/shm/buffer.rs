@@ -339,9 +339,10 @@ impl ExportClaim {
     ///
     /// # Errors
     /// The failing call before the mapping moved (`fstat`, `memfd_create`,
-    /// `ftruncate` or `RLIMIT_FSIZE`, `mmap`, `mremap`): nothing has changed
-    /// and the claim comes back (the registration stays in place). Failures
-    /// after it (`dup3`, `fallocate`) are logged: the peers are cut off.
+    /// `ftruncate` or `RLIMIT_FSIZE`, `fallocate` of the new pages (memory
+    /// short), `mmap`, `dup3`, `mremap`): nothing has changed and the claim
+    /// comes back (the registration stays in place). A failure to punch the
+    /// old pages after the move is logged: the peers are cut off already.
     pub(crate) fn rehome(self, old: BorrowedFd<'_>) -> Result<(), (Self, io::Error)> {
         let mut live = lock_live();
         let Some(e) = live.get_mut(&self.fd).filter(|e| e.id == self.id) else {
@@ -351,11 +352,8 @@ impl ExportClaim {
         // first thing in its drop, under this lock, which we hold), so
         // `[addr, addr + len)` is its mapping of the memfd `self.fd`.
         match unsafe { rehome_pages(e.addr, e.len_bytes, self.fd, old) } {
-            Ok(fd_moved) => {
-                // If the descriptor could not be moved to the new file, it
-                // still names the old one: never export it again (later
-                // registrations reach the buffer by cross-memory attach).
-                e.exported = !fd_moved;
+            Ok(()) => {
+                e.exported = false;
                 Ok(())
             }
             Err(err) => {
@@ -366,15 +364,15 @@ impl ExportClaim {
     }
 }
 
-/// See [`ExportClaim::rehome`]. Returns whether the buffer's descriptor now
-/// names the new file (`dup3` succeeded); once the mapping moved, the peers
-/// are cut off either way, so later steps only log their failures.
+/// See [`ExportClaim::rehome`]. On success the buffer's mapping and its
+/// descriptor both name the new file; once the mapping moved, the peers are
+/// cut off, so the one later step (punching the old pages) only logs.
 ///
 /// # Safety
 /// `[addr, addr + len)` is a live `MAP_SHARED` read-write mapping (from
 /// offset 0) of the memfd behind descriptor `fd`, page-aligned, that nothing
 /// unmaps while this runs; `old` is that same file.
-unsafe fn rehome_pages(addr: u64, len: usize, fd: RawFd, old: BorrowedFd<'_>) -> io::Result<bool> {
+unsafe fn rehome_pages(addr: u64, len: usize, fd: RawFd, old: BorrowedFd<'_>) -> io::Result<()> {
     let size = nix::sys::stat::fstat(old).map_err(io::Error::from)?.st_size as usize;
     if size < len {
         return Err(io::Error::new(io::ErrorKind::InvalidInput, "memfd smaller than its mapping"));
@@ -384,6 +382,13 @@ unsafe fn rehome_pages(addr: u64, len: usize, fd: RawFd, old: BorrowedFd<'_>) ->
     let new = File::from(new);
     check_fsize(size as u64, len)?;
     new.set_len(size as u64)?;
+    // Allocate the new pages now: where memory is short this fails here
+    // (ENOSPC / ENOMEM, nothing moved) instead of the copy's page faults
+    // waking the OOM killer.
+    // SAFETY: fallocate (mode 0) on the descriptor we just created, in range.
+    if unsafe { libc::fallocate(new.as_raw_fd(), 0, 0, size as libc::off_t) } != 0 {
+        return Err(io::Error::last_os_error());
+    }
     use nix::fcntl::{FcntlArg, SealFlag, fcntl};
     let seals = SealFlag::F_SEAL_SHRINK | SealFlag::F_SEAL_GROW | SealFlag::F_SEAL_SEAL;
     fcntl(&new, FcntlArg::F_ADD_SEALS(seals)).map_err(io::Error::from)?;
@@ -410,6 +415,16 @@ unsafe fn rehome_pages(addr: u64, len: usize, fd: RawFd, old: BorrowedFd<'_>) ->
         super::stream::copy_bytes(addr as *const u8, tmp.cast(), size, true);
         super::stream::store_fence();
     }
+    // The buffer's descriptor number names the new file first (its `File`
+    // keeps owning that number and closes it on drop), so a failure after
+    // the move cannot leave it naming pages about to be punched.
+    // SAFETY: both descriptors are open; `fd` is the HostBuffer's own.
+    if unsafe { libc::dup3(new.as_raw_fd(), fd, libc::O_CLOEXEC) } < 0 {
+        let err = io::Error::last_os_error();
+        // SAFETY: `tmp` is our own mapping; nothing moved.
+        unsafe { libc::munmap(tmp, size) };
+        return Err(err);
+    }
     // SAFETY: moves our own `tmp` mapping onto `[addr, addr + size)`, which
     // the caller's promise says is the buffer's mapping of the same length:
     // it is replaced atomically, so the owner's pointer stays valid.
@@ -417,19 +432,13 @@ unsafe fn rehome_pages(addr: u64, len: usize, fd: RawFd, old: BorrowedFd<'_>) ->
         unsafe { libc::mremap(tmp, size, size, libc::MREMAP_MAYMOVE | libc::MREMAP_FIXED, addr as *mut libc::c_void) };
     if moved == libc::MAP_FAILED {
         let err = io::Error::last_os_error();
-        // SAFETY: `tmp` is still our own mapping (mremap failed).
-        unsafe { libc::munmap(tmp, size) };
+        // SAFETY: `fd` names the old file again, as the owner's mapping
+        // still is; `tmp` is still our own mapping (mremap failed).
+        unsafe {
+            libc::dup3(old.as_raw_fd(), fd, libc::O_CLOEXEC);
+            libc::munmap(tmp, size);
+        }
         return Err(err);
-    }
-    // The buffer's descriptor number now names the new file (its `File`
-    // keeps owning that number and closes it on drop).
-    // SAFETY: both descriptors are open; `fd` is the HostBuffer's own.
-    let fd_moved = unsafe { libc::dup3(new.as_raw_fd(), fd, libc::O_CLOEXEC) } >= 0;
-    if !fd_moved {
-        tracing::warn!(
-            "shm: re-homed {addr:#x}+{len} but could not move its descriptor ({}); it is not exported again",
-            io::Error::last_os_error()
-        );
     }
     drop(new);
     // Whatever a peer still maps of `old` loses its pages: it reads zeros and
@@ -444,7 +453,7 @@ unsafe fn rehome_pages(addr: u64, len: usize, fd: RawFd, old: BorrowedFd<'_>) ->
         // last peer mapping goes, holding bytes as of this deregistration.
         tracing::warn!("shm: could not punch the old memfd of {addr:#x}+{len}: {}", io::Error::last_os_error());
     }
-    Ok(fd_moved)
+    Ok(())
 }
 
 fn check_fsize(size: u64, len_bytes: usize) -> io::Result<()> {

@@ -126,6 +126,24 @@ fn parse_uids(opts: &OptionSet<'_>) -> Result<Vec<u32>, TransportError> {
 }
 
 impl ShmTransport {
+    /// End registration `lkey` once no peer uses it any more (see
+    /// `LocalRegion::retire`); on an error before anything moved it stays
+    /// registered.
+    fn retire(&self, lkey: LocalKey, removed: LocalRegion) -> Result<(), TransportError> {
+        match removed.retire() {
+            Ok(()) => Ok(()),
+            Err((Some(removed), e)) => {
+                self.regions.lock().unwrap_or_else(|p| p.into_inner()).insert(lkey.0, removed);
+                Err(TransportError::io("re-home deregistered memory (it stays registered)", e))
+            }
+            Err((None, e)) => Err(TransportError::io(
+                "re-home deregistered memory (deregistered; a peer that ignored the revocation may still \
+                 reach the buffer)",
+                e,
+            )),
+        }
+    }
+
     /// Create the backend for agent `agent` and start its listener.
     /// Options (`key=value`, see [`crate::transport::options::SHM_OPTIONS`]):
     /// `allow_uids` (uids besides our own that may connect) and `cma`
@@ -295,7 +313,10 @@ impl Transport for ShmTransport {
     /// # Errors
     /// [`TransportError::UnknownLocalKey`]; [`TransportError::Timeout`]
     /// (`op: "deregister"`) when a live initiator does not acknowledge
-    /// within `peer_timeout`, [`TransportError::Io`] when re-homing fails
+    /// within `peer_timeout` a region it reaches by cross-memory attach (a
+    /// region handed out as a memfd does not wait for consent: an initiator
+    /// silent past `peer_timeout` is cut off and the pages re-homed all the
+    /// same); [`TransportError::Io`] when re-homing fails
     /// before anything moved — the registration then stays in place
     /// (deregister may be retried).
     fn deregister(&mut self, lkey: LocalKey) -> Result<(), TransportError> {
@@ -333,24 +354,31 @@ impl Transport for ShmTransport {
                 drop(got);
                 // Cooperating peers have let go; now take the pages from
                 // those that did not (issue 27 item 4).
-                return match removed.retire() {
-                    Ok(()) => Ok(()),
-                    Err((Some(removed), e)) => {
-                        self.regions.lock().unwrap_or_else(|p| p.into_inner()).insert(lkey.0, removed);
-                        Err(TransportError::io("re-home deregistered memory (it stays registered)", e))
-                    }
-                    Err((None, e)) => Err(TransportError::io(
-                        "re-home deregistered memory (deregistered; a peer that ignored the revocation may still \
-                         reach the buffer)",
-                        e,
-                    )),
-                };
+                return self.retire(lkey, removed);
             }
             let now = std::time::Instant::now();
             if now >= deadline {
                 got.retain(|(_, k)| *k != lkey.0);
                 self.acks.revoking.lock().unwrap_or_else(|p| p.into_inner()).remove(&lkey.0);
                 drop(got);
+                if removed.rehomeable() {
+                    // Revocation needs no consent where re-homing takes the
+                    // pages: a live initiator that did not confirm within
+                    // `peer_timeout` is treated as hung and cut off (its
+                    // connection closes, its transfers to us fail), and the
+                    // owner's pages move all the same.
+                    for p in peers.iter().filter(|p| waiting.contains(&p.id)) {
+                        p.live.store(false, Ordering::Release);
+                        p.channel.shutdown();
+                    }
+                    tracing::warn!(
+                        "shm deregister: {} initiator(s) did not confirm revoking rkey {} within {:?}; cut off",
+                        waiting.len(),
+                        lkey.0,
+                        self.config.peer_timeout
+                    );
+                    return self.retire(lkey, removed);
+                }
                 self.regions.lock().unwrap_or_else(|p| p.into_inner()).insert(lkey.0, removed);
                 return Err(TransportError::Timeout {
                     op: "deregister",

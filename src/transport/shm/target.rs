@@ -43,6 +43,13 @@ pub(super) struct LocalRegion {
 }
 
 impl LocalRegion {
+    /// Whether peers reach this region only through its memfd, which
+    /// re-homing takes from them (else through cross-memory attach, which
+    /// only the peer's acknowledgement can fence).
+    pub(super) fn rehomeable(&self) -> bool {
+        self.claim.is_some()
+    }
+
     /// End the registration: when its memfd was handed to a peer and the
     /// owner keeps the memory, re-home the owner's pages so that no mapping
     /// a peer kept reaches them (issue 27 item 4). On an error before
