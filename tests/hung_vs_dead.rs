@@ -21,26 +21,6 @@ fn child_entry() {
     common::child_main();
 }
 
-/// Send `sig` to the child; for SIGSTOP, return once every thread stopped.
-fn signal(child: &ChildTarget, sig: libc::c_int) {
-    let pid = child.child.id();
-    // SAFETY: kill with integer arguments on our own child's pid.
-    assert_eq!(unsafe { libc::kill(pid as i32, sig) }, 0);
-    if sig == libc::SIGSTOP {
-        let stopped = || {
-            std::fs::read_dir(format!("/proc/{pid}/task")).unwrap().all(|t| {
-                let stat = std::fs::read_to_string(t.unwrap().path().join("stat")).unwrap_or_default();
-                stat.rsplit(')').next().is_some_and(|rest| rest.trim_start().starts_with('T'))
-            })
-        };
-        let deadline = Instant::now() + Duration::from_secs(10);
-        while !stopped() {
-            assert!(Instant::now() < deadline, "child {pid} did not stop");
-            std::thread::sleep(Duration::from_millis(1));
-        }
-    }
-}
-
 fn setup(kind: TransportKind, timeout: Duration) -> (ChildTarget, TransferEngine, Arc<HostBuffer>) {
     let t = ChildTarget::spawn_on(kind, "target", &[(1 << 20, true)]);
     let cfg = TransportConfig { peer_timeout: timeout, ..TransportConfig::default() };
@@ -68,21 +48,21 @@ fn hung_times_out(kind: TransportKind) {
     // Alive and answering first: the same post completes.
     let h = post(&mut e, &t, &buf, 0).unwrap();
     assert_eq!(wait(&mut e, h, Duration::from_secs(20)), TransferStatus::Done, "{kind}");
-    signal(&t, libc::SIGSTOP);
+    t.signal(libc::SIGSTOP);
     let h = post(&mut e, &t, &buf, 1).unwrap();
     assert_eq!(
         failed_kind(wait(&mut e, h, Duration::from_secs(30))),
         FailureKind::PeerTimeout,
         "{kind}: stopped target"
     );
-    signal(&t, libc::SIGCONT);
+    t.signal(libc::SIGCONT);
 }
 
 fn dead_is_peer_died(kind: TransportKind) {
     let (mut t, mut e, buf) = setup(kind, Duration::from_secs(30));
     // Stopped first, so that the transfer is surely in flight when the
     // target dies (well inside the 30 s timeout).
-    signal(&t, libc::SIGSTOP);
+    t.signal(libc::SIGSTOP);
     let h = post(&mut e, &t, &buf, 2).unwrap();
     assert_eq!(e.wait(h, Duration::from_millis(100)).unwrap(), TransferStatus::InProgress, "{kind}");
     t.child.kill().unwrap();

@@ -28,26 +28,6 @@ fn config(peer_timeout: Duration) -> TransportConfig {
     TransportConfig { peer_timeout, ..TransportConfig::default() }
 }
 
-fn signal(child: &ChildTarget, sig: libc::c_int) {
-    let pid = child.child.id();
-    // SAFETY: kill with integer arguments on our own child's pid.
-    assert_eq!(unsafe { libc::kill(pid as i32, sig) }, 0);
-    if sig == libc::SIGSTOP {
-        // kill returns before every thread has stopped: wait until all are.
-        let stopped = || {
-            std::fs::read_dir(format!("/proc/{pid}/task")).unwrap().all(|t| {
-                let stat = std::fs::read_to_string(t.unwrap().path().join("stat")).unwrap_or_default();
-                stat.rsplit(')').next().is_some_and(|rest| rest.trim_start().starts_with('T'))
-            })
-        };
-        let deadline = Instant::now() + Duration::from_secs(10);
-        while !stopped() {
-            assert!(Instant::now() < deadline, "child {pid} did not stop");
-            std::thread::sleep(Duration::from_millis(1));
-        }
-    }
-}
-
 /// Issue 18 item 2: notifications to a SIGSTOPped target used to be sent by
 /// the process-wide copy threads with a blocking sendmsg; once its socket
 /// buffer was full every copy thread waited `peer_timeout` per notification
@@ -62,7 +42,7 @@ fn a_hung_target_does_not_stall_transfers_to_another() {
     e.connect(&a.meta).unwrap();
     e.connect(&b.meta).unwrap();
     let (a_addr, b_addr) = (a.meta.regions[0].addr, b.meta.regions[0].addr);
-    signal(&a, libc::SIGSTOP);
+    a.signal(libc::SIGSTOP);
     // Far more notification bytes than a socket buffer holds (~200 KiB).
     let hung: Vec<TransferHandle> = (0..200u32)
         .map(|i| {
@@ -83,7 +63,7 @@ fn a_hung_target_does_not_stall_transfers_to_another() {
     // A's transfers wait for A (their notifications are not delivered)...
     assert_eq!(e.status(hung[199]).unwrap(), TransferStatus::InProgress);
     // ...and all complete once it runs again, every notification delivered.
-    signal(&a, libc::SIGCONT);
+    a.signal(libc::SIGCONT);
     for h in &hung {
         assert_eq!(wait(&mut e, *h, Duration::from_secs(20)), TransferStatus::Done);
     }
@@ -105,7 +85,7 @@ fn notified_transfers_to_a_killed_target_fail_with_peer_died() {
     e.register(buf.clone()).unwrap();
     e.connect(&t.meta).unwrap();
     let addr = t.meta.regions[0].addr;
-    signal(&t, libc::SIGSTOP);
+    t.signal(libc::SIGSTOP);
     let hs: Vec<TransferHandle> = (0..5u8)
         .map(|i| {
             e.post(Op::Write, &[Desc::new(buf.addr(), 64)], "target", &[Desc::new(addr, 64)], Some(vec![i; 16]))
@@ -143,14 +123,14 @@ fn notifications_to_a_stopped_target_time_out() {
     e.register(buf.clone()).unwrap();
     e.connect(&t.meta).unwrap();
     let addr = t.meta.regions[0].addr;
-    signal(&t, libc::SIGSTOP);
+    t.signal(libc::SIGSTOP);
     let h =
         e.post(Op::Write, &[Desc::new(buf.addr(), 64)], "target", &[Desc::new(addr, 64)], Some(vec![1; 8])).unwrap();
     match wait(&mut e, h, Duration::from_secs(20)) {
         TransferStatus::Failed(why) => assert_eq!(why.kind, FailureKind::PeerTimeout, "{why}"),
         other => panic!("{other:?}"),
     }
-    signal(&t, libc::SIGCONT);
+    t.signal(libc::SIGCONT);
 }
 
 fn memfd(len: u64, seal: bool) -> OwnedFd {

@@ -56,6 +56,27 @@ pub(crate) struct ChildTarget {
 }
 
 impl ChildTarget {
+    /// Send `sig` to the child; for `SIGSTOP`, return once every one of
+    /// its threads stopped (`kill` returns before they all have).
+    pub(crate) fn signal(&self, sig: libc::c_int) {
+        let pid = self.child.id();
+        // SAFETY: kill with integer arguments on our own child's pid.
+        assert_eq!(unsafe { libc::kill(pid as i32, sig) }, 0);
+        if sig == libc::SIGSTOP {
+            let stopped = || {
+                std::fs::read_dir(format!("/proc/{pid}/task")).unwrap().all(|t| {
+                    let stat = std::fs::read_to_string(t.unwrap().path().join("stat")).unwrap_or_default();
+                    stat.rsplit(')').next().is_some_and(|rest| rest.trim_start().starts_with('T'))
+                })
+            };
+            let deadline = Instant::now() + Duration::from_secs(10);
+            while !stopped() {
+                assert!(Instant::now() < deadline, "child {pid} did not stop");
+                std::thread::sleep(Duration::from_millis(1));
+            }
+        }
+    }
+
     /// Spawn this test binary's `child_entry` test as the target. `regions`
     /// are (len_bytes, memfd?) pairs: memfd-backed HostBuffers or plain heap
     /// memory (reached with cross-memory attach).
