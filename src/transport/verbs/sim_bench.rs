@@ -149,7 +149,10 @@ impl Default for ChannelBench {
     fn default() -> Self {
         let SimPair { fabric, nic, qp, target: t, qpn, src, dst } = SimPair::new();
         let core = super::progress::Core::start(nic, 4096, bench_limits(192), |_| {}).expect("progress thread");
-        let cmd = super::engine::Cmd::Install { peer: 1, name: "bench".into(), qps: vec![qp], slab: None, link: None };
+        // A first install carries the peer's link (one without is a reconnect's,
+        // dropped when the peer is unknown).
+        let link = Some(std::sync::Arc::new(super::state::PeerLink::default()));
+        let cmd = super::engine::Cmd::Install { peer: 1, name: "bench".into(), qps: vec![qp], slab: None, link };
         core.handle.send(cmd);
         Self { fabric, core, _target: t, qpn, src, dst, next: 0 }
     }

@@ -63,7 +63,10 @@ impl Default for ScaleRig {
             idle_yields: 0,
         };
         let core = Core::start(nic, 4096, limits, |_| {}).expect("progress thread");
-        core.handle.send(Cmd::Install { peer: 1, name: "target".into(), qps: vec![qp], slab: None, link: None });
+        // A first install carries the peer's link (one without is a reconnect's,
+        // dropped when the peer is unknown).
+        let link = Some(std::sync::Arc::new(super::state::PeerLink::default()));
+        core.handle.send(Cmd::Install { peer: 1, name: "target".into(), qps: vec![qp], slab: None, link });
         Self { fabric, core, _target: target, src, dst, next: 0 }
     }
 }
