@@ -215,7 +215,9 @@ fn deregister_is_refused_while_in_use_and_validation_errors_are_distinct() {
     let mut e = TransferEngine::new("initiator", TransportKind::Shm, &TransportConfig::default()).unwrap();
     let buf = Arc::new(HostBuffer::new(len).unwrap());
     let reg = e.register(buf.clone()).unwrap();
-    assert!(matches!(e.register(buf.clone()), Err(EngineError::OverlappingRegistration { .. })));
+    // The same range again is a registration of its own (NIXL accepts it).
+    let again = e.register(buf.clone()).unwrap();
+    e.deregister(again).unwrap();
     assert!(matches!(
         e.post(Op::Write, &[Desc::new(buf.addr(), 1)], "nobody", &[Desc::new(0, 1)], None),
         Err(EngineError::UnknownAgent(_))

@@ -2,7 +2,9 @@
 //!
 //! Every local descriptor must lie inside one local registration and every
 //! remote one inside one region of the peer; pairs must have equal lengths
-//! (NIXL `createXferReq` rules). Runs of pairs that are adjacent on *both*
+//! (NIXL `createXferReq` rules). Registrations may overlap, as NIXL 1.5.1
+//! accepts them: a descriptor inside any one of them is valid, one that
+//! spans two overlapping registrations without lying inside either is not. Runs of pairs that are adjacent on *both*
 //! sides and in the same registrations are merged into one [`Segment`], so
 //! a contiguous run of pages becomes one work request.
 
@@ -37,38 +39,38 @@ pub struct LocalSpan {
     pub lkey: LocalKey,
 }
 
+/// Index of an entry of `items` (sorted by start address, `bounds` giving
+/// each one's `[start, end)`) that covers `[addr, end)`, trying `*hint`
+/// first and leaving the index found there.
+///
+/// Registrations may overlap (NIXL accepts them), so the entry that starts
+/// nearest below `addr` need not be the one covering the range: the search
+/// walks back from it to the nearest entry that covers it. Without overlaps
+/// that is the first one tried; a miss walks to the list's start (once per
+/// refused post). NIXL's own lookup (`nixlSecDescList::getCoveringIndex`)
+/// tries only the entry at `lower_bound` and the one before it, so it
+/// misses a descriptor covered by an outer registration when a shorter one
+/// starts between them; this one finds it.
+fn covering<T>(items: &[T], addr: u64, end: u64, hint: &mut usize, bounds: impl Fn(&T) -> (u64, u64)) -> Option<usize> {
+    if let Some(s) = items.get(*hint) {
+        let (start, stop) = bounds(s);
+        if addr >= start && end <= stop {
+            return Some(*hint);
+        }
+    }
+    let below = items.partition_point(|s| bounds(s).0 <= addr);
+    let idx = items[..below].iter().rposition(|s| end <= bounds(s).1)?;
+    *hint = idx;
+    Some(idx)
+}
+
 fn find_span(spans: &[LocalSpan], addr: u64, end: u64, hint: &mut usize) -> Option<LocalKey> {
-    if let Some(s) = spans.get(*hint)
-        && addr >= s.addr
-        && end <= s.end
-    {
-        return Some(s.lkey);
-    }
-    let idx = spans.partition_point(|s| s.addr <= addr).checked_sub(1)?;
-    let s = &spans[idx];
-    if end <= s.end {
-        *hint = idx;
-        Some(s.lkey)
-    } else {
-        None
-    }
+    covering(spans, addr, end, hint, |s| (s.addr, s.end)).map(|i| spans[i].lkey)
 }
 
 fn find_region(regions: &[RemoteRegion], addr: u64, end: u64, hint: &mut usize) -> Option<u32> {
-    if let Some(r) = regions.get(*hint)
-        && addr >= r.addr
-        && end <= r.addr + r.len_bytes
-    {
-        return Some(r.rkey.0);
-    }
-    let idx = regions.partition_point(|r| r.addr <= addr).checked_sub(1)?;
-    let r = &regions[idx];
-    if end <= r.addr + r.len_bytes {
-        *hint = idx;
-        Some(r.rkey.0)
-    } else {
-        None
-    }
+    // `addr + len_bytes` does not wrap: metadata validation refuses such regions.
+    covering(regions, addr, end, hint, |r| (r.addr, r.addr.saturating_add(r.len_bytes))).map(|i| regions[i].rkey.0)
 }
 
 /// Check that each descriptor is non-empty and inside one local span.
@@ -112,8 +114,9 @@ pub fn check_remote_descs(descs: &[Desc], regions: &[RemoteRegion], agent: &str)
 
 /// Validate `local`/`remote` descriptor pairs and return coalesced segments.
 ///
-/// `spans` are the local registrations sorted by address; `regions` the
-/// peer's, sorted by address (as [`super::AgentMetadata`] keeps them).
+/// `spans` are the local registrations sorted by start address; `regions`
+/// the peer's, sorted by start address (as [`super::AgentMetadata`] keeps
+/// them). Either may overlap.
 ///
 /// # Errors
 /// [`EngineError::DescCountMismatch`], [`EngineError::EmptyDescriptor`],
