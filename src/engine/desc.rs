@@ -230,6 +230,49 @@ mod tests {
     }
 
     #[test]
+    fn overlapping_registrations_each_cover_their_own_range() {
+        // A, then B = [0x1000, 0x9000), C nested in B, D overlapping B's end.
+        let spans = [
+            LocalSpan { addr: 0x0, end: 0x100, lkey: LocalKey(9) },
+            LocalSpan { addr: 0x1000, end: 0x9000, lkey: LocalKey(1) },
+            LocalSpan { addr: 0x2000, end: 0x2100, lkey: LocalKey(3) },
+            LocalSpan { addr: 0x8000, end: 0xa000, lkey: LocalKey(4) },
+        ];
+        let region = |addr: u64, end: u64, rkey| RemoteRegion {
+            addr,
+            len_bytes: end - addr,
+            rkey: RemoteKey(rkey),
+            kind: MemoryKind::Dram,
+            device_id: 0,
+        };
+        let regions = [
+            region(0x0, 0x100, 19),
+            region(0x1000, 0x9000, 11),
+            region(0x2000, 0x2100, 13),
+            region(0x8000, 0xa000, 14),
+        ];
+        let run = |l: u64, r: u64, len: u64| {
+            let mut out = Vec::new();
+            build_segments(&[Desc::new(l, len)], &[Desc::new(r, len)], &spans, &regions, "peer", &mut out)
+                .map(|()| (out[0].lkey.0, out[0].rkey.0))
+        };
+        // Past the nested one, inside the one starting before it.
+        assert_eq!(run(0x3000, 0x3000, 0x100).unwrap(), (1, 11));
+        assert_eq!(run(0x2000, 0x2000, 0x100).unwrap(), (3, 13));
+        // Inside the overlap, and past B inside D.
+        assert_eq!(run(0x8800, 0x8800, 0x100).unwrap().0, 4);
+        assert_eq!(run(0x8f00, 0x8f00, 0x200).unwrap(), (4, 14));
+        // Across B and D, inside neither.
+        assert!(matches!(run(0x7f00, 0x1000, 0x1200), Err(EngineError::LocalOutOfBounds { .. })));
+        assert!(matches!(run(0x1000, 0x7f00, 0x1200), Err(EngineError::RemoteOutOfBounds { .. })));
+        // Across A's end: nothing covers it.
+        assert!(matches!(run(0xf0, 0x1000, 0x20), Err(EngineError::LocalOutOfBounds { .. })));
+        assert!(check_local_descs(&[Desc::new(0x3000, 8), Desc::new(0x9500, 8)], &spans).is_ok());
+        assert!(check_remote_descs(&[Desc::new(0x2080, 0x100)], &regions, "peer").is_ok());
+        assert!(check_remote_descs(&[Desc::new(0x8f00, 0x1200)], &regions, "peer").is_err());
+    }
+
+    #[test]
     fn each_rule_has_its_error() {
         let r1 = [Desc::new(0x10_0000, 0x100)];
         assert!(matches!(run(&[], &r1), Err(EngineError::DescCountMismatch { local: 0, remote: 1 })));

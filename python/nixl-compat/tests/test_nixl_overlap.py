@@ -66,16 +66,16 @@ def test_overlapping_nested_and_repeated_registrations(backend):
     ra1 = a.register_memory([(s, 10 * PAGE, 0, "")], "DRAM")
     ra2 = a.register_memory([(s + 6 * PAGE, 10 * PAGE, 0, "")], "DRAM")
     # Target: [0, 10) and [6, 16) in one list (vLLM registers its caches as
-    # one list), [0, 10) again, and [2, 3) nested inside it.
+    # one list), [0, 10) again, and [12, 13) nested inside the second.
     rb_list = b.register_memory([(d, 10 * PAGE, 0, ""), (d + 6 * PAGE, 10 * PAGE, 0, "")], "DRAM")
     rb_again = b.register_memory([(d, 10 * PAGE, 0, "")], "DRAM")
-    rb_nested = b.register_memory([(d + 2 * PAGE, PAGE, 0, "")], "DRAM")
+    rb_nested = b.register_memory([(d + 12 * PAGE, PAGE, 0, "")], "DRAM")
     assert a.add_remote_agent(b.get_agent_metadata()) == b.name.encode()
     p = Pair(a, b, src, dst)
     p.write(0, 0, 2)  # inside the first only
     p.write(12, 11, 4)  # inside the second only
     p.write(6, 6, 4)  # the shared pages
-    p.write(4, 1, 3)  # past the nested one, inside [0, 10) that starts before it
+    p.write(12, 13, 2)  # past the nested one, inside [6, 16) that starts before it
     p.refused(4, 0, 8)  # local: across [0, 10) and [6, 16), inside neither
     p.refused(0, 4, 8)  # remote: likewise
     assert not a.check_remote_metadata(b.name, a.get_xfer_descs([(d + 4 * PAGE, 8 * PAGE, 0)], "DRAM"))
