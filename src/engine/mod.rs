@@ -291,13 +291,18 @@ impl TransferEngine {
         let pos = self.regs.iter().position(|r| r.reg.lkey == handle.0).ok_or(EngineError::UnknownRegistration)?;
         let (addr, end) = (self.regs[pos].desc.addr, self.regs[pos].desc.addr + self.regs[pos].desc.len_bytes);
         // `regs` is sorted by start: those starting before `end` may overlap.
-        let inflight: u32 = self.regs[..self.regs.partition_point(|r| r.desc.addr < end)]
+        let busy: Vec<LocalKey> = self.regs[..self.regs.partition_point(|r| r.desc.addr < end)]
             .iter()
-            .filter(|r| r.desc.addr + r.desc.len_bytes > addr)
-            .map(|r| r.inflight)
-            .sum();
-        if inflight > 0 {
-            return Err(EngineError::RegistrationInUse { inflight });
+            .filter(|r| r.desc.addr + r.desc.len_bytes > addr && r.inflight > 0)
+            .map(|r| r.reg.lkey)
+            .collect();
+        if !busy.is_empty() {
+            let inflight = self
+                .transfers
+                .values()
+                .filter(|t| t.status == TransferStatus::InProgress && t.lkeys.iter().any(|k| busy.contains(k)))
+                .count();
+            return Err(EngineError::RegistrationInUse { inflight: u32::try_from(inflight).unwrap_or(u32::MAX) });
         }
         self.transport.deregister(handle.0)?;
         self.regs.remove(pos);
