@@ -203,6 +203,12 @@ def test_register_unregister_and_codes(transport):
     # all or nothing: the second entry fails, the first is rolled back
     assert e.batch_register_memory([addrs[0], addrs[0]], [8192, 8192]) < 0
     assert e.register_memory(addrs[0], 8192) == 0, "rolled back, so it can be registered again"
+    # Overlaps are refused here although kvwire's engine accepts them (as
+    # NIXL does): Mooncake refuses them, within one list too, all or nothing.
+    assert e.batch_register_memory([addrs[1], addrs[1] + 4096], [8192, 4096]) == -7
+    assert e.register_memory(addrs[1], 8192) == 0, "the refused list was rolled back"
+    assert e.register_memory(addrs[1] + 4096, 8192) == -7, "overlaps the end of a registration"
+    assert e.register_memory(addrs[1] - 4096, 8192) == -7, "overlaps the start of a registration"
     e.close()
 
 
