@@ -6,28 +6,13 @@ across two overlapping registrations, inside neither, is NIXL_ERR_NOT_FOUND
 at `initialize_xfer` like any unregistered range. Deregistering one keeps
 the bytes another still covers registered. shm and tcp, bytes verified."""
 
-import time
-import uuid
-
 import numpy as np
 import pytest
 
 import nixl._bindings as B
-from nixl._api import nixl_agent, nixl_agent_config
+from test_nixl_contract import agent, wait  # the suite's helpers
 
 PAGE = 4096
-
-
-def agent(backend):
-    return nixl_agent(str(uuid.uuid4()), nixl_agent_config(backends=[backend]))
-
-
-def wait(a, h, limit=10.0):
-    deadline = time.time() + limit
-    while True:
-        s = a.check_xfer_state(h)
-        if s == "DONE" or time.time() > deadline:
-            return s
 
 
 class Pair:

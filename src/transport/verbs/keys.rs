@@ -111,15 +111,13 @@ mod tests {
         assert_eq!(kind(RemoteKeys::new(&[]).check(&[seg(7, 0x10_000, 8)])), unknown);
     }
 
+    /// A view of rkey 7.
+    fn r(addr: u64, len: u64) -> RemoteRegion {
+        RemoteRegion { addr, len_bytes: len, rkey: RemoteKey(7), kind: MemoryKind::Dram, device_id: 0 }
+    }
+
     #[test]
     fn views_of_one_key_are_found_and_abutting_ones_cover_a_merged_segment() {
-        let r = |addr: u64, len: u64| RemoteRegion {
-            addr,
-            len_bytes: len,
-            rkey: RemoteKey(7),
-            kind: MemoryKind::Dram,
-            device_id: 0,
-        };
         // Three views sharing rkey 7: two abutting, then a gap.
         let k = RemoteKeys::new(&[r(0x1000, 0x1000), r(0x2000, 0x1000), r(0x4000, 0x1000)]);
         // Alternating views in one post (the cache must not refuse them).
@@ -136,13 +134,6 @@ mod tests {
 
     #[test]
     fn overlapping_and_repeated_views_of_one_key_are_found() {
-        let r = |addr: u64, len: u64| RemoteRegion {
-            addr,
-            len_bytes: len,
-            rkey: RemoteKey(7),
-            kind: MemoryKind::Dram,
-            device_id: 0,
-        };
         // [0x1000, 0x3000) and, inside it, [0x1400, 0x1500) twice; then
         // [0x5000, 0x6000) and [0x5800, 0x7000) overlapping it.
         let k = RemoteKeys::new(&[
