@@ -4,6 +4,12 @@
 //! Verbs needs an RDMA device (the Soft-RoCE guest of
 //! `scripts/softroce-tests.sh` runs this binary there); elsewhere its tests
 //! print `<test>: skipped: <reason>` and, with `KVWIRE_REQUIRE_RDMA=1`, fail.
+//! `verbs_sim` runs every rule in plain `cargo test` over the same
+//! `VerbsTransport` on the simulated NIC (`VerbsTransport::on_sim`): both
+//! agents in this process on one `SimFabric`, connected by the normal
+//! handshake, the simulator moving the real bytes of the registered
+//! buffers. The dead peer is the target's engine dropped, as on the other
+//! backends: its QPs vanish from the fabric and its liveness channel closes.
 //!
 //! Rules: descriptors outside a peer's regions are refused before anything
 //! moves (one error kind everywhere); a forged rkey is `UnknownKey` and a
@@ -21,6 +27,8 @@ use std::time::{Duration, Instant};
 
 use kvwire::HostBuffer;
 use kvwire::engine::{Desc, EngineError, TransferEngine, TransferStatus};
+use kvwire::transport::verbs::VerbsTransport;
+use kvwire::transport::verbs::sim::{SimFabric, SimNic};
 use kvwire::transport::{
     FailureKind, MemoryBacking, MemoryKind, Op, PostRequest, RemoteAccessKind, RemoteKey, RemoteRegion, Segment,
     Transport, TransportConfig, TransportError, TransportKind, View, XferId,
@@ -31,10 +39,42 @@ enum Backend {
     Shm,
     Tcp,
     Verbs,
+    /// `VerbsTransport` over the simulated NIC.
+    VerbsSim,
+}
+
+/// Fabric steps each `poll_cq` of a progress thread runs (the simulated
+/// NIC moves only when stepped).
+const SIM_STEPS_PER_POLL: u32 = 64;
+
+/// Two verbs transports on one new simulated fabric, seeded by the test.
+fn sim_transports(
+    test: &str,
+    extra: &[(&str, &str)],
+) -> (String, String, VerbsTransport<SimNic>, VerbsTransport<SimNic>) {
+    let seed = test.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| (h ^ u64::from(b)).wrapping_mul(0x100_0000_01b3));
+    let fabric = SimFabric::new(seed);
+    fabric.world().auto_step = SIM_STEPS_PER_POLL;
+    let mut c = TransportConfig { peer_timeout: Duration::from_secs(2), ..Default::default() };
+    for (k, v) in extra {
+        c.options.push((k.to_string(), v.to_string()));
+    }
+    let tag = format!("{test}-{}", std::process::id());
+    let (an, bn) = (format!("a-{tag}"), format!("b-{tag}"));
+    let a = VerbsTransport::on_sim(&an, &c, &fabric).unwrap();
+    let b = VerbsTransport::on_sim(&bn, &c, &fabric).unwrap();
+    (an, bn, a, b)
 }
 
 /// Engines `a` (initiator) and `b` (target) of `backend`, or why not.
 fn pair(backend: Backend, test: &str, extra: &[(&str, &str)]) -> Option<(TransferEngine, TransferEngine)> {
+    if let Backend::VerbsSim = backend {
+        let (an, bn, a, b) = sim_transports(test, extra);
+        return Some((
+            TransferEngine::with_transport(&an, Box::new(a)),
+            TransferEngine::with_transport(&bn, Box::new(b)),
+        ));
+    }
     let (kind, ca, cb, tag) = configs(backend, test, extra)?;
     let a = TransferEngine::new(&format!("a-{tag}"), kind, &ca).unwrap();
     let b = TransferEngine::new(&format!("b-{tag}"), kind, &cb).unwrap();
@@ -47,6 +87,10 @@ type RawPair = (Box<dyn Transport>, Box<dyn Transport>, String);
 /// Bare transports `a` (initiator) and `b` (target, with its name) of
 /// `backend`, for rules the engine's own checks would hide (forged keys).
 fn raw_pair(backend: Backend, test: &str) -> Option<RawPair> {
+    if let Backend::VerbsSim = backend {
+        let (_, bn, a, b) = sim_transports(test, &[]);
+        return Some((Box::new(a), Box::new(b), bn));
+    }
     let (kind, ca, cb, tag) = configs(backend, test, &[])?;
     let a = kvwire::transport::create(kind, &format!("a-{tag}"), &ca).unwrap();
     let b = kvwire::transport::create(kind, &format!("b-{tag}"), &cb).unwrap();
@@ -69,6 +113,7 @@ fn configs(
             let kind = if matches!(backend, Backend::Shm) { TransportKind::Shm } else { TransportKind::Tcp };
             (kind, c.clone(), c)
         }
+        Backend::VerbsSim => unreachable!("built by sim_transports"),
         Backend::Verbs => match verbs_util::devices() {
             Ok((tdev, idev)) => {
                 let mut ca = verbs_util::config(&idev, extra);
@@ -335,7 +380,7 @@ fn views(b: &Arc<HostBuffer>, n: u64) -> Vec<Arc<dyn MemoryBacking>> {
 
 /// Memory regions expected for `regs` registrations over one buffer.
 fn one_region_on_verbs(be: Backend, regs: usize) -> usize {
-    if matches!(be, Backend::Verbs) { 1 } else { regs }
+    if matches!(be, Backend::Verbs | Backend::VerbsSim) { 1 } else { regs }
 }
 
 fn views_registered_as_a_list_move_data(be: Backend) {
@@ -469,6 +514,7 @@ macro_rules! contract {
     ($($rule:ident),* $(,)?) => {
         mod shm { $(#[test] fn $rule() { super::$rule(super::Backend::Shm) })* }
         mod tcp { $(#[test] fn $rule() { super::$rule(super::Backend::Tcp) })* }
+        mod verbs_sim { $(#[test] fn $rule() { super::$rule(super::Backend::VerbsSim) })* }
         mod verbs { $(#[test] #[ignore = "needs an RDMA device (scripts/softroce-tests.sh runs it in the Soft-RoCE guest)"] fn $rule() { super::$rule(super::Backend::Verbs) })* }
     };
 }

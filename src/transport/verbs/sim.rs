@@ -11,7 +11,10 @@
 //! posted), in-order issue and completion per QP, a seeded random interleaving
 //! across QPs (completions of different QPs arrive reordered and delayed),
 //! bytes moved between in-simulation memory (so data and notification
-//! ordering is checkable), rkey/bounds checks (`IBV_WC_REM_ACCESS_ERR`),
+//! ordering is checkable) or, for memory registered with
+//! [`SimFabric::register_host`] (the verbs transport over the simulator,
+//! `VerbsTransport::on_sim`), the real bytes of this process's memory,
+//! rkey/bounds checks (`IBV_WC_REM_ACCESS_ERR`),
 //! SENDs consuming posted receives (`IBV_WC_RNR_RETRY_EXC_ERR` when none
 //! is posted), error state with `IBV_WC_WR_FLUSH_ERR` for every WR after
 //! the first error (signalled or not), QP numbers reused after destroy
@@ -48,7 +51,61 @@ use crate::verbs::{WcStatus, WorkCompletion, WrView};
 struct Region {
     dev: u32,
     addr: u64,
-    bytes: Vec<u8>,
+    mem: Mem,
+}
+
+/// Where a simulated region's bytes live.
+enum Mem {
+    /// The simulation's own bytes.
+    Owned(Vec<u8>),
+    /// `len` bytes of this process's memory at the region's address
+    /// ([`SimFabric::register_host`]): WRs move the real bytes.
+    Host { len: usize },
+}
+
+impl Region {
+    fn len(&self) -> usize {
+        match &self.mem {
+            Mem::Owned(v) => v.len(),
+            Mem::Host { len } => *len,
+        }
+    }
+
+    /// A copy of `[off, off + len)`; None when out of range.
+    fn load(&self, off: usize, len: usize) -> Option<Vec<u8>> {
+        if off.checked_add(len)? > self.len() {
+            return None;
+        }
+        match &self.mem {
+            Mem::Owned(v) => Some(v[off..off + len].to_vec()),
+            Mem::Host { .. } => {
+                let mut out = vec![0u8; len];
+                // SAFETY: `register_host`'s caller keeps `[addr, addr +
+                // len)` valid while the region is registered; the range was
+                // checked to lie inside it. As a NIC's DMA, the copy does not
+                // synchronise with the program's own accesses.
+                unsafe {
+                    std::ptr::copy_nonoverlapping((self.addr as usize + off) as *const u8, out.as_mut_ptr(), len)
+                };
+                Some(out)
+            }
+        }
+    }
+
+    /// Write `data` at `off`; false when out of range.
+    fn store(&mut self, off: usize, data: &[u8]) -> bool {
+        if off.checked_add(data.len()).is_none_or(|end| end > self.len()) {
+            return false;
+        }
+        match &mut self.mem {
+            Mem::Owned(v) => v[off..off + data.len()].copy_from_slice(data),
+            // SAFETY: as in `load` (the range is inside the registered one).
+            Mem::Host { .. } => unsafe {
+                std::ptr::copy_nonoverlapping(data.as_ptr(), (self.addr as usize + off) as *mut u8, data.len());
+            },
+        }
+        true
+    }
 }
 
 /// A WR a simulated QP started and has not completed.
@@ -179,6 +236,16 @@ impl SimFabric {
         SimNic { fabric: self.clone(), dev }
     }
 
+    /// A device with a number no other device of the fabric has, with a
+    /// completion queue of `cqes` entries (for `VerbsTransport::on_sim`:
+    /// one device per transport).
+    pub fn new_device(&self, cqes: usize) -> SimNic {
+        let mut w = self.world();
+        let dev = w.cqs.keys().max().map_or(0, |d| d + 1);
+        w.cqs.insert(dev, (VecDeque::new(), cqes));
+        SimNic { fabric: self.clone(), dev }
+    }
+
     /// Another handle to device `dev` made by [`device`](Self::device), its
     /// completion queue kept (to create QPs beside an engine that owns the
     /// first).
@@ -199,7 +266,23 @@ impl SimFabric {
         let mut w = self.world();
         let key = w.next_key;
         w.next_key += 1;
-        w.regions.insert(key, Region { dev, addr, bytes: vec![0; len] });
+        w.regions.insert(key, Region { dev, addr, mem: Mem::Owned(vec![0; len]) });
+        key
+    }
+
+    /// Register `len` bytes of this process's memory at `addr` on `dev` (as
+    /// `ibv_reg_mr` does): its key (lkey = rkey). WRs naming the key move
+    /// the real bytes there; the bounds and key checks stay the
+    /// simulator's.
+    ///
+    /// # Safety
+    /// `[addr, addr + len)` must stay valid, readable and writable memory
+    /// until [`dealloc`](Self::dealloc) of the key.
+    pub unsafe fn register_host(&self, dev: u32, addr: u64, len: usize) -> u32 {
+        let mut w = self.world();
+        let key = w.next_key;
+        w.next_key += 1;
+        w.regions.insert(key, Region { dev, addr, mem: Mem::Host { len } });
         key
     }
 
@@ -213,7 +296,7 @@ impl SimFabric {
         let w = self.world();
         let r = w.regions.get(&key)?;
         let off = usize::try_from(addr.checked_sub(r.addr)?).ok()?;
-        r.bytes.get(off..off.checked_add(len)?).map(<[u8]>::to_vec)
+        r.load(off, len)
     }
 
     /// Write `data` at `addr` of region `key`; false when out of range.
@@ -221,13 +304,7 @@ impl SimFabric {
         let mut w = self.world();
         let Some(r) = w.regions.get_mut(&key) else { return false };
         let Some(off) = addr.checked_sub(r.addr).and_then(|o| usize::try_from(o).ok()) else { return false };
-        match r.bytes.get_mut(off..off + data.len()) {
-            Some(dst) => {
-                dst.copy_from_slice(data);
-                true
-            }
-            None => false,
-        }
+        r.store(off, data)
     }
 
     /// Connect QP `a` and QP `b` (RTS both ways), READ depth
@@ -285,7 +362,7 @@ impl World {
         let (addr, key) = (self.next_addr, self.next_key);
         self.next_addr += (len as u64).div_ceil(4096).max(1) * 4096 + 4096;
         self.next_key += 1;
-        self.regions.insert(key, Region { dev, addr, bytes: vec![0; len] });
+        self.regions.insert(key, Region { dev, addr, mem: Mem::Owned(vec![0; len]) });
         (addr, key)
     }
 
@@ -293,12 +370,13 @@ impl World {
     fn check(&self, dev: u32, key: u32, addr: u64, len: usize) -> Option<usize> {
         let r = self.regions.get(&key).filter(|r| r.dev == dev)?;
         let off = usize::try_from(addr.checked_sub(r.addr)?).ok()?;
-        (off.checked_add(len)? <= r.bytes.len()).then_some(off)
+        (off.checked_add(len)? <= r.len()).then_some(off)
     }
 
     fn copy(&mut self, from: (u32, usize), to: (u32, usize), len: usize) {
-        let data = self.regions[&from.0].bytes[from.1..from.1 + len].to_vec();
-        self.regions.get_mut(&to.0).expect("checked").bytes[to.1..to.1 + len].copy_from_slice(&data);
+        let data = self.regions[&from.0].load(from.1, len).expect("checked");
+        let stored = self.regions.get_mut(&to.0).expect("checked").store(to.1, &data);
+        debug_assert!(stored, "checked");
         let s = self.steps;
         self.touches.push((s, from.0, from.1, len));
         self.touches.push((s, to.0, to.1, len));
