@@ -30,7 +30,7 @@ use serde::{Deserialize, Serialize};
 use super::Inner;
 use super::device::Device;
 use super::engine::Cmd;
-use super::nic::NicQp;
+use super::nic::{Nic, NicQp};
 use super::state::{NOTIF_SLOT_BYTES, RECV_BIT, RecvQp};
 use crate::sidechannel::{SideChannel, SideChannelError};
 use crate::transport::auth::{self, AgentSecret, Nonce};
@@ -350,9 +350,11 @@ impl Drop for Liveness {
     }
 }
 
+/// A target QP, its endpoint for the initiator and the slab its receives land in.
+type RecvParts<D> = (<D as Nic>::Qp, QpEndpoint, Arc<<D as Nic>::Slab>);
+
 impl<D: Device> Inner<D> {
-    #[allow(clippy::type_complexity)]
-    fn new_recv_qp(&self) -> Result<(D::Qp, QpEndpoint, Arc<D::Slab>), TransportError> {
+    fn new_recv_qp(&self) -> Result<RecvParts<D>, TransportError> {
         let qp = self.nic.create_qp(4, RECVS_PER_QP).map_err(super::setup_err)?;
         let ep = self.nic.endpoint(&qp, &self.qp_options).map_err(super::setup_err)?;
         let slab = self

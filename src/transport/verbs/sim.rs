@@ -581,4 +581,5 @@ impl World {
 }
 
 mod nic;
-pub use nic::{SimNic, SimQp, SimSlab};
+mod transport;
+pub use nic::{SimMr, SimNic, SimQp, SimSlab};
