@@ -75,4 +75,3 @@ impl VerbsTransport<SimNic> {
         VerbsTransport::start(agent, config, setup)
     }
 }
-
