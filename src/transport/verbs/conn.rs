@@ -236,7 +236,9 @@ fn serve<D: Device>(inner: &Inner<D>, mut ch: SideChannel) {
         qpns.push(qp.qp_num());
         recv.push(RecvQp { qp, agent: agent.clone(), slab });
     }
-    inner.cmds.send(Cmd::AddRecv { qps: recv });
+    // Answered only once the engine holds the QPs: the initiator's first
+    // notification may complete on our CQ as soon as it has our answer.
+    inner.cmds.call::<()>(|done| Cmd::AddRecv { qps: recv, done });
     if ch.send(&Handshake::Accept { qps: mine }).is_ok() {
         // Wait until the initiator goes away (or this transport stops).
         let _ = ch.set_read_timeout(Some(Duration::from_millis(WATCH_MS)));

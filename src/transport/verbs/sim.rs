@@ -16,7 +16,8 @@
 //! `VerbsTransport::on_sim`), the real bytes of this process's memory,
 //! rkey/bounds checks (`IBV_WC_REM_ACCESS_ERR`),
 //! SENDs consuming posted receives (`IBV_WC_RNR_RETRY_EXC_ERR` when none
-//! is posted), error state with `IBV_WC_WR_FLUSH_ERR` for every WR after
+//! is posted, or waiting for one on a QP that retries RNR forever:
+//! [`SimFabric::set_rnr_forever`]), error state with `IBV_WC_WR_FLUSH_ERR` for every WR after
 //! the first error (signalled or not), QP numbers reused after destroy
 //! (lowest free number first), and a device that disappears (its peers'
 //! WRs end in `IBV_WC_RETRY_EXC_ERR`, or never complete with
@@ -144,6 +145,10 @@ struct SimQpState {
     rq: VecDeque<(u64, u32, usize, u32)>,
     /// Status the next executed WR completes with (fault injection).
     fail_next: VecDeque<WcStatus>,
+    /// `rnr_retry` = 7: a SEND finding no receive posted waits for one
+    /// (retries forever) instead of failing `IBV_WC_RNR_RETRY_EXC_ERR`
+    /// ([`SimFabric::set_rnr_forever`]).
+    rnr_forever: bool,
 }
 
 /// The fabric's whole state (behind [`SimFabric`]'s lock: the simulated
@@ -326,6 +331,15 @@ impl SimFabric {
         }
     }
 
+    /// QP `qpn` retries RNR forever (`rnr_retry` = 7, as the verbs
+    /// transport connects its QPs): a SEND to a peer with no receive posted
+    /// waits at the head of the send queue until one is posted.
+    pub fn set_rnr_forever(&self, qpn: u32, forever: bool) {
+        if let Some(q) = self.world().qps.get_mut(&qpn) {
+            q.rnr_forever = forever;
+        }
+    }
+
     /// The next WR QP `qpn` starts (issues, for a READ; runs, for another
     /// WR) completes with `status` (and puts the QP in error when it
     /// completes, as any error completion does).
@@ -421,13 +435,17 @@ impl World {
     /// A QP whose head WR can never complete (peer gone with infinite
     /// retries, or a SEND with no receive posted and infinite RNR retries).
     fn stuck(&self, q: &SimQpState) -> bool {
-        if q.error || !q.fail_next.is_empty() || !self.infinite_retry {
+        if q.error || !q.fail_next.is_empty() {
             return false;
         }
         let peer = q.peer.and_then(|p| self.qps.get(&p).filter(|_| !self.dead.contains(&self.qps[&p].dev)));
         match peer {
-            None => true,
-            Some(p) => q.started.is_empty() && q.sq.front().is_some_and(|w| w.opcode == IBV_WR_SEND && p.rq.is_empty()),
+            None => self.infinite_retry,
+            Some(p) => {
+                (self.infinite_retry || q.rnr_forever)
+                    && q.started.is_empty()
+                    && q.sq.front().is_some_and(|w| w.opcode == IBV_WR_SEND && p.rq.is_empty())
+            }
         }
     }
 
@@ -444,7 +462,7 @@ impl World {
             Some(_) if q.started.is_empty() => true,
             // A SEND that could only wait for a receive (infinite RNR
             // retries) stays at the head, as `stuck` expects.
-            Some(w) if self.infinite_retry && w.opcode == IBV_WR_SEND && self.no_receive(q) => false,
+            Some(w) if (self.infinite_retry || q.rnr_forever) && w.opcode == IBV_WR_SEND && self.no_receive(q) => false,
             Some(_) => !doomed,
         };
         let (error, started) = (q.error, !q.started.is_empty());

@@ -77,7 +77,8 @@ impl Device for SimNic {
 
     /// Connects the two QPs by the numbers the handshake exchanged, READ
     /// depth as the hardware negotiates it (ours, lowered to the
-    /// responder's); `EINVAL` when either QP does not exist on the fabric.
+    /// responder's), RNR retried forever when `o.rnr_retry` is 7; `EINVAL`
+    /// when either QP does not exist on the fabric.
     fn connect(&self, qp: &SimQp, _local: &QpEndpoint, remote: &QpEndpoint, o: &QpOptions) -> Result<(), VerbsError> {
         let depth = u32::from(o.max_rd_atomic.min(remote.rd_atom)).max(1);
         {
@@ -87,6 +88,8 @@ impl Device for SimNic {
             }
         }
         self.fabric.connect_with_read_depth(qp.qpn, remote.qpn, depth);
+        // rnr_retry 7 = retry forever (IB spec), as the transport sets it.
+        self.fabric.set_rnr_forever(qp.qpn, o.rnr_retry == 7);
         Ok(())
     }
 }
@@ -254,6 +257,7 @@ impl Nic for SimNic {
             started: VecDeque::new(),
             rq: VecDeque::new(),
             fail_next: VecDeque::new(),
+            rnr_forever: false,
         };
         w.qps.insert(qpn, st);
         Ok(SimQp { fabric: self.fabric.clone(), qpn, slabs: Vec::new() })
