@@ -13,7 +13,9 @@
 //!
 //! Rules: descriptors outside a peer's regions are refused before anything
 //! moves (one error kind everywhere); a forged rkey is `UnknownKey` and a
-//! known key out of range `OutOfBounds` on every backend; a notification is delivered only after
+//! known key out of range `OutOfBounds` on every backend; a range the
+//! target never registered, claimed by its metadata, is refused by the
+//! target's side (`OutOfBounds`); a notification is delivered only after
 //! its transfer's data; standalone notifications keep their order; a dead
 //! peer fails transfers within the peer timeout and is refused fast after;
 //! release of an in-flight transfer fences the memory (no byte lands after
@@ -223,6 +225,57 @@ fn a_forged_rkey_is_an_unknown_key(be: Backend) {
     let segments = vec![seg(treg.rkey, dst.addr())];
     a.post(PostRequest { xfer: XferId(3), op: Op::Write, peer, segments, notification: Some(vec![3]) }).unwrap();
     assert_eq!(finish(&mut a, 3), Ok(()), "{be:?}");
+    assert_eq!(dst.to_vec(..4096), src.to_vec(..4096), "{be:?}");
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let mut got = Vec::new();
+    while got.is_empty() && Instant::now() < deadline {
+        b.take_notifications(&mut got);
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    std::thread::sleep(Duration::from_millis(50));
+    b.take_notifications(&mut got);
+    let payloads: Vec<Vec<u8>> = got.into_iter().map(|n| n.payload).collect();
+    assert_eq!(payloads, vec![vec![3u8]], "{be:?}: only the valid transfer's notification arrives");
+}
+
+/// Metadata claiming more than the target registered (a stale or forged
+/// region) passes the initiator's own checks; the target's side then refuses
+/// the access (shm and tcp: the target's table; verbs: the HCA, or the
+/// simulator, with `IBV_WC_REM_ACCESS_ERR`): `RemoteAccess(OutOfBounds)`, no
+/// byte written (not even the part inside), no notification, and the link
+/// works again after (on verbs, through a reconnect of the failed QP).
+fn the_targets_own_check_refuses_what_it_never_registered(be: Backend) {
+    let Some((mut a, mut b, bn)) = raw_pair(be, "claim") else { return };
+    let src = buf(1 << 16, 8);
+    // The target registers the first half; the second half is a canary.
+    let dst = Arc::new(HostBuffer::new(1 << 17).unwrap());
+    let ireg = a.register(src.clone()).unwrap();
+    let treg = b.register(Arc::new(View::new(dst.clone(), 0, 1 << 16).unwrap())).unwrap();
+    let claimed =
+        RemoteRegion { addr: dst.addr(), len_bytes: 1 << 17, rkey: treg.rkey, kind: MemoryKind::Dram, device_id: 0 };
+    let peer = a.connect(&bn, &b.connection_info(), &[claimed]).unwrap();
+    let post = |a: &mut Box<dyn Transport>, x: u64, remote_addr: u64, len_bytes: u64| {
+        let segments =
+            vec![Segment { local_addr: src.addr(), remote_addr, len_bytes, lkey: ireg.lkey, rkey: treg.rkey }];
+        a.post(PostRequest { xfer: XferId(x), op: Op::Write, peer, segments, notification: Some(vec![x as u8]) })
+            .unwrap();
+        let deadline = Instant::now() + Duration::from_secs(60);
+        let mut out = Vec::new();
+        loop {
+            a.wait(&mut out, Duration::from_millis(50));
+            if let Some(c) = out.iter().find(|c| c.xfer == XferId(x)) {
+                return c.result.clone();
+            }
+            assert!(Instant::now() < deadline, "{be:?}: transfer {x} never completed");
+        }
+    };
+    // Straddling the end of the registration, then wholly past it.
+    for (x, at) in [(1, dst.addr() + (1 << 16) - 4096), (2, dst.addr() + (1 << 16))] {
+        let why = post(&mut a, x, at, 8192).expect_err("an access outside the registration must fail");
+        assert_eq!(why.kind, FailureKind::RemoteAccess(RemoteAccessKind::OutOfBounds), "{be:?}: {why}");
+    }
+    assert!(dst.to_vec(..).iter().all(|&b| b == 0), "{be:?}: bytes written outside the registration");
+    assert_eq!(post(&mut a, 3, dst.addr(), 4096), Ok(()), "{be:?}: the link works after");
     assert_eq!(dst.to_vec(..4096), src.to_vec(..4096), "{be:?}");
     let deadline = Instant::now() + Duration::from_secs(30);
     let mut got = Vec::new();
@@ -522,6 +575,7 @@ macro_rules! contract {
 contract!(
     out_of_bounds_is_refused_before_anything_moves,
     a_forged_rkey_is_an_unknown_key,
+    the_targets_own_check_refuses_what_it_never_registered,
     a_notification_arrives_after_its_data,
     standalone_notifications_keep_their_order,
     a_dead_peer_fails_within_the_timeout_then_fast,
