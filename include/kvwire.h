@@ -42,7 +42,7 @@ typedef enum KvwStatus {
   KVW_ERR_INVALID_ARG = 1,
   // An unknown registration, transfer handle or peer agent.
   KVW_ERR_NOT_FOUND = 2,
-  // Descriptors out of bounds, mismatched or empty; overlapping or empty registration.
+  // Descriptors out of bounds, mismatched or empty; an empty registration.
   KVW_ERR_BAD_DESC = 3,
   // Malformed peer metadata.
   KVW_ERR_METADATA = 4,

@@ -25,8 +25,9 @@
 # PROTOCOL=tcp MC_METADATA_SERVER=P2PHANDSHAKE:
 #   transfer_engine_target.py in the background, then
 #   transfer_engine_initiator_test.py (pytest) against it;
-#   test_import_structure.py (its TE part; the store and BufferPool parts
-#   are Mooncake Store features kvwire does not provide).
+#   test_import_structure.py (its store and BufferPool parts import and
+#   construct what kvwire's `mooncake.store` provides: ReplicateConfig, a
+#   MooncakeDistributedStore whose operations raise, the BufferPool alias).
 # Not run: the tests that need CUDA, an RDMA NIC, torch or Mooncake Store
 # (test_transfer_on_cuda.py, test_transfer_on_hip.py, test_regmr_overhead.py,
 # test_mooncake_ep.py, the store, CLI and buffer-pool tests).

@@ -8,9 +8,17 @@
 # Prints the bench's JSON: prep_xfer_dlist ns/desc, make_prepped_xfer +
 # transfer wall and CPU ns/desc, GB/s, bytes verified.
 #
+# IMPL=real runs the same bench with real NIXL 1.5.1 and its UCX backend
+# instead (the venv target/nixl-plugin-venv of scripts/nixl-plugin-tests.sh,
+# nixl-cu12's bundled UCX), UCX told to use rxe0 only (UCX_NET_DEVICES=rxe0:1)
+# over RDMA transports only (UCX_TLS, default rc_verbs,ud_verbs: no shared
+# memory, so the bytes cross the software NIC as kvwire's do); whether UCX
+# drives rxe at all is part of what it shows.
+#
 # Builds the venv as scripts/nixl-softroce-check.sh does (target/nixl-venv;
 # KVWIRE_NIXL_VENV overrides). Skips (exit 0) where the guest cannot run,
-# as the other softroce scripts. Env: DESCS (112000), REPS (1), BACKEND, SOFTROCE_MEM.
+# as the other softroce scripts. Env: DESCS (112000), REPS (1), BACKEND, IMPL
+# (kvwire | real), UCX_TLS, SOFTROCE_MEM.
 set -euo pipefail
 repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 name=nixl-scale-softroce
@@ -18,8 +26,18 @@ name=nixl-scale-softroce
 softroce_preflight "$name" "$repo"
 softroce_python_preflight "$name"
 cd "$repo"
-venv=${KVWIRE_NIXL_VENV:-$repo/target/nixl-venv}
-KVWIRE_NIXL_VENV=$venv KVWIRE_NIXL_BUILD_ONLY=1 bash scripts/nixl-tests.sh
+IMPL=${IMPL:-kvwire}
+case $IMPL in
+    kvwire)
+        venv=${KVWIRE_NIXL_VENV:-$repo/target/nixl-venv}
+        KVWIRE_NIXL_VENV=$venv KVWIRE_NIXL_BUILD_ONLY=1 bash scripts/nixl-tests.sh
+        env_extra="UCX_NET_DEVICES=rxe0 NIXL_BENCH_BACKEND=${BACKEND:-KVWIRE_VERBS}" ;;
+    real)
+        venv=$repo/target/nixl-plugin-venv
+        KVWIRE_NIXL_PLUGIN_BUILD_ONLY=1 bash scripts/nixl-plugin-tests.sh
+        env_extra="UCX_NET_DEVICES=rxe0:1 UCX_TLS=${UCX_TLS:-rc_verbs,ud_verbs} NIXL_BENCH_BACKEND=${BACKEND:-UCX}" ;;
+    *) echo "$name: IMPL must be kvwire or real" >&2; exit 2 ;;
+esac
 export SOFTROCE_TIMEOUT=${SOFTROCE_TIMEOUT:-1500}
 DESCS=${DESCS:-112000}
 # both agents' buffers and the bench's expected-bytes copies
@@ -29,6 +47,6 @@ trap 'rm -rf "$stage"' EXIT
 cp bench/compare/nixl_api_bench.py "$stage/"
 echo "$name: $(softroce_stage_python "$venv/bin/python" "$stage")"
 guest_cmd="cd /host && export PYTHONHOME=/host/py PYTHONPATH=/host/site LD_LIBRARY_PATH=/host/lib \
-PYTHONDONTWRITEBYTECODE=1 UCX_NET_DEVICES=rxe0 NIXL_BENCH_BACKEND=${BACKEND:-KVWIRE_VERBS} NIXL_BENCH_PAGES=4096 \
+PYTHONDONTWRITEBYTECODE=1 $env_extra NIXL_BENCH_PAGES=4096 \
 NIXL_BENCH_BYTES=$((DESCS * 4096)) NIXL_BENCH_REPS=${REPS:-1} && /host/python3 nixl_api_bench.py"
 flock /tmp/kvwire-softroce.lock bash "$softroce_vm" run "$stage" "$guest_cmd"

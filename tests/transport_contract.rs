@@ -20,7 +20,8 @@
 //! peer fails transfers within the peer timeout and is refused fast after;
 //! release of an in-flight transfer fences the memory (no byte lands after
 //! it returns); deregistering memory a transfer still uses is refused; a
-//! removed peer reconnects and moves bytes again.
+//! removed peer reconnects and moves bytes again; overlapping registrations
+//! are accepted, each with its own bounds.
 
 mod verbs_util;
 
@@ -563,6 +564,110 @@ fn views_deregister_in_any_order(be: Backend) {
     assert_eq!(a.region_counts(), (8, one_region_on_verbs(be, 8)), "{be:?}");
 }
 
+/// A view of `b` over pages `[first, first + n)`.
+fn pages(b: &Arc<HostBuffer>, first: u64, n: u64) -> Arc<dyn MemoryBacking> {
+    Arc::new(View::new(b.clone(), first * 4096, n * 4096).unwrap())
+}
+
+/// Write `n` local pages from page `l` of `src` to page `r` of `dst` (at
+/// agent `b`), wait, and compare the bytes.
+fn write_pages(
+    be: Backend,
+    a: &mut TransferEngine,
+    b: &str,
+    (src, dst): (&HostBuffer, &HostBuffer),
+    (l, r, n): (u64, u64, u64),
+) {
+    let ld = [Desc::new(src.addr() + l * 4096, n * 4096)];
+    let rd = [Desc::new(dst.addr() + r * 4096, n * 4096)];
+    let h = a.post(Op::Write, &ld, b, &rd, None).unwrap_or_else(|e| panic!("{be:?}: pages {l}->{r}: {e}"));
+    assert_eq!(wait(a, h), TransferStatus::Done, "{be:?}: pages {l}->{r}");
+    a.release(h).unwrap();
+    let (l, r, n) = (l as usize * 4096, r as usize * 4096, n as usize * 4096);
+    assert_eq!(dst.to_vec(r..r + n), src.to_vec(l..l + n), "{be:?}: bytes of pages {l}->{r}");
+}
+
+/// Overlapping, contained and identical registrations are accepted, as
+/// NIXL 1.5.1 accepts them (issue 29 item 2); each keeps its own bounds (a
+/// descriptor across two overlapping registrations, inside neither, is
+/// refused like any unregistered one), and memory stays registered while
+/// one registration covering it lives, whichever goes first.
+fn overlapping_registrations_are_accepted(be: Backend) {
+    let Some((mut a, mut b)) = pair(be, "overlap", &[]) else { return };
+    let (src, dst) = (buf(1 << 16, 9), Arc::new(HostBuffer::new(1 << 16).unwrap()));
+    // Initiator: pages [0, 10) and [6, 16), one call each (on verbs two MRs
+    // over the shared pages: a later range is not grown into an MR).
+    let x = a.register(pages(&src, 0, 10)).unwrap();
+    let y = a.register(pages(&src, 6, 10)).unwrap();
+    assert_eq!(a.region_counts(), (2, 2), "{be:?}");
+    // Target: pages [0, 10) and [6, 16) as one list, then [0, 10) again.
+    let pq = b.register_batch(vec![pages(&dst, 0, 10), pages(&dst, 6, 10)]).unwrap();
+    let p2 = b.register(pages(&dst, 0, 10)).unwrap();
+    assert_eq!(b.region_counts(), (3, one_region_on_verbs(be, 3)), "{be:?}");
+    let meta = b.metadata();
+    assert_eq!(
+        meta.regions.iter().map(|r| (r.addr - dst.addr(), r.len_bytes)).collect::<Vec<_>>(),
+        [(0, 10 * 4096), (0, 10 * 4096), (6 * 4096, 10 * 4096)]
+    );
+    a.connect(&meta).unwrap();
+    let bn = b.name().to_string();
+    let io = (&*src, &*dst);
+    // Inside the first only, the second only, and the shared pages.
+    write_pages(be, &mut a, &bn, io, (0, 1, 2));
+    write_pages(be, &mut a, &bn, io, (13, 11, 3));
+    write_pages(be, &mut a, &bn, io, (6, 7, 4));
+    // Past a nested registration's end, inside the longer one that starts
+    // before it (the lookup must not stop at the nearest start).
+    let w = a.register(pages(&src, 12, 1)).unwrap();
+    assert_eq!(a.region_counts(), (3, if matches!(be, Backend::Verbs | Backend::VerbsSim) { 2 } else { 3 }), "{be:?}");
+    write_pages(be, &mut a, &bn, io, (13, 11, 2));
+    a.deregister(w).unwrap();
+    // Across both, inside neither: refused on either side, nothing moves.
+    let before = dst.to_vec(..);
+    let across_l = [Desc::new(src.addr() + 4 * 4096, 8 * 4096)];
+    let e = a.post(Op::Write, &across_l, &bn, &[Desc::new(dst.addr(), 8 * 4096)], None).unwrap_err();
+    assert!(matches!(e, EngineError::LocalOutOfBounds { .. }), "{be:?}: {e}");
+    let across_r = [Desc::new(dst.addr() + 4 * 4096, 8 * 4096)];
+    let e = a.post(Op::Write, &[Desc::new(src.addr(), 8 * 4096)], &bn, &across_r, None).unwrap_err();
+    assert!(matches!(e, EngineError::RemoteOutOfBounds { .. }), "{be:?}: {e}");
+    assert_eq!(dst.to_vec(..), before, "{be:?}: nothing moved");
+
+    // Initiator: the first goes; the shared pages stay registered through
+    // the second, the first's own pages do not.
+    a.deregister(x).unwrap();
+    write_pages(be, &mut a, &bn, io, (6, 2, 1));
+    let e = a.post(Op::Write, &[Desc::new(src.addr(), 4096)], &bn, &[Desc::new(dst.addr(), 4096)], None).unwrap_err();
+    assert!(matches!(e, EngineError::LocalOutOfBounds { .. }), "{be:?}: {e}");
+    // The other order: register it again, the second goes.
+    let x = a.register(pages(&src, 0, 10)).unwrap();
+    a.deregister(y).unwrap();
+    write_pages(be, &mut a, &bn, io, (9, 3, 1));
+    let e = a
+        .post(Op::Write, &[Desc::new(src.addr() + 15 * 4096, 4096)], &bn, &[Desc::new(dst.addr(), 4096)], None)
+        .unwrap_err();
+    assert!(matches!(e, EngineError::LocalOutOfBounds { .. }), "{be:?}: {e}");
+    a.deregister(x).unwrap();
+    assert_eq!(a.region_counts(), (0, 0), "{be:?}");
+    let x = a.register(src.clone()).unwrap();
+
+    // Target: one of the two identical registrations goes; its pages stay
+    // reachable through the other.
+    b.deregister(p2).unwrap();
+    assert_eq!(b.region_counts(), (2, one_region_on_verbs(be, 2)), "{be:?}");
+    a.load_remote(&b.metadata()).unwrap();
+    write_pages(be, &mut a, &bn, io, (5, 0, 1));
+    // Then the first of the list: its own pages are refused, the shared ones
+    // stay reachable through the second.
+    b.deregister(pq[0]).unwrap();
+    a.load_remote(&b.metadata()).unwrap();
+    let e = a.post(Op::Write, &[Desc::new(src.addr(), 4096)], &bn, &[Desc::new(dst.addr(), 4096)], None).unwrap_err();
+    assert!(matches!(e, EngineError::RemoteOutOfBounds { .. }), "{be:?}: {e}");
+    write_pages(be, &mut a, &bn, io, (3, 6, 4));
+    b.deregister(pq[1]).unwrap();
+    assert_eq!(b.region_counts(), (0, 0), "{be:?}");
+    a.deregister(x).unwrap();
+}
+
 macro_rules! contract {
     ($($rule:ident),* $(,)?) => {
         mod shm { $(#[test] fn $rule() { super::$rule(super::Backend::Shm) })* }
@@ -586,4 +691,5 @@ contract!(
     bounds_hold_per_registration_of_a_view,
     a_view_key_covers_only_its_view,
     views_deregister_in_any_order,
+    overlapping_registrations_are_accepted,
 );

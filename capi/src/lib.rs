@@ -38,7 +38,7 @@ pub enum KvwStatus {
     KvwErrInvalidArg = 1,
     /// An unknown registration, transfer handle or peer agent.
     KvwErrNotFound = 2,
-    /// Descriptors out of bounds, mismatched or empty; overlapping or empty registration.
+    /// Descriptors out of bounds, mismatched or empty; an empty registration.
     KvwErrBadDesc = 3,
     /// Malformed peer metadata.
     KvwErrMetadata = 4,

@@ -64,9 +64,7 @@ fn engine_code(e: &EngineError) -> i32 {
         | EngineError::UnknownRegistration
         | EngineError::LocalOutOfBounds { .. }
         | EngineError::RemoteOutOfBounds { .. } => status::NOT_FOUND,
-        EngineError::MetadataConflict(_)
-        | EngineError::OverlappingRegistration { .. }
-        | EngineError::RegistrationInUse { .. } => status::NOT_ALLOWED,
+        EngineError::MetadataConflict(_) | EngineError::RegistrationInUse { .. } => status::NOT_ALLOWED,
         EngineError::LengthMismatch { .. } | EngineError::TransportMismatch { .. } => status::MISMATCH,
         EngineError::Transport(TransportError::PeerDisconnected(_)) => status::REMOTE_DISCONNECT,
         EngineError::Transport(TransportError::Unsupported(_)) => status::NOT_SUPPORTED,
@@ -93,7 +91,10 @@ struct Request {
 
 struct Core {
     engine: TransferEngine,
-    regs: HashMap<(u64, u64), RegistrationHandle>,
+    /// Registrations by `(addr, length)`: a range registered more than once
+    /// (NIXL keeps identical registrations apart too) has one handle per
+    /// registration, and each `deregister` of it ends the latest.
+    regs: HashMap<(u64, u64), Vec<RegistrationHandle>>,
     dlists: HashMap<u64, (String, Vec<Desc>)>,
     reqs: HashMap<u64, Request>,
     next_id: u64,
@@ -292,7 +293,7 @@ impl PyNixlCore {
             // nothing stronger can be checked; documented in docs/NIXL.md.
             let mem = unsafe { RawMemory::new(desc) };
             let h = c.engine.register(Arc::new(mem)).map_err(engine_err)?;
-            c.regs.insert((addr, length), h);
+            c.regs.entry((addr, length)).or_default().push(h);
             Ok(())
         })
     }
@@ -319,21 +320,29 @@ impl PyNixlCore {
                 .collect();
             let hs = c.engine.register_batch(mems).map_err(engine_err)?;
             for (&(addr, length, _), h) in items.iter().zip(hs) {
-                c.regs.insert((addr, length), h);
+                c.regs.entry((addr, length)).or_default().push(h);
             }
             Ok(())
         })
     }
 
-    /// Deregister what `register(addr, length, ...)` registered.
+    /// Deregister what `register(addr, length, ...)` registered (one
+    /// registration of it, the latest, when it was registered more than
+    /// once; overlapping registrations stay).
     fn deregister(&self, py: Python<'_>, addr: u64, length: u64) -> PyResult<()> {
         self.run(py, |c| {
             let h = *c
                 .regs
                 .get(&(addr, length))
+                .and_then(|hs| hs.last())
                 .ok_or_else(|| err(status::NOT_FOUND, format!("{addr:#x}+{length} is not registered")))?;
             c.engine.deregister(h).map_err(engine_err)?;
-            c.regs.remove(&(addr, length));
+            if let Some(hs) = c.regs.get_mut(&(addr, length)) {
+                hs.pop();
+                if hs.is_empty() {
+                    c.regs.remove(&(addr, length));
+                }
+            }
             Ok(())
         })
     }

@@ -2,7 +2,9 @@
 //!
 //! Every local descriptor must lie inside one local registration and every
 //! remote one inside one region of the peer; pairs must have equal lengths
-//! (NIXL `createXferReq` rules). Runs of pairs that are adjacent on *both*
+//! (NIXL `createXferReq` rules). Registrations may overlap, as NIXL 1.5.1
+//! accepts them: a descriptor inside any one of them is valid, one that
+//! spans two overlapping registrations without lying inside either is not. Runs of pairs that are adjacent on *both*
 //! sides and in the same registrations are merged into one [`Segment`], so
 //! a contiguous run of pages becomes one work request.
 
@@ -37,38 +39,38 @@ pub struct LocalSpan {
     pub lkey: LocalKey,
 }
 
+/// Index of an entry of `items` (sorted by start address, `bounds` giving
+/// each one's `[start, end)`) that covers `[addr, end)`, trying `*hint`
+/// first and leaving the index found there.
+///
+/// Registrations may overlap (NIXL accepts them), so the entry that starts
+/// nearest below `addr` need not be the one covering the range: the search
+/// walks back from it to the nearest entry that covers it. Without overlaps
+/// that is the first one tried; a miss walks to the list's start (once per
+/// refused post). NIXL's own lookup (`nixlSecDescList::getCoveringIndex`)
+/// tries only the entry at `lower_bound` and the one before it, so it
+/// misses a descriptor covered by an outer registration when a shorter one
+/// starts between them; this one finds it.
+fn covering<T>(items: &[T], addr: u64, end: u64, hint: &mut usize, bounds: impl Fn(&T) -> (u64, u64)) -> Option<usize> {
+    if let Some(s) = items.get(*hint) {
+        let (start, stop) = bounds(s);
+        if addr >= start && end <= stop {
+            return Some(*hint);
+        }
+    }
+    let below = items.partition_point(|s| bounds(s).0 <= addr);
+    let idx = items[..below].iter().rposition(|s| end <= bounds(s).1)?;
+    *hint = idx;
+    Some(idx)
+}
+
 fn find_span(spans: &[LocalSpan], addr: u64, end: u64, hint: &mut usize) -> Option<LocalKey> {
-    if let Some(s) = spans.get(*hint)
-        && addr >= s.addr
-        && end <= s.end
-    {
-        return Some(s.lkey);
-    }
-    let idx = spans.partition_point(|s| s.addr <= addr).checked_sub(1)?;
-    let s = &spans[idx];
-    if end <= s.end {
-        *hint = idx;
-        Some(s.lkey)
-    } else {
-        None
-    }
+    covering(spans, addr, end, hint, |s| (s.addr, s.end)).map(|i| spans[i].lkey)
 }
 
 fn find_region(regions: &[RemoteRegion], addr: u64, end: u64, hint: &mut usize) -> Option<u32> {
-    if let Some(r) = regions.get(*hint)
-        && addr >= r.addr
-        && end <= r.addr + r.len_bytes
-    {
-        return Some(r.rkey.0);
-    }
-    let idx = regions.partition_point(|r| r.addr <= addr).checked_sub(1)?;
-    let r = &regions[idx];
-    if end <= r.addr + r.len_bytes {
-        *hint = idx;
-        Some(r.rkey.0)
-    } else {
-        None
-    }
+    // `addr + len_bytes` does not wrap: metadata validation refuses such regions.
+    covering(regions, addr, end, hint, |r| (r.addr, r.addr.saturating_add(r.len_bytes))).map(|i| regions[i].rkey.0)
 }
 
 /// Check that each descriptor is non-empty and inside one local span.
@@ -112,8 +114,9 @@ pub fn check_remote_descs(descs: &[Desc], regions: &[RemoteRegion], agent: &str)
 
 /// Validate `local`/`remote` descriptor pairs and return coalesced segments.
 ///
-/// `spans` are the local registrations sorted by address; `regions` the
-/// peer's, sorted by address (as [`super::AgentMetadata`] keeps them).
+/// `spans` are the local registrations sorted by start address; `regions`
+/// the peer's, sorted by start address (as [`super::AgentMetadata`] keeps
+/// them). Either may overlap.
 ///
 /// # Errors
 /// [`EngineError::DescCountMismatch`], [`EngineError::EmptyDescriptor`],
@@ -224,6 +227,49 @@ mod tests {
         assert_eq!(segs.len(), 2);
         assert_eq!(segs[0].lkey, LocalKey(1));
         assert_eq!(segs[1].lkey, LocalKey(2));
+    }
+
+    #[test]
+    fn overlapping_registrations_each_cover_their_own_range() {
+        // A, then B = [0x1000, 0x9000), C nested in B, D overlapping B's end.
+        let spans = [
+            LocalSpan { addr: 0x0, end: 0x100, lkey: LocalKey(9) },
+            LocalSpan { addr: 0x1000, end: 0x9000, lkey: LocalKey(1) },
+            LocalSpan { addr: 0x2000, end: 0x2100, lkey: LocalKey(3) },
+            LocalSpan { addr: 0x8000, end: 0xa000, lkey: LocalKey(4) },
+        ];
+        let region = |addr: u64, end: u64, rkey| RemoteRegion {
+            addr,
+            len_bytes: end - addr,
+            rkey: RemoteKey(rkey),
+            kind: MemoryKind::Dram,
+            device_id: 0,
+        };
+        let regions = [
+            region(0x0, 0x100, 19),
+            region(0x1000, 0x9000, 11),
+            region(0x2000, 0x2100, 13),
+            region(0x8000, 0xa000, 14),
+        ];
+        let run = |l: u64, r: u64, len: u64| {
+            let mut out = Vec::new();
+            build_segments(&[Desc::new(l, len)], &[Desc::new(r, len)], &spans, &regions, "peer", &mut out)
+                .map(|()| (out[0].lkey.0, out[0].rkey.0))
+        };
+        // Past the nested one, inside the one starting before it.
+        assert_eq!(run(0x3000, 0x3000, 0x100).unwrap(), (1, 11));
+        assert_eq!(run(0x2000, 0x2000, 0x100).unwrap(), (3, 13));
+        // Inside the overlap, and past B inside D.
+        assert_eq!(run(0x8800, 0x8800, 0x100).unwrap().0, 4);
+        assert_eq!(run(0x8f00, 0x8f00, 0x200).unwrap(), (4, 14));
+        // Across B and D, inside neither.
+        assert!(matches!(run(0x7f00, 0x1000, 0x1200), Err(EngineError::LocalOutOfBounds { .. })));
+        assert!(matches!(run(0x1000, 0x7f00, 0x1200), Err(EngineError::RemoteOutOfBounds { .. })));
+        // Across A's end: nothing covers it.
+        assert!(matches!(run(0xf0, 0x1000, 0x20), Err(EngineError::LocalOutOfBounds { .. })));
+        assert!(check_local_descs(&[Desc::new(0x3000, 8), Desc::new(0x9500, 8)], &spans).is_ok());
+        assert!(check_remote_descs(&[Desc::new(0x2080, 0x100)], &regions, "peer").is_ok());
+        assert!(check_remote_descs(&[Desc::new(0x8f00, 0x1200)], &regions, "peer").is_err());
     }
 
     #[test]

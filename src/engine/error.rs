@@ -19,18 +19,11 @@ pub enum EngineError {
         /// Start address.
         addr: u64,
     },
-    /// The new registration overlaps an existing one.
-    #[error("range {addr:#x}+{len_bytes} overlaps an existing registration")]
-    OverlappingRegistration {
-        /// Start address.
-        addr: u64,
-        /// Length in bytes.
-        len_bytes: u64,
-    },
     /// No such registration.
     #[error("unknown registration")]
     UnknownRegistration,
-    /// `deregister` while a transfer still uses the registration.
+    /// `deregister` while a transfer still uses the registration (or one
+    /// overlapping it).
     #[error("registration is used by {inflight} in-flight transfer(s)")]
     RegistrationInUse {
         /// Transfers still using it.
@@ -153,7 +146,7 @@ pub enum MetadataError {
     /// The body does not decode.
     #[error("malformed metadata: {0}")]
     Malformed(String),
-    /// Decodes, but breaks a rule (empty name, overlapping regions, ...).
+    /// Decodes, but breaks a rule (empty name, regions out of address order, ...).
     #[error("inconsistent metadata: {0}")]
     Inconsistent(String),
 }

@@ -37,7 +37,9 @@ pub struct AgentMetadata {
     pub generation: u64,
     /// Transport-specific connection info (opaque).
     pub connection_info: Vec<u8>,
-    /// Registered regions with their remote keys, sorted by address.
+    /// Registered regions with their remote keys, one per registration,
+    /// sorted by start address; they may overlap or repeat, as
+    /// registrations may (NIXL accepts overlapping registrations).
     pub regions: Vec<RemoteRegion>,
 }
 
@@ -124,28 +126,31 @@ impl AgentMetadata {
         }
         // Remote keys may repeat: on verbs, registrations coalesced into one
         // memory region share its rkey (docs/VERBS.md, "Registration"); a
-        // descriptor is matched to a region by address, not by key.
-        let mut prev_end = 0u64;
+        // descriptor is matched to a region by address, not by key. Regions
+        // may overlap and repeat (NIXL 1.5.1 accepts overlapping and
+        // identical registrations and publishes each one); they are sorted
+        // by start address, which the lookup relies on.
+        let mut prev_addr = 0u64;
         for (i, r) in self.regions.iter().enumerate() {
             if r.len_bytes == 0 {
                 return bad(format!("region {i} is empty"));
             }
-            let Some(end) = r.addr.checked_add(r.len_bytes) else {
+            if r.addr.checked_add(r.len_bytes).is_none() {
                 return bad(format!("region {i} wraps the address space"));
-            };
-            if i > 0 && r.addr < prev_end {
-                return bad(format!("region {i} overlaps or is out of address order"));
             }
-            prev_end = end;
+            if r.addr < prev_addr {
+                return bad(format!("region {i} is out of address order"));
+            }
+            prev_addr = r.addr;
         }
         Ok(())
     }
 
-    /// The region holding `[addr, addr + len)`, if one does.
+    /// A region holding all of `[addr, addr + len)`, if one does (regions
+    /// may overlap: the one starting nearest below `addr` that covers it).
     pub fn find_region(&self, addr: u64, len: u64) -> Option<&RemoteRegion> {
-        let idx = self.regions.partition_point(|r| r.addr <= addr);
-        let r = self.regions.get(idx.checked_sub(1)?)?;
-        r.contains(addr, len).then_some(r)
+        let below = self.regions.partition_point(|r| r.addr <= addr);
+        self.regions[..below].iter().rev().find(|r| r.contains(addr, len))
     }
 }
 
@@ -218,7 +223,10 @@ mod tests {
     #[test]
     fn rejects_inconsistent_regions() {
         let mut m = sample();
-        m.regions[1].addr = 0x1800;
+        m.regions[1].addr = 0x800;
+        assert!(matches!(AgentMetadata::from_bytes(&m.to_bytes()), Err(MetadataError::Inconsistent(_))));
+        let mut m = sample();
+        m.regions[1].len_bytes = u64::MAX - 0x4000 + 1;
         assert!(matches!(AgentMetadata::from_bytes(&m.to_bytes()), Err(MetadataError::Inconsistent(_))));
         // Regions sharing one rkey (a coalesced verbs MR) are consistent.
         let mut m = sample();
@@ -230,6 +238,28 @@ mod tests {
         let mut m = sample();
         m.name.clear();
         assert!(m.validate().is_err());
+    }
+
+    #[test]
+    fn overlapping_and_repeated_regions_are_consistent_and_found() {
+        let mut m = sample();
+        // [0x1000, 0x2000), [0x1800, 0x4800) overlapping it, [0x1800, 0x1900)
+        // inside both, and the first one again (an identical registration).
+        m.regions[1].addr = 0x1800;
+        m.regions[1].len_bytes = 0x3000;
+        let inner = RemoteRegion { addr: 0x1800, len_bytes: 0x100, rkey: RemoteKey(3), ..m.regions[0] };
+        let again = RemoteRegion { rkey: RemoteKey(4), ..m.regions[0] };
+        m.regions.insert(0, again);
+        m.regions.push(inner);
+        assert_eq!(AgentMetadata::from_bytes(&m.to_bytes()).unwrap(), m);
+        assert!(m.find_region(0x1000, 0x1000).is_some_and(|r| r.addr == 0x1000));
+        // Past the inner region, inside the outer one that starts before it.
+        assert_eq!(m.find_region(0x1a00, 0x100).unwrap().rkey, RemoteKey(2));
+        assert_eq!(m.find_region(0x1f00, 0x100).unwrap().rkey, RemoteKey(2));
+        assert_eq!(m.find_region(0x1000, 0x800).unwrap().addr, 0x1000);
+        // Across both overlapping regions, inside neither.
+        assert!(m.find_region(0x0f00, 0x1000).is_none());
+        assert!(m.find_region(0x1000, 0x3800).is_none());
     }
 
     #[test]

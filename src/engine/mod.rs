@@ -207,9 +207,20 @@ impl TransferEngine {
     /// Register memory for transfers. The engine keeps `backing` alive until
     /// [`TransferEngine::deregister`].
     ///
+    /// Registrations may overlap, be contained in one another or repeat an
+    /// earlier one exactly, as NIXL 1.5.1's `registerMem` accepts them
+    /// (`nixlLocalSection::addDescList` keeps each one, unchecked, in its
+    /// sorted list). Each is its own registration with its own handle and
+    /// bounds: a descriptor must lie inside one registration, so one that
+    /// spans two overlapping registrations without lying inside either is
+    /// [`EngineError::LocalOutOfBounds`] (or, on the peer's side,
+    /// [`EngineError::RemoteOutOfBounds`]), as for any unregistered byte.
+    /// Memory stays registered while any registration covering it lives.
+    ///
     /// # Errors
-    /// [`EngineError::EmptyRegistration`], [`EngineError::OverlappingRegistration`],
-    /// [`EngineError::Transport`] when the backend refuses it.
+    /// [`EngineError::EmptyRegistration`]; [`EngineError::Transport`] when
+    /// the backend refuses it (on shm with `cma=deny`, a range that is not
+    /// a whole `HostBuffer` no other registration exports).
     pub fn register(&mut self, backing: Arc<dyn MemoryBacking>) -> Result<RegistrationHandle, EngineError> {
         Ok(self.register_batch(vec![backing])?.remove(0))
     }
@@ -219,41 +230,27 @@ impl TransferEngine {
     /// deregistrable on its own. The transport sees the whole list at once
     /// ([`Transport::register_batch`]): on verbs, views of a few
     /// allocations become one memory region per allocation. Work: O(k log k)
-    /// for k ranges plus one pass over the registration table.
+    /// for k ranges plus one pass over the registration table. Ranges may
+    /// overlap one another and earlier registrations, as in
+    /// [`TransferEngine::register`].
     ///
     /// # Errors
-    /// As [`TransferEngine::register`], for the first range at fault
-    /// (ranges of one list must not overlap either).
+    /// As [`TransferEngine::register`], for the first range at fault.
     pub fn register_batch(
         &mut self,
         backings: Vec<Arc<dyn MemoryBacking>>,
     ) -> Result<Vec<RegistrationHandle>, EngineError> {
-        let mut order: Vec<(MemoryDesc, usize)> = Vec::with_capacity(backings.len());
-        for (i, b) in backings.iter().enumerate() {
+        let mut descs: Vec<MemoryDesc> = Vec::with_capacity(backings.len());
+        for b in &backings {
             let desc = b.desc();
             desc.end().filter(|_| desc.len_bytes > 0).ok_or(EngineError::EmptyRegistration { addr: desc.addr })?;
-            order.push((desc, i));
-        }
-        order.sort_by_key(|(d, _)| d.addr);
-        for w in order.windows(2) {
-            if w[0].0.addr + w[0].0.len_bytes > w[1].0.addr {
-                return Err(EngineError::OverlappingRegistration { addr: w[1].0.addr, len_bytes: w[1].0.len_bytes });
-            }
-        }
-        for (desc, _) in &order {
-            let end = desc.addr + desc.len_bytes;
-            let pos = self.regs.partition_point(|r| r.desc.addr < desc.addr);
-            let overlaps_prev = pos > 0 && self.regs[pos - 1].desc.addr + self.regs[pos - 1].desc.len_bytes > desc.addr;
-            let overlaps_next = self.regs.get(pos).is_some_and(|r| r.desc.addr < end);
-            if overlaps_prev || overlaps_next {
-                return Err(EngineError::OverlappingRegistration { addr: desc.addr, len_bytes: desc.len_bytes });
-            }
+            descs.push(desc);
         }
         let began = Instant::now();
         let regs = self.transport.register_batch(backings.clone())?;
         let took = began.elapsed();
-        let bytes: u64 = order.iter().map(|(d, _)| d.len_bytes).sum();
-        crate::metrics::global().registered_many(&self.stats, order.len() as u64, bytes, took);
+        let bytes: u64 = descs.iter().map(|d| d.len_bytes).sum();
+        crate::metrics::global().registered_many(&self.stats, descs.len() as u64, bytes, took);
         let handles = regs.iter().map(|r| RegistrationHandle(r.lkey)).collect();
         let mut added: Vec<LocalRegistration> = backings
             .into_iter()
@@ -261,13 +258,16 @@ impl TransferEngine {
             .map(|(b, reg)| LocalRegistration { desc: b.desc(), reg, _backing: b, inflight: 0 })
             .collect();
         if added.len() == 1 {
-            let pos = self.regs.partition_point(|r| r.desc.addr < added[0].desc.addr);
+            // After every registration starting at or below it: equal starts
+            // keep registration order.
+            let pos = self.regs.partition_point(|r| r.desc.addr <= added[0].desc.addr);
             let r = added.remove(0);
             let span = LocalSpan { addr: r.desc.addr, end: r.desc.addr + r.desc.len_bytes, lkey: r.reg.lkey };
             self.regs.insert(pos, r);
             self.spans.insert(pos, span);
         } else {
             self.regs.append(&mut added);
+            // Stable: equal starts keep registration order.
             self.regs.sort_by_key(|r| r.desc.addr);
             self.rebuild_spans();
         }
@@ -275,16 +275,34 @@ impl TransferEngine {
         Ok(handles)
     }
 
-    /// Deregister memory.
+    /// Deregister memory. Bytes that another registration also covers stay
+    /// registered through it (an overlapping or identical registration, or
+    /// on verbs a memory region it shares); NIXL's `deregisterMem` likewise
+    /// removes exactly the one registration named.
     ///
     /// # Errors
     /// [`EngineError::UnknownRegistration`], [`EngineError::RegistrationInUse`]
-    /// while a transfer that uses it is not terminal.
+    /// while a transfer that uses it, or uses a registration overlapping it,
+    /// is not terminal (on shm, ending a registration whose buffer was
+    /// handed to a peer re-homes the buffer's pages, which a copy through an
+    /// overlapping registration must not race).
     pub fn deregister(&mut self, handle: RegistrationHandle) -> Result<(), EngineError> {
         self.progress();
         let pos = self.regs.iter().position(|r| r.reg.lkey == handle.0).ok_or(EngineError::UnknownRegistration)?;
-        if self.regs[pos].inflight > 0 {
-            return Err(EngineError::RegistrationInUse { inflight: self.regs[pos].inflight });
+        let (addr, end) = (self.regs[pos].desc.addr, self.regs[pos].desc.addr + self.regs[pos].desc.len_bytes);
+        // `regs` is sorted by start: those starting before `end` may overlap.
+        let busy: Vec<LocalKey> = self.regs[..self.regs.partition_point(|r| r.desc.addr < end)]
+            .iter()
+            .filter(|r| r.desc.addr + r.desc.len_bytes > addr && r.inflight > 0)
+            .map(|r| r.reg.lkey)
+            .collect();
+        if !busy.is_empty() {
+            let inflight = self
+                .transfers
+                .values()
+                .filter(|t| t.status == TransferStatus::InProgress && t.lkeys.iter().any(|k| busy.contains(k)))
+                .count();
+            return Err(EngineError::RegistrationInUse { inflight: u32::try_from(inflight).unwrap_or(u32::MAX) });
         }
         self.transport.deregister(handle.0)?;
         self.regs.remove(pos);

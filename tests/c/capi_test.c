@@ -154,7 +154,12 @@ int main(void) {
     CHECK(kvw_release(initiator, 123456) == KVW_ERR_NOT_FOUND);
     CHECK(kvw_deregister(initiator, 999) == KVW_ERR_NOT_FOUND);
     CHECK(kvw_metadata_load(initiator, (const uint8_t *)"junk", 4) == KVW_ERR_METADATA);
-    CHECK(kvw_register(initiator, (uint64_t)(uintptr_t)(src + 10), 100, &rsrc) == KVW_ERR_BAD_DESC); /* overlaps */
+    /* a range inside a registration is a registration of its own (NIXL accepts overlaps) */
+    {
+        uint64_t inner = 0;
+        CHECK(kvw_register(initiator, (uint64_t)(uintptr_t)(src + 10), 100, &inner) == KVW_OK);
+        CHECK(kvw_deregister(initiator, inner) == KVW_OK);
+    }
     CHECK(kvw_engine_create("x", "carrier-pigeon", &target) == KVW_ERR_INVALID_ARG);
     CHECK(kvw_engine_create(NULL, NULL, &target) == KVW_ERR_INVALID_ARG);
     CHECK(kvw_register(NULL, 0, 1, &rsrc) == KVW_ERR_INVALID_ARG);

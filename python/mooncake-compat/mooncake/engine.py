@@ -26,6 +26,7 @@ gateway) and then does the same.
 
 import array
 import base64
+import bisect
 import ctypes
 import enum
 import glob
@@ -372,6 +373,7 @@ class TransferEngine:
         self._core = None
         self._lock = threading.RLock()
         self._regs = {}  # addr -> length, in registration order
+        self._starts = []  # the keys of _regs, sorted (overlap checks)
         self._managed = {}  # addr -> mmap
         self._sessions = {}  # session id -> _Session
         self._batches = {}  # id -> _Batch
@@ -568,6 +570,13 @@ class TransferEngine:
                 if addr in self._regs:
                     logger.error("register_memory: %#x is already registered", addr)
                     rc = ERR_ADDRESS_OVERLAPPED
+                elif self._overlaps(addr, n):
+                    # Mooncake refuses overlapping registrations
+                    # (TransferEngine::registerLocalMemory: "does not support
+                    # overlapped memory region"); kvwire's engine accepts
+                    # them, as NIXL does, so the refusal lives here.
+                    logger.error("register_memory %#x+%d overlaps a registration", addr, n)
+                    rc = ERR_ADDRESS_OVERLAPPED
                 else:
                     try:
                         mem, dev = _memory_of(addr, location)
@@ -580,19 +589,30 @@ class TransferEngine:
                         try:
                             core.register(addr, n, mem, dev)
                             self._regs[addr] = n
+                            bisect.insort(self._starts, addr)
                             done.append((addr, n))
                             continue
                         except (NixlCoreError, OverflowError) as e:
                             logger.error("register_memory %#x+%d: %s", addr, n, e.args[-1])
-                            rc = ERR_ADDRESS_OVERLAPPED if "overlap" in str(e).lower() else ERR_INVALID_ARGUMENT
+                            rc = ERR_INVALID_ARGUMENT
                 for a, k in done:  # all or nothing
                     try:
                         core.deregister(a, k)
                     except NixlCoreError:
                         pass
-                    self._regs.pop(a, None)
+                    if self._regs.pop(a, None) is not None:
+                        self._starts.remove(a)
                 return rc
         return 0
+
+    def _overlaps(self, addr, n):
+        """True when [addr, addr + n) shares a byte with a registration
+        (registrations never overlap one another here, so the neighbours by
+        start address are the only candidates). Call with the lock held."""
+        i = bisect.bisect_right(self._starts, addr)
+        if i > 0 and self._starts[i - 1] + self._regs[self._starts[i - 1]] > addr:
+            return True
+        return i < len(self._starts) and self._starts[i] < addr + n
 
     def unregister_memory(self, buffer_addr):
         return self.batch_unregister_memory([buffer_addr])
@@ -613,6 +633,7 @@ class TransferEngine:
                 try:
                     core.deregister(a, n)
                     del self._regs[a]
+                    self._starts.remove(a)
                 except NixlCoreError as e:
                     logger.error("unregister_memory %#x: %s", a, e.args[-1])
                     rc = ERR_INVALID_ARGUMENT

@@ -137,7 +137,7 @@ def test_topology_and_unsupported_parts(transport):
     with pytest.raises(NotImplementedError, match="CUDA stream"):
         e.transfer_write_on_cuda("x:1", 0, 0, 1, 0)
     assert e.warmup_efa_segment("x:1") == 0
-    for mod in ("mooncake.store", "mooncake.pg", "mooncake.ep", "mooncake.allocator"):
+    for mod in ("mooncake.pg", "mooncake.ep", "mooncake.allocator"):
         sys.modules.pop(mod, None)
         with pytest.raises(ImportError, match="kvwire"):
             importlib.import_module(mod)
@@ -148,6 +148,37 @@ def test_topology_and_unsupported_parts(transport):
         me.create_rpc_server  # noqa: B018
     assert not hasattr(me, "SharedSegment")
     e.close()
+
+
+def test_store_imports_and_raises_at_use():
+    """Mooncake Store is not provided: its module imports (as Mooncake's own
+    test_import_structure.py expects) and fails at the first store operation,
+    naming the reason; BufferPool is one class under both names and refuses
+    construction."""
+    import mooncake
+    from mooncake.store import STORE_NOT_PROVIDED, BufferPool, MooncakeDistributedStore, ReplicateConfig
+
+    store = MooncakeDistributedStore()
+    for call in (lambda: store.setup("h", "P2PHANDSHAKE", 1 << 30, 1 << 28, "tcp", "", "127.0.0.1:50051"),
+                 lambda: store.put("k", b"v"), lambda: store.get("k"),
+                 lambda: store.register_buffer(0, 4096), lambda: store.close()):
+        with pytest.raises(NotImplementedError, match="Mooncake Store is not provided by kvwire"):
+            call()
+    with pytest.raises(AttributeError, match="not provided by kvwire"):
+        store.no_such_operation  # noqa: B018
+    assert not hasattr(store, "no_such_operation")
+    cfg = ReplicateConfig()
+    assert (cfg.replica_num, cfg.with_soft_pin, cfg.preferred_segment, cfg.group_ids) == (1, False, "", None)
+    cfg.group_ids = ["group-a", ""]
+    assert cfg.group_ids == ["group-a", ""]
+    with pytest.raises(AttributeError):
+        cfg.no_such_field = 1
+    assert mooncake.BufferPool is mooncake.RegisteredBufferPool is BufferPool
+    with pytest.raises(NotImplementedError, match="BufferPool"):
+        BufferPool(store, 1 << 20)
+    assert "transfer engine" in STORE_NOT_PROVIDED
+    with pytest.raises(AttributeError):
+        mooncake.NoSuchThing  # noqa: B018
 
 
 # -- memory ---------------------------------------------------------------
@@ -172,6 +203,12 @@ def test_register_unregister_and_codes(transport):
     # all or nothing: the second entry fails, the first is rolled back
     assert e.batch_register_memory([addrs[0], addrs[0]], [8192, 8192]) < 0
     assert e.register_memory(addrs[0], 8192) == 0, "rolled back, so it can be registered again"
+    # Overlaps are refused here although kvwire's engine accepts them (as
+    # NIXL does): Mooncake refuses them, within one list too, all or nothing.
+    assert e.batch_register_memory([addrs[1], addrs[1] + 4096], [8192, 4096]) == -7
+    assert e.register_memory(addrs[1], 8192) == 0, "the refused list was rolled back"
+    assert e.register_memory(addrs[1] + 4096, 8192) == -7, "overlaps the end of a registration"
+    assert e.register_memory(addrs[1] - 4096, 8192) == -7, "overlaps the start of a registration"
     e.close()
 
 

@@ -12,19 +12,35 @@ use crate::transport::{RemoteAccessKind, RemoteRegion, Segment, TransferFailure}
 /// The target's regions by rkey, as given to `connect`.
 #[derive(Debug, Default)]
 pub(super) struct RemoteKeys {
-    /// `(rkey, addr, len_bytes)`, sorted by rkey.
-    regions: Vec<(u32, u64, u64)>,
+    /// `(rkey, start, end)`: per key, the union of its regions as maximal
+    /// runs (overlapping and abutting regions merged), sorted by key, then
+    /// start; the runs of one key are disjoint.
+    runs: Vec<(u32, u64, u64)>,
 }
 
 impl RemoteKeys {
+    /// Index `regions`. Several regions share a key when they are views of
+    /// one coalesced MR (docs/VERBS.md, "Registration"), and they may
+    /// overlap or repeat (overlapping registrations, as NIXL accepts them):
+    /// the engine has already placed each descriptor inside one region and
+    /// merges descriptors of one key only when they are contiguous, so a
+    /// segment lies inside one run of its key; the HCA checks the MR.
     pub(super) fn new(regions: &[RemoteRegion]) -> Self {
-        let mut regions: Vec<(u32, u64, u64)> = regions.iter().map(|r| (r.rkey.0, r.addr, r.len_bytes)).collect();
-        regions.sort_unstable();
-        Self { regions }
+        let mut all: Vec<(u32, u64, u64)> =
+            regions.iter().map(|r| (r.rkey.0, r.addr, r.addr.saturating_add(r.len_bytes))).collect();
+        all.sort_unstable();
+        let mut runs: Vec<(u32, u64, u64)> = Vec::with_capacity(all.len());
+        for r in all {
+            match runs.last_mut() {
+                Some(last) if last.0 == r.0 && r.1 <= last.2 => last.2 = last.2.max(r.2),
+                _ => runs.push(r),
+            }
+        }
+        Self { runs }
     }
 
     /// Check every segment's rkey and remote range (consecutive segments of
-    /// one key cost one lookup).
+    /// one run cost one lookup).
     pub(super) fn check(&self, segments: &[Segment]) -> Result<(), TransferFailure> {
         let mut last: Option<(u32, u64, u64)> = None;
         for s in segments {
@@ -32,23 +48,16 @@ impl RemoteKeys {
             if last.is_some_and(|l| l.0 == key && inside(&l, s)) {
                 continue;
             }
-            // The key's regions, contiguous in the sorted list and sorted by
-            // address: one per key, except views of one coalesced verbs MR
-            // (docs/VERBS.md, "Registration"), found by binary search.
-            let lo = self.regions.partition_point(|r| r.0 < key);
-            let mine = &self.regions[lo..lo + self.regions[lo..].partition_point(|r| r.0 == key)];
+            let lo = self.runs.partition_point(|r| r.0 < key);
+            let mine = &self.runs[lo..lo + self.runs[lo..].partition_point(|r| r.0 == key)];
             if mine.is_empty() {
                 return Err(TransferFailure::remote_access(
                     RemoteAccessKind::UnknownKey,
                     format!("rkey {key:#x} names no region of the target"),
                 ));
             }
-            let at = mine.partition_point(|r| r.1 <= s.remote_addr).checked_sub(1).map(|j| mine[j]);
-            match at {
+            match mine.partition_point(|r| r.1 <= s.remote_addr).checked_sub(1).map(|j| mine[j]) {
                 Some(r) if inside(&r, s) => last = Some(r),
-                // The engine merged descriptors of abutting regions of one
-                // key (each checked on its own) into one segment.
-                _ if covered(mine, s) => {}
                 _ => return Err(out_of_bounds(s)),
             }
         }
@@ -56,30 +65,8 @@ impl RemoteKeys {
     }
 }
 
-/// True when `s` lies in abutting regions of one key (`regions` sorted by
-/// address, not overlapping: the metadata rules).
-fn covered(regions: &[(u32, u64, u64)], s: &Segment) -> bool {
-    let Some(end) = s.remote_addr.checked_add(s.len_bytes) else { return false };
-    let Some(mut j) = regions.partition_point(|r| r.1 <= s.remote_addr).checked_sub(1) else { return false };
-    let mut reach = regions[j].1.saturating_add(regions[j].2);
-    if reach <= s.remote_addr {
-        return false;
-    }
-    while reach < end {
-        j += 1;
-        match regions.get(j) {
-            Some(r) if r.1 == reach => reach = r.1.saturating_add(r.2),
-            _ => return false,
-        }
-    }
-    true
-}
-
 fn inside(r: &(u32, u64, u64), s: &Segment) -> bool {
-    match (s.remote_addr.checked_add(s.len_bytes), r.1.checked_add(r.2)) {
-        (Some(end), Some(rend)) => s.remote_addr >= r.1 && end <= rend,
-        _ => false,
-    }
+    s.remote_addr.checked_add(s.len_bytes).is_some_and(|end| s.remote_addr >= r.1 && end <= r.2)
 }
 
 fn out_of_bounds(s: &Segment) -> TransferFailure {
@@ -145,5 +132,34 @@ mod tests {
         assert_eq!(k.check(&[seg(7, 0x2800, 0x1000)]).err().map(|f| f.kind), oob);
         assert_eq!(k.check(&[seg(7, 0x4f00, 0x200)]).err().map(|f| f.kind), oob);
         assert_eq!(k.check(&[seg(7, 0x3000, 0x10)]).err().map(|f| f.kind), oob);
+    }
+
+    #[test]
+    fn overlapping_and_repeated_views_of_one_key_are_found() {
+        let r = |addr: u64, len: u64| RemoteRegion {
+            addr,
+            len_bytes: len,
+            rkey: RemoteKey(7),
+            kind: MemoryKind::Dram,
+            device_id: 0,
+        };
+        // [0x1000, 0x3000) and, inside it, [0x1400, 0x1500) twice; then
+        // [0x5000, 0x6000) and [0x5800, 0x7000) overlapping it.
+        let k = RemoteKeys::new(&[
+            r(0x1400, 0x100),
+            r(0x1000, 0x2000),
+            r(0x1400, 0x100),
+            r(0x5800, 0x1800),
+            r(0x5000, 0x1000),
+        ]);
+        // Past the inner view, inside the outer one that starts before it.
+        assert_eq!(k.check(&[seg(7, 0x2000, 0x800)]), Ok(()));
+        assert_eq!(k.check(&[seg(7, 0x1400, 0x100), seg(7, 0x1600, 0x100)]), Ok(()));
+        // Inside each of two overlapping views, and over the overlap.
+        assert_eq!(k.check(&[seg(7, 0x5000, 0x800), seg(7, 0x6800, 0x800), seg(7, 0x5f00, 0x200)]), Ok(()));
+        let oob = Some(FailureKind::RemoteAccess(RemoteAccessKind::OutOfBounds));
+        assert_eq!(k.check(&[seg(7, 0x2f00, 0x200)]).err().map(|f| f.kind), oob);
+        assert_eq!(k.check(&[seg(7, 0x4f00, 0x200)]).err().map(|f| f.kind), oob);
+        assert_eq!(k.check(&[seg(7, 0x6f00, 0x200)]).err().map(|f| f.kind), oob);
     }
 }

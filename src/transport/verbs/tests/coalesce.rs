@@ -193,3 +193,82 @@ fn deregistered_view_stays_reachable_through_the_shared_rkey_unless_coalescing_i
         drop(buf);
     }
 }
+
+/// Overlapping registrations, accepted as NIXL 1.5.1 accepts them (issue 29
+/// item 2): a later single registration overlapping a live MR without lying
+/// inside it gets an MR of its own over the shared pages; an identical one
+/// shares the MR; a list of overlapping ranges shares one MR. Each keeps its
+/// own bounds (a range across both, inside neither, is refused under either
+/// key), data moves through each, and each MR goes with its last
+/// registration, whichever goes first.
+#[test]
+fn overlapping_registrations_keep_their_own_bounds_and_mrs() {
+    for first_out in [0usize, 1] {
+        let mut p = Pair::new(15 + first_out as u64, Opts::default());
+        let (buf, _) = views();
+        let base = buf.desc().addr;
+        let fabric = p.fabric.clone();
+        let view = |first: u64, n: u64| -> Arc<dyn MemoryBacking> {
+            Arc::new(View::new(buf.clone(), first * PAGE, n * PAGE).unwrap())
+        };
+        let mut t = Regions::new(true);
+        // Pages [0, 10), then [6, 16): one call each, two MRs.
+        let kx = t.register_batch(vec![view(0, 10)], sim_make(&fabric, 0)).unwrap()[0];
+        let ky = t.register_batch(vec![view(6, 10)], sim_make(&fabric, 0)).unwrap()[0];
+        assert_eq!(t.memory_regions(), 2);
+        let (hx, hy) = (t.hw_lkey(kx.lkey.0).unwrap(), t.hw_lkey(ky.lkey.0).unwrap());
+        assert_ne!(hx, hy);
+        // [0, 10) again: inside the first MR, so it shares it.
+        let kx2 = t.register_batch(vec![view(0, 10)], sim_make(&fabric, 0)).unwrap()[0];
+        assert_eq!((t.memory_regions(), t.hw_lkey(kx2.lkey.0)), (2, Some(hx)));
+        assert_ne!(kx2.lkey, kx.lkey, "each registration keeps its own key");
+        // The simulated MRs hold bytes of their own: give both the pattern.
+        let data: Vec<u8> = (0..16 * PAGE as usize).map(|i| (i * 13 % 251) as u8).collect();
+        let pg = PAGE as usize;
+        assert!(fabric.write(hx, base, &data[..10 * pg]));
+        assert!(fabric.write(hy, base + 6 * PAGE, &data[6 * pg..]));
+        // Each one's own pages, and the shared pages under either key.
+        let (own_x, own_y, shared) = (view(0, 6), view(10, 6), view(6, 4));
+        write_views(&mut p, &t, 1, &[(&own_x, kx), (&own_y, ky)], base).unwrap();
+        write_views(&mut p, &t, 2, &[(&shared, kx)], base).unwrap();
+        p.run();
+        assert_eq!((p.result(1), p.result(2)), (Some(Ok(())), Some(Ok(()))));
+        assert_eq!(p.dst_bytes()[..data.len()], data[..], "every page landed");
+        p.fill_dst(|_| 0);
+        write_views(&mut p, &t, 3, &[(&shared, ky)], base).unwrap();
+        p.run();
+        assert_eq!(p.result(3), Some(Ok(())));
+        assert_eq!(p.dst_bytes()[6 * pg..10 * pg], data[6 * pg..10 * pg]);
+        // Across both, inside neither: refused under either key.
+        let across = view(4, 8);
+        for k in [kx, ky, kx2] {
+            let r = write_views(&mut p, &t, 4, &[(&across, k)], base);
+            assert!(matches!(r, Err(TransportError::LocalOutOfBounds { .. })), "got {r:?}");
+        }
+        // One goes: the other's MR stays, with the shared pages; the MR of
+        // the one that went stays while its identical twin lives.
+        let (gone, stays, h_stays) = if first_out == 0 { (kx, ky, hy) } else { (ky, kx, hx) };
+        t.deregister(gone.lkey).unwrap();
+        // [6, 16) had its MR alone; [0, 10)'s is still held by the twin.
+        assert_eq!(t.memory_regions(), if first_out == 0 { 2 } else { 1 }, "first_out={first_out}");
+        write_views(&mut p, &t, 5, &[(&shared, stays)], base).unwrap();
+        p.run();
+        assert_eq!(p.result(5), Some(Ok(())));
+        assert!(matches!(
+            write_views(&mut p, &t, 6, &[(&shared, gone)], base),
+            Err(TransportError::UnknownLocalKey(_))
+        ));
+        t.deregister(kx2.lkey).unwrap();
+        assert_eq!(t.memory_regions(), 1, "first_out={first_out}");
+        assert_eq!(fabric.read(hx, base, 1).is_some(), first_out == 1);
+        assert!(fabric.read(h_stays, base + 6 * PAGE, 1).is_some());
+        t.deregister(stays.lkey).unwrap();
+        assert_eq!(t.memory_regions(), 0);
+        assert!(fabric.read(hx, base, 1).is_none() && fabric.read(hy, base + 6 * PAGE, 1).is_none());
+        // As one list, overlapping ranges share one MR covering their union.
+        let both = t.register_batch(vec![view(6, 10), view(0, 10)], sim_make(&fabric, 0)).unwrap();
+        assert_eq!(t.memory_regions(), 1);
+        let (_, _, mr) = t.mr_of(both[0].lkey.0).unwrap();
+        assert_eq!((mr.addr, mr.len_bytes), (base, 16 * PAGE));
+    }
+}
