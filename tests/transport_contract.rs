@@ -4,10 +4,18 @@
 //! Verbs needs an RDMA device (the Soft-RoCE guest of
 //! `scripts/softroce-tests.sh` runs this binary there); elsewhere its tests
 //! print `<test>: skipped: <reason>` and, with `KVWIRE_REQUIRE_RDMA=1`, fail.
+//! `verbs_sim` runs every rule in plain `cargo test` over the same
+//! `VerbsTransport` on the simulated NIC (`VerbsTransport::on_sim`): both
+//! agents in this process on one `SimFabric`, connected by the normal
+//! handshake, the simulator moving the real bytes of the registered
+//! buffers. The dead peer is the target's engine dropped, as on the other
+//! backends: its QPs vanish from the fabric and its liveness channel closes.
 //!
 //! Rules: descriptors outside a peer's regions are refused before anything
 //! moves (one error kind everywhere); a forged rkey is `UnknownKey` and a
-//! known key out of range `OutOfBounds` on every backend; a notification is delivered only after
+//! known key out of range `OutOfBounds` on every backend; a range the
+//! target never registered, claimed by its metadata, is refused by the
+//! target's side (`OutOfBounds`); a notification is delivered only after
 //! its transfer's data; standalone notifications keep their order; a dead
 //! peer fails transfers within the peer timeout and is refused fast after;
 //! release of an in-flight transfer fences the memory (no byte lands after
@@ -22,6 +30,8 @@ use std::time::{Duration, Instant};
 
 use kvwire::HostBuffer;
 use kvwire::engine::{Desc, EngineError, TransferEngine, TransferStatus};
+use kvwire::transport::verbs::VerbsTransport;
+use kvwire::transport::verbs::sim::{SimFabric, SimNic};
 use kvwire::transport::{
     FailureKind, MemoryBacking, MemoryKind, Op, PostRequest, RemoteAccessKind, RemoteKey, RemoteRegion, Segment,
     Transport, TransportConfig, TransportError, TransportKind, View, XferId,
@@ -32,10 +42,42 @@ enum Backend {
     Shm,
     Tcp,
     Verbs,
+    /// `VerbsTransport` over the simulated NIC.
+    VerbsSim,
+}
+
+/// Fabric steps each `poll_cq` of a progress thread runs (the simulated
+/// NIC moves only when stepped).
+const SIM_STEPS_PER_POLL: u32 = 64;
+
+/// Two verbs transports on one new simulated fabric, seeded by the test.
+fn sim_transports(
+    test: &str,
+    extra: &[(&str, &str)],
+) -> (String, String, VerbsTransport<SimNic>, VerbsTransport<SimNic>) {
+    let seed = test.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| (h ^ u64::from(b)).wrapping_mul(0x100_0000_01b3));
+    let fabric = SimFabric::new(seed);
+    fabric.world().auto_step = SIM_STEPS_PER_POLL;
+    let mut c = TransportConfig { peer_timeout: Duration::from_secs(2), ..Default::default() };
+    for (k, v) in extra {
+        c.options.push((k.to_string(), v.to_string()));
+    }
+    let tag = format!("{test}-{}", std::process::id());
+    let (an, bn) = (format!("a-{tag}"), format!("b-{tag}"));
+    let a = VerbsTransport::on_sim(&an, &c, &fabric).unwrap();
+    let b = VerbsTransport::on_sim(&bn, &c, &fabric).unwrap();
+    (an, bn, a, b)
 }
 
 /// Engines `a` (initiator) and `b` (target) of `backend`, or why not.
 fn pair(backend: Backend, test: &str, extra: &[(&str, &str)]) -> Option<(TransferEngine, TransferEngine)> {
+    if let Backend::VerbsSim = backend {
+        let (an, bn, a, b) = sim_transports(test, extra);
+        return Some((
+            TransferEngine::with_transport(&an, Box::new(a)),
+            TransferEngine::with_transport(&bn, Box::new(b)),
+        ));
+    }
     let (kind, ca, cb, tag) = configs(backend, test, extra)?;
     let a = TransferEngine::new(&format!("a-{tag}"), kind, &ca).unwrap();
     let b = TransferEngine::new(&format!("b-{tag}"), kind, &cb).unwrap();
@@ -48,6 +90,10 @@ type RawPair = (Box<dyn Transport>, Box<dyn Transport>, String);
 /// Bare transports `a` (initiator) and `b` (target, with its name) of
 /// `backend`, for rules the engine's own checks would hide (forged keys).
 fn raw_pair(backend: Backend, test: &str) -> Option<RawPair> {
+    if let Backend::VerbsSim = backend {
+        let (_, bn, a, b) = sim_transports(test, &[]);
+        return Some((Box::new(a), Box::new(b), bn));
+    }
     let (kind, ca, cb, tag) = configs(backend, test, &[])?;
     let a = kvwire::transport::create(kind, &format!("a-{tag}"), &ca).unwrap();
     let b = kvwire::transport::create(kind, &format!("b-{tag}"), &cb).unwrap();
@@ -70,6 +116,7 @@ fn configs(
             let kind = if matches!(backend, Backend::Shm) { TransportKind::Shm } else { TransportKind::Tcp };
             (kind, c.clone(), c)
         }
+        Backend::VerbsSim => unreachable!("built by sim_transports"),
         Backend::Verbs => match verbs_util::devices() {
             Ok((tdev, idev)) => {
                 let mut ca = verbs_util::config(&idev, extra);
@@ -179,6 +226,57 @@ fn a_forged_rkey_is_an_unknown_key(be: Backend) {
     let segments = vec![seg(treg.rkey, dst.addr())];
     a.post(PostRequest { xfer: XferId(3), op: Op::Write, peer, segments, notification: Some(vec![3]) }).unwrap();
     assert_eq!(finish(&mut a, 3), Ok(()), "{be:?}");
+    assert_eq!(dst.to_vec(..4096), src.to_vec(..4096), "{be:?}");
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let mut got = Vec::new();
+    while got.is_empty() && Instant::now() < deadline {
+        b.take_notifications(&mut got);
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    std::thread::sleep(Duration::from_millis(50));
+    b.take_notifications(&mut got);
+    let payloads: Vec<Vec<u8>> = got.into_iter().map(|n| n.payload).collect();
+    assert_eq!(payloads, vec![vec![3u8]], "{be:?}: only the valid transfer's notification arrives");
+}
+
+/// Metadata claiming more than the target registered (a stale or forged
+/// region) passes the initiator's own checks; the target's side then refuses
+/// the access (shm and tcp: the target's table; verbs: the HCA, or the
+/// simulator, with `IBV_WC_REM_ACCESS_ERR`): `RemoteAccess(OutOfBounds)`, no
+/// byte written (not even the part inside), no notification, and the link
+/// works again after (on verbs, through a reconnect of the failed QP).
+fn the_targets_own_check_refuses_what_it_never_registered(be: Backend) {
+    let Some((mut a, mut b, bn)) = raw_pair(be, "claim") else { return };
+    let src = buf(1 << 16, 8);
+    // The target registers the first half; the second half is a canary.
+    let dst = Arc::new(HostBuffer::new(1 << 17).unwrap());
+    let ireg = a.register(src.clone()).unwrap();
+    let treg = b.register(Arc::new(View::new(dst.clone(), 0, 1 << 16).unwrap())).unwrap();
+    let claimed =
+        RemoteRegion { addr: dst.addr(), len_bytes: 1 << 17, rkey: treg.rkey, kind: MemoryKind::Dram, device_id: 0 };
+    let peer = a.connect(&bn, &b.connection_info(), &[claimed]).unwrap();
+    let post = |a: &mut Box<dyn Transport>, x: u64, remote_addr: u64, len_bytes: u64| {
+        let segments =
+            vec![Segment { local_addr: src.addr(), remote_addr, len_bytes, lkey: ireg.lkey, rkey: treg.rkey }];
+        a.post(PostRequest { xfer: XferId(x), op: Op::Write, peer, segments, notification: Some(vec![x as u8]) })
+            .unwrap();
+        let deadline = Instant::now() + Duration::from_secs(60);
+        let mut out = Vec::new();
+        loop {
+            a.wait(&mut out, Duration::from_millis(50));
+            if let Some(c) = out.iter().find(|c| c.xfer == XferId(x)) {
+                return c.result.clone();
+            }
+            assert!(Instant::now() < deadline, "{be:?}: transfer {x} never completed");
+        }
+    };
+    // Straddling the end of the registration, then wholly past it.
+    for (x, at) in [(1, dst.addr() + (1 << 16) - 4096), (2, dst.addr() + (1 << 16))] {
+        let why = post(&mut a, x, at, 8192).expect_err("an access outside the registration must fail");
+        assert_eq!(why.kind, FailureKind::RemoteAccess(RemoteAccessKind::OutOfBounds), "{be:?}: {why}");
+    }
+    assert!(dst.to_vec(..).iter().all(|&b| b == 0), "{be:?}: bytes written outside the registration");
+    assert_eq!(post(&mut a, 3, dst.addr(), 4096), Ok(()), "{be:?}: the link works after");
     assert_eq!(dst.to_vec(..4096), src.to_vec(..4096), "{be:?}");
     let deadline = Instant::now() + Duration::from_secs(30);
     let mut got = Vec::new();
@@ -336,7 +434,7 @@ fn views(b: &Arc<HostBuffer>, n: u64) -> Vec<Arc<dyn MemoryBacking>> {
 
 /// Memory regions expected for `regs` registrations over one buffer.
 fn one_region_on_verbs(be: Backend, regs: usize) -> usize {
-    if matches!(be, Backend::Verbs) { 1 } else { regs }
+    if matches!(be, Backend::Verbs | Backend::VerbsSim) { 1 } else { regs }
 }
 
 fn views_registered_as_a_list_move_data(be: Backend) {
@@ -521,7 +619,7 @@ fn overlapping_registrations_are_accepted(be: Backend) {
     // Past a nested registration's end, inside the longer one that starts
     // before it (the lookup must not stop at the nearest start).
     let w = a.register(pages(&src, 12, 1)).unwrap();
-    assert_eq!(a.region_counts(), (3, if matches!(be, Backend::Verbs) { 2 } else { 3 }), "{be:?}");
+    assert_eq!(a.region_counts(), (3, if matches!(be, Backend::Verbs | Backend::VerbsSim) { 2 } else { 3 }), "{be:?}");
     write_pages(be, &mut a, &bn, io, (13, 11, 2));
     a.deregister(w).unwrap();
     // Across both, inside neither: refused on either side, nothing moves.
@@ -574,6 +672,7 @@ macro_rules! contract {
     ($($rule:ident),* $(,)?) => {
         mod shm { $(#[test] fn $rule() { super::$rule(super::Backend::Shm) })* }
         mod tcp { $(#[test] fn $rule() { super::$rule(super::Backend::Tcp) })* }
+        mod verbs_sim { $(#[test] fn $rule() { super::$rule(super::Backend::VerbsSim) })* }
         mod verbs { $(#[test] #[ignore = "needs an RDMA device (scripts/softroce-tests.sh runs it in the Soft-RoCE guest)"] fn $rule() { super::$rule(super::Backend::Verbs) })* }
     };
 }
@@ -581,6 +680,7 @@ macro_rules! contract {
 contract!(
     out_of_bounds_is_refused_before_anything_moves,
     a_forged_rkey_is_an_unknown_key,
+    the_targets_own_check_refuses_what_it_never_registered,
     a_notification_arrives_after_its_data,
     standalone_notifications_keep_their_order,
     a_dead_peer_fails_within_the_timeout_then_fast,

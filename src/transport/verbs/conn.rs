@@ -28,13 +28,14 @@ use std::time::{Duration, Instant};
 use serde::{Deserialize, Serialize};
 
 use super::Inner;
+use super::device::Device;
 use super::engine::Cmd;
-use super::nic::Nic;
+use super::nic::{Nic, NicQp};
 use super::state::{NOTIF_SLOT_BYTES, RECV_BIT, RecvQp};
 use crate::sidechannel::{SideChannel, SideChannelError};
 use crate::transport::auth::{self, AgentSecret, Nonce};
 use crate::transport::{TransferFailure, TransportError};
-use crate::verbs::{MemoryRegion, QpEndpoint, QueuePair};
+use crate::verbs::QpEndpoint;
 
 /// Receives posted per target QP (notifications in flight per QP; more
 /// make the initiator's NIC retry on RNR, never lose one).
@@ -90,7 +91,7 @@ pub(super) enum Handshake {
 /// Accept handshakes until the transport stops. Running out of descriptors
 /// or memory sleeps with a bounded backoff instead of spinning
 /// ([`AcceptBackoff`]), and the loop recovers when they return.
-pub(super) fn accept_loop(inner: Arc<Inner>, listener: TcpListener) {
+pub(super) fn accept_loop<D: Device>(inner: Arc<Inner<D>>, listener: TcpListener) {
     let mut peers: Vec<JoinHandle<()>> = Vec::new();
     let mut backoff = crate::accept::AcceptBackoff::new("verbs handshake listener");
     loop {
@@ -133,7 +134,7 @@ fn timed_out(e: &SideChannelError) -> bool {
 }
 
 /// Challenge the initiator `agent`; true when it proved it knows our secret.
-fn authenticate(inner: &Inner, ch: &mut SideChannel, agent: &str) -> bool {
+fn authenticate<D: Device>(inner: &Inner<D>, ch: &mut SideChannel, agent: &str) -> bool {
     let Ok(nonce) = Nonce::random() else {
         let _ = ch.send(&Handshake::Refuse { reason: "no randomness for a challenge".into() });
         return false;
@@ -152,7 +153,7 @@ fn authenticate(inner: &Inner, ch: &mut SideChannel, agent: &str) -> bool {
     ok
 }
 
-fn serve(inner: &Inner, mut ch: SideChannel) {
+fn serve<D: Device>(inner: &Inner<D>, mut ch: SideChannel) {
     let _ = ch.set_read_timeout(Some(inner.config.peer_timeout));
     let (agent, remote) = match ch.recv::<Handshake>() {
         Ok(Handshake::Hello { version, agent, .. }) if version != HANDSHAKE_VERSION => {
@@ -210,7 +211,7 @@ fn serve(inner: &Inner, mut ch: SideChannel) {
     let result = (|| -> Result<(), TransportError> {
         for r in &remote {
             let (qp, ep, slab) = inner.new_recv_qp()?;
-            qp.connect(&ep, r, &inner.qp_options).map_err(super::setup_err)?;
+            inner.nic.connect(&qp, &ep, r, &inner.qp_options).map_err(super::setup_err)?;
             mine.push(ep);
             built.push((qp, slab));
         }
@@ -228,14 +229,16 @@ fn serve(inner: &Inner, mut ch: SideChannel) {
     for (mut qp, slab) in built {
         for slot in 0..RECVS_PER_QP {
             let (wr_id, len) = (RECV_BIT | u64::from(slot), NOTIF_SLOT_BYTES as u32);
-            if let Err(e) = qp.post_recv_owned(wr_id, &slab, slot as usize * NOTIF_SLOT_BYTES, len) {
+            if let Err(e) = qp.post_recv(wr_id, &slab, slot as usize * NOTIF_SLOT_BYTES, len) {
                 tracing::warn!("verbs: post_recv for {agent}: {e}");
             }
         }
         qpns.push(qp.qp_num());
         recv.push(RecvQp { qp, agent: agent.clone(), slab });
     }
-    inner.cmds.send(Cmd::AddRecv { qps: recv });
+    // Answered only once the engine holds the QPs: the initiator's first
+    // notification may complete on our CQ as soon as it has our answer.
+    inner.cmds.call::<()>(|done| Cmd::AddRecv { qps: recv, done });
     if ch.send(&Handshake::Accept { qps: mine }).is_ok() {
         // Wait until the initiator goes away (or this transport stops).
         let _ = ch.set_read_timeout(Some(Duration::from_millis(WATCH_MS)));
@@ -294,7 +297,12 @@ pub(super) struct Liveness {
 
 impl Liveness {
     /// Watch `ch` (the control connection of peer `peer`, named `name`).
-    pub(super) fn watch(inner: &Arc<Inner>, peer: u32, name: &str, mut ch: SideChannel) -> Result<Self, String> {
+    pub(super) fn watch<D: Device>(
+        inner: &Arc<Inner<D>>,
+        peer: u32,
+        name: &str,
+        mut ch: SideChannel,
+    ) -> Result<Self, String> {
         ch.set_read_timeout(Some(Duration::from_millis(WATCH_MS))).map_err(|e| e.to_string())?;
         let stop = Arc::new(AtomicBool::new(false));
         let (inner, stop2, name) = (inner.clone(), stop.clone(), name.to_string());
@@ -344,10 +352,13 @@ impl Drop for Liveness {
     }
 }
 
-impl Inner {
-    fn new_recv_qp(&self) -> Result<(QueuePair, QpEndpoint, Arc<MemoryRegion>), TransportError> {
+/// A target QP, its endpoint for the initiator and the slab its receives land in.
+type RecvParts<D> = (<D as Nic>::Qp, QpEndpoint, Arc<<D as Nic>::Slab>);
+
+impl<D: Device> Inner<D> {
+    fn new_recv_qp(&self) -> Result<RecvParts<D>, TransportError> {
         let qp = self.nic.create_qp(4, RECVS_PER_QP).map_err(super::setup_err)?;
-        let ep = qp.endpoint(&self.qp_options).map_err(super::setup_err)?;
+        let ep = self.nic.endpoint(&qp, &self.qp_options).map_err(super::setup_err)?;
         let slab = self
             .nic
             .alloc_slab(RECVS_PER_QP as usize * NOTIF_SLOT_BYTES)

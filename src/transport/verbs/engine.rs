@@ -16,9 +16,13 @@
 //! - `Cancel`, `Disconnect`, `Unplug`: the reply channel closes when the NIC
 //!   can no longer touch the buffers involved (QPs drained or destroyed).
 //! - `Query`, `ReserveRecv`: the answer.
-//! - `Install`, `Reconnecting`, `Resume`, `AddRecv`, `RemoveRecv`,
-//!   `FailPeer`, `Stop`: none (the channel keeps their order ahead of any
-//!   later command).
+//! - `AddRecv`: the reply channel closes once the engine holds the receive
+//!   QPs, so the target answers the handshake only then: a notification
+//!   arriving before would find its QP unknown and be lost (the channel
+//!   orders commands, not commands against completions; found by the
+//!   transport contract over the simulated NIC).
+//! - `Install`, `Reconnecting`, `Resume`, `RemoveRecv`, `FailPeer`, `Stop`:
+//!   none (the channel keeps their order ahead of any later command).
 //!
 //! Reconnection runs on a connection-manager thread (`reconnect.rs`), never
 //! on the caller's: the caller sends `Reconnecting` and starts it; from then
@@ -83,8 +87,8 @@ pub enum Cmd<Q: NicQp> {
     ReserveRecv { cqes: u32, reply: Sender<bool> },
     /// Give back CQEs held by `ReserveRecv` that were not used.
     ReleaseRecv { cqes: u32 },
-    /// Receive QPs of an initiator, receives posted.
-    AddRecv { qps: Vec<RecvQp<Q>> },
+    /// Receive QPs of an initiator, receives posted; `done` closes once held.
+    AddRecv { qps: Vec<RecvQp<Q>>, done: Sender<()> },
     /// The initiator left: destroy its receive QPs and give back their CQEs.
     RemoveRecv { qpns: Vec<u32>, cqes: u32 },
     /// Cancel nothing, destroy everything, end the progress thread.
@@ -234,7 +238,7 @@ impl<N: Nic> Engine<N> {
                 let _ = reply.send(self.st.reserve_recv_cqes(cqes));
             }
             Cmd::ReleaseRecv { cqes } => self.st.release_recv_cqes(cqes, &limits),
-            Cmd::AddRecv { qps } => {
+            Cmd::AddRecv { qps, done: _done } => {
                 for r in qps {
                     self.st.add_recv_qp(r);
                 }

@@ -64,6 +64,7 @@
 const SOFTWARE_IDLE_YIELDS: u32 = 5000;
 
 mod conn;
+pub mod device;
 #[doc(hidden)]
 pub mod engine;
 pub mod gpu;
@@ -105,15 +106,16 @@ use serde::{Deserialize, Serialize};
 use super::auth::AgentSecret;
 use super::options::OptionSet;
 use super::{
-    Completion, LocalKey, MemoryBacking, MemoryKind, Notification, PeerId, PostRequest, Registration, RemoteKey,
-    RemoteRegion, Transport, TransportConfig, TransportError, TransportKind, XferId,
+    Completion, LocalKey, MemoryBacking, Notification, PeerId, PostRequest, Registration, RemoteKey, RemoteRegion,
+    Transport, TransportConfig, TransportError, TransportKind, XferId,
 };
 use crate::sidechannel::SideChannel;
 use crate::verbs::ffi::IBV_LINK_LAYER_INFINIBAND;
-use crate::verbs::{CompletionQueue, Context, MemoryRegion, ProtectionDomain, QpOptions, QueuePair, VerbsError};
+use crate::verbs::{CompletionQueue, Context, ProtectionDomain, QpOptions, VerbsError};
 use conn::Liveness;
+use device::Device;
 use engine::Cmd;
-use nic::{Nic, RealNic};
+use nic::RealNic;
 use progress::{Core, Handle};
 use reconnect::Reconnect;
 use state::NOTIF_SLOTS;
@@ -136,17 +138,17 @@ struct VerbsInfo {
 /// servers, liveness watchers): configuration, the device, and a handle
 /// to send the engine commands. No QP or transfer state: the progress
 /// thread's engine owns all of that.
-pub(crate) struct Inner {
+pub(crate) struct Inner<D: Device> {
     /// The device (PD + shared CQ), to create QPs and memory; the engine
     /// owns a clone of it.
-    pub(crate) nic: RealNic,
+    pub(crate) nic: D,
     pub(crate) config: TransportConfig,
     pub(crate) qp_options: QpOptions,
     /// This transport's connection secret (published in its info).
     secret: AgentSecret,
     pub(crate) stopping: AtomicBool,
     /// Commands to the engine.
-    pub(crate) cmds: Handle<QueuePair>,
+    pub(crate) cmds: Handle<D::Qp>,
 }
 
 struct Peer {
@@ -168,13 +170,17 @@ struct Peer {
 }
 
 /// The RDMA backend. See the module docs.
-pub struct VerbsTransport {
+///
+/// `D` is the device: libibverbs ([`RealNic`], from [`new`](Self::new)),
+/// or, with the `sim` feature (tests and benches only), the simulated NIC
+/// ([`on_sim`](Self::on_sim)).
+pub struct VerbsTransport<D: Device = RealNic> {
     agent: String,
-    inner: Arc<Inner>,
+    inner: Arc<Inner<D>>,
     listen_addr: SocketAddr,
     /// Registrations by their own key, each mapped to a shared,
     /// reference-counted MR (`regions.rs`; option `coalesce`).
-    regions: regions::Regions<MemoryRegion>,
+    regions: regions::Regions<D::Mr>,
     peers: HashMap<u32, Peer>,
     next_peer: u32,
     qps_per_peer: u32,
@@ -190,7 +196,7 @@ pub struct VerbsTransport {
     redials: Vec<Reconnect>,
     /// The engine: its progress thread (joined on drop), its command
     /// handle, and the channels of finished transfers and notifications.
-    core: Core<QueuePair>,
+    core: Core<D::Qp>,
     /// Drained from `core.done` by `cancel` and not yet polled.
     done_held: Vec<Completion>,
 }
@@ -267,7 +273,7 @@ pub(super) fn setup_err(e: VerbsError) -> TransportError {
     }
 }
 
-impl VerbsTransport {
+impl VerbsTransport<RealNic> {
     /// Open the device, create the PD and CQ, start the listener and the
     /// progress thread.
     ///
@@ -343,27 +349,60 @@ impl VerbsTransport {
                 _ => "127.0.0.1".to_string(),
             },
         };
-        let listener =
-            TcpListener::bind((listen_ip.as_str(), 0)).map_err(|e| TransportError::io("bind(verbs listener)", e))?;
-        let listen_addr = listener.local_addr().map_err(|e| TransportError::io("getsockname", e))?;
         let max_cqe = ctx.attr().max_cqe.max(64);
         // At least 128: receives may hold half, and one QP posts 64.
         let num_cqe = o.cq_size.unwrap_or(max_cqe.clamp(256, 65536)).clamp(128, max_cqe.max(128));
         let pd = ProtectionDomain::new(&ctx).map_err(setup_err)?;
-        let cq_events = o.cq_events;
-        let cq = CompletionQueue::create(&ctx, num_cqe, cq_events).map_err(setup_err)?;
+        let cq = CompletionQueue::create(&ctx, num_cqe, o.cq_events).map_err(setup_err)?;
         let nic = RealNic { pd, cq };
-        let peer_timeout = config.peer_timeout;
-        let core = Core::start(nic.clone(), num_cqe as u32, limits, |e| {
+        let setup = Setup {
+            nic,
+            secret,
+            qp_options,
+            limits,
+            num_cqe: num_cqe as u32,
+            listen_ip,
+            progress_timeout,
+            qps_per_peer,
+            max_send_wr,
+            coalesce: o.coalesce,
+        };
+        VerbsTransport::start(agent, config, setup)
+    }
+}
+
+/// What `VerbsTransport::start` needs of a device-specific constructor.
+struct Setup<D> {
+    nic: D,
+    secret: AgentSecret,
+    qp_options: QpOptions,
+    limits: PostLimits,
+    /// Entries of the shared CQ.
+    num_cqe: u32,
+    listen_ip: String,
+    progress_timeout: Duration,
+    qps_per_peer: u32,
+    max_send_wr: u32,
+    coalesce: bool,
+}
+
+impl<D: Device> VerbsTransport<D> {
+    /// Start the listener and the progress thread over `s.nic`.
+    fn start(agent: &str, config: &TransportConfig, s: Setup<D>) -> Result<Self, TransportError> {
+        let listener =
+            TcpListener::bind((s.listen_ip.as_str(), 0)).map_err(|e| TransportError::io("bind(verbs listener)", e))?;
+        let listen_addr = listener.local_addr().map_err(|e| TransportError::io("getsockname", e))?;
+        let (peer_timeout, progress_timeout) = (config.peer_timeout, s.progress_timeout);
+        let core = Core::start(s.nic.clone(), s.num_cqe, s.limits, |e| {
             e.progress_timeout = progress_timeout;
             e.peer_timeout = peer_timeout;
         })
         .map_err(|e| TransportError::io("spawn(verbs progress)", e))?;
         let inner = Arc::new(Inner {
-            nic,
+            nic: s.nic,
             config: config.clone(),
-            qp_options,
-            secret,
+            qp_options: s.qp_options,
+            secret: s.secret,
             stopping: AtomicBool::new(false),
             cmds: core.handle.clone(),
         });
@@ -378,11 +417,11 @@ impl VerbsTransport {
             agent: agent.to_string(),
             inner,
             listen_addr,
-            regions: regions::Regions::new(o.coalesce),
+            regions: regions::Regions::new(s.coalesce),
             peers: HashMap::new(),
             next_peer: 1,
-            qps_per_peer,
-            max_send_wr,
+            qps_per_peer: s.qps_per_peer,
+            max_send_wr: s.max_send_wr,
             threads,
             retired: Vec::new(),
             redials: Vec::new(),
@@ -392,7 +431,7 @@ impl VerbsTransport {
     }
 
     /// Create `n` send QPs, handshake with `addr`, bring them to RTS.
-    fn open_qps(&self, addr: &str, secret: &AgentSecret, n: u32) -> Result<(Vec<QueuePair>, SideChannel), String> {
+    fn open_qps(&self, addr: &str, secret: &AgentSecret, n: u32) -> Result<(Vec<D::Qp>, SideChannel), String> {
         reconnect::open_qps(&self.inner, &self.agent, addr, secret, n, self.max_send_wr)
     }
 
@@ -457,7 +496,7 @@ impl VerbsTransport {
     }
 }
 
-impl Transport for VerbsTransport {
+impl<D: Device> Transport for VerbsTransport<D> {
     fn kind(&self) -> TransportKind {
         TransportKind::Verbs
     }
@@ -472,39 +511,15 @@ impl Transport for VerbsTransport {
     /// abutting ranges), one `ibv_reg_mr` each. Each registration keeps its
     /// own key and range; those of one MR share its rkey.
     fn register_batch(&mut self, backings: Vec<Arc<dyn MemoryBacking>>) -> Result<Vec<Registration>, TransportError> {
-        let pd = &self.inner.nic.pd;
-        let make = |run: &regions::Run<'_>| -> Result<(MemoryRegion, u32, u32), TransportError> {
-            let d = run.desc;
-            let len =
-                usize::try_from(d.len_bytes).map_err(|_| TransportError::Registration("range too large".into()))?;
-            let reg = |e: VerbsError| TransportError::Registration(e.to_string());
-            let mr = match d.kind {
-                // GPU memory: dma-buf, then the plain pointer (nvidia-peermem),
-                // else an error naming both causes (the chain of `cuda::register`).
-                MemoryKind::Vram => {
-                    let dmabuf = run.first.dmabuf_fd().ok_or_else(|| "the memory exports no dma-buf".to_string());
-                    gpu::register_with_fallback(
-                        d.addr,
-                        d.len_bytes,
-                        dmabuf,
-                        // SAFETY: the run is the union of backings that each
-                        // promise their range (`MemoryBacking`); the regions
-                        // table keeps every one of them alive until it drops
-                        // (deregisters) the MR, which it does first. A VRAM
-                        // run spans one dma-buf export (`regions.rs`).
-                        |fd, off, _, iova| unsafe { MemoryRegion::register_dmabuf(pd, fd, off, len, iova) },
-                        // SAFETY: as above.
-                        |addr, _| unsafe { MemoryRegion::register(pd, addr, len) },
-                    )
-                    .map(|(mr, _path)| mr)
-                    .map_err(|e| TransportError::Registration(e.to_string()))?
-                }
-                // SAFETY: as above (host memory: the run's bytes all lie in
-                // the ranges of its parts, which overlap or abut).
-                MemoryKind::Dram => unsafe { MemoryRegion::register(pd, d.addr, len).map_err(reg)? },
-            };
-            let (l, r) = (mr.lkey(), mr.rkey());
-            Ok((mr, l, r))
+        let nic = &self.inner.nic;
+        let make = |run: &regions::Run<'_>| -> Result<(D::Mr, u32, u32), TransportError> {
+            // SAFETY: the run is the union of backings that each promise
+            // their range (`MemoryBacking`); the regions table keeps every
+            // one of them alive until it drops (deregisters) the MR, which
+            // it does first. The run's bytes all lie in the ranges of its
+            // parts, which overlap or abut.
+            let r = unsafe { nic.register(&run.desc, run.first)? };
+            Ok((r.mr, r.lkey, r.rkey))
         };
         let keys = self.regions.register_batch(backings, make)?;
         Ok(keys.into_iter().map(|k| Registration { lkey: k.lkey, rkey: RemoteKey(k.rkey) }).collect())
@@ -641,7 +656,7 @@ impl Transport for VerbsTransport {
     }
 }
 
-impl Drop for VerbsTransport {
+impl<D: Device> Drop for VerbsTransport<D> {
     /// Cancels every transfer, ends every thread (listener and its peer
     /// threads, liveness watchers, then the progress thread, which destroys
     /// every QP); the device context goes with the last of them.

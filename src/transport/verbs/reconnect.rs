@@ -18,11 +18,10 @@ use std::time::{Duration, Instant};
 
 use super::Inner;
 use super::conn::{self, Liveness};
+use super::device::Device;
 use super::engine::{Cmd, PeerHealth};
-use super::nic::Nic;
 use crate::sidechannel::SideChannel;
 use crate::transport::auth::AgentSecret;
-use crate::verbs::QueuePair;
 
 /// Who to dial: everything the thread needs of the transport and the peer.
 pub(super) struct Dial {
@@ -60,8 +59,8 @@ impl Reconnect {
     ///
     /// # Errors
     /// The thread could not be spawned; `old` comes back with the error.
-    pub(super) fn start(
-        inner: &Arc<Inner>,
+    pub(super) fn start<D: Device>(
+        inner: &Arc<Inner<D>>,
         dial: Dial,
         old: Option<Liveness>,
     ) -> Result<Self, (std::io::Error, Option<Liveness>)> {
@@ -101,7 +100,7 @@ impl Reconnect {
     }
 }
 
-fn run(inner: &Arc<Inner>, dial: &Dial, old: Option<Liveness>, stop: &AtomicBool) -> Outcome {
+fn run<D: Device>(inner: &Arc<Inner<D>>, dial: &Dial, old: Option<Liveness>, stop: &AtomicBool) -> Outcome {
     let mut retired = None;
     let r = attempt(inner, dial, old, stop, &mut retired);
     match r {
@@ -114,8 +113,8 @@ fn run(inner: &Arc<Inner>, dial: &Dial, old: Option<Liveness>, stop: &AtomicBool
     }
 }
 
-fn attempt(
-    inner: &Arc<Inner>,
+fn attempt<D: Device>(
+    inner: &Arc<Inner<D>>,
     dial: &Dial,
     old: Option<Liveness>,
     stop: &AtomicBool,
@@ -162,25 +161,25 @@ fn attempt(
 
 /// Create `n` send QPs of depth `max_send_wr`, handshake with `addr` as
 /// `agent` (proving `secret`), bring them to RTS.
-pub(super) fn open_qps(
-    inner: &Inner,
+pub(super) fn open_qps<D: Device>(
+    inner: &Inner<D>,
     agent: &str,
     addr: &str,
     secret: &AgentSecret,
     n: u32,
     max_send_wr: u32,
-) -> Result<(Vec<QueuePair>, SideChannel), String> {
+) -> Result<(Vec<D::Qp>, SideChannel), String> {
     let o = &inner.qp_options;
     let mut qps = Vec::new();
     let mut eps = Vec::new();
     for _ in 0..n {
         let qp = inner.nic.create_qp(max_send_wr, 1).map_err(|e| e.to_string())?;
-        eps.push(qp.endpoint(o).map_err(|e| e.to_string())?);
+        eps.push(inner.nic.endpoint(&qp, o).map_err(|e| e.to_string())?);
         qps.push(qp);
     }
     let (remote, ch) = conn::handshake(addr, agent, secret, &eps, inner.config.peer_timeout)?;
     for ((qp, l), r) in qps.iter().zip(&eps).zip(&remote) {
-        qp.connect(l, r, o).map_err(|e| e.to_string())?;
+        inner.nic.connect(qp, l, r, o).map_err(|e| e.to_string())?;
     }
     Ok((qps, ch))
 }

@@ -11,9 +11,13 @@
 //! posted), in-order issue and completion per QP, a seeded random interleaving
 //! across QPs (completions of different QPs arrive reordered and delayed),
 //! bytes moved between in-simulation memory (so data and notification
-//! ordering is checkable), rkey/bounds checks (`IBV_WC_REM_ACCESS_ERR`),
+//! ordering is checkable) or, for memory registered with
+//! [`SimFabric::register_host`] (the verbs transport over the simulator,
+//! `VerbsTransport::on_sim`), the real bytes of this process's memory,
+//! rkey/bounds checks (`IBV_WC_REM_ACCESS_ERR`),
 //! SENDs consuming posted receives (`IBV_WC_RNR_RETRY_EXC_ERR` when none
-//! is posted), error state with `IBV_WC_WR_FLUSH_ERR` for every WR after
+//! is posted, or waiting for one on a QP that retries RNR forever:
+//! [`SimFabric::set_rnr_forever`]), error state with `IBV_WC_WR_FLUSH_ERR` for every WR after
 //! the first error (signalled or not), QP numbers reused after destroy
 //! (lowest free number first), and a device that disappears (its peers'
 //! WRs end in `IBV_WC_RETRY_EXC_ERR`, or never complete with
@@ -48,7 +52,61 @@ use crate::verbs::{WcStatus, WorkCompletion, WrView};
 struct Region {
     dev: u32,
     addr: u64,
-    bytes: Vec<u8>,
+    mem: Mem,
+}
+
+/// Where a simulated region's bytes live.
+enum Mem {
+    /// The simulation's own bytes.
+    Owned(Vec<u8>),
+    /// `len` bytes of this process's memory at the region's address
+    /// ([`SimFabric::register_host`]): WRs move the real bytes.
+    Host { len: usize },
+}
+
+impl Region {
+    fn len(&self) -> usize {
+        match &self.mem {
+            Mem::Owned(v) => v.len(),
+            Mem::Host { len } => *len,
+        }
+    }
+
+    /// A copy of `[off, off + len)`; None when out of range.
+    fn load(&self, off: usize, len: usize) -> Option<Vec<u8>> {
+        if off.checked_add(len)? > self.len() {
+            return None;
+        }
+        match &self.mem {
+            Mem::Owned(v) => Some(v[off..off + len].to_vec()),
+            Mem::Host { .. } => {
+                let mut out = vec![0u8; len];
+                // SAFETY: `register_host`'s caller keeps `[addr, addr +
+                // len)` valid while the region is registered; the range was
+                // checked to lie inside it. As a NIC's DMA, the copy does not
+                // synchronise with the program's own accesses.
+                unsafe {
+                    std::ptr::copy_nonoverlapping((self.addr as usize + off) as *const u8, out.as_mut_ptr(), len)
+                };
+                Some(out)
+            }
+        }
+    }
+
+    /// Write `data` at `off`; false when out of range.
+    fn store(&mut self, off: usize, data: &[u8]) -> bool {
+        if off.checked_add(data.len()).is_none_or(|end| end > self.len()) {
+            return false;
+        }
+        match &mut self.mem {
+            Mem::Owned(v) => v[off..off + data.len()].copy_from_slice(data),
+            // SAFETY: as in `load` (the range is inside the registered one).
+            Mem::Host { .. } => unsafe {
+                std::ptr::copy_nonoverlapping(data.as_ptr(), (self.addr as usize + off) as *mut u8, data.len());
+            },
+        }
+        true
+    }
 }
 
 /// A WR a simulated QP started and has not completed.
@@ -87,6 +145,10 @@ struct SimQpState {
     rq: VecDeque<(u64, u32, usize, u32)>,
     /// Status the next executed WR completes with (fault injection).
     fail_next: VecDeque<WcStatus>,
+    /// `rnr_retry` = 7: a SEND finding no receive posted waits for one
+    /// (retries forever) instead of failing `IBV_WC_RNR_RETRY_EXC_ERR`
+    /// ([`SimFabric::set_rnr_forever`]).
+    rnr_forever: bool,
 }
 
 /// The fabric's whole state (behind [`SimFabric`]'s lock: the simulated
@@ -179,6 +241,16 @@ impl SimFabric {
         SimNic { fabric: self.clone(), dev }
     }
 
+    /// A device with a number no other device of the fabric has, with a
+    /// completion queue of `cqes` entries (for `VerbsTransport::on_sim`:
+    /// one device per transport).
+    pub fn new_device(&self, cqes: usize) -> SimNic {
+        let mut w = self.world();
+        let dev = w.cqs.keys().max().map_or(0, |d| d + 1);
+        w.cqs.insert(dev, (VecDeque::new(), cqes));
+        SimNic { fabric: self.clone(), dev }
+    }
+
     /// Another handle to device `dev` made by [`device`](Self::device), its
     /// completion queue kept (to create QPs beside an engine that owns the
     /// first).
@@ -199,7 +271,23 @@ impl SimFabric {
         let mut w = self.world();
         let key = w.next_key;
         w.next_key += 1;
-        w.regions.insert(key, Region { dev, addr, bytes: vec![0; len] });
+        w.regions.insert(key, Region { dev, addr, mem: Mem::Owned(vec![0; len]) });
+        key
+    }
+
+    /// Register `len` bytes of this process's memory at `addr` on `dev` (as
+    /// `ibv_reg_mr` does): its key (lkey = rkey). WRs naming the key move
+    /// the real bytes there; the bounds and key checks stay the
+    /// simulator's.
+    ///
+    /// # Safety
+    /// `[addr, addr + len)` must stay valid, readable and writable memory
+    /// until [`dealloc`](Self::dealloc) of the key.
+    pub unsafe fn register_host(&self, dev: u32, addr: u64, len: usize) -> u32 {
+        let mut w = self.world();
+        let key = w.next_key;
+        w.next_key += 1;
+        w.regions.insert(key, Region { dev, addr, mem: Mem::Host { len } });
         key
     }
 
@@ -213,7 +301,7 @@ impl SimFabric {
         let w = self.world();
         let r = w.regions.get(&key)?;
         let off = usize::try_from(addr.checked_sub(r.addr)?).ok()?;
-        r.bytes.get(off..off.checked_add(len)?).map(<[u8]>::to_vec)
+        r.load(off, len)
     }
 
     /// Write `data` at `addr` of region `key`; false when out of range.
@@ -221,13 +309,7 @@ impl SimFabric {
         let mut w = self.world();
         let Some(r) = w.regions.get_mut(&key) else { return false };
         let Some(off) = addr.checked_sub(r.addr).and_then(|o| usize::try_from(o).ok()) else { return false };
-        match r.bytes.get_mut(off..off + data.len()) {
-            Some(dst) => {
-                dst.copy_from_slice(data);
-                true
-            }
-            None => false,
-        }
+        r.store(off, data)
     }
 
     /// Connect QP `a` and QP `b` (RTS both ways), READ depth
@@ -246,6 +328,15 @@ impl SimFabric {
                 q.peer = Some(y);
                 q.rd_atomic = depth.max(1);
             }
+        }
+    }
+
+    /// QP `qpn` retries RNR forever (`rnr_retry` = 7, as the verbs
+    /// transport connects its QPs): a SEND to a peer with no receive posted
+    /// waits at the head of the send queue until one is posted.
+    pub fn set_rnr_forever(&self, qpn: u32, forever: bool) {
+        if let Some(q) = self.world().qps.get_mut(&qpn) {
+            q.rnr_forever = forever;
         }
     }
 
@@ -285,7 +376,7 @@ impl World {
         let (addr, key) = (self.next_addr, self.next_key);
         self.next_addr += (len as u64).div_ceil(4096).max(1) * 4096 + 4096;
         self.next_key += 1;
-        self.regions.insert(key, Region { dev, addr, bytes: vec![0; len] });
+        self.regions.insert(key, Region { dev, addr, mem: Mem::Owned(vec![0; len]) });
         (addr, key)
     }
 
@@ -293,12 +384,13 @@ impl World {
     fn check(&self, dev: u32, key: u32, addr: u64, len: usize) -> Option<usize> {
         let r = self.regions.get(&key).filter(|r| r.dev == dev)?;
         let off = usize::try_from(addr.checked_sub(r.addr)?).ok()?;
-        (off.checked_add(len)? <= r.bytes.len()).then_some(off)
+        (off.checked_add(len)? <= r.len()).then_some(off)
     }
 
     fn copy(&mut self, from: (u32, usize), to: (u32, usize), len: usize) {
-        let data = self.regions[&from.0].bytes[from.1..from.1 + len].to_vec();
-        self.regions.get_mut(&to.0).expect("checked").bytes[to.1..to.1 + len].copy_from_slice(&data);
+        let data = self.regions[&from.0].load(from.1, len).expect("checked");
+        let stored = self.regions.get_mut(&to.0).expect("checked").store(to.1, &data);
+        debug_assert!(stored, "checked");
         let s = self.steps;
         self.touches.push((s, from.0, from.1, len));
         self.touches.push((s, to.0, to.1, len));
@@ -343,13 +435,17 @@ impl World {
     /// A QP whose head WR can never complete (peer gone with infinite
     /// retries, or a SEND with no receive posted and infinite RNR retries).
     fn stuck(&self, q: &SimQpState) -> bool {
-        if q.error || !q.fail_next.is_empty() || !self.infinite_retry {
+        if q.error || !q.fail_next.is_empty() {
             return false;
         }
         let peer = q.peer.and_then(|p| self.qps.get(&p).filter(|_| !self.dead.contains(&self.qps[&p].dev)));
         match peer {
-            None => true,
-            Some(p) => q.started.is_empty() && q.sq.front().is_some_and(|w| w.opcode == IBV_WR_SEND && p.rq.is_empty()),
+            None => self.infinite_retry,
+            Some(p) => {
+                (self.infinite_retry || q.rnr_forever)
+                    && q.started.is_empty()
+                    && q.sq.front().is_some_and(|w| w.opcode == IBV_WR_SEND && p.rq.is_empty())
+            }
         }
     }
 
@@ -366,7 +462,7 @@ impl World {
             Some(_) if q.started.is_empty() => true,
             // A SEND that could only wait for a receive (infinite RNR
             // retries) stays at the head, as `stuck` expects.
-            Some(w) if self.infinite_retry && w.opcode == IBV_WR_SEND && self.no_receive(q) => false,
+            Some(w) if (self.infinite_retry || q.rnr_forever) && w.opcode == IBV_WR_SEND && self.no_receive(q) => false,
             Some(_) => !doomed,
         };
         let (error, started) = (q.error, !q.started.is_empty());
@@ -503,4 +599,5 @@ impl World {
 }
 
 mod nic;
-pub use nic::{SimNic, SimQp, SimSlab};
+mod transport;
+pub use nic::{SimMr, SimNic, SimQp, SimSlab};

@@ -9,10 +9,14 @@ use std::sync::Arc;
 use nix::poll::{PollFd, PollFlags, PollTimeout, poll};
 
 use super::{DEFAULT_READ_DEPTH, SimFabric, SimQpState, World};
+use crate::transport::verbs::device::{Device, Registered};
 use crate::transport::verbs::nic::{Nic, NicQp, NicSlab};
-use crate::verbs::{VerbsError, WcStatus, WorkCompletion, WrBatch};
+use crate::transport::{MemoryBacking, MemoryDesc, MemoryKind, TransportError};
+use crate::verbs::{QpEndpoint, QpOptions, VerbsError, WcStatus, WorkCompletion, WrBatch};
 
-/// One simulated device: its completion queue and QP factory.
+/// One simulated device: its completion queue and QP factory (clones are
+/// handles to the same device).
+#[derive(Clone)]
 pub struct SimNic {
     pub(super) fabric: SimFabric,
     pub(super) dev: u32,
@@ -22,6 +26,71 @@ impl SimNic {
     /// The fabric it sits on.
     pub fn fabric(&self) -> &SimFabric {
         &self.fabric
+    }
+
+    /// Its device number on the fabric (for [`SimFabric::kill`]).
+    pub fn dev(&self) -> u32 {
+        self.dev
+    }
+}
+
+/// Host memory registered on a simulated device ([`Device::register`]);
+/// dropping it deregisters it.
+pub struct SimMr {
+    fabric: SimFabric,
+    key: u32,
+}
+
+impl Drop for SimMr {
+    fn drop(&mut self) {
+        self.fabric.dealloc(self.key);
+    }
+}
+
+/// The MTU a simulated endpoint reports (`IBV_MTU_4096`; the simulator
+/// moves whole WRs, so it changes nothing).
+const SIM_MTU: u32 = 5;
+
+impl Device for SimNic {
+    type Mr = SimMr;
+
+    /// Host memory only: the WRs naming it move its real bytes
+    /// ([`SimFabric::register_host`]).
+    unsafe fn register(
+        &self,
+        d: &MemoryDesc,
+        _first: &Arc<dyn MemoryBacking>,
+    ) -> Result<Registered<SimMr>, TransportError> {
+        if d.kind != MemoryKind::Dram {
+            return Err(TransportError::Registration("the simulated NIC registers host memory only".into()));
+        }
+        let len = usize::try_from(d.len_bytes).map_err(|_| TransportError::Registration("range too large".into()))?;
+        // SAFETY: the caller keeps the range valid until the `SimMr`
+        // drops, which deregisters the key (this function's contract).
+        let key = unsafe { self.fabric.register_host(self.dev, d.addr, len) };
+        Ok(Registered { mr: SimMr { fabric: self.fabric.clone(), key }, lkey: key, rkey: key })
+    }
+
+    fn endpoint(&self, qp: &SimQp, o: &QpOptions) -> Result<QpEndpoint, VerbsError> {
+        Ok(QpEndpoint { qpn: qp.qpn, psn: 0, gid: [0; 16], lid: 0, mtu: SIM_MTU, rd_atom: o.max_dest_rd_atomic })
+    }
+
+    /// Connects the two QPs by the numbers the handshake exchanged, READ
+    /// depth as the hardware negotiates it (ours, lowered to the
+    /// responder's), RNR retried forever when `o.rnr_retry` is 7; `EINVAL`
+    /// when either QP does not exist on the fabric.
+    fn connect(&self, qp: &SimQp, _local: &QpEndpoint, remote: &QpEndpoint, o: &QpOptions) -> Result<(), VerbsError> {
+        let depth = u32::from(o.max_rd_atomic.min(remote.rd_atom)).max(1);
+        {
+            let w = self.fabric.world();
+            if !w.has_qp(qp.qpn) || !w.has_qp(remote.qpn) {
+                return Err(einval("ibv_modify_qp (RTR: no such QP on the fabric)"));
+            }
+        }
+        self.fabric.connect_with_read_depth(qp.qpn, remote.qpn, depth);
+        // rnr_retry 7 = retry forever (IB spec), as the transport sets it.
+        self.fabric.set_rnr_forever(qp.qpn, o.rnr_retry == 7);
+        Ok(())
     }
 }
 
@@ -188,6 +257,7 @@ impl Nic for SimNic {
             started: VecDeque::new(),
             rq: VecDeque::new(),
             fail_next: VecDeque::new(),
+            rnr_forever: false,
         };
         w.qps.insert(qpn, st);
         Ok(SimQp { fabric: self.fabric.clone(), qpn, slabs: Vec::new() })
