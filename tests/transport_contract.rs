@@ -668,6 +668,66 @@ fn overlapping_registrations_are_accepted(be: Backend) {
     a.deregister(x).unwrap();
 }
 
+/// Verbs only (issue 29): every `ibv_post_send` counts as one doorbell in
+/// the metrics (`kvwire_doorbells_total{transport="verbs",nic=...}`) and
+/// the work requests it chained in `kvwire_work_requests_total`: scattered
+/// pages posted at once go out as chains of several WRs per doorbell, never
+/// more than `max_batch` (64 by default).
+fn posts_are_counted_as_doorbells_of_chained_work_requests(be: Backend) {
+    // a label of its own on the simulator, so that no other test counts into it
+    let Some((mut a, mut b)) =
+        pair(be, "doorbells", &[("device", "doorbell-sim")][..usize::from(matches!(be, Backend::VerbsSim))])
+    else {
+        return;
+    };
+    let nic = if matches!(be, Backend::VerbsSim) {
+        "doorbell-sim".to_string()
+    } else {
+        verbs_util::devices().expect("devices").1
+    };
+    let pages = 2048usize;
+    let (src, dst) = (buf(pages * 4096, 3), Arc::new(HostBuffer::new(pages * 4096).unwrap()));
+    a.register(src.clone()).unwrap();
+    b.register(dst.clone()).unwrap();
+    a.connect(&b.metadata()).unwrap();
+    let counts = || {
+        let c = kvwire::metrics::link("verbs", &nic).expect("the verbs transport made its link's counters");
+        (
+            c.doorbells.load(std::sync::atomic::Ordering::Relaxed),
+            c.work_requests.load(std::sync::atomic::Ordering::Relaxed),
+        )
+    };
+    let (d0, w0) = counts();
+    // every other page, so that no two descriptors coalesce into one WR
+    let l: Vec<Desc> = (0..pages / 2).map(|p| Desc::new(src.addr() + (2 * p * 4096) as u64, 4096)).collect();
+    let r: Vec<Desc> = (0..pages / 2).map(|p| Desc::new(dst.addr() + (2 * p * 4096) as u64, 4096)).collect();
+    let h = a.post(Op::Write, &l, b.name(), &r, None).unwrap();
+    assert_eq!(wait(&mut a, h), TransferStatus::Done, "{be:?}");
+    assert_eq!(dst.to_vec(0..4096), src.to_vec(0..4096), "{be:?}");
+    let (d, w) = counts();
+    let (doorbells, wrs) = (d - d0, w - w0);
+    assert!(wrs >= (pages / 2) as u64, "{be:?}: {wrs} WRs for {} pages", pages / 2);
+    assert!(doorbells > 0 && doorbells * 64 >= wrs, "{be:?}: {wrs} WRs in {doorbells} doorbells (max_batch 64)");
+    assert!(doorbells < wrs, "{be:?}: {wrs} WRs in {doorbells} doorbells: no chain of two or more");
+    a.release(h).unwrap();
+}
+
+mod counters {
+    mod verbs_sim {
+        #[test]
+        fn posts_are_counted_as_doorbells_of_chained_work_requests() {
+            super::super::posts_are_counted_as_doorbells_of_chained_work_requests(super::super::Backend::VerbsSim)
+        }
+    }
+    mod verbs {
+        #[test]
+        #[ignore = "needs an RDMA device (scripts/softroce-tests.sh runs it in the Soft-RoCE guest)"]
+        fn posts_are_counted_as_doorbells_of_chained_work_requests() {
+            super::super::posts_are_counted_as_doorbells_of_chained_work_requests(super::super::Backend::Verbs)
+        }
+    }
+}
+
 macro_rules! contract {
     ($($rule:ident),* $(,)?) => {
         mod shm { $(#[test] fn $rule() { super::$rule(super::Backend::Shm) })* }

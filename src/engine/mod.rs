@@ -158,11 +158,7 @@ impl TransferEngine {
         peers::check_agent_name(name)?;
         let started = Instant::now();
         let transport = transport::create(kind, name, config)?;
-        let nic = match kind {
-            TransportKind::Verbs => config.option("device").unwrap_or("default").to_string(),
-            other => other.to_string(),
-        };
-        Ok(Self::build(name, transport, &nic, started))
+        Ok(Self::build(name, transport, &config.nic_label(kind), started))
     }
 
     /// Create agent `name` over an existing transport.

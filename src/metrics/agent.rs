@@ -17,6 +17,7 @@
 //! | `kvwire_nic_bytes_total` | counter | `transport`, `nic` | bytes posted through that NIC (verbs `device`, else the transport) |
 //! | `kvwire_peer_disconnects_total` | counter | `transport`, `nic` | peers found dead |
 //! | `kvwire_transfer_stalls_total` | counter | `transport`, `nic` | transfers failed because the peer made no progress within the timeout |
+//! | `kvwire_doorbells_total` / `kvwire_work_requests_total` | counter | `transport`, `nic` | verbs: `ibv_post_send` calls (one doorbell each) / the work requests they chained (the ratio is WRs per doorbell, ≤ `max_batch`); 0 on shm and tcp |
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -41,6 +42,13 @@ pub struct LinkCounters {
     pub disconnects: AtomicU64,
     /// Transfers failed by a peer timeout.
     pub stalls: AtomicU64,
+    /// Verbs only: `ibv_post_send` calls that queued work requests (one
+    /// doorbell each); 0 on shm and tcp.
+    pub doorbells: AtomicU64,
+    /// Verbs only: work requests those calls queued (`work_requests /
+    /// doorbells` is the mean chain length, at most the transport's
+    /// `max_batch`, 64 by default).
+    pub work_requests: AtomicU64,
 }
 
 impl LinkCounters {
@@ -96,6 +104,14 @@ impl AgentHandle {
 }
 
 impl super::Registry {
+    /// The counters of (`transport`, `nic`), made on first use: what an
+    /// engine's [`AgentHandle::link`] holds, for a transport to count into
+    /// from its own threads (verbs: doorbells and work requests).
+    pub fn link_counters(&self, transport: &str, nic: &str) -> Arc<LinkCounters> {
+        let mut s = self.lock();
+        s.agents.links.entry((transport.to_string(), nic.to_string())).or_default().clone()
+    }
+
     /// Register an engine: `agent` on `transport` through `nic` (the verbs
     /// device, or the transport's name), ready after `startup`.
     pub fn agent(&self, agent: &str, transport: &str, nic: &str, startup: Duration) -> AgentHandle {
@@ -174,6 +190,16 @@ pub(super) fn render(a: &AgentState, fams: &mut super::Families) {
             ("kvwire_nic_bytes_total", "Bytes posted through the NIC (verbs device, else the transport).", &c.bytes),
             ("kvwire_peer_disconnects_total", "Peers found dead.", &c.disconnects),
             ("kvwire_transfer_stalls_total", "Transfers failed because the peer made no progress in time.", &c.stalls),
+            (
+                "kvwire_doorbells_total",
+                "ibv_post_send calls that queued work requests (verbs; 0 elsewhere).",
+                &c.doorbells,
+            ),
+            (
+                "kvwire_work_requests_total",
+                "Work requests queued by those calls (verbs; 0 elsewhere).",
+                &c.work_requests,
+            ),
         ] {
             fams.add(name, "counter", help, format!("{name}{{{l}}} {}", v.load(Relaxed)));
         }

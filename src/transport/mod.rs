@@ -238,6 +238,16 @@ impl TransportConfig {
     pub fn option(&self, key: &str) -> Option<&str> {
         self.options.iter().rev().find(|(k, _)| k == key).map(|(_, v)| v.as_str())
     }
+
+    /// The `nic` label of a `kind` transport made with this configuration
+    /// in the metrics (`kvwire_nic_bytes_total{nic=...}` …): the verbs
+    /// `device` option (`default` when unset), else the transport's name.
+    pub fn nic_label(&self, kind: TransportKind) -> String {
+        match kind {
+            TransportKind::Verbs => self.option("device").unwrap_or("default").to_string(),
+            other => other.to_string(),
+        }
+    }
 }
 
 /// Errors of the transport layer.

@@ -393,9 +393,12 @@ impl<D: Device> VerbsTransport<D> {
             TcpListener::bind((s.listen_ip.as_str(), 0)).map_err(|e| TransportError::io("bind(verbs listener)", e))?;
         let listen_addr = listener.local_addr().map_err(|e| TransportError::io("getsockname", e))?;
         let (peer_timeout, progress_timeout) = (config.peer_timeout, s.progress_timeout);
+        let counters = crate::metrics::global()
+            .link_counters(&TransportKind::Verbs.to_string(), &config.nic_label(TransportKind::Verbs));
         let core = Core::start(s.nic.clone(), s.num_cqe, s.limits, |e| {
             e.progress_timeout = progress_timeout;
             e.peer_timeout = peer_timeout;
+            e.st.count_posts_into(counters);
         })
         .map_err(|e| TransportError::io("spawn(verbs progress)", e))?;
         let inner = Arc::new(Inner {

@@ -5,13 +5,14 @@
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
-use std::sync::atomic::AtomicBool;
+use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
 use std::time::Instant;
 
 use crossbeam_channel::Sender;
 
 use super::nic::{NicQp, NicSlab};
 use super::wc::{post_failure, wc_failure};
+use crate::metrics::LinkCounters;
 use crate::transport::split::split;
 use crate::transport::{Completion, Notification, Op, Segment, TransferFailure, XferId};
 use crate::verbs::{WcStatus, WorkCompletion, WrBatch, WrId};
@@ -313,6 +314,8 @@ pub struct State<Q: NicQp> {
     /// The time the caller last set (the state reads no clock itself, so a
     /// simulation drives it): stamps QP progress for [`State::expire`].
     now: Instant,
+    /// Where doorbells and work requests are counted, if anywhere.
+    counters: Option<Arc<LinkCounters>>,
 }
 
 /// Posting parameters.
@@ -491,7 +494,15 @@ impl<Q: NicQp> State<Q> {
             events: VecDeque::new(),
             settling: false,
             now: Instant::now(),
+            counters: None,
         }
+    }
+
+    /// Count every `post_send` (one doorbell) and the work requests it
+    /// queued into `c` from now on (the metrics' `kvwire_doorbells_total`
+    /// and `kvwire_work_requests_total`).
+    pub fn count_posts_into(&mut self, c: Arc<LinkCounters>) {
+        self.counters = Some(c);
     }
 
     /// Hold `n` CQEs for receives about to be posted; false when they do not
@@ -684,7 +695,7 @@ impl<Q: NicQp> State<Q> {
             self.fail_queue(qpn, limits);
             return;
         }
-        let State { send_qps, xfers, slots, batch, next_chunk, cq, now, .. } = self;
+        let State { send_qps, xfers, slots, batch, next_chunk, cq, now, counters, .. } = self;
         let Some(sq) = send_qps.get_mut(&qpn) else {
             return;
         };
@@ -752,6 +763,10 @@ impl<Q: NicQp> State<Q> {
                 }
             }
             cq.take(covered as u32);
+            if let Some(c) = counters.as_ref().filter(|_| covered > 0) {
+                c.doorbells.fetch_add(1, Relaxed);
+                c.work_requests.fetch_add(covered as u64, Relaxed);
+            }
             if sq.outstanding == 0 && covered > 0 {
                 sq.progress_at = *now;
             }
