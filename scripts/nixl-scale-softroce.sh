@@ -46,6 +46,13 @@ stage=$(mktemp -d "${TMPDIR:-/tmp}/kvwire-nixl-scale.XXXXXX")
 trap 'rm -rf "$stage"' EXIT
 cp bench/compare/nixl_api_bench.py "$stage/"
 echo "$name: $(softroce_stage_python "$venv/bin/python" "$stage")"
+if [ "$IMPL" = real ]; then
+    # The wheel's own libibverbs (which UCX's verbs transports link) looks for
+    # its providers in its build's directory, absent in the guest, then by
+    # bare name on the library path: give it this host's rxe provider there.
+    cp -L /usr/lib/x86_64-linux-gnu/libibverbs/librxe-rdmav*.so "$stage/lib/" 2>/dev/null ||
+        echo "$name: no rxe provider (librxe-rdmav*.so) here to stage for UCX" >&2
+fi
 guest_cmd="cd /host && export PYTHONHOME=/host/py PYTHONPATH=/host/site LD_LIBRARY_PATH=/host/lib \
 PYTHONDONTWRITEBYTECODE=1 $env_extra NIXL_BENCH_PAGES=4096 \
 NIXL_BENCH_BYTES=$((DESCS * 4096)) NIXL_BENCH_REPS=${REPS:-1} && /host/python3 nixl_api_bench.py"
