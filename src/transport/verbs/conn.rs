@@ -31,10 +31,10 @@ use super::Inner;
 use super::device::Device;
 use super::engine::Cmd;
 use super::nic::{Nic, NicQp};
-use super::state::{NOTIF_SLOT_BYTES, RECV_BIT, RecvQp};
+use super::state::{NOTIF_SLOT_BYTES, Qpn, RECV_BIT, RecvQp};
 use crate::sidechannel::{SideChannel, SideChannelError};
 use crate::transport::auth::{self, AgentSecret, Nonce};
-use crate::transport::{TransferFailure, TransportError};
+use crate::transport::{PeerId, TransferFailure, TransportError};
 use crate::verbs::QpEndpoint;
 
 /// Receives posted per target QP (notifications in flight per QP; more
@@ -233,7 +233,7 @@ fn serve<D: Device>(inner: &Inner<D>, mut ch: SideChannel) {
                 tracing::warn!("verbs: post_recv for {agent}: {e}");
             }
         }
-        qpns.push(qp.qp_num());
+        qpns.push(Qpn(qp.qp_num()));
         recv.push(RecvQp { qp, agent: agent.clone(), slab });
     }
     // Answered only once the engine holds the QPs: the initiator's first
@@ -299,7 +299,7 @@ impl Liveness {
     /// Watch `ch` (the control connection of peer `peer`, named `name`).
     pub(super) fn watch<D: Device>(
         inner: &Arc<Inner<D>>,
-        peer: u32,
+        peer: PeerId,
         name: &str,
         mut ch: SideChannel,
     ) -> Result<Self, String> {

@@ -4,8 +4,8 @@
 use std::time::Duration;
 
 use super::super::nic::NicQp;
-use super::{PostLimits, State};
-use crate::transport::TransferFailure;
+use super::{PostLimits, Qpn, State};
+use crate::transport::{PeerId, TransferFailure};
 
 impl<Q: NicQp> State<Q> {
     /// Bound how long a QP may go without progress (issue: a transfer to a
@@ -43,7 +43,7 @@ impl<Q: NicQp> State<Q> {
     /// Put `qpn` in the error state with `why` (unless an earlier error did):
     /// the NIC flushes its posted WRs, each failing its transfer with `why`;
     /// its queued work fails now. The next post to its peer reconnects.
-    pub fn fail_qp(&mut self, qpn: u32, why: TransferFailure, limits: &PostLimits) {
+    pub fn fail_qp(&mut self, qpn: Qpn, why: TransferFailure, limits: &PostLimits) {
         let now = self.now;
         let Some(sq) = self.send_qps.get_mut(&qpn) else {
             return;
@@ -63,8 +63,8 @@ impl<Q: NicQp> State<Q> {
 
     /// [`fail_qp`](Self::fail_qp) for every QP of `peer` (its liveness
     /// channel closed: the peer process is gone).
-    pub fn fail_peer(&mut self, peer: u32, why: &TransferFailure, limits: &PostLimits) {
-        let qps: Vec<u32> = self.send_qps.iter().filter(|(_, sq)| sq.peer == peer).map(|(&q, _)| q).collect();
+    pub fn fail_peer(&mut self, peer: PeerId, why: &TransferFailure, limits: &PostLimits) {
+        let qps: Vec<Qpn> = self.send_qps.iter().filter(|(_, sq)| sq.peer == peer).map(|(&q, _)| q).collect();
         for q in qps {
             self.fail_qp(q, why.clone(), limits);
         }

@@ -40,8 +40,8 @@ use std::time::{Duration, Instant};
 use crossbeam_channel::{Receiver, Sender};
 
 use super::nic::{Nic, NicQp};
-use super::state::{PeerLink, PostLimits, RecvQp, State};
-use crate::transport::{Completion, Notification, PostRequest, TransferFailure};
+use super::state::{PeerLink, PeerQpState, PostLimits, Qpn, RecvQp, State};
+use crate::transport::{Completion, Notification, PeerId, PostRequest, TransferFailure, XferId};
 
 /// The engine stops taking commands while this many WRs (all QPs together)
 /// wait in its software queues for room on the send queues or the CQ; it
@@ -65,24 +65,24 @@ pub enum Cmd<Q: NicQp> {
     /// Queue a transfer and post what fits.
     Post(PostRequest),
     /// Cancel one transfer (`Some`) or every transfer (`None`, on drop).
-    Cancel { xfer: Option<u64>, done: Sender<()> },
+    Cancel { xfer: Option<XferId>, done: Sender<()> },
     /// Hand over a peer's connected QPs: a new peer with its name,
     /// notification slab and link, or new QPs of a known peer (reconnect).
-    Install { peer: u32, name: String, qps: Vec<Q>, slab: Option<Q::Slab>, link: Option<Arc<PeerLink>> },
+    Install { peer: PeerId, name: String, qps: Vec<Q>, slab: Option<Q::Slab>, link: Option<Arc<PeerLink>> },
     /// A reconnect of the peer started: hold its posts until `Install` or
     /// `Resume`.
-    Reconnecting { peer: u32 },
+    Reconnecting { peer: PeerId },
     /// The reconnect ended without new QPs: with `failed`, the held posts
     /// fail with it; without, they go on the peer's QPs.
-    Resume { peer: u32, failed: Option<String> },
+    Resume { peer: PeerId, failed: Option<String> },
     /// How the peer's QPs stand.
-    Query { peer: u32, reply: Sender<PeerHealth> },
+    Query { peer: PeerId, reply: Sender<PeerHealth> },
     /// Destroy the peer's QPs (before a reconnect), failing what they carried.
-    Unplug { peer: u32, done: Sender<()> },
+    Unplug { peer: PeerId, done: Sender<()> },
     /// Forget the peer: its QPs, slab and link.
-    Disconnect { peer: u32, done: Sender<()> },
+    Disconnect { peer: PeerId, done: Sender<()> },
     /// The peer's liveness channel closed: fail its QPs now.
-    FailPeer { peer: u32, why: TransferFailure },
+    FailPeer { peer: PeerId, why: TransferFailure },
     /// Hold CQEs for the receives of a new initiator (target side).
     ReserveRecv { cqes: u32, reply: Sender<bool> },
     /// Give back CQEs held by `ReserveRecv` that were not used.
@@ -90,7 +90,7 @@ pub enum Cmd<Q: NicQp> {
     /// Receive QPs of an initiator, receives posted; `done` closes once held.
     AddRecv { qps: Vec<RecvQp<Q>>, done: Sender<()> },
     /// The initiator left: destroy its receive QPs and give back their CQEs.
-    RemoveRecv { qpns: Vec<u32>, cqes: u32 },
+    RemoveRecv { qpns: Vec<Qpn>, cqes: u32 },
     /// Cancel nothing, destroy everything, end the progress thread.
     Stop,
 }
@@ -98,14 +98,14 @@ pub enum Cmd<Q: NicQp> {
 /// The engine's record of a peer.
 struct EnginePeer {
     name: String,
-    qpns: Vec<u32>,
+    qpns: Vec<Qpn>,
     /// `Some` while a reconnect is in progress: the posts held behind it.
     held: Option<Vec<PostRequest>>,
 }
 
 /// A cancel waiting for the NIC to let go of a transfer.
 struct PendingCancel {
-    xfer: u64,
+    xfer: XferId,
     flush_at: Instant,
     destroy_at: Instant,
     flushed: bool,
@@ -130,7 +130,7 @@ pub struct Engine<N: Nic> {
     /// The progress thread takes no command while this many WRs wait in
     /// the software queues ([`QUEUED_WR_LIMIT`]).
     pub queued_wr_limit: usize,
-    peers: HashMap<u32, EnginePeer>,
+    peers: HashMap<PeerId, EnginePeer>,
     cancels: Vec<PendingCancel>,
 }
 
@@ -170,10 +170,10 @@ impl<N: Nic> Engine<N> {
                 // Posts held behind a reconnect never reached the NIC.
                 for p in self.peers.values_mut() {
                     if let Some(h) = p.held.as_mut() {
-                        h.retain(|r| xfer.is_some_and(|x| r.xfer.0 != x));
+                        h.retain(|r| xfer.is_some_and(|x| r.xfer != x));
                     }
                 }
-                let ids: Vec<u64> = match xfer {
+                let ids: Vec<XferId> = match xfer {
                     Some(x) => vec![x],
                     None => self.st.xfer_ids(),
                 };
@@ -193,7 +193,7 @@ impl<N: Nic> Engine<N> {
                     // disconnected: the QPs are dropped (destroyed) here.
                     return true;
                 }
-                let qpns: Vec<u32> = qps.iter().map(NicQp::qp_num).collect();
+                let qpns: Vec<Qpn> = qps.iter().map(|q| Qpn(q.qp_num())).collect();
                 for qp in qps {
                     self.st.add_send_qp(qp, peer);
                 }
@@ -256,7 +256,7 @@ impl<N: Nic> Engine<N> {
 
     /// End the hold of `peer`'s posts: post them (`failed` is `None`) or
     /// fail them with `PeerDied` naming the reason.
-    fn resume(&mut self, peer: u32, failed: Option<String>) {
+    fn resume(&mut self, peer: PeerId, failed: Option<String>) {
         let Some(p) = self.peers.get_mut(&peer) else {
             return;
         };
@@ -276,11 +276,11 @@ impl<N: Nic> Engine<N> {
     }
 
     fn post(&mut self, req: PostRequest) {
-        if let Some(held) = self.peers.get_mut(&req.peer.0).and_then(|p| p.held.as_mut()) {
+        if let Some(held) = self.peers.get_mut(&req.peer).and_then(|p| p.held.as_mut()) {
             held.push(req);
             return;
         }
-        let (xfer, peer) = (req.xfer, req.peer.0);
+        let (xfer, peer) = (req.xfer, req.peer);
         let result = match self.peers.get(&peer) {
             Some(p) => self.st.post(&req, &p.qpns, &p.name, &self.limits),
             None => Err(crate::transport::TransportError::NotConnected(req.peer)),
@@ -299,9 +299,9 @@ impl<N: Nic> Engine<N> {
     /// `peer`'s QPs as `VerbsTransport::post` needs to know them before a
     /// reconnect. A QP number the peer kept may since name another peer's
     /// QP (reused): only a QP of this peer counts.
-    pub fn health(&self, peer: u32) -> PeerHealth {
+    pub fn health(&self, peer: PeerId) -> PeerHealth {
         let qpns = self.peers.get(&peer).map(|p| p.qpns.as_slice()).unwrap_or_default();
-        let (busy, broken) = self.st.peer_state(peer, qpns);
+        let PeerQpState { busy, broken } = self.st.peer_state(peer, qpns);
         PeerHealth { busy, broken, free_slots: self.st.slots().free(peer) }
     }
 

@@ -9,13 +9,22 @@
 
 use crate::transport::{RemoteAccessKind, RemoteRegion, Segment, TransferFailure};
 
+/// Remote addresses `[start, end)` of key `rkey`. Ordered by key, then
+/// start, then end (the field order).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+struct KeyRun {
+    rkey: u32,
+    start: u64,
+    end: u64,
+}
+
 /// The target's regions by rkey, as given to `connect`.
 #[derive(Debug, Default)]
 pub(super) struct RemoteKeys {
-    /// `(rkey, start, end)`: per key, the union of its regions as maximal
-    /// runs (overlapping and abutting regions merged), sorted by key, then
-    /// start; the runs of one key are disjoint.
-    runs: Vec<(u32, u64, u64)>,
+    /// Per key, the union of its regions as maximal runs (overlapping and
+    /// abutting regions merged), sorted by key, then start; the runs of one
+    /// key are disjoint.
+    runs: Vec<KeyRun>,
 }
 
 impl RemoteKeys {
@@ -26,13 +35,15 @@ impl RemoteKeys {
     /// merges descriptors of one key only when they are contiguous, so a
     /// segment lies inside one run of its key; the HCA checks the MR.
     pub(super) fn new(regions: &[RemoteRegion]) -> Self {
-        let mut all: Vec<(u32, u64, u64)> =
-            regions.iter().map(|r| (r.rkey.0, r.addr, r.addr.saturating_add(r.len_bytes))).collect();
+        let mut all: Vec<KeyRun> = regions
+            .iter()
+            .map(|r| KeyRun { rkey: r.rkey.0, start: r.addr, end: r.addr.saturating_add(r.len_bytes) })
+            .collect();
         all.sort_unstable();
-        let mut runs: Vec<(u32, u64, u64)> = Vec::with_capacity(all.len());
+        let mut runs: Vec<KeyRun> = Vec::with_capacity(all.len());
         for r in all {
             match runs.last_mut() {
-                Some(last) if last.0 == r.0 && r.1 <= last.2 => last.2 = last.2.max(r.2),
+                Some(last) if last.rkey == r.rkey && r.start <= last.end => last.end = last.end.max(r.end),
                 _ => runs.push(r),
             }
         }
@@ -42,21 +53,21 @@ impl RemoteKeys {
     /// Check every segment's rkey and remote range (consecutive segments of
     /// one run cost one lookup).
     pub(super) fn check(&self, segments: &[Segment]) -> Result<(), TransferFailure> {
-        let mut last: Option<(u32, u64, u64)> = None;
+        let mut last: Option<KeyRun> = None;
         for s in segments {
             let key = s.rkey.0;
-            if last.is_some_and(|l| l.0 == key && inside(&l, s)) {
+            if last.is_some_and(|l| l.rkey == key && inside(&l, s)) {
                 continue;
             }
-            let lo = self.runs.partition_point(|r| r.0 < key);
-            let mine = &self.runs[lo..lo + self.runs[lo..].partition_point(|r| r.0 == key)];
+            let lo = self.runs.partition_point(|r| r.rkey < key);
+            let mine = &self.runs[lo..lo + self.runs[lo..].partition_point(|r| r.rkey == key)];
             if mine.is_empty() {
                 return Err(TransferFailure::remote_access(
                     RemoteAccessKind::UnknownKey,
                     format!("rkey {key:#x} names no region of the target"),
                 ));
             }
-            match mine.partition_point(|r| r.1 <= s.remote_addr).checked_sub(1).map(|j| mine[j]) {
+            match mine.partition_point(|r| r.start <= s.remote_addr).checked_sub(1).map(|j| mine[j]) {
                 Some(r) if inside(&r, s) => last = Some(r),
                 _ => return Err(out_of_bounds(s)),
             }
@@ -65,8 +76,8 @@ impl RemoteKeys {
     }
 }
 
-fn inside(r: &(u32, u64, u64), s: &Segment) -> bool {
-    s.remote_addr.checked_add(s.len_bytes).is_some_and(|end| s.remote_addr >= r.1 && end <= r.2)
+fn inside(r: &KeyRun, s: &Segment) -> bool {
+    s.remote_addr.checked_add(s.len_bytes).is_some_and(|end| s.remote_addr >= r.start && end <= r.end)
 }
 
 fn out_of_bounds(s: &Segment) -> TransferFailure {

@@ -462,10 +462,10 @@ impl<D: Device> VerbsTransport<D> {
         if p.redial.is_some() || !p.link.broken.load(Ordering::Acquire) {
             return Ok(());
         }
-        self.core.handle.send(Cmd::Reconnecting { peer: peer.0 });
+        self.core.handle.send(Cmd::Reconnecting { peer });
         let dial = reconnect::Dial {
             agent: self.agent.clone(),
-            peer: peer.0,
+            peer,
             name: p.name.clone(),
             addr: p.addr.clone(),
             secret: p.secret.clone(),
@@ -480,7 +480,7 @@ impl<D: Device> VerbsTransport<D> {
             Err((e, old)) => {
                 p.live = old;
                 let why = format!("cannot start its reconnect: {e}");
-                self.core.handle.send(Cmd::Resume { peer: peer.0, failed: Some(why.clone()) });
+                self.core.handle.send(Cmd::Resume { peer, failed: Some(why.clone()) });
                 Err(TransportError::PeerDisconnected(format!("{} ({why})", p.name)))
             }
         }
@@ -557,10 +557,10 @@ impl<D: Device> Transport for VerbsTransport<D> {
         let (qps, ch) = self.open_qps(&info.addr, &info.secret, self.qps_per_peer).map_err(cerr)?;
         let id = self.next_peer;
         self.next_peer += 1;
-        let live = Liveness::watch(&self.inner, id, peer_name, ch).map_err(cerr)?;
+        let live = Liveness::watch(&self.inner, PeerId(id), peer_name, ch).map_err(cerr)?;
         let link = Arc::new(PeerLink::default());
         let name = peer_name.to_string();
-        self.core.handle.send(Cmd::Install { peer: id, name, qps, slab: Some(slab), link: Some(link.clone()) });
+        self.core.handle.send(Cmd::Install { peer: PeerId(id), name, qps, slab: Some(slab), link: Some(link.clone()) });
         let peer = Peer {
             name: peer_name.to_string(),
             addr: info.addr,
@@ -587,7 +587,7 @@ impl<D: Device> Transport for VerbsTransport<D> {
             self.redials.push(r);
         }
         // Returns once the engine destroyed the peer's QPs.
-        self.core.handle.call::<()>(|done| Cmd::Disconnect { peer: peer.0, done });
+        self.core.handle.call::<()>(|done| Cmd::Disconnect { peer, done });
     }
 
     /// Refuses here, on the caller's thread, what must be refused at once:
@@ -647,7 +647,7 @@ impl<D: Device> Transport for VerbsTransport<D> {
     /// error state after `peer_timeout`, and destroys any that still hold
     /// it another `peer_timeout` later).
     fn cancel(&mut self, xfer: XferId) {
-        self.core.handle.call::<()>(|done| Cmd::Cancel { xfer: Some(xfer.0), done });
+        self.core.handle.call::<()>(|done| Cmd::Cancel { xfer: Some(xfer), done });
         // Finished before the cancel reached the engine: its completion is
         // not to be reported.
         self.done_held.extend(self.core.done.try_iter());

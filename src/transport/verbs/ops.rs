@@ -5,8 +5,8 @@
 //! functions.
 
 use super::super::nic::NicQp;
-use super::{DeferredNotify, NOTIF_SLOT_BYTES, NOTIF_SLOTS, PostLimits, SlotRefusal, State, Xfer};
-use crate::transport::{Op, PostRequest, TransferFailure, TransportError};
+use super::{DeferredNotify, NOTIF_SLOT_BYTES, NOTIF_SLOTS, PostLimits, Qpn, SlotRefusal, State, Xfer};
+use crate::transport::{Op, PeerId, PostRequest, TransferFailure, TransportError, XferId};
 
 impl<Q: NicQp> State<Q> {
     /// Accept `req` for a peer named `peer_name` whose QPs are `qpns`: take
@@ -22,7 +22,7 @@ impl<Q: NicQp> State<Q> {
     pub fn post(
         &mut self,
         req: &PostRequest,
-        qpns: &[u32],
+        qpns: &[Qpn],
         peer_name: &str,
         limits: &PostLimits,
     ) -> Result<(), TransportError> {
@@ -34,7 +34,7 @@ impl<Q: NicQp> State<Q> {
         }
         let mut slot = None;
         if let Some(payload) = &req.notification {
-            let r = self.slots.take(req.peer.0, payload).map_err(|e| match e {
+            let r = self.slots.take(req.peer, payload).map_err(|e| match e {
                 SlotRefusal::NoSlab => TransportError::NotConnected(req.peer),
                 SlotRefusal::Full => {
                     TransportError::Post(format!("more than {NOTIF_SLOTS} notifications in flight to {peer_name}"))
@@ -45,7 +45,7 @@ impl<Q: NicQp> State<Q> {
         let qp0 = qpns[0];
         let multi = qpns.len() > 1;
         self.xfers.insert(
-            req.xfer.0,
+            req.xfer,
             Xfer {
                 queued: 0,
                 chunks: 0,
@@ -62,15 +62,15 @@ impl<Q: NicQp> State<Q> {
             // for their data to arrive here (the target may reuse the pages
             // once notified, and a READ answered again after a lost packet
             // would read them anew), which the fence makes the NIC do.
-            self.enqueue_notify(req.xfer.0, qp0, r.slot, l, req.op == Op::Read, limits);
+            self.enqueue_notify(req.xfer, qp0, r.slot, l, req.op == Op::Read, limits);
         }
-        self.try_finish(req.xfer.0, limits);
+        self.try_finish(req.xfer, limits);
         Ok(())
     }
 
     /// A QP of `peer` failed or went away: tell the caller (its next post
     /// reconnects).
-    pub fn mark_broken(&self, peer: u32) {
+    pub fn mark_broken(&self, peer: PeerId) {
         if let Some(l) = self.links.get(&peer) {
             l.broken.store(true, std::sync::atomic::Ordering::Release);
         }
@@ -79,7 +79,7 @@ impl<Q: NicQp> State<Q> {
     /// Start cancelling `xfer`: drop its queued work and its deferred
     /// notification; it will not be reported. False when it is not in
     /// flight (finished already).
-    pub fn cancel_start(&mut self, xfer: u64, limits: &PostLimits) -> bool {
+    pub fn cancel_start(&mut self, xfer: XferId, limits: &PostLimits) -> bool {
         let Some(x) = self.xfers.get_mut(&xfer) else {
             return false;
         };
@@ -106,7 +106,7 @@ impl<Q: NicQp> State<Q> {
     /// dropped (its notification slot given back).
     pub fn cancel_step(
         &mut self,
-        xfer: u64,
+        xfer: XferId,
         flush: bool,
         destroy: bool,
         flushed: &mut bool,
@@ -118,7 +118,7 @@ impl<Q: NicQp> State<Q> {
         if !flush {
             return false;
         }
-        let carrying: Vec<u32> = self
+        let carrying: Vec<Qpn> = self
             .send_qps
             .iter()
             .filter(|(_, sq)| sq.chunks.values().any(|c| c.xfer == xfer))
@@ -127,12 +127,12 @@ impl<Q: NicQp> State<Q> {
         if !*flushed {
             *flushed = true;
             for q in &carrying {
-                let why = TransferFailure::cancelled(format!("QP flushed to cancel transfer {xfer}"));
+                let why = TransferFailure::cancelled(format!("QP flushed to cancel transfer {}", xfer.0));
                 self.fail_qp(*q, why, limits);
             }
         } else if destroy {
             for q in &carrying {
-                tracing::warn!("verbs: cancel of transfer {xfer} destroys QP {q}, which did not drain");
+                tracing::warn!("verbs: cancel of transfer {} destroys QP {q}, which did not drain", xfer.0);
                 self.remove_qp(*q, limits);
             }
             if carrying.is_empty() {

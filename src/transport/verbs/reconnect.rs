@@ -21,6 +21,7 @@ use super::conn::{self, Liveness};
 use super::device::Device;
 use super::engine::{Cmd, PeerHealth};
 use crate::sidechannel::SideChannel;
+use crate::transport::PeerId;
 use crate::transport::auth::AgentSecret;
 
 /// Who to dial: everything the thread needs of the transport and the peer.
@@ -28,7 +29,7 @@ pub(super) struct Dial {
     /// This transport's agent name (the hello's).
     pub(super) agent: String,
     /// The engine's number of the peer.
-    pub(super) peer: u32,
+    pub(super) peer: PeerId,
     /// The peer's agent name.
     pub(super) name: String,
     /// The target's listener (`ip:port`) and connection secret.

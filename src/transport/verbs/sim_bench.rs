@@ -30,7 +30,7 @@ impl Default for CommandBench {
         let (dtx, done) = crossbeam_channel::unbounded();
         let (ntx, _) = crossbeam_channel::unbounded();
         let mut st = super::state::State::new(4096, dtx, ntx);
-        st.add_send_qp(qp, 1);
+        st.add_send_qp(qp, crate::transport::PeerId(1));
         let limits = bench_limits(0);
         let wcs = vec![WorkCompletion::default(); 64];
         Self { fabric, nic, st, done, _target: t, qpn, src, dst, limits, next: 0, wcs }
@@ -102,7 +102,7 @@ impl CommandBench {
     pub fn post_pages(&mut self, pages: u64) -> usize {
         self.next += 1;
         let req = write_request(self.next, pages, self.src, self.dst);
-        self.st.post(&req, &[self.qpn], "bench", &self.limits).expect("post");
+        self.st.post(&req, &[super::state::Qpn(self.qpn)], "bench", &self.limits).expect("post");
         self.fabric.world().queued(self.qpn)
     }
 
@@ -152,7 +152,13 @@ impl Default for ChannelBench {
         // A first install carries the peer's link (one without is a reconnect's,
         // dropped when the peer is unknown).
         let link = Some(std::sync::Arc::new(super::state::PeerLink::default()));
-        let cmd = super::engine::Cmd::Install { peer: 1, name: "bench".into(), qps: vec![qp], slab: None, link };
+        let cmd = super::engine::Cmd::Install {
+            peer: crate::transport::PeerId(1),
+            name: "bench".into(),
+            qps: vec![qp],
+            slab: None,
+            link,
+        };
         core.handle.send(cmd);
         Self { fabric, core, _target: t, qpn, src, dst, next: 0 }
     }

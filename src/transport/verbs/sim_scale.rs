@@ -66,7 +66,7 @@ impl Default for ScaleRig {
         // A first install carries the peer's link (one without is a reconnect's,
         // dropped when the peer is unknown).
         let link = Some(std::sync::Arc::new(super::state::PeerLink::default()));
-        core.handle.send(Cmd::Install { peer: 1, name: "target".into(), qps: vec![qp], slab: None, link });
+        core.handle.send(Cmd::Install { peer: PeerId(1), name: "target".into(), qps: vec![qp], slab: None, link });
         Self { fabric, core, _target: target, src, dst, next: 0 }
     }
 }

@@ -14,7 +14,7 @@ use super::nic::{NicQp, NicSlab};
 use super::wc::{post_failure, wc_failure};
 use crate::metrics::LinkCounters;
 use crate::transport::split::split;
-use crate::transport::{Completion, Notification, Op, Segment, TransferFailure, XferId};
+use crate::transport::{Completion, Notification, Op, PeerId, Segment, TransferFailure, XferId};
 use crate::verbs::{WcStatus, WorkCompletion, WrBatch, WrId};
 
 /// Largest notification payload (bytes): one receive slot.
@@ -24,20 +24,44 @@ pub(super) const NOTIF_SLOTS: u32 = 256;
 /// Largest single WR (bytes); longer segments are split.
 pub(super) const MAX_WR_BYTES: u64 = 1 << 30;
 
+/// A queue pair's number (`qp_num`), as this state keys its QPs. The NIC
+/// calls and work completions carry it raw; it is wrapped where the state
+/// takes it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Qpn(pub u32);
+
+impl std::fmt::Display for Qpn {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        self.0.fmt(f)
+    }
+}
+
+/// A signalled chunk's id: the wr_id of every WR of the chunk
+/// ([`WrId`] on the NIC, the completion's `wr_id`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub(super) struct ChunkId(u64);
+
+impl ChunkId {
+    /// The id after this one.
+    fn next(self) -> Self {
+        Self(self.0 + 1)
+    }
+}
+
 /// One unit of queued work: an RDMA WR or a notification SEND.
 #[derive(Debug, Clone, Copy)]
 pub(super) enum Work {
     /// RDMA READ/WRITE of one segment (≤ [`MAX_WR_BYTES`]).
-    Rdma { xfer: u64, read: bool, seg: Segment },
+    Rdma { xfer: XferId, read: bool, seg: Segment },
     /// SEND of `len` bytes from notification slot `slot` of the peer slab;
     /// `fence`: posted with `IBV_SEND_FENCE`, so the NIC sends it only after
     /// the READs ahead of it on the QP completed (a READ's notification).
-    Notify { xfer: u64, slot: u32, len: u32, fence: bool },
+    Notify { xfer: XferId, slot: u32, len: u32, fence: bool },
 }
 
 impl Work {
     /// The transfer this work belongs to.
-    pub(super) fn xfer(&self) -> u64 {
+    pub(super) fn xfer(&self) -> XferId {
         match *self {
             Work::Rdma { xfer, .. } | Work::Notify { xfer, .. } => xfer,
         }
@@ -48,11 +72,11 @@ impl Work {
 /// signalled chunks in flight.
 pub(super) struct SendQp<Q> {
     pub qp: Q,
-    pub peer: u32,
+    pub peer: PeerId,
     /// WRs posted and not yet covered by a polled completion.
     pub outstanding: u32,
     /// Chunk id (the wr_id of every WR of the chunk) → its chunk.
-    pub chunks: HashMap<u64, Chunk>,
+    pub chunks: HashMap<ChunkId, Chunk>,
     pub queue: VecDeque<Work>,
     /// Set by the first error completion: the QP needs a reset + reconnect.
     pub error: Option<TransferFailure>,
@@ -68,7 +92,7 @@ pub(super) struct SendQp<Q> {
 
 impl<Q> SendQp<Q> {
     /// A connected QP of `peer` with nothing queued or in flight.
-    pub(super) fn new(qp: Q, peer: u32, now: Instant) -> Self {
+    pub(super) fn new(qp: Q, peer: PeerId, now: Instant) -> Self {
         Self {
             qp,
             peer,
@@ -87,9 +111,18 @@ impl<Q> SendQp<Q> {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) struct Chunk {
     /// The transfer they belong to.
-    pub xfer: u64,
+    pub xfer: XferId,
     /// WRs in the chunk (its last one signalled).
     pub wrs: u32,
+}
+
+/// A chunk as `pump_now` builds a batch: its id, transfer and WRs.
+#[derive(Debug, Clone, Copy)]
+struct SignaledChunk {
+    id: ChunkId,
+    xfer: XferId,
+    /// WRs in the chunk (its last one signalled).
+    wrs: u32,
 }
 
 /// A notification SEND waiting for every WR of its transfer to complete
@@ -97,7 +130,7 @@ pub(super) struct Chunk {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) struct DeferredNotify {
     /// The QP it goes on.
-    pub qpn: u32,
+    pub qpn: Qpn,
     /// Its slot in the peer's slab, and its length in bytes.
     pub slot: u32,
     pub len: u32,
@@ -106,7 +139,7 @@ pub(super) struct DeferredNotify {
 /// A notification slot taken by a transfer.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct SlotRef {
-    pub peer: u32,
+    pub peer: PeerId,
     pub slot: u32,
 }
 
@@ -150,7 +183,7 @@ pub enum SlotRefusal {
 /// The notification slots of every peer: the one count of them (a slot is
 /// taken by a notified post and given back when its transfer ends).
 pub struct NotifSlots<S> {
-    slabs: HashMap<u32, NotifSlab<S>>,
+    slabs: HashMap<PeerId, NotifSlab<S>>,
 }
 
 impl<S: NicSlab> NotifSlots<S> {
@@ -159,17 +192,17 @@ impl<S: NicSlab> NotifSlots<S> {
     }
 
     /// Give `peer` the slab `mr` of [`NOTIF_SLOTS`] slots, all free.
-    pub fn install(&mut self, peer: u32, mr: S) {
+    pub fn install(&mut self, peer: PeerId, mr: S) {
         self.slabs.insert(peer, NotifSlab { mr, free: (0..NOTIF_SLOTS).rev().collect() });
     }
 
     /// Forget `peer`'s slab (disconnect).
-    pub fn remove(&mut self, peer: u32) {
+    pub fn remove(&mut self, peer: PeerId) {
         self.slabs.remove(&peer);
     }
 
     /// Free slots of `peer` (0 for a peer without a slab).
-    pub fn free(&self, peer: u32) -> u32 {
+    pub fn free(&self, peer: PeerId) -> u32 {
         self.slabs.get(&peer).map_or(0, |s| s.free.len() as u32)
     }
 
@@ -178,7 +211,7 @@ impl<S: NicSlab> NotifSlots<S> {
     ///
     /// # Errors
     /// [`SlotRefusal`] when the peer has no slab or no free slot.
-    pub fn take(&mut self, peer: u32, payload: &[u8]) -> Result<SlotRef, SlotRefusal> {
+    pub fn take(&mut self, peer: PeerId, payload: &[u8]) -> Result<SlotRef, SlotRefusal> {
         let slab = self.slabs.get_mut(&peer).ok_or(SlotRefusal::NoSlab)?;
         let slot = slab.free.pop().ok_or(SlotRefusal::Full)?;
         // Slot `slot` is free: no WR reads it until one is posted.
@@ -196,7 +229,7 @@ impl<S: NicSlab> NotifSlots<S> {
 
     /// The SGE of `slot` of `peer`: `(address, lkey)`, `(0, 0)` without a
     /// slab (the WR then fails on the NIC).
-    fn sge(&self, peer: u32, slot: u32) -> (u64, u32) {
+    fn sge(&self, peer: PeerId, slot: u32) -> (u64, u32) {
         self.slabs
             .get(&peer)
             .map(|s| (s.mr.addr() + u64::from(slot) * NOTIF_SLOT_BYTES as u64, s.mr.lkey()))
@@ -290,20 +323,20 @@ impl CqBudget {
 /// this module (and its `ops` and `deadline` parts); the engine and the
 /// tests go through the methods.
 pub struct State<Q: NicQp> {
-    send_qps: HashMap<u32, SendQp<Q>>,
-    xfers: HashMap<u64, Xfer>,
+    send_qps: HashMap<Qpn, SendQp<Q>>,
+    xfers: HashMap<XferId, Xfer>,
     /// Notification slots per peer: the one count of them.
     slots: NotifSlots<Q::Slab>,
     /// Per peer, what the caller sees of it ([`PeerLink`]): QPs broken. Absent in tests that drive the state directly.
-    links: HashMap<u32, Arc<PeerLink>>,
+    links: HashMap<PeerId, Arc<PeerLink>>,
     /// Finished transfers, to the transport's `poll` without this state's
     /// lock, so a scheduler polling `status` never waits for the progress
     /// thread.
     done: Sender<Completion>,
-    recv_qps: HashMap<u32, RecvQp<Q>>,
+    recv_qps: HashMap<Qpn, RecvQp<Q>>,
     /// Received notifications, to `take_notifications` likewise.
     notifs: Sender<Notification>,
-    next_chunk: u64,
+    next_chunk: ChunkId,
     batch: WrBatch,
     /// The CQE budget of the shared completion queue.
     cq: CqBudget,
@@ -364,11 +397,11 @@ pub(super) fn batch_len(queue: &VecDeque<Work>, room: usize, limits: &PostLimits
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Event {
     /// Post what fits of the QP's queue (or fail it, the QP in error).
-    Pump(u32),
+    Pump(Qpn),
     /// Report the transfer if nothing of it is queued or in flight.
-    Finish(u64),
+    Finish(XferId),
     /// CQEs came back: pump the QPs that waited for them, but `skip`.
-    PumpStarved { skip: Option<u32> },
+    PumpStarved { skip: Option<Qpn> },
 }
 
 /// Receive chunk ids have the top bit set; the rest is the slot.
@@ -412,27 +445,27 @@ impl<Q: NicQp> State<Q> {
     }
 
     /// Add connected send QP `qp` of `peer`, nothing queued or in flight.
-    pub fn add_send_qp(&mut self, qp: Q, peer: u32) {
-        self.send_qps.insert(qp.qp_num(), SendQp::new(qp, peer, self.now));
+    pub fn add_send_qp(&mut self, qp: Q, peer: PeerId) {
+        self.send_qps.insert(Qpn(qp.qp_num()), SendQp::new(qp, peer, self.now));
     }
 
     /// True while `qpn` is a send QP here.
-    pub fn has_send_qp(&self, qpn: u32) -> bool {
+    pub fn has_send_qp(&self, qpn: Qpn) -> bool {
         self.send_qps.contains_key(&qpn)
     }
 
     /// Add a target-side receive QP (receives posted).
     pub fn add_recv_qp(&mut self, r: RecvQp<Q>) {
-        self.recv_qps.insert(r.qp.qp_num(), r);
+        self.recv_qps.insert(Qpn(r.qp.qp_num()), r);
     }
 
     /// Destroy receive QP `qpn` (its CQEs are released by the caller).
-    pub fn remove_recv_qp(&mut self, qpn: u32) {
+    pub fn remove_recv_qp(&mut self, qpn: Qpn) {
         self.recv_qps.remove(&qpn);
     }
 
     /// Numbers of the receive QPs.
-    pub fn recv_qpns(&self) -> Vec<u32> {
+    pub fn recv_qpns(&self) -> Vec<Qpn> {
         self.recv_qps.keys().copied().collect()
     }
 
@@ -442,12 +475,12 @@ impl<Q: NicQp> State<Q> {
     }
 
     /// The transfers in flight.
-    pub fn xfer_ids(&self) -> Vec<u64> {
+    pub fn xfer_ids(&self) -> Vec<XferId> {
         self.xfers.keys().copied().collect()
     }
 
     /// Give `peer` the link its caller watches, or take it away (`None`).
-    pub fn set_link(&mut self, peer: u32, link: Option<Arc<PeerLink>>) {
+    pub fn set_link(&mut self, peer: PeerId, link: Option<Arc<PeerLink>>) {
         match link {
             Some(l) => self.links.insert(peer, l),
             None => self.links.remove(&peer),
@@ -455,7 +488,7 @@ impl<Q: NicQp> State<Q> {
     }
 
     /// Set or clear `peer`'s broken flag.
-    pub fn set_broken(&mut self, peer: u32, broken: bool) {
+    pub fn set_broken(&mut self, peer: PeerId, broken: bool) {
         if let Some(l) = self.links.get(&peer) {
             l.broken.store(broken, std::sync::atomic::Ordering::Release);
         }
@@ -467,15 +500,14 @@ impl<Q: NicQp> State<Q> {
         let _ = self.done.send(Completion { xfer: x, result: Err(why) });
     }
 
-    /// How `peer`'s QPs `qpns` stand: `(busy, broken)`. A QP number the
-    /// peer kept may since name another peer's QP (reused): only a QP of
-    /// this peer counts.
-    pub fn peer_state(&self, peer: u32, qpns: &[u32]) -> (bool, bool) {
-        let own = |q: &u32| self.send_qps.get(q).filter(|s| s.peer == peer);
-        (
-            qpns.iter().any(|q| own(q).is_some_and(|s| s.outstanding > 0)),
-            qpns.is_empty() || qpns.iter().any(|q| own(q).is_none_or(|s| s.error.is_some())),
-        )
+    /// How `peer`'s QPs `qpns` stand. A QP number the peer kept may since
+    /// name another peer's QP (reused): only a QP of this peer counts.
+    pub fn peer_state(&self, peer: PeerId, qpns: &[Qpn]) -> PeerQpState {
+        let own = |q: &Qpn| self.send_qps.get(q).filter(|s| s.peer == peer);
+        PeerQpState {
+            busy: qpns.iter().any(|q| own(q).is_some_and(|s| s.outstanding > 0)),
+            broken: qpns.is_empty() || qpns.iter().any(|q| own(q).is_none_or(|s| s.error.is_some())),
+        }
     }
 
     /// Empty state for a completion queue of `cqes` entries.
@@ -488,7 +520,7 @@ impl<Q: NicQp> State<Q> {
             done,
             recv_qps: HashMap::new(),
             notifs,
-            next_chunk: 0,
+            next_chunk: ChunkId(0),
             batch: WrBatch::default(),
             cq: CqBudget::new(cqes),
             events: VecDeque::new(),
@@ -535,7 +567,7 @@ impl<Q: NicQp> State<Q> {
     }
 
     /// [`pump_starved`](Self::pump_starved) but for `skip`, which the caller pumps next.
-    fn pump_starved_except(&mut self, skip: Option<u32>, limits: &PostLimits) {
+    fn pump_starved_except(&mut self, skip: Option<Qpn>, limits: &PostLimits) {
         self.events.push_back(Event::PumpStarved { skip });
         self.settle(limits);
     }
@@ -561,11 +593,11 @@ impl<Q: NicQp> State<Q> {
         self.settling = false;
     }
 
-    fn pump_starved_now(&mut self, skip: Option<u32>, limits: &PostLimits) {
+    fn pump_starved_now(&mut self, skip: Option<Qpn>, limits: &PostLimits) {
         if !self.cq.wake_starved() {
             return;
         }
-        let waiting: Vec<u32> =
+        let waiting: Vec<Qpn> =
             self.send_qps.iter().filter(|&(&q, sq)| !sq.queue.is_empty() && Some(q) != skip).map(|(&q, _)| q).collect();
         for q in waiting {
             self.pump(q, limits);
@@ -574,24 +606,24 @@ impl<Q: NicQp> State<Q> {
 
     /// Queue `segments` of `xfer` round-robin over `qpns` (by runs of
     /// `stripe` segments) and post what fits.
-    pub fn enqueue(&mut self, xfer: XferId, op: Op, segments: &[Segment], qpns: &[u32], limits: &PostLimits) {
+    pub fn enqueue(&mut self, xfer: XferId, op: Op, segments: &[Segment], qpns: &[Qpn], limits: &PostLimits) {
         let read = op == Op::Read;
         let stripe = 64usize;
         let mut queued = 0u32;
         for (i, s) in segments.iter().enumerate() {
             let q = qpns[(i / stripe) % qpns.len()];
             let Some(sq) = self.send_qps.get_mut(&q) else {
-                if let Some(x) = self.xfers.get_mut(&xfer.0) {
+                if let Some(x) = self.xfers.get_mut(&xfer) {
                     x.error.get_or_insert_with(|| TransferFailure::peer_died(format!("no QP {q} to post on")));
                 }
                 continue;
             };
             for seg in split(*s, MAX_WR_BYTES) {
-                sq.queue.push_back(Work::Rdma { xfer: xfer.0, read, seg });
+                sq.queue.push_back(Work::Rdma { xfer, read, seg });
                 queued += 1;
             }
         }
-        if let Some(x) = self.xfers.get_mut(&xfer.0) {
+        if let Some(x) = self.xfers.get_mut(&xfer) {
             x.queued += queued;
         }
         for q in qpns {
@@ -600,7 +632,7 @@ impl<Q: NicQp> State<Q> {
     }
 
     /// Queue a notification SEND on `qpn` (`fence`: see [`Work::Notify`]).
-    pub fn enqueue_notify(&mut self, xfer: u64, qpn: u32, slot: u32, len: u32, fence: bool, limits: &PostLimits) {
+    pub fn enqueue_notify(&mut self, xfer: XferId, qpn: Qpn, slot: u32, len: u32, fence: bool, limits: &PostLimits) {
         if let Some(sq) = self.send_qps.get_mut(&qpn) {
             sq.queue.push_back(Work::Notify { xfer, slot, len, fence });
             if let Some(x) = self.xfers.get_mut(&xfer) {
@@ -615,12 +647,12 @@ impl<Q: NicQp> State<Q> {
 
     /// Fail the work queued on `qpn` (in error: nothing more is posted
     /// there) and report the transfers that then have nothing in flight.
-    pub fn fail_queue(&mut self, qpn: u32, limits: &PostLimits) {
+    pub fn fail_queue(&mut self, qpn: Qpn, limits: &PostLimits) {
         let Some(sq) = self.send_qps.get_mut(&qpn) else {
             return;
         };
         let why = sq.error.clone().unwrap_or_else(|| TransferFailure::peer_died(format!("QP {qpn} closed")));
-        let mut failed: Vec<u64> = sq.queue.drain(..).map(|w| w.xfer()).collect();
+        let mut failed: Vec<XferId> = sq.queue.drain(..).map(|w| w.xfer()).collect();
         for x in &failed {
             if let Some(xf) = self.xfers.get_mut(x) {
                 xf.queued = xf.queued.saturating_sub(1);
@@ -638,14 +670,14 @@ impl<Q: NicQp> State<Q> {
     ///
     /// Chunks still in flight fail too, once the QP is destroyed (dropped
     /// here), since from then on the NIC can no longer touch their buffers.
-    pub fn remove_qp(&mut self, qpn: u32, limits: &PostLimits) {
+    pub fn remove_qp(&mut self, qpn: Qpn, limits: &PostLimits) {
         self.fail_queue(qpn, limits);
         let Some(sq) = self.send_qps.remove(&qpn) else {
             return;
         };
         self.mark_broken(sq.peer);
         self.release_cqes(sq.outstanding + sq.flush_reserved);
-        let in_flight: Vec<u64> = sq.chunks.values().map(|c| c.xfer).collect();
+        let in_flight: Vec<XferId> = sq.chunks.values().map(|c| c.xfer).collect();
         drop(sq);
         self.pump_starved(limits);
         for x in in_flight {
@@ -661,19 +693,19 @@ impl<Q: NicQp> State<Q> {
 
     /// [`remove_qp`](Self::remove_qp) when `qpn` is a QP of `peer`: a number
     /// a peer kept for a QP destroyed since may name another peer's QP now.
-    pub fn remove_peer_qp(&mut self, qpn: u32, peer: u32, limits: &PostLimits) {
+    pub fn remove_peer_qp(&mut self, qpn: Qpn, peer: PeerId, limits: &PostLimits) {
         if self.send_qps.get(&qpn).is_some_and(|sq| sq.peer == peer) {
             self.remove_qp(qpn, limits);
         }
     }
 
     /// Forget transfer `x` without reporting it, freeing its notification slot.
-    pub fn drop_xfer(&mut self, x: u64) {
+    pub fn drop_xfer(&mut self, x: XferId) {
         self.take_xfer(x);
     }
 
     /// Remove transfer `x`'s record, giving its notification slot back.
-    fn take_xfer(&mut self, x: u64) -> Option<Xfer> {
+    fn take_xfer(&mut self, x: XferId) -> Option<Xfer> {
         let xf = self.xfers.remove(&x)?;
         if let Some(r) = xf.slot {
             self.slots.give(r);
@@ -683,12 +715,12 @@ impl<Q: NicQp> State<Q> {
 
     /// Post as much of `qpn`'s queue as the send queue has room for (as an
     /// event: see [`settle`](Self::settle)).
-    pub fn pump(&mut self, qpn: u32, limits: &PostLimits) {
+    pub fn pump(&mut self, qpn: Qpn, limits: &PostLimits) {
         self.events.push_back(Event::Pump(qpn));
         self.settle(limits);
     }
 
-    fn pump_now(&mut self, qpn: u32, limits: &PostLimits) {
+    fn pump_now(&mut self, qpn: Qpn, limits: &PostLimits) {
         if self.send_qps.get(&qpn).is_some_and(|sq| sq.error.is_some()) {
             // Work queued on a QP in error (e.g. a deferred notification)
             // would wait forever: fail it.
@@ -707,7 +739,7 @@ impl<Q: NicQp> State<Q> {
             let room = ((limits.max_send_wr - sq.outstanding) as usize).min(cq.free() as usize);
             let n = batch_len(&sq.queue, room, limits);
             batch.clear();
-            let mut records: Vec<(u64, u64, u32)> = Vec::new();
+            let mut records: Vec<SignaledChunk> = Vec::new();
             let mut chunk = *next_chunk;
             let mut in_chunk = 0u32;
             for k in 0..n {
@@ -717,7 +749,7 @@ impl<Q: NicQp> State<Q> {
                 let signaled = last || in_chunk >= limits.signal_every;
                 match w {
                     Work::Rdma { read, seg, .. } => batch.push_rdma(
-                        WrId(chunk),
+                        WrId(chunk.0),
                         read,
                         signaled,
                         seg.local_addr,
@@ -728,12 +760,12 @@ impl<Q: NicQp> State<Q> {
                     ),
                     Work::Notify { slot, len, fence, .. } => {
                         let (addr, lkey) = slots.sge(sq.peer, slot);
-                        batch.push_send(WrId(chunk), signaled, fence, addr, len, lkey);
+                        batch.push_send(WrId(chunk.0), signaled, fence, addr, len, lkey);
                     }
                 }
                 if signaled {
-                    records.push((chunk, w.xfer(), in_chunk));
-                    chunk += 1;
+                    records.push(SignaledChunk { id: chunk, xfer: w.xfer(), wrs: in_chunk });
+                    chunk = chunk.next();
                     in_chunk = 0;
                 }
             }
@@ -751,7 +783,7 @@ impl<Q: NicQp> State<Q> {
             // post_send the posted head of the chunk it cut (those WRs are
             // flushed with its wr_id once the QP is put in error below).
             let mut covered = 0usize;
-            for (id, x, cnt) in records {
+            for SignaledChunk { id, xfer: x, wrs: cnt } in records {
                 if covered >= ok_upto {
                     break;
                 }
@@ -810,10 +842,11 @@ impl<Q: NicQp> State<Q> {
             self.on_recv(wc);
             return;
         }
-        let Some(sq) = self.send_qps.get_mut(&wc.qp_num) else {
+        let qpn = Qpn(wc.qp_num);
+        let Some(sq) = self.send_qps.get_mut(&qpn) else {
             return;
         };
-        let Some(Chunk { xfer: x, wrs: cnt }) = sq.chunks.remove(&wc.wr_id) else {
+        let Some(Chunk { xfer: x, wrs: cnt }) = sq.chunks.remove(&ChunkId(wc.wr_id)) else {
             // Another flushed WR of a chunk already reported.
             if wc.wc_status() != Some(WcStatus::Success) && sq.flush_reserved > 0 {
                 sq.flush_reserved -= 1;
@@ -833,7 +866,7 @@ impl<Q: NicQp> State<Q> {
             1
         };
         self.release_cqes(freed);
-        let Some(sq) = self.send_qps.get_mut(&wc.qp_num) else {
+        let Some(sq) = self.send_qps.get_mut(&qpn) else {
             return;
         };
         if wc.wc_status() != Some(WcStatus::Success) {
@@ -860,20 +893,20 @@ impl<Q: NicQp> State<Q> {
         }
         // QPs that waited for CQEs go first: the QP that completed would
         // otherwise take every freed CQE for as long as it has work queued.
-        self.pump_starved_except(Some(wc.qp_num), limits);
+        self.pump_starved_except(Some(qpn), limits);
         // On a QP in error this fails (and reports) what is still queued.
-        self.pump(wc.qp_num, limits);
+        self.pump(qpn, limits);
         self.try_finish(x, limits);
     }
 
     /// Report `x` when nothing of it is queued or in flight (as an event:
     /// see [`settle`](Self::settle)).
-    pub fn try_finish(&mut self, x: u64, limits: &PostLimits) {
+    pub fn try_finish(&mut self, x: XferId, limits: &PostLimits) {
         self.events.push_back(Event::Finish(x));
         self.settle(limits);
     }
 
-    fn finish_now(&mut self, x: u64, limits: &PostLimits) {
+    fn finish_now(&mut self, x: XferId, limits: &PostLimits) {
         let Some(xf) = self.xfers.get_mut(&x) else {
             return;
         };
@@ -892,12 +925,12 @@ impl<Q: NicQp> State<Q> {
         };
         if !xf.cancelled {
             // The transport owns the receiver for as long as this state.
-            let _ = self.done.send(Completion { xfer: XferId(x), result: xf.error.map_or(Ok(()), Err) });
+            let _ = self.done.send(Completion { xfer: x, result: xf.error.map_or(Ok(()), Err) });
         }
     }
 
     fn on_recv(&mut self, wc: &WorkCompletion) {
-        let Some(r) = self.recv_qps.get_mut(&wc.qp_num) else {
+        let Some(r) = self.recv_qps.get_mut(&Qpn(wc.qp_num)) else {
             return;
         };
         if wc.wc_status() != Some(WcStatus::Success) {
@@ -918,6 +951,15 @@ impl<Q: NicQp> State<Q> {
             tracing::warn!("verbs: cannot repost a receive for {}: {e}", r.agent);
         }
     }
+}
+
+/// How a peer's QPs stand ([`State::peer_state`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PeerQpState {
+    /// A QP of the peer still has WRs posted.
+    pub busy: bool,
+    /// No QPs, or one missing or in error: the peer needs a reconnect.
+    pub broken: bool,
 }
 
 /// What the user thread and the engine both see of one connected peer: one

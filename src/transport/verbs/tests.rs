@@ -4,7 +4,7 @@ mod batch {
 
     use crate::transport::Segment;
     use crate::transport::verbs::state::*;
-    use crate::transport::{LocalKey, RemoteKey};
+    use crate::transport::{LocalKey, RemoteKey, XferId};
     use std::collections::VecDeque;
 
     fn limits(max_batch: u32, batch_bytes: u64) -> PostLimits {
@@ -15,7 +15,7 @@ mod batch {
         sizes
             .iter()
             .map(|&len_bytes| Work::Rdma {
-                xfer: 1,
+                xfer: XferId(1),
                 read: true,
                 seg: Segment { local_addr: 0, lkey: LocalKey(1), remote_addr: 0, rkey: RemoteKey(2), len_bytes },
             })
@@ -34,7 +34,7 @@ mod batch {
         assert_eq!(batch_len(&queue(&[100, 1 << 20]), 1000, &limits(64, 64 << 10)), 2);
         assert_eq!(batch_len(&queue(&[]), 1000, &limits(64, 64 << 10)), 0);
         let mut with_notify = queue(&[4096; 3]);
-        with_notify.push_back(Work::Notify { xfer: 1, slot: 0, len: 100, fence: false });
+        with_notify.push_back(Work::Notify { xfer: XferId(1), slot: 0, len: 100, fence: false });
         assert_eq!(batch_len(&with_notify, 1000, &limits(64, 64 << 10)), 4, "short queue: all of it");
     }
 }
@@ -45,6 +45,7 @@ use std::time::Duration;
 
 use sim_harness::{Opts, PAGE, Pair};
 
+use crate::transport::verbs::state::Qpn;
 use crate::transport::{FailureKind, FailureSource, Op, RemoteAccessKind, TransportError};
 use crate::verbs::WcStatus;
 
@@ -268,13 +269,13 @@ fn one_busy_qp_does_not_starve_another_peers_small_transfer() {
 fn qp_number_reuse_after_destroy_never_removes_another_peers_qp() {
     let mut p = Pair::new(10, Opts::default());
     let old = p.qpns[0];
-    p.i.st.remove_qp(old, &p.limits); // a failed post_send destroyed it
+    p.i.st.remove_qp(Qpn(old), &p.limits); // a failed post_send destroyed it
     let second = p.add_peer();
     let reused = p.peer_qpns(second)[0];
     assert_eq!(reused, old, "the simulator hands out the freed number first");
     // Disconnecting the first peer by its stale number leaves the second's QP.
-    p.i.st.remove_peer_qp(old, p.peer, &p.limits);
-    assert!(p.i.st.has_send_qp(reused));
+    p.i.st.remove_peer_qp(Qpn(old), p.peer, &p.limits);
+    assert!(p.i.st.has_send_qp(Qpn(reused)));
     p.post_to(second, 1, Op::Write, &[(0, 64)], None).unwrap();
     p.run();
     assert!(ok(&p, 1));
@@ -289,7 +290,7 @@ fn max_send_wr_of_one_and_post_after_failed_reconnect() {
     assert!(ok(&p, 1));
     // A reconnect that failed leaves the peer with no QPs: posts are refused.
     for q in p.qpns.clone() {
-        p.i.st.remove_peer_qp(q, p.peer, &p.limits);
+        p.i.st.remove_peer_qp(Qpn(q), p.peer, &p.limits);
     }
     p.qpns.clear();
     let e = p.post(2, Op::Write, &[(0, 8)], None).unwrap_err();

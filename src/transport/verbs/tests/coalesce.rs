@@ -7,12 +7,10 @@
 
 use std::sync::Arc;
 
-use super::sim_harness::{Opts, PAGE, Pair};
+use super::sim_harness::{Opts, PAGE, Pair, typed};
 use crate::transport::verbs::regions::{Keys, Regions, Run};
 use crate::transport::verbs::sim::SimFabric;
-use crate::transport::{
-    LocalKey, MemoryBacking, Op, PeerId, PostRequest, RemoteKey, Segment, TransportError, View, XferId,
-};
+use crate::transport::{LocalKey, MemoryBacking, Op, PostRequest, RemoteKey, Segment, TransportError, View, XferId};
 
 /// A simulated MR: deregistered (dealloc'd) when dropped.
 struct SimMr {
@@ -63,8 +61,8 @@ fn write_views(
         })
         .collect();
     t.resolve(&mut segments)?;
-    let req = PostRequest { xfer: XferId(x), op: Op::Write, peer: PeerId(p.peer), segments, notification: None };
-    let (qpns, limits) = (p.qpns.clone(), p.limits);
+    let req = PostRequest { xfer: XferId(x), op: Op::Write, peer: p.peer, segments, notification: None };
+    let (qpns, limits) = (typed(&p.qpns), p.limits);
     p.i.st.post(&req, &qpns, "target", &limits)
 }
 
@@ -148,9 +146,8 @@ fn deregister_in_any_order_keeps_the_mr_until_the_last_view() {
         rkey: RemoteKey(p.dst.1),
         len_bytes: PAGE,
     };
-    let req =
-        PostRequest { xfer: XferId(9), op: Op::Write, peer: PeerId(p.peer), segments: vec![seg], notification: None };
-    let (qpns, limits) = (p.qpns.clone(), p.limits);
+    let req = PostRequest { xfer: XferId(9), op: Op::Write, peer: p.peer, segments: vec![seg], notification: None };
+    let (qpns, limits) = (typed(&p.qpns), p.limits);
     p.i.st.post(&req, &qpns, "target", &limits).unwrap();
     p.run();
     assert!(matches!(p.result(9), Some(Err(_))));
@@ -179,14 +176,8 @@ fn deregistered_view_stays_reachable_through_the_shared_rkey_unless_coalescing_i
             rkey: RemoteKey(keys[2].rkey),
             len_bytes: PAGE,
         };
-        let req = PostRequest {
-            xfer: XferId(1),
-            op: Op::Write,
-            peer: PeerId(p.peer),
-            segments: vec![seg],
-            notification: None,
-        };
-        let (qpns, limits) = (p.qpns.clone(), p.limits);
+        let req = PostRequest { xfer: XferId(1), op: Op::Write, peer: p.peer, segments: vec![seg], notification: None };
+        let (qpns, limits) = (typed(&p.qpns), p.limits);
         p.i.st.post(&req, &qpns, "target", &limits).unwrap();
         p.run();
         assert_eq!(p.result(1).unwrap().is_ok(), coalesce, "coalesce={coalesce}");

@@ -66,7 +66,7 @@ impl Rig {
         .unwrap();
         let link = Arc::new(PeerLink::default());
         let (name, slab, l) = ("target".to_string(), Some(slab), Some(link.clone()));
-        core.handle.send(Cmd::Install { peer: 1, name, qps: vec![iq], slab, link: l });
+        core.handle.send(Cmd::Install { peer: PeerId(1), name, qps: vec![iq], slab, link: l });
         Self { fabric, core: Some(core), link, target: Some((tq, tslab)), qpn, src, dst }
     }
 
@@ -109,7 +109,7 @@ fn posts_complete_through_the_channels_and_drop_ends_the_thread_and_frees_the_ni
     assert_eq!(r.fabric.read(r.dst.1, r.dst.0, data.len()), Some(data));
     // The slot came back to the engine's count once the SEND completed.
     assert!(!r.link.broken.load(Ordering::Acquire));
-    let h = r.core().handle.call(|reply| Cmd::Query { peer: 1, reply });
+    let h = r.core().handle.call(|reply| Cmd::Query { peer: PeerId(1), reply });
     assert_eq!(h, Some(PeerHealth { busy: false, broken: false, free_slots: NOTIF_SLOTS }));
     // Drop: the progress thread ends (joined) and with it every QP, slab
     // and the NIC it owned; with the test's own handles gone, only the
@@ -128,10 +128,10 @@ fn a_failed_qp_marks_the_link_broken_for_the_next_post() {
     r.post(1, Op::Write, 4, None);
     assert!(r.wait_done(1).result.is_err());
     assert!(r.link.broken.load(Ordering::Acquire), "the caller would not reconnect");
-    let h = r.core().handle.call(|reply| Cmd::Query { peer: 1, reply }).unwrap();
+    let h = r.core().handle.call(|reply| Cmd::Query { peer: PeerId(1), reply }).unwrap();
     assert!(h.broken && !h.busy, "{h:?}");
     // Unplug destroys the QP; the reply comes once it is gone.
-    r.core().handle.call::<()>(|done| Cmd::Unplug { peer: 1, done });
+    r.core().handle.call::<()>(|done| Cmd::Unplug { peer: PeerId(1), done });
     assert!(!r.fabric.world().has_qp(r.qpn));
 }
 
@@ -143,7 +143,7 @@ fn a_command_wakes_the_engine_blocked_on_the_completion_channel() {
     for round in 0..3 {
         std::thread::sleep(Duration::from_millis(100));
         let t0 = Instant::now();
-        let h = r.core().handle.call(|reply| Cmd::Query { peer: 1, reply });
+        let h = r.core().handle.call(|reply| Cmd::Query { peer: PeerId(1), reply });
         assert!(h.is_some());
         let waited = t0.elapsed();
         assert!(waited < Duration::from_secs(5), "round {round}: the query waited {waited:?}");
@@ -165,7 +165,7 @@ fn cancel_over_the_channel_returns_once_the_nic_let_go() {
     r.post(1, Op::Read, 128, Some(b"never"));
     std::thread::sleep(Duration::from_millis(20));
     let t0 = Instant::now();
-    r.core().handle.call::<()>(|done| Cmd::Cancel { xfer: Some(1), done });
+    r.core().handle.call::<()>(|done| Cmd::Cancel { xfer: Some(XferId(1)), done });
     assert!(t0.elapsed() >= Duration::from_millis(150), "returned before the NIC let go: {:?}", t0.elapsed());
     let w = r.fabric.world();
     let at = w.steps;
@@ -175,7 +175,7 @@ fn cancel_over_the_channel_returns_once_the_nic_let_go() {
     assert!(w.touches.iter().all(|&(s, key, _, _)| s <= at || key != r.src.1), "touched after cancel");
     drop(w);
     assert!(r.core().done.try_recv().is_err(), "a cancelled transfer is not reported");
-    let h = r.core().handle.call(|reply| Cmd::Query { peer: 1, reply }).unwrap();
+    let h = r.core().handle.call(|reply| Cmd::Query { peer: PeerId(1), reply }).unwrap();
     assert_eq!(h.free_slots, NOTIF_SLOTS, "the notification slot leaked");
 }
 
@@ -230,7 +230,7 @@ fn the_engine_alone_counts_notification_slots_and_refuses_past_them_as_overloade
     for x in 1..=n + 2 {
         r.post(x, Op::Write, 1, Some(b"n"));
     }
-    let h = r.core().handle.call(|reply| Cmd::Query { peer: 1, reply }).unwrap();
+    let h = r.core().handle.call(|reply| Cmd::Query { peer: PeerId(1), reply }).unwrap();
     assert_eq!(h.free_slots, 0);
     for x in [n + 1, n + 2] {
         let c = r.wait_done(x);
@@ -247,7 +247,7 @@ fn the_engine_alone_counts_notification_slots_and_refuses_past_them_as_overloade
         let c = r.core().done.recv_timeout(Duration::from_secs(20)).expect("a completion");
         assert!(c.xfer.0 <= n && done.insert(c.xfer.0), "{:?}", c.xfer);
     }
-    let h = r.core().handle.call(|reply| Cmd::Query { peer: 1, reply }).unwrap();
+    let h = r.core().handle.call(|reply| Cmd::Query { peer: PeerId(1), reply }).unwrap();
     assert_eq!(h.free_slots, NOTIF_SLOTS, "a slot leaked");
 }
 
@@ -282,18 +282,24 @@ fn posts_wait_in_the_engine_behind_a_reconnect_and_go_on_the_new_qps() {
     break_link(&r, 1);
     // VerbsTransport::post on a broken peer: `Reconnecting`, then the post,
     // and it returns; the reconnect thread does the rest.
-    r.core().handle.send(Cmd::Reconnecting { peer: 1 });
+    r.core().handle.send(Cmd::Reconnecting { peer: PeerId(1) });
     let data: Vec<u8> = (0..4 * PAGE as usize).map(|i| (i % 239) as u8).collect();
     assert!(r.fabric.write(r.src.1, r.src.0, &data));
     r.post(2, Op::Write, 4, Some(b"after"));
-    let h = r.core().handle.call(|reply| Cmd::Query { peer: 1, reply }).unwrap();
+    let h = r.core().handle.call(|reply| Cmd::Query { peer: PeerId(1), reply }).unwrap();
     assert!(h.broken && !h.busy, "{h:?}");
-    r.core().handle.call::<()>(|done| Cmd::Unplug { peer: 1, done });
+    r.core().handle.call::<()>(|done| Cmd::Unplug { peer: PeerId(1), done });
     // Channel order: had the post not been held, it would have failed on
     // the broken QP before the Unplug answered (mutation-checked).
     assert!(r.core().done.try_recv().is_err(), "a post behind the reconnect ran on the broken QP");
     let iq = new_qps(&mut r);
-    r.core().handle.send(Cmd::Install { peer: 1, name: "target".into(), qps: vec![iq], slab: None, link: None });
+    r.core().handle.send(Cmd::Install {
+        peer: PeerId(1),
+        name: "target".into(),
+        qps: vec![iq],
+        slab: None,
+        link: None,
+    });
     assert_eq!(r.wait_done(2).result, Ok(()));
     assert_eq!(r.fabric.read(r.dst.1, r.dst.0, data.len()), Some(data));
     assert!(!r.link.broken.load(Ordering::Acquire));
@@ -304,15 +310,15 @@ fn a_failed_reconnect_fails_the_posts_held_behind_it_and_a_cancelled_one_is_not_
     use crate::transport::FailureKind;
     let r = Rig::new(false, 20);
     break_link(&r, 1);
-    r.core().handle.send(Cmd::Reconnecting { peer: 1 });
+    r.core().handle.send(Cmd::Reconnecting { peer: PeerId(1) });
     r.post(2, Op::Write, 4, None);
     r.post(3, Op::Write, 4, Some(b"n"));
-    r.core().handle.call::<()>(|done| Cmd::Cancel { xfer: Some(3), done });
-    r.core().handle.send(Cmd::Resume { peer: 1, failed: Some("target refused: authentication failed".into()) });
+    r.core().handle.call::<()>(|done| Cmd::Cancel { xfer: Some(XferId(3)), done });
+    r.core().handle.send(Cmd::Resume { peer: PeerId(1), failed: Some("target refused: authentication failed".into()) });
     let why = r.wait_done(2).result.expect_err("held behind a failed reconnect");
     assert_eq!(why.kind, FailureKind::PeerDied);
     assert!(why.detail.contains("reconnect failed: target refused"), "{why}");
-    let h = r.core().handle.call(|reply| Cmd::Query { peer: 1, reply }).unwrap();
+    let h = r.core().handle.call(|reply| Cmd::Query { peer: PeerId(1), reply }).unwrap();
     assert!(r.core().done.try_recv().is_err(), "the cancelled post was reported");
     assert_eq!(h.free_slots, NOTIF_SLOTS, "a held post took a slot");
 }

@@ -13,7 +13,7 @@ use crate::transport::verbs::conn::RECVS_PER_QP;
 use crate::transport::verbs::nic::{Nic, NicQp};
 use crate::transport::verbs::sim::{DEFAULT_READ_DEPTH, SimFabric, SimNic, SimQp};
 use crate::transport::verbs::state::NOTIF_SLOTS;
-use crate::transport::verbs::state::{NOTIF_SLOT_BYTES, PostLimits, RECV_BIT, RecvQp, State};
+use crate::transport::verbs::state::{NOTIF_SLOT_BYTES, PostLimits, Qpn, RECV_BIT, RecvQp, State};
 use crate::transport::{
     Completion, LocalKey, Notification, Op, PeerId, PostRequest, RemoteKey, Segment, TransferFailure, TransportError,
     XferId,
@@ -74,6 +74,11 @@ struct Remote {
     qpns: Vec<u32>,
 }
 
+/// The state's numbers of the QPs `qpns` (as the NIC numbered them).
+pub(super) fn typed(qpns: &[u32]) -> Vec<Qpn> {
+    qpns.iter().map(|&q| Qpn(q)).collect()
+}
+
 /// A transfer's target region (address, key) and its (offset, bytes) segments.
 type Moved = ((u64, u32), Vec<(u64, u64)>);
 
@@ -82,7 +87,7 @@ pub(super) struct Pair {
     pub fabric: SimFabric,
     pub i: Side,
     pub t: Side,
-    pub peer: u32,
+    pub peer: PeerId,
     pub qpns: Vec<u32>,
     pub limits: PostLimits,
     pub src: (u64, u32),
@@ -90,7 +95,7 @@ pub(super) struct Pair {
     pub src_len: u64,
     pub dst_len: u64,
     opts: Opts,
-    others: HashMap<u32, Remote>,
+    others: HashMap<PeerId, Remote>,
     now: Instant,
     results: HashMap<u64, Result<(), TransferFailure>>,
     duplicates: Vec<u64>,
@@ -126,7 +131,7 @@ impl Pair {
             fabric,
             i,
             t,
-            peer: 1,
+            peer: PeerId(1),
             qpns: Vec::new(),
             limits,
             src,
@@ -145,34 +150,34 @@ impl Pair {
             early_done: Vec::new(),
         };
         let slab = p.i.nic.alloc_slab(NOTIF_SLOTS as usize * NOTIF_SLOT_BYTES).unwrap();
-        p.i.st.slots_mut().install(1, slab);
-        p.qpns = connect(&p.fabric, &mut p.i, &mut p.t, 1, opts, p.now);
+        p.i.st.slots_mut().install(p.peer, slab);
+        p.qpns = connect(&p.fabric, &mut p.i, &mut p.t, p.peer, opts, p.now);
         p
     }
 
     /// Connect another target (a device of its own); its peer id.
-    pub(super) fn add_peer(&mut self) -> u32 {
+    pub(super) fn add_peer(&mut self) -> PeerId {
         let id = 2 + self.others.len() as u32;
         let mut t = side(&self.fabric, id, self.opts.cq_target);
         let dst = self.fabric.alloc(id, REGION);
         let slab = self.i.nic.alloc_slab(NOTIF_SLOTS as usize * NOTIF_SLOT_BYTES).unwrap();
-        self.i.st.slots_mut().install(id, slab);
-        let qpns = connect(&self.fabric, &mut self.i, &mut t, id, self.opts, self.now);
-        self.others.insert(id, Remote { t, dst, qpns });
-        id
+        self.i.st.slots_mut().install(PeerId(id), slab);
+        let qpns = connect(&self.fabric, &mut self.i, &mut t, PeerId(id), self.opts, self.now);
+        self.others.insert(PeerId(id), Remote { t, dst, qpns });
+        PeerId(id)
     }
 
     /// The QPs of peer `peer`.
-    pub(super) fn peer_qpns(&self, peer: u32) -> Vec<u32> {
+    pub(super) fn peer_qpns(&self, peer: PeerId) -> Vec<u32> {
         if peer == self.peer { self.qpns.clone() } else { self.others[&peer].qpns.clone() }
     }
 
     /// Replace the first peer's QPs (the transport's `recover`).
     pub(super) fn reconnect(&mut self) {
         for q in self.qpns.clone() {
-            self.i.st.remove_peer_qp(q, self.peer, &self.limits);
+            self.i.st.remove_peer_qp(Qpn(q), self.peer, &self.limits);
         }
-        let recv: Vec<u32> = self.t.st.recv_qpns();
+        let recv: Vec<Qpn> = self.t.st.recv_qpns();
         for q in recv {
             self.t.st.remove_recv_qp(q);
             self.t.st.release_recv_cqes(RECVS_PER_QP, &self.limits);
@@ -196,7 +201,7 @@ impl Pair {
     /// same offset in the source and the target's region.
     pub(super) fn post_to(
         &mut self,
-        peer: u32,
+        peer: PeerId,
         x: u64,
         op: Op,
         segs: &[(u64, u64)],
@@ -210,12 +215,12 @@ impl Pair {
         let req = PostRequest {
             xfer: XferId(x),
             op,
-            peer: PeerId(peer),
+            peer,
             segments: self.segs(dst, dst.1, segs),
             notification: notif.map(<[u8]>::to_vec),
         };
         self.i.st.set_now(self.now);
-        self.i.st.post(&req, &qpns, "target", &self.limits)?;
+        self.i.st.post(&req, &typed(&qpns), "target", &self.limits)?;
         // Either way the bytes at `segs` of the source and the destination
         // are equal once the transfer moved them.
         self.moves.insert(x, (dst, segs.to_vec()));
@@ -247,11 +252,11 @@ impl Pair {
         let req = PostRequest {
             xfer: XferId(x),
             op,
-            peer: PeerId(self.peer),
+            peer: self.peer,
             segments: self.segs(self.dst, rkey, segs),
             notification: None,
         };
-        self.i.st.post(&req, &self.qpns.clone(), "target", &self.limits)
+        self.i.st.post(&req, &typed(&self.qpns), "target", &self.limits)
     }
 
     /// Move the clock on by `d`.
@@ -350,11 +355,11 @@ impl Pair {
     /// which it returned.
     pub(super) fn cancel(&mut self, x: u64) -> u64 {
         let started = self.fabric.world().steps;
-        if self.i.st.cancel_start(x, &self.limits) {
+        if self.i.st.cancel_start(XferId(x), &self.limits) {
             let mut flushed = false;
             for k in 0.. {
                 let (flush, destroy) = (k > 50, k > 100);
-                if self.i.st.cancel_step(x, flush, destroy, &mut flushed, &self.limits) {
+                if self.i.st.cancel_step(XferId(x), flush, destroy, &mut flushed, &self.limits) {
                     break;
                 }
                 self.pump();
@@ -420,7 +425,7 @@ impl Pair {
 }
 
 /// Connect `opts.qps` QP pairs between `i` and `t` as `conn.rs` does.
-fn connect(fabric: &SimFabric, i: &mut Side, t: &mut Side, peer: u32, opts: Opts, now: Instant) -> Vec<u32> {
+fn connect(fabric: &SimFabric, i: &mut Side, t: &mut Side, peer: PeerId, opts: Opts, now: Instant) -> Vec<u32> {
     let mut qpns = Vec::new();
     for _ in 0..opts.qps {
         let iq = i.nic.create_qp(opts.max_send_wr.max(1), 1).unwrap();
