@@ -10,6 +10,8 @@ use std::time::{Duration, Instant};
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 
+use crate::accept::{AcceptBackoff, AfterError};
+
 /// Largest message accepted (bytes): 16 MiB. Side-channel messages are
 /// agent metadata (a few KiB per agent; one with the 65,536 regions
 /// `engine::metadata::MAX_REGIONS` allows is about 5 MiB as JSON) and
@@ -57,6 +59,60 @@ pub enum SideChannelError {
 
 fn io_err(call: &'static str) -> impl Fn(io::Error) -> SideChannelError {
     move |source| SideChannelError::Io { call, source }
+}
+
+/// A side-channel listener for peers that come from other hosts (`bench
+/// --listen`, `replay --role decode --listen`): non-blocking, and its
+/// accept survives resource exhaustion as every listener of kvwire's does
+/// (issue 27 item 2, `crate::accept`): `EMFILE`/`ENFILE`/`ENOMEM`/`ENOBUFS`
+/// back off (5 ms doubling to 250 ms, logged once per episode) and a peer
+/// that left while queued is skipped, so one exhausted moment never ends
+/// the listener.
+#[derive(Debug)]
+pub struct SideListener {
+    listener: TcpListener,
+    addr: SocketAddr,
+    backoff: AcceptBackoff,
+}
+
+impl SideListener {
+    /// Bind `addr` (`IP:PORT`; port 0 picks one) in non-blocking mode.
+    ///
+    /// # Errors
+    /// `bind` or `fcntl` failure.
+    pub fn bind(addr: &str) -> Result<Self, SideChannelError> {
+        let (listener, addr) = SideChannel::bind(addr)?;
+        listener.set_nonblocking(true).map_err(io_err("fcntl(O_NONBLOCK)"))?;
+        Ok(Self { listener, addr, backoff: AcceptBackoff::new("side channel") })
+    }
+
+    /// The bound address.
+    pub fn local_addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    /// Accept one queued peer: `Ok(Some)` with the connected channel,
+    /// `Ok(None)` when no peer is queued or after an error that does not
+    /// break the listener (resource exhaustion, after its backoff sleep; a
+    /// peer that gave up while queued): the caller polls again.
+    ///
+    /// # Errors
+    /// The listener itself failed (`accept` with `EBADF`, `EINVAL`, ...).
+    pub fn try_accept(&mut self) -> Result<Option<SideChannel>, SideChannelError> {
+        match self.listener.accept() {
+            Ok((stream, _)) => {
+                self.backoff.accepted();
+                stream.set_nonblocking(false).map_err(io_err("fcntl(O_NONBLOCK)"))?;
+                stream.set_nodelay(true).map_err(io_err("setsockopt(TCP_NODELAY)"))?;
+                Ok(Some(SideChannel { stream }))
+            }
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => Ok(None),
+            Err(e) => match self.backoff.failed(&e) {
+                AfterError::Retry => Ok(None),
+                AfterError::Stop => Err(SideChannelError::Io { call: "accept", source: e }),
+            },
+        }
+    }
 }
 
 /// One end of a connected side channel.

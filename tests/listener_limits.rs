@@ -9,6 +9,8 @@
 //!   the target's descriptor limit, does not keep an authenticated peer out:
 //!   it connects within `peer_timeout` while the flood still holds its
 //!   sockets (at most `max_preauth` of them are kept).
+//! - The side-channel listener of `bench --listen` and `replay --role
+//!   decode` (`SideListener`) rides out `EMFILE` and accepts the next peer.
 
 use std::fs::File;
 use std::io::{BufRead, BufReader};
@@ -125,6 +127,47 @@ fn shm_and_tcp_listeners_survive_emfile() {
     let t0 = Instant::now();
     init.connect("target", &info, &[]).expect("tcp: a new peer connects once descriptors are free");
     assert!(t0.elapsed() < Duration::from_secs(2), "tcp: took {:?}", t0.elapsed());
+}
+
+#[test]
+fn side_channel_listener_survives_emfile() {
+    use kvwire::sidechannel::{SideChannel, SideListener};
+    let _serial = RLIMIT.lock().unwrap_or_else(|p| p.into_inner());
+    let mut l = SideListener::bind("127.0.0.1:0").unwrap();
+    let addr = l.local_addr().to_string();
+    {
+        let _limit = Lowered::to(open_fds() + 32);
+        let mut held = exhaust();
+        held.pop(); // one descriptor: our end of a connection the listener cannot accept
+        let queued = TcpStream::connect(&addr).unwrap();
+        std::thread::sleep(Duration::from_millis(100));
+        // accept fails with EMFILE: the listener backs off and stays up
+        // (it used to return the error and end `bench --listen` /
+        // `replay --role decode`).
+        for _ in 0..3 {
+            assert!(l.try_accept().expect("EMFILE must not end the listener").is_none());
+        }
+        drop(queued);
+        drop(held);
+    }
+    let mut peer = SideChannel::connect(&addr, Duration::from_secs(2)).unwrap();
+    peer.send(&"hello").unwrap();
+    let t0 = Instant::now();
+    loop {
+        assert!(t0.elapsed() < Duration::from_secs(2), "no peer accepted once descriptors were free");
+        let Some(mut chan) = l.try_accept().unwrap() else {
+            std::thread::sleep(Duration::from_millis(10));
+            continue;
+        };
+        chan.set_read_timeout(Some(Duration::from_secs(2))).unwrap();
+        match chan.recv::<String>() {
+            Ok(m) => {
+                assert_eq!(m, "hello");
+                break;
+            }
+            Err(_) => continue, // the queued connection that was dropped meanwhile
+        }
+    }
 }
 
 const FLOOD_ENV: &str = "KVWIRE_TEST_FLOOD_ADDR";

@@ -15,7 +15,7 @@ use anyhow::{Context, Result, bail};
 use clap::Args;
 use kvwire::HostBuffer;
 use kvwire::engine::{AgentMetadata, Desc, TransferEngine, TransferHandle, TransferStatus};
-use kvwire::sidechannel::SideChannel;
+use kvwire::sidechannel::{SideChannel, SideListener};
 use kvwire::transport::{Op, TransportConfig, TransportKind};
 use serde::{Deserialize, Serialize};
 
@@ -403,15 +403,16 @@ pub(crate) fn run(mut a: BenchArgs) -> Result<()> {
         "use fewer --blocks or a smaller --block-size",
     )?;
     if let Some(addr) = &a.listen {
-        let (l, bound) = SideChannel::bind(addr).with_context(|| {
+        let mut l = SideListener::bind(addr).with_context(|| {
             if addr.parse::<std::net::SocketAddr>().is_ok() {
                 format!("--listen {addr}")
             } else {
                 format!("--listen {addr} (expected IP:PORT, e.g. 0.0.0.0:18515)")
             }
         })?;
+        let bound = l.local_addr();
         eprintln!("kvwire bench: target waiting for an initiator on {bound}");
-        return target::listen(&l, &bound.to_string(), a.listen_timeout);
+        return target::listen(&mut l, &bound.to_string(), a.listen_timeout);
     }
     let mut child = None;
     let mut chan = match &a.connect {

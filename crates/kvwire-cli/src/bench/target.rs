@@ -10,7 +10,7 @@ use anyhow::{Result, bail};
 use clap::Args;
 use kvwire::HostBuffer;
 use kvwire::engine::TransferEngine;
-use kvwire::sidechannel::SideChannel;
+use kvwire::sidechannel::{SideChannel, SideListener};
 use kvwire::transport::Op;
 
 use super::{Ctl, config, count_bad, destinations, fill_blocks};
@@ -40,28 +40,21 @@ const SETUP_TIMEOUT: Duration = Duration::from_secs(10);
 /// with a warning instead of stalling or ending the target. While no
 /// initiator has come it says so every [`STILL_WAITING_EVERY`]; with a
 /// `timeout` it fails naming the address once that passed.
-pub(super) fn listen(l: &std::net::TcpListener, addr: &str, timeout: Option<Duration>) -> Result<()> {
+pub(super) fn listen(l: &mut SideListener, addr: &str, timeout: Option<Duration>) -> Result<()> {
     let started = std::time::Instant::now();
     let mut next_note = started + STILL_WAITING_EVERY;
-    l.set_nonblocking(true)?;
     loop {
-        let mut chan = match SideChannel::accept(l) {
-            Ok(c) => c,
-            Err(kvwire::sidechannel::SideChannelError::Io { source, .. })
-                if source.kind() == std::io::ErrorKind::WouldBlock =>
-            {
-                let waited = started.elapsed();
-                if let Some(t) = timeout.filter(|t| waited >= *t) {
-                    bail!("no initiator came to {addr} within {} s (--listen-timeout)", t.as_secs_f64());
-                }
-                if std::time::Instant::now() >= next_note {
-                    eprintln!("kvwire bench: still waiting for an initiator on {addr} ({} s)", waited.as_secs());
-                    next_note += STILL_WAITING_EVERY;
-                }
-                std::thread::sleep(Duration::from_millis(50));
-                continue;
+        let Some(mut chan) = l.try_accept()? else {
+            let waited = started.elapsed();
+            if let Some(t) = timeout.filter(|t| waited >= *t) {
+                bail!("no initiator came to {addr} within {} s (--listen-timeout)", t.as_secs_f64());
             }
-            Err(e) => return Err(e.into()),
+            if std::time::Instant::now() >= next_note {
+                eprintln!("kvwire bench: still waiting for an initiator on {addr} ({} s)", waited.as_secs());
+                next_note += STILL_WAITING_EVERY;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+            continue;
         };
         chan.set_read_timeout(Some(SETUP_TIMEOUT))?;
         match chan.recv::<Ctl>() {

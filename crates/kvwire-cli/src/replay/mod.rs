@@ -23,7 +23,7 @@ use std::time::Duration;
 
 use anyhow::{Context, Result};
 use clap::Args;
-use kvwire::sidechannel::SideChannel;
+use kvwire::sidechannel::{SideChannel, SideListener};
 use kvwire::transport::TransportKind;
 use serde::{Deserialize, Serialize};
 
@@ -433,31 +433,26 @@ fn run_decode_role(a: &ReplayArgs) -> Result<()> {
         anyhow::bail!("--decode-option is for the one-host replay; on the decode host give its options with --option");
     }
     crate::units::check_option_keys(a.transport, "--option", &a.options)?;
-    let (l, addr) = SideChannel::bind(listen).with_context(|| format!("listening on {listen} (--listen)"))?;
+    let mut l = SideListener::bind(listen).with_context(|| format!("listening on {listen} (--listen)"))?;
+    let addr = l.local_addr();
     eprintln!("replay decode: listening on {addr} for {} prefill(s) (up to {} s each)", a.prefills, a.wait_s);
     serve_metrics(a.metrics.as_deref())?;
     let own = decode::Own { transport: a.transport, copy_threads: a.copy_threads, options: a.options.clone() };
     let mut workers = Vec::new();
-    l.set_nonblocking(true)?;
     for k in 0..a.prefills {
         let deadline = std::time::Instant::now() + Duration::from_secs(a.wait_s);
         let chan = loop {
-            match SideChannel::accept(&l) {
-                Ok(c) => break c,
-                Err(kvwire::sidechannel::SideChannelError::Io { source, .. })
-                    if source.kind() == std::io::ErrorKind::WouldBlock =>
-                {
-                    if std::time::Instant::now() >= deadline {
-                        anyhow::bail!(
-                            "no prefill connected to {addr} within {} s ({k} of {} came; --wait-s): start `kvwire replay --role prefill --connect {addr}` on the prefill host",
-                            a.wait_s,
-                            a.prefills
-                        );
-                    }
-                    std::thread::sleep(Duration::from_millis(20));
-                }
-                Err(e) => return Err(anyhow::Error::new(e).context(format!("accepting on {addr}"))),
+            if let Some(c) = l.try_accept().with_context(|| format!("accepting on {addr}"))? {
+                break c;
             }
+            if std::time::Instant::now() >= deadline {
+                anyhow::bail!(
+                    "no prefill connected to {addr} within {} s ({k} of {} came; --wait-s): start `kvwire replay --role prefill --connect {addr}` on the prefill host",
+                    a.wait_s,
+                    a.prefills
+                );
+            }
+            std::thread::sleep(Duration::from_millis(20));
         };
         chan.set_read_timeout(Some(Duration::from_secs(300)))?;
         let own = own.clone();
