@@ -90,11 +90,16 @@ type RawPair = (Box<dyn Transport>, Box<dyn Transport>, String);
 /// Bare transports `a` (initiator) and `b` (target, with its name) of
 /// `backend`, for rules the engine's own checks would hide (forged keys).
 fn raw_pair(backend: Backend, test: &str) -> Option<RawPair> {
+    raw_pair_with(backend, test, &[])
+}
+
+/// [`raw_pair`] with `extra` options on both sides.
+fn raw_pair_with(backend: Backend, test: &str, extra: &[(&str, &str)]) -> Option<RawPair> {
     if let Backend::VerbsSim = backend {
-        let (_, bn, a, b) = sim_transports(test, &[]);
+        let (_, bn, a, b) = sim_transports(test, extra);
         return Some((Box::new(a), Box::new(b), bn));
     }
-    let (kind, ca, cb, tag) = configs(backend, test, &[])?;
+    let (kind, ca, cb, tag) = configs(backend, test, extra)?;
     let a = kvwire::transport::create(kind, &format!("a-{tag}"), &ca).unwrap();
     let b = kvwire::transport::create(kind, &format!("b-{tag}"), &cb).unwrap();
     Some((a, b, format!("b-{tag}")))
@@ -334,6 +339,58 @@ fn standalone_notifications_keep_their_order(be: Backend) {
         got.extend(b.get_notifs().remove(&an).unwrap_or_default());
     }
     assert_eq!(got, sent, "{be:?}");
+}
+
+/// Issue 27 item 3: a target that takes no notification holds at most its
+/// bound of one peer's (`notif_queue_count`); past it the sender's
+/// transfers fail `Overloaded` (shm, tcp: each one past the bound; verbs:
+/// the SENDs wait at the NIC, and posts past the sender's 256 notification
+/// slots fail); once the target takes them, every notification not refused
+/// arrives exactly once (in order on verbs, tested there: transfers posted
+/// bare over tcp's `conns_per_peer` connections are not ordered).
+fn a_target_that_takes_nothing_holds_its_bound_and_loses_none(be: Backend) {
+    let bound = 8usize;
+    let Some((mut a, mut t, tn)) = raw_pair_with(be, "notifbound", &[("notif_queue_count", "8")]) else { return };
+    let peer = a.connect(&tn, &t.connection_info(), &[]).unwrap();
+    let total = 400u64;
+    for x in 0..total {
+        let notification = Some(x.to_le_bytes().to_vec());
+        a.post(PostRequest { xfer: XferId(x), op: Op::Write, peer, segments: vec![], notification }).unwrap();
+    }
+    let mut done = Vec::new();
+    let mut quiet = Instant::now();
+    while quiet.elapsed() < Duration::from_millis(300) {
+        let n = done.len();
+        a.wait(&mut done, Duration::from_millis(10));
+        if done.len() > n {
+            quiet = Instant::now();
+        }
+    }
+    let mut got = Vec::new();
+    t.take_notifications(&mut got);
+    assert_eq!(got.len(), bound, "{be:?}: the target's queue holds the peer's bound");
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let refused = |done: &[kvwire::transport::Completion]| done.iter().filter(|c| c.result.is_err()).count();
+    while done.len() < total as usize || got.len() < total as usize - refused(&done) {
+        assert!(Instant::now() < deadline, "{be:?}: {} notifications, {} completions", got.len(), done.len());
+        a.wait(&mut done, Duration::from_millis(1));
+        t.take_notifications(&mut got);
+    }
+    t.take_notifications(&mut got);
+    let failed: Vec<_> = done.iter().filter_map(|c| c.result.as_ref().err().map(|f| (c.xfer.0, f))).collect();
+    assert!(!failed.is_empty(), "{be:?}: {total} notifications to a target that took none, none refused");
+    assert!(failed.iter().all(|(_, f)| f.kind == FailureKind::Overloaded), "{be:?}: {failed:?}");
+    let want: Vec<Vec<u8>> =
+        (0..total).filter(|x| !failed.iter().any(|(y, _)| y == x)).map(|x| x.to_le_bytes().to_vec()).collect();
+    assert!(got.iter().all(|n| n.from_agent == a_name(&tn)), "{be:?}");
+    let mut got: Vec<Vec<u8>> = got.into_iter().map(|n| n.payload).collect();
+    got.sort_by_key(|p| u64::from_le_bytes(p[..8].try_into().unwrap()));
+    assert_eq!(got, want, "{be:?}: each once");
+}
+
+/// The initiator's name for a target named `b-<tag>` (`raw_pair`).
+fn a_name(target: &str) -> String {
+    format!("a-{}", target.strip_prefix("b-").unwrap_or(target))
 }
 
 fn a_dead_peer_fails_within_the_timeout_then_fast(be: Backend) {
@@ -756,4 +813,5 @@ contract!(
     a_view_key_covers_only_its_view,
     views_deregister_in_any_order,
     overlapping_registrations_are_accepted,
+    a_target_that_takes_nothing_holds_its_bound_and_loses_none,
 );

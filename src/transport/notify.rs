@@ -41,8 +41,17 @@ impl NotifBounds {
     /// # Errors
     /// [`TransportError::InvalidOption`] for a value that is not a positive number.
     pub(crate) fn from_options(opts: &OptionSet<'_>) -> Result<Self, TransportError> {
-        let count = opts.get_checked("notif_queue_count", DEFAULT_NOTIF_QUEUE_COUNT, |n| *n > 0)?;
-        let bytes = opts.get_checked("notif_queue_bytes", DEFAULT_NOTIF_QUEUE_BYTES, |n| *n > 0)?;
+        Self::from_options_or(opts, Self::default())
+    }
+
+    /// [`from_options`](Self::from_options) with the backend's own defaults
+    /// (verbs bounds each connected peer: `transport::verbs`).
+    ///
+    /// # Errors
+    /// As [`from_options`](Self::from_options).
+    pub(crate) fn from_options_or(opts: &OptionSet<'_>, defaults: Self) -> Result<Self, TransportError> {
+        let count = opts.get_checked("notif_queue_count", defaults.count, |n| *n > 0)?;
+        let bytes = opts.get_checked("notif_queue_bytes", defaults.bytes, |n| *n > 0)?;
         Ok(Self { count, bytes })
     }
 }

@@ -113,6 +113,18 @@ pub const VERBS_OPTIONS: &[OptionSpec] = &[
         "1",
         "registrations inside a live memory region, or abutting in one list, share one MR (docs/VERBS.md)",
     ),
+    spec(
+        "notif_queue_count",
+        "count >= 1",
+        "1024 per connected peer",
+        "a peer's notifications held until take_notifications; past it its receives are not reposted and its SENDs wait (RNR), its later posts fail overloaded",
+    ),
+    spec(
+        "notif_queue_bytes",
+        "bytes >= 1",
+        "4194304 (4 MiB) per connected peer",
+        "a peer's notification payload bytes held until take_notifications; as notif_queue_count",
+    ),
 ];
 
 /// The options backend `kind` understands.

@@ -31,7 +31,7 @@ use super::Inner;
 use super::device::Device;
 use super::engine::Cmd;
 use super::nic::{Nic, NicQp};
-use super::state::{NOTIF_SLOT_BYTES, Qpn, RECV_BIT, RecvQp};
+use super::state::{NOTIF_SLOT_BYTES, NotifCredit, Qpn, RECV_BIT, RecvQp};
 use crate::sidechannel::{SideChannel, SideChannelError};
 use crate::transport::auth::{self, AgentSecret, Nonce};
 use crate::transport::{PeerId, TransferFailure, TransportError};
@@ -226,6 +226,10 @@ fn serve<D: Device>(inner: &Inner<D>, mut ch: SideChannel) {
     // Receives are posted here, before the QPs go to the engine (which
     // reposts each after its completion).
     let mut recv = Vec::new();
+    // One count for this peer's receive QPs: at most `notif_queue_count`
+    // notifications (`notif_queue_bytes` bytes) of it in our queue; past
+    // that the engine holds its receives back and its SENDs wait (RNR).
+    let credit = Arc::new(NotifCredit::new(inner.notif_bounds.count, inner.notif_bounds.bytes));
     for (mut qp, slab) in built {
         for slot in 0..RECVS_PER_QP {
             let (wr_id, len) = (RECV_BIT | u64::from(slot), NOTIF_SLOT_BYTES as u32);
@@ -234,7 +238,7 @@ fn serve<D: Device>(inner: &Inner<D>, mut ch: SideChannel) {
             }
         }
         qpns.push(Qpn(qp.qp_num()));
-        recv.push(RecvQp { qp, agent: agent.clone(), slab });
+        recv.push(RecvQp::new(qp, agent.clone(), slab, credit.clone()));
     }
     // Answered only once the engine holds the QPs: the initiator's first
     // notification may complete on our CQ as soon as it has our answer.

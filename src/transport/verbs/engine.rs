@@ -40,8 +40,8 @@ use std::time::{Duration, Instant};
 use crossbeam_channel::{Receiver, Sender};
 
 use super::nic::{Nic, NicQp};
-use super::state::{PeerLink, PeerQpState, PostLimits, Qpn, RecvQp, State};
-use crate::transport::{Completion, Notification, PeerId, PostRequest, TransferFailure, XferId};
+use super::state::{HeldNotification, PeerLink, PeerQpState, PostLimits, Qpn, RecvQp, State};
+use crate::transport::{Completion, PeerId, PostRequest, TransferFailure, XferId};
 
 /// The engine stops taking commands while this many WRs (all QPs together)
 /// wait in its software queues for room on the send queues or the CQ; it
@@ -136,7 +136,13 @@ pub struct Engine<N: Nic> {
 
 impl<N: Nic> Engine<N> {
     /// An engine over `nic` whose shared CQ has `cqes` entries.
-    pub fn new(nic: N, cqes: u32, limits: PostLimits, done: Sender<Completion>, notifs: Sender<Notification>) -> Self {
+    pub fn new(
+        nic: N,
+        cqes: u32,
+        limits: PostLimits,
+        done: Sender<Completion>,
+        notifs: Sender<HeldNotification>,
+    ) -> Self {
         Self {
             nic,
             st: State::new(cqes, done, notifs),
@@ -312,6 +318,14 @@ impl<N: Nic> Engine<N> {
             self.st.on_completion(wc, &self.limits);
         }
         self.check_cancels(now);
+    }
+
+    /// Deliver the notifications receive QPs hold in their slots that fit
+    /// their peer's bound again (the application took some), reposting
+    /// their receives; true when any was. Costs a length check while none
+    /// is held.
+    pub fn release_held(&mut self) -> bool {
+        self.st.holds_back() && self.st.release_held()
     }
 
     /// The progress deadlines (every few ms) and the cancels' deadlines.

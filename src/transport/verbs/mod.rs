@@ -13,7 +13,8 @@
 //!   striped over `qps_per_peer` QPs.
 //! - Notifications: a SEND after the data on the same QP (RC ordering makes
 //!   the data visible first); with several QPs, after all data completed.
-//!   The target takes them from its receive completions by itself.
+//!   The target takes them from its receive completions by itself, up to
+//!   each peer's bound (`notif_queue_count`, `notif_queue_bytes`; below).
 //! - One owner: the progress thread's engine (`engine.rs`) owns every QP,
 //!   the CQE budget and the transfers; `post`, `cancel`, `connect`,
 //!   `disconnect` and the connection threads send it commands over a
@@ -58,7 +59,18 @@
 //! rather than overrun it), `listen=IP` (default: the GID's IPv4 address),
 //! `coalesce=0|1` (1: registrations inside a live memory region, or
 //! overlapping/abutting in one `register_batch` list, share one MR,
-//! reference-counted; 0: one MR per registration; `regions.rs`).
+//! reference-counted; 0: one MR per registration; `regions.rs`),
+//! `notif_queue_count=N` (1024) and `notif_queue_bytes=N` (4 MiB): per
+//! connected peer, the most notifications and payload bytes of it this
+//! target holds until `take_notifications` (0 or not a number:
+//! `InvalidOption`). At the bound the engine stops reposting the peer's
+//! receives: its notifications wait in their receive slots (64 per QP), its
+//! next SENDs wait at its NIC (RNR, retried forever), its notified posts
+//! past its 256 slots fail `Overloaded`, and if the target takes none for
+//! `progress_timeout_ms` its QP is put in error and the waiting transfers
+//! end `PeerTimeout`. Nothing is dropped; other peers keep their own
+//! bound. Cost: one atomic add per notification delivered, one subtract
+//! per notification taken (docs/VERBS.md, "Notification bound").
 
 /// Default `idle_yields` on software devices (rxe, siw); measured where `VerbsTransport::new` applies it.
 const SOFTWARE_IDLE_YIELDS: u32 = 5000;
@@ -104,6 +116,7 @@ use crossbeam_channel::RecvTimeoutError;
 use serde::{Deserialize, Serialize};
 
 use super::auth::AgentSecret;
+use super::notify::NotifBounds;
 use super::options::OptionSet;
 use super::{
     Completion, LocalKey, MemoryBacking, Notification, PeerId, PostRequest, Registration, RemoteKey, RemoteRegion,
@@ -121,6 +134,13 @@ use reconnect::Reconnect;
 use state::NOTIF_SLOTS;
 use state::PeerLink;
 use state::{NOTIF_SLOT_BYTES, PostLimits};
+
+/// Default of option `notif_queue_count` on verbs: notifications of one
+/// connected peer held in the target's queue until `take_notifications`.
+pub const DEFAULT_NOTIF_QUEUE_COUNT: usize = 1024;
+/// Default of option `notif_queue_bytes` on verbs: payload bytes of one
+/// connected peer held likewise (4 MiB).
+pub const DEFAULT_NOTIF_QUEUE_BYTES: usize = 4 << 20;
 
 /// Default `retry_cnt`: finite (7 means "forever" on rxe).
 pub const DEFAULT_RETRY_CNT: u8 = 6;
@@ -147,6 +167,9 @@ pub(crate) struct Inner<D: Device> {
     /// This transport's connection secret (published in its info).
     secret: AgentSecret,
     pub(crate) stopping: AtomicBool,
+    /// Bounds of each connected peer's notifications in this target's
+    /// queue (`notif_queue_count`, `notif_queue_bytes`).
+    pub(crate) notif_bounds: NotifBounds,
     /// Commands to the engine.
     pub(crate) cmds: Handle<D::Qp>,
 }
@@ -221,6 +244,8 @@ struct Given {
     cq_events: bool,
     listen: Option<String>,
     coalesce: bool,
+    /// Per connected peer: `notif_queue_count`, `notif_queue_bytes`.
+    notif_bounds: NotifBounds,
 }
 
 impl Given {
@@ -257,6 +282,10 @@ impl Given {
             cq_events: o.get::<u8>("cq_events")?.unwrap_or(1) != 0,
             listen,
             coalesce: o.get::<u8>("coalesce")?.unwrap_or(1) != 0,
+            notif_bounds: NotifBounds::from_options_or(
+                &o,
+                NotifBounds { count: DEFAULT_NOTIF_QUEUE_COUNT, bytes: DEFAULT_NOTIF_QUEUE_BYTES },
+            )?,
         })
     }
 }
@@ -366,6 +395,7 @@ impl VerbsTransport<RealNic> {
             qps_per_peer,
             max_send_wr,
             coalesce: o.coalesce,
+            notif_bounds: o.notif_bounds,
         };
         VerbsTransport::start(agent, config, setup)
     }
@@ -384,6 +414,7 @@ struct Setup<D> {
     qps_per_peer: u32,
     max_send_wr: u32,
     coalesce: bool,
+    notif_bounds: NotifBounds,
 }
 
 impl<D: Device> VerbsTransport<D> {
@@ -407,6 +438,7 @@ impl<D: Device> VerbsTransport<D> {
             qp_options: s.qp_options,
             secret: s.secret,
             stopping: AtomicBool::new(false),
+            notif_bounds: s.notif_bounds,
             cmds: core.handle.clone(),
         });
         let i2 = inner.clone();
@@ -654,8 +686,15 @@ impl<D: Device> Transport for VerbsTransport<D> {
         self.done_held.retain(|c| c.xfer != xfer);
     }
 
+    /// Gives each notification's credit back to its peer (one atomic
+    /// subtract) and, when it took any, wakes the progress thread, which
+    /// reposts the receives it held back for peers at their bound.
     fn take_notifications(&mut self, out: &mut Vec<Notification>) {
-        out.extend(self.core.notifs.try_iter());
+        let before = out.len();
+        out.extend(self.core.notifs.try_iter().map(state::HeldNotification::take));
+        if out.len() > before {
+            self.core.handle.wake();
+        }
     }
 }
 

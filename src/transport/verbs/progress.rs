@@ -17,8 +17,9 @@ use crossbeam_channel::Sender;
 use super::engine::{Cmd, Engine, Wake};
 use super::nic::Nic;
 use super::nic::NicQp;
+use super::state::HeldNotification;
 use super::state::PostLimits;
-use crate::transport::{Completion, Notification};
+use crate::transport::Completion;
 use crate::verbs::WorkCompletion;
 
 /// Polls of an idle CQ that spin before the thread starts to yield.
@@ -48,6 +49,11 @@ pub(super) fn run<N: Nic>(mut engine: Engine<N>, rx: &Receiver<Cmd<N::Qp>>, wake
     let idle_yields = engine.limits.idle_yields;
     let poll_sleep = Duration::from_micros(u64::from(engine.limits.poll_sleep_us));
     loop {
+        // Receives held back while their peer was at its notification bound
+        // (usually none): reposted once the application took enough.
+        if engine.release_held() {
+            idle = 0;
+        }
         let mut took = 0;
         // Past the limit, commands wait in the (bounded) channel: a fast
         // poster then blocks in `send` until the NIC catches up.
@@ -97,7 +103,10 @@ pub(super) fn run<N: Nic>(mut engine: Engine<N>, rx: &Receiver<Cmd<N::Qp>>, wake
                         }
                     }
                 } else if events {
-                    if wake.prepare_sleep(rx) {
+                    // `take_notifications` wakes the thread after giving
+                    // credit back; a held receive that fits already is
+                    // released at the top of the loop instead of sleeping.
+                    if wake.prepare_sleep(rx) && !engine.st.can_release() {
                         let r = engine.nic.wait_event(wake.fd(), engine.event_wait_ms);
                         wake.woke();
                         match r {
@@ -108,6 +117,8 @@ pub(super) fn run<N: Nic>(mut engine: Engine<N>, rx: &Receiver<Cmd<N::Qp>>, wake
                                 events = false;
                             }
                         }
+                    } else {
+                        wake.woke();
                     }
                 } else {
                     match rx.recv_timeout(poll_sleep) {
@@ -161,6 +172,12 @@ impl<Q: NicQp> Handle<Q> {
         }
     }
 
+    /// Wake the progress thread if it blocks (no command sent): after
+    /// `take_notifications` gave credit back, so it reposts held receives.
+    pub(crate) fn wake(&self) {
+        self.wake.after_send();
+    }
+
     /// Commands waiting in the channel.
     #[cfg(test)]
     pub(crate) fn queued(&self) -> usize {
@@ -184,7 +201,9 @@ pub(super) struct Core<Q: NicQp> {
     pub handle: Handle<Q>,
     thread: Option<JoinHandle<()>>,
     pub done: Receiver<Completion>,
-    pub notifs: Receiver<Notification>,
+    /// Received notifications, each with its peer's credit (given back as
+    /// `take_notifications` hands it out).
+    pub notifs: Receiver<HeldNotification>,
 }
 
 impl<Q: NicQp> Core<Q> {

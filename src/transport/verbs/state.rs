@@ -5,7 +5,7 @@
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering, Ordering::Relaxed};
 use std::time::Instant;
 
 use crossbeam_channel::Sender;
@@ -163,6 +163,127 @@ pub struct RecvQp<Q: NicQp> {
     pub agent: String,
     /// Receive slots; the QP also keeps it alive (`post_recv_owned`).
     pub slab: Arc<Q::Slab>,
+    /// The count of its peer's notifications in the target's queue, shared
+    /// by the peer's receive QPs.
+    credit: Arc<NotifCredit>,
+    /// Receives completed while the peer was at its bound: `(wr_id, bytes)`,
+    /// oldest first. Each notification stays in its slot, neither delivered
+    /// nor reposted, until the application took enough
+    /// ([`State::release_held`]); with no receive posted, the peer's next
+    /// SEND waits at its NIC (RNR, retried forever).
+    held: VecDeque<(u64, u32)>,
+}
+
+impl<Q: NicQp> RecvQp<Q> {
+    /// A receive QP of the peer whose notifications `credit` counts.
+    pub fn new(qp: Q, agent: String, slab: Arc<Q::Slab>, credit: Arc<NotifCredit>) -> Self {
+        Self { qp, agent, slab, credit, held: VecDeque::new() }
+    }
+
+    /// Notifications held in its slots (the peer at its bound).
+    pub fn held(&self) -> usize {
+        self.held.len()
+    }
+
+    /// Deliver the notification of receive `wr_id` (`len` bytes, counted in
+    /// the credit already) and, with `repost`, post the receive again.
+    fn deliver(&mut self, notifs: &Sender<HeldNotification>, wr_id: u64, len: u32, repost: bool) {
+        let slot = (wr_id & !RECV_BIT) as usize;
+        // The receive completed: the NIC no longer writes the slot until it
+        // is reposted below.
+        let Some(payload) = self.slab.read(slot * NOTIF_SLOT_BYTES, len as usize) else {
+            self.credit.give(len as usize);
+            return;
+        };
+        let n = Notification { from_agent: self.agent.clone(), payload };
+        if notifs.send(HeldNotification { n, credit: self.credit.clone() }).is_err() {
+            self.credit.give(len as usize);
+        }
+        if repost && let Err(e) = self.qp.post_recv(wr_id, &self.slab, slot * NOTIF_SLOT_BYTES, NOTIF_SLOT_BYTES as u32)
+        {
+            tracing::warn!("verbs: cannot repost a receive for {}: {e}", self.agent);
+        }
+    }
+}
+
+/// The notifications of one connected peer in the target's queue (delivered
+/// by the engine, not yet taken by `take_notifications`) and their bounds.
+/// One atomic word, count in the high half and bytes in the low half, so
+/// delivering or taking one notification is one atomic add or subtract.
+#[derive(Debug)]
+pub struct NotifCredit {
+    held: AtomicU64,
+    max_count: u32,
+    max_bytes: u32,
+}
+
+/// One notification in the held word.
+const ONE: u64 = 1 << 32;
+
+impl NotifCredit {
+    /// Bounds of `count` notifications and `bytes` payload bytes (each at
+    /// least 1, at most 2^31, so the word never overflows).
+    pub fn new(count: usize, bytes: usize) -> Self {
+        let cap = |v: usize| v.clamp(1, 1 << 31) as u32;
+        Self { held: AtomicU64::new(0), max_count: cap(count), max_bytes: cap(bytes) }
+    }
+
+    /// Notifications and bytes held now.
+    pub fn held(&self) -> (u32, u32) {
+        let h = self.held.load(Ordering::Acquire);
+        ((h >> 32) as u32, h as u32)
+    }
+
+    /// True when one more of `len` bytes fits: under both bounds, or the
+    /// queue holds none of this peer's (a notification over the byte bound
+    /// alone is still delivered, one at a time).
+    fn fits(&self, prev: u64, len: u32) -> bool {
+        let (n, b) = ((prev >> 32) as u32, prev as u32);
+        n == 0 || (n < self.max_count && b.saturating_add(len) <= self.max_bytes)
+    }
+
+    /// Count a notification of `len` bytes in if it [fits](Self::fits):
+    /// one atomic add (and a subtract when it does not fit).
+    fn try_take(&self, len: u32) -> bool {
+        let add = ONE | u64::from(len);
+        let prev = self.held.fetch_add(add, Ordering::AcqRel);
+        if self.fits(prev, len) {
+            return true;
+        }
+        self.held.fetch_sub(add, Ordering::AcqRel);
+        false
+    }
+
+    /// Would a notification of `len` bytes fit now (a load).
+    fn has_room(&self, len: u32) -> bool {
+        self.fits(self.held.load(Ordering::Acquire), len)
+    }
+
+    /// Count one in regardless of the bounds.
+    fn force_take(&self, len: u32) {
+        self.held.fetch_add(ONE | u64::from(len), Ordering::AcqRel);
+    }
+
+    /// A notification of `len` bytes left the queue (taken).
+    pub fn give(&self, len: usize) {
+        self.held.fetch_sub(ONE | len as u64, Ordering::AcqRel);
+    }
+}
+
+/// A received notification in the target's channel with its peer's credit,
+/// given back when `take_notifications` hands it out.
+#[derive(Debug)]
+pub struct HeldNotification {
+    pub n: Notification,
+    pub credit: Arc<NotifCredit>,
+}
+
+impl HeldNotification {
+    /// The notification, its credit given back.
+    pub fn take(self) -> Notification {
+        self.credit.give(self.n.payload.len());
+        self.n
+    }
 }
 
 /// Notification slots of one peer (a registered slab on the initiator).
@@ -334,8 +455,11 @@ pub struct State<Q: NicQp> {
     /// thread.
     done: Sender<Completion>,
     recv_qps: HashMap<Qpn, RecvQp<Q>>,
+    /// Receive QPs holding notifications in their slots (their peer at its
+    /// bound; usually empty): [`release_held`](Self::release_held).
+    holding: Vec<Qpn>,
     /// Received notifications, to `take_notifications` likewise.
-    notifs: Sender<Notification>,
+    notifs: Sender<HeldNotification>,
     next_chunk: ChunkId,
     batch: WrBatch,
     /// The CQE budget of the shared completion queue.
@@ -459,9 +583,62 @@ impl<Q: NicQp> State<Q> {
         self.recv_qps.insert(Qpn(r.qp.qp_num()), r);
     }
 
-    /// Destroy receive QP `qpn` (its CQEs are released by the caller).
+    /// Destroy receive QP `qpn` (its CQEs are released by the caller). The
+    /// notifications it still held in its slots (its peer was at its bound)
+    /// are delivered now, over the bound: their sender saw them succeed.
     pub fn remove_recv_qp(&mut self, qpn: Qpn) {
-        self.recv_qps.remove(&qpn);
+        if let Some(mut r) = self.recv_qps.remove(&qpn) {
+            while let Some((wr_id, len)) = r.held.pop_front() {
+                r.credit.force_take(len);
+                r.deliver(&self.notifs, wr_id, len, false);
+            }
+        }
+        self.holding.retain(|q| *q != qpn);
+    }
+
+    /// True while a receive QP holds notifications in its slots.
+    pub fn holds_back(&self) -> bool {
+        !self.holding.is_empty()
+    }
+
+    /// True when a held notification fits its peer's bound again (the
+    /// application took some): [`release_held`](Self::release_held) would
+    /// deliver it. Loads only.
+    pub fn can_release(&self) -> bool {
+        self.holding.iter().any(|q| {
+            self.recv_qps.get(q).is_some_and(|r| r.held.front().is_some_and(|&(_, len)| r.credit.has_room(len)))
+        })
+    }
+
+    /// Deliver the held notifications that fit their peer's bound again, in
+    /// order, reposting their receives; true when any was.
+    pub fn release_held(&mut self) -> bool {
+        if self.holding.is_empty() {
+            return false;
+        }
+        let State { recv_qps, holding, notifs, .. } = self;
+        let mut any = false;
+        holding.retain(|q| {
+            let Some(r) = recv_qps.get_mut(q) else {
+                return false;
+            };
+            while let Some(&(wr_id, len)) = r.held.front() {
+                if !r.credit.has_room(len) || !r.credit.try_take(len) {
+                    break;
+                }
+                r.held.pop_front();
+                r.deliver(notifs, wr_id, len, true);
+                any = true;
+            }
+            !r.held.is_empty()
+        });
+        any
+    }
+
+    /// Notifications held in the slots of receive QP `qpn`.
+    #[cfg(test)]
+    pub fn held_in(&self, qpn: Qpn) -> usize {
+        self.recv_qps.get(&qpn).map_or(0, RecvQp::held)
     }
 
     /// Numbers of the receive QPs.
@@ -511,7 +688,7 @@ impl<Q: NicQp> State<Q> {
     }
 
     /// Empty state for a completion queue of `cqes` entries.
-    pub fn new(cqes: u32, done: Sender<Completion>, notifs: Sender<Notification>) -> Self {
+    pub fn new(cqes: u32, done: Sender<Completion>, notifs: Sender<HeldNotification>) -> Self {
         Self {
             send_qps: HashMap::new(),
             xfers: HashMap::new(),
@@ -519,6 +696,7 @@ impl<Q: NicQp> State<Q> {
             links: HashMap::new(),
             done,
             recv_qps: HashMap::new(),
+            holding: Vec::new(),
             notifs,
             next_chunk: ChunkId(0),
             batch: WrBatch::default(),
@@ -929,8 +1107,13 @@ impl<Q: NicQp> State<Q> {
         }
     }
 
+    /// A notification arrived: into the target's queue while its peer is
+    /// under its bound (one atomic add on the peer's credit) and its receive
+    /// reposted; otherwise held in its slot, the receive not reposted, until
+    /// [`release_held`](Self::release_held).
     fn on_recv(&mut self, wc: &WorkCompletion) {
-        let Some(r) = self.recv_qps.get_mut(&Qpn(wc.qp_num)) else {
+        let qpn = Qpn(wc.qp_num);
+        let Some(r) = self.recv_qps.get_mut(&qpn) else {
             return;
         };
         if wc.wc_status() != Some(WcStatus::Success) {
@@ -939,17 +1122,16 @@ impl<Q: NicQp> State<Q> {
             }
             return;
         }
-        let slot = (wc.wr_id & !RECV_BIT) as usize;
-        let len = (wc.byte_len as usize).min(NOTIF_SLOT_BYTES);
-        // The receive completed: the NIC no longer writes the slot until it
-        // is reposted below.
-        let Some(payload) = r.slab.read(slot * NOTIF_SLOT_BYTES, len) else {
+        let len = wc.byte_len.min(NOTIF_SLOT_BYTES as u32);
+        // Behind held ones it waits too (order per QP).
+        if r.held.is_empty() && r.credit.try_take(len) {
+            r.deliver(&self.notifs, wc.wr_id, len, true);
             return;
-        };
-        let _ = self.notifs.send(Notification { from_agent: r.agent.clone(), payload });
-        if let Err(e) = r.qp.post_recv(wc.wr_id, &r.slab, slot * NOTIF_SLOT_BYTES, NOTIF_SLOT_BYTES as u32) {
-            tracing::warn!("verbs: cannot repost a receive for {}: {e}", r.agent);
         }
+        if r.held.is_empty() {
+            self.holding.push(qpn);
+        }
+        r.held.push_back((wc.wr_id, len));
     }
 }
 

@@ -45,6 +45,7 @@ use std::time::Duration;
 
 use sim_harness::{Opts, PAGE, Pair};
 
+use crate::transport::verbs::conn::RECVS_PER_QP;
 use crate::transport::verbs::state::Qpn;
 use crate::transport::{FailureKind, FailureSource, Op, RemoteAccessKind, TransportError};
 use crate::verbs::WcStatus;
@@ -436,4 +437,251 @@ fn setup_errors_name_the_failing_verb_and_its_errno() {
     let e = super::setup_err(VerbsError::Unsupported("no RDMA device named mlx9".into()));
     assert!(matches!(&e, TransportError::Unsupported(m) if m == "no RDMA device named mlx9"), "{e:?}");
     assert_eq!(e.failed_call(), None);
+}
+
+#[test]
+fn a_target_that_takes_nothing_holds_a_peer_at_its_bound_then_delivers_all_in_order() {
+    let bound = 10usize;
+    let mut p = Pair::new(7, Opts { notif_bound: (bound, 1 << 20), ..Opts::default() });
+    // rnr_retry = 7, as the transport connects its QPs.
+    for &q in &p.qpns {
+        p.fabric.set_rnr_forever(q, true);
+    }
+    p.hold_notifs = true;
+    let mut posted = Vec::new();
+    let mut post_all = |p: &mut Pair, from: u64, to: u64| {
+        let mut refused = 0;
+        for i in from..to {
+            match p.post(i, Op::Write, &[(i * 8, 8)], Some(format!("m{i}").as_bytes())) {
+                Ok(()) => posted.push(i),
+                Err(e) => {
+                    assert!(e.to_string().contains("notifications in flight"), "{e}");
+                    refused += 1;
+                }
+            }
+        }
+        refused
+    };
+    assert_eq!(post_all(&mut p, 0, 300), 44, "256 slots in flight");
+    p.run();
+    let recv_qpn = p.t.st.recv_qpns()[0];
+    // The queue holds the bound (those receives were reposted); then every
+    // posted receive completed and waits in its slot, unreposted; the next
+    // SEND waits (RNR).
+    assert_eq!(p.t_queued(), bound, "the target's queue stays at the peer's bound");
+    assert_eq!(p.t.st.held_in(recv_qpn), RECVS_PER_QP as usize);
+    let through = u64::from(RECVS_PER_QP) + bound as u64;
+    let done: Vec<u64> = (0..300).filter(|&i| p.result(i).is_some()).collect();
+    assert_eq!(done, (0..through).collect::<Vec<_>>(), "one SEND completed per receive");
+    assert!(done.iter().all(|&i| ok(&p, i)));
+    // Their slots came back: that many more go in flight, the rest are refused.
+    assert_eq!(post_all(&mut p, 300, 400), 100 - through as usize);
+    p.run();
+    assert_eq!(p.t_queued(), bound, "still at the bound");
+    // The application takes them: every one arrives, once, in order.
+    p.hold_notifs = false;
+    p.run();
+    assert!(posted.iter().all(|&i| ok(&p, i)));
+    let want: Vec<Vec<u8>> = posted.iter().map(|i| format!("m{i}").into_bytes()).collect();
+    assert_eq!(p.notifs(), want);
+    assert_eq!(p.t.st.held_in(recv_qpn), 0);
+    assert!(!p.t.st.holds_back());
+    p.invariants();
+}
+
+#[test]
+fn held_notifications_are_delivered_when_their_peer_leaves() {
+    let mut p = Pair::new(8, Opts { notif_bound: (3, 1 << 20), ..Opts::default() });
+    for &q in &p.qpns {
+        p.fabric.set_rnr_forever(q, true);
+    }
+    p.hold_notifs = true;
+    for i in 0..20u64 {
+        p.post(i, Op::Write, &[(i * 8, 8)], Some(format!("m{i}").as_bytes())).unwrap();
+    }
+    p.run();
+    assert_eq!(p.t_queued(), 3);
+    assert_eq!(p.t.st.held_in(p.t.st.recv_qpns()[0]), 17);
+    // Their senders saw them succeed: destroying the QP delivers them.
+    p.reconnect();
+    assert_eq!(p.t_queued(), 20);
+    p.hold_notifs = false;
+    let want: Vec<Vec<u8>> = (0..20).map(|i| format!("m{i}").into_bytes()).collect();
+    assert_eq!(p.notifs(), want);
+}
+
+#[test]
+fn the_byte_bound_holds_too_but_one_notification_always_fits() {
+    let mut p = Pair::new(9, Opts { notif_bound: (1000, 250), ..Opts::default() });
+    for &q in &p.qpns {
+        p.fabric.set_rnr_forever(q, true);
+    }
+    p.hold_notifs = true;
+    for i in 0..10u64 {
+        p.post(i, Op::Write, &[], Some(&[i as u8; 100])).unwrap();
+    }
+    p.run();
+    assert_eq!(p.t_queued(), 2, "200 of 250 bytes; a third would pass the bound");
+    p.hold_notifs = false;
+    p.run();
+    assert_eq!(p.notifs().len(), 10);
+    // Larger than the byte bound alone: delivered when the queue is empty.
+    p.hold_notifs = true;
+    p.post(10, Op::Write, &[], Some(&[7; 1000])).unwrap();
+    p.post(11, Op::Write, &[], Some(&[8; 10])).unwrap();
+    p.run();
+    assert_eq!(p.t_queued(), 1);
+    p.hold_notifs = false;
+    p.run();
+    let got = p.notifs();
+    assert_eq!(got.len(), 12);
+    assert_eq!((got[10].len(), got[11].len()), (1000, 10));
+}
+
+/// The bound over the whole transport on the simulated NIC: a target that
+/// takes nothing, one peer flooding it, another peer notifying it.
+mod transport_bound {
+    use std::time::{Duration, Instant};
+
+    use crate::transport::verbs::VerbsTransport;
+    use crate::transport::verbs::sim::{SimFabric, SimNic};
+    use crate::transport::{
+        Completion, FailureKind, Notification, Op, PeerId, PostRequest, Transport, TransportConfig, XferId,
+    };
+
+    fn config(opts: &[(&str, &str)]) -> TransportConfig {
+        TransportConfig {
+            peer_timeout: Duration::from_secs(30),
+            options: opts.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect(),
+            ..Default::default()
+        }
+    }
+
+    fn notify(t: &mut VerbsTransport<SimNic>, peer: PeerId, x: u64, payload: Vec<u8>) {
+        t.post(PostRequest { xfer: XferId(x), op: Op::Write, peer, segments: vec![], notification: Some(payload) })
+            .unwrap();
+    }
+
+    /// Completions of `t` until none came for `quiet`.
+    fn settle(t: &mut VerbsTransport<SimNic>, out: &mut Vec<Completion>, quiet: Duration) {
+        let mut last = Instant::now();
+        while last.elapsed() < quiet {
+            let n = out.len();
+            t.wait(out, Duration::from_millis(10));
+            if out.len() > n {
+                last = Instant::now();
+            }
+        }
+    }
+
+    #[test]
+    fn a_flooding_peer_is_held_at_its_bound_fails_overloaded_past_its_slots_and_another_peer_still_delivers() {
+        let fabric = SimFabric::new(11);
+        fabric.world().auto_step = 64;
+        let bound = 8usize;
+        let mut t = VerbsTransport::on_sim("t", &config(&[("notif_queue_count", "8")]), &fabric).unwrap();
+        let mut a = VerbsTransport::on_sim("a", &config(&[]), &fabric).unwrap();
+        let mut b = VerbsTransport::on_sim("b", &config(&[]), &fabric).unwrap();
+        let pa = a.connect("t", &t.connection_info(), &[]).unwrap();
+        let pb = b.connect("t", &t.connection_info(), &[]).unwrap();
+        let total = 600u64;
+        for x in 0..total {
+            notify(&mut a, pa, x, format!("a{x}").into_bytes());
+        }
+        let mut done_a = Vec::new();
+        settle(&mut a, &mut done_a, Duration::from_millis(300));
+        assert_eq!(t.core.notifs.len(), bound, "the target's queue holds the flooding peer's bound");
+        let ok_a = done_a.iter().filter(|c| c.result.is_ok()).count();
+        let over_a = done_a.iter().filter(|c| c.result.as_ref().is_err_and(|f| f.kind == FailureKind::Overloaded));
+        assert_eq!(ok_a, 64 + bound, "one SEND per receive: {bound} queued (reposted), 64 held in their slots");
+        assert_eq!(over_a.count() + ok_a, done_a.len(), "every failure is Overloaded: {done_a:?}");
+        let in_flight = total as usize - done_a.len();
+        assert!(in_flight > 0 && in_flight <= 256, "{in_flight} in flight (256 slots)");
+        // Another peer is not held up by the first one's bound.
+        for x in 0..5u64 {
+            notify(&mut b, pb, x, format!("b{x}").into_bytes());
+        }
+        let mut done_b = Vec::new();
+        settle(&mut b, &mut done_b, Duration::from_millis(200));
+        assert_eq!(done_b.len(), 5);
+        assert!(done_b.iter().all(|c| c.result.is_ok()), "{done_b:?}");
+        assert_eq!(t.core.notifs.len(), bound + 5);
+        // The target takes them: every notification of `a` not refused
+        // arrives once, in order, and `b`'s five.
+        let mut got: Vec<Notification> = Vec::new();
+        let t0 = Instant::now();
+        while done_a.len() < total as usize || got.len() < total as usize - over_count(&done_a) + 5 {
+            assert!(
+                t0.elapsed() < Duration::from_secs(30),
+                "{} notifications, {} completions",
+                got.len(),
+                done_a.len()
+            );
+            t.take_notifications(&mut got);
+            a.poll(&mut done_a);
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        t.take_notifications(&mut got);
+        let refused: Vec<u64> = done_a.iter().filter(|c| c.result.is_err()).map(|c| c.xfer.0).collect();
+        let want_a: Vec<Vec<u8>> =
+            (0..total).filter(|x| !refused.contains(x)).map(|x| format!("a{x}").into_bytes()).collect();
+        let from = |agent: &str| -> Vec<Vec<u8>> {
+            got.iter().filter(|n| n.from_agent == agent).map(|n| n.payload.clone()).collect()
+        };
+        assert_eq!(from("a"), want_a);
+        assert_eq!(from("b"), (0..5).map(|x| format!("b{x}").into_bytes()).collect::<Vec<_>>());
+        assert!(
+            done_a
+                .iter()
+                .filter(|c| c.result.is_err())
+                .all(|c| c.result.as_ref().unwrap_err().kind == FailureKind::Overloaded)
+        );
+    }
+
+    fn over_count(done: &[Completion]) -> usize {
+        done.iter().filter(|c| c.result.is_err()).count()
+    }
+
+    #[test]
+    fn a_target_that_takes_nothing_past_the_progress_timeout_fails_the_held_senders_transfers_peer_timeout() {
+        let fabric = SimFabric::new(13);
+        fabric.world().auto_step = 64;
+        let mut t = VerbsTransport::on_sim("t", &config(&[("notif_queue_count", "4")]), &fabric).unwrap();
+        let mut a = VerbsTransport::on_sim("a", &config(&[("progress_timeout_ms", "200")]), &fabric).unwrap();
+        let pa = a.connect("t", &t.connection_info(), &[]).unwrap();
+        for x in 0..100u64 {
+            notify(&mut a, pa, x, format!("a{x}").into_bytes());
+        }
+        let mut done = Vec::new();
+        let t0 = Instant::now();
+        while done.len() < 100 {
+            assert!(t0.elapsed() < Duration::from_secs(20), "{} of 100 completions", done.len());
+            a.wait(&mut done, Duration::from_millis(10));
+        }
+        let ok = done.iter().filter(|c| c.result.is_ok()).count();
+        assert_eq!(ok, 64 + 4, "delivered or held in the target's slots");
+        let timed_out =
+            done.iter().filter(|c| c.result.as_ref().is_err_and(|f| f.kind == FailureKind::PeerTimeout)).count();
+        assert_eq!(ok + timed_out, 100, "the SENDs waiting at the NIC end PeerTimeout: {done:?}");
+        // What succeeded is the target's: the queued ones now, the held ones
+        // as it takes them.
+        let mut got: Vec<Notification> = Vec::new();
+        let t0 = Instant::now();
+        while got.len() < ok {
+            assert!(t0.elapsed() < Duration::from_secs(20), "{} of {ok} notifications", got.len());
+            t.take_notifications(&mut got);
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        let want: Vec<Vec<u8>> = (0..ok as u64).map(|x| format!("a{x}").into_bytes()).collect();
+        assert_eq!(got.into_iter().map(|n| n.payload).collect::<Vec<_>>(), want);
+    }
+
+    #[test]
+    fn zero_or_garbage_bounds_are_invalid_options() {
+        let fabric = SimFabric::new(12);
+        for (k, v) in [("notif_queue_count", "0"), ("notif_queue_bytes", "0"), ("notif_queue_count", "many")] {
+            let e = VerbsTransport::on_sim("x", &config(&[(k, v)]), &fabric).err().expect("refused");
+            assert!(matches!(e, crate::transport::TransportError::InvalidOption { .. }), "{k}={v}: {e:?}");
+        }
+    }
 }

@@ -71,6 +71,7 @@ impl VerbsTransport<SimNic> {
             qps_per_peer: o.qps_per_peer.clamp(1, 64),
             max_send_wr,
             coalesce: o.coalesce,
+            notif_bounds: o.notif_bounds,
         };
         VerbsTransport::start(agent, config, setup)
     }

@@ -54,6 +54,7 @@ fn opts() -> impl Strategy<Value = Opts> {
             cq,
             cq_target: 1024,
             rd_atomic,
+            ..Opts::default()
         })
 }
 

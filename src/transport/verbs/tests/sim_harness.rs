@@ -13,7 +13,9 @@ use crate::transport::verbs::conn::RECVS_PER_QP;
 use crate::transport::verbs::nic::{Nic, NicQp};
 use crate::transport::verbs::sim::{DEFAULT_READ_DEPTH, SimFabric, SimNic, SimQp};
 use crate::transport::verbs::state::NOTIF_SLOTS;
-use crate::transport::verbs::state::{NOTIF_SLOT_BYTES, PostLimits, Qpn, RECV_BIT, RecvQp, State};
+use crate::transport::verbs::state::{
+    HeldNotification, NOTIF_SLOT_BYTES, NotifCredit, PostLimits, Qpn, RECV_BIT, RecvQp, State,
+};
 use crate::transport::{
     Completion, LocalKey, Notification, Op, PeerId, PostRequest, RemoteKey, Segment, TransferFailure, TransportError,
     XferId,
@@ -38,6 +40,9 @@ pub(super) struct Opts {
     pub cq_target: usize,
     /// Negotiated READ depth (`max_rd_atomic`) of each QP pair.
     pub rd_atomic: u32,
+    /// The target's bounds on each peer's notifications in its queue
+    /// (count, bytes): `notif_queue_count`, `notif_queue_bytes`.
+    pub notif_bound: (usize, usize),
 }
 
 impl Default for Opts {
@@ -50,6 +55,7 @@ impl Default for Opts {
             cq: 1024,
             cq_target: 1024,
             rd_atomic: DEFAULT_READ_DEPTH,
+            notif_bound: (1 << 20, 1 << 30),
         }
     }
 }
@@ -59,7 +65,7 @@ pub(super) struct Side {
     pub nic: SimNic,
     pub st: State<SimQp>,
     done: Receiver<Completion>,
-    notifs: Receiver<Notification>,
+    notifs: Receiver<HeldNotification>,
 }
 
 fn side(fabric: &SimFabric, dev: u32, cqes: usize) -> Side {
@@ -109,6 +115,9 @@ pub(super) struct Pair {
     /// segments, checked when it reports `Done`.
     moves: HashMap<u64, Moved>,
     early_done: Vec<u64>,
+    /// The first target's application takes no notification while set
+    /// (they stay in its queue, counted against the peer's bound).
+    pub hold_notifs: bool,
 }
 
 impl Pair {
@@ -148,6 +157,7 @@ impl Pair {
             late_data: Vec::new(),
             moves: HashMap::new(),
             early_done: Vec::new(),
+            hold_notifs: false,
         };
         let slab = p.i.nic.alloc_slab(NOTIF_SLOTS as usize * NOTIF_SLOT_BYTES).unwrap();
         p.i.st.slots_mut().install(p.peer, slab);
@@ -291,6 +301,12 @@ impl Pair {
             any = true;
         }
         self.collect();
+        // As the progress loop does: receives held back for a peer at its
+        // bound are reposted once the application took enough.
+        any |= self.t.st.release_held();
+        for r in self.others.values_mut() {
+            any |= r.t.st.release_held();
+        }
         any
     }
 
@@ -305,7 +321,10 @@ impl Pair {
                 self.duplicates.push(c.xfer.0);
             }
         }
-        let arrived: Vec<Notification> = self.t.notifs.try_iter().collect();
+        if self.hold_notifs {
+            return;
+        }
+        let arrived: Vec<Notification> = self.t.notifs.try_iter().map(HeldNotification::take).collect();
         for n in arrived {
             if self.expect.get(&n.payload).is_some_and(|&x| !self.moved(x)) {
                 self.late_data.push(n.payload.clone());
@@ -376,6 +395,11 @@ impl Pair {
         self.results.get(&x).cloned()
     }
 
+    /// Notifications in the first target's queue, not taken.
+    pub(super) fn t_queued(&self) -> usize {
+        self.t.notifs.len()
+    }
+
     /// Notification payloads the first target received so far.
     pub(super) fn notifs(&mut self) -> Vec<Vec<u8>> {
         self.collect();
@@ -427,6 +451,7 @@ impl Pair {
 /// Connect `opts.qps` QP pairs between `i` and `t` as `conn.rs` does.
 fn connect(fabric: &SimFabric, i: &mut Side, t: &mut Side, peer: PeerId, opts: Opts, now: Instant) -> Vec<u32> {
     let mut qpns = Vec::new();
+    let credit = Arc::new(NotifCredit::new(opts.notif_bound.0, opts.notif_bound.1));
     for _ in 0..opts.qps {
         let iq = i.nic.create_qp(opts.max_send_wr.max(1), 1).unwrap();
         let mut tq = t.nic.create_qp(4, RECVS_PER_QP).unwrap();
@@ -437,7 +462,7 @@ fn connect(fabric: &SimFabric, i: &mut Side, t: &mut Side, peer: PeerId, opts: O
             let off = slot as usize * NOTIF_SLOT_BYTES;
             tq.post_recv(RECV_BIT | u64::from(slot), &slab, off, NOTIF_SLOT_BYTES as u32).unwrap();
         }
-        t.st.add_recv_qp(RecvQp { qp: tq, agent: "initiator".into(), slab });
+        t.st.add_recv_qp(RecvQp::new(tq, "initiator".into(), slab, credit.clone()));
         qpns.push(iq.qp_num());
         i.st.set_now(now);
         i.st.add_send_qp(iq, peer);
