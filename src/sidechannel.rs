@@ -183,6 +183,12 @@ impl SideChannel {
         self.stream.set_read_timeout(timeout).map_err(io_err("setsockopt(SO_RCVTIMEO)"))
     }
 
+    /// Shut the connection down both ways (every handle to it): a thread
+    /// blocked receiving on it sees it closed.
+    pub fn shutdown(&self) {
+        let _ = self.stream.shutdown(std::net::Shutdown::Both);
+    }
+
     /// Send one message.
     ///
     /// # Errors

@@ -125,6 +125,12 @@ pub const VERBS_OPTIONS: &[OptionSpec] = &[
         "4194304 (4 MiB) per connected peer",
         "a peer's notification payload bytes held until take_notifications; as notif_queue_count",
     ),
+    spec(
+        "max_preauth",
+        "count >= 1",
+        "64",
+        "handshake connections that have not yet proved the agent secret, at most (the oldest is closed for a new one)",
+    ),
 ];
 
 /// The options backend `kind` understands.

@@ -1,13 +1,23 @@
 //! Connection management over TCP: the target's listener thread, the
 //! initiator's handshake, and the liveness channel both sides keep open.
 //!
-//! The initiator says hello with its agent name and one [`QpEndpoint`] per
-//! QP; the target answers with a random [`Nonce`] and requires
-//! [`auth::prove`]`(secret, nonce, "<initiator agent>/verbs")` with the
-//! secret it published in its connection info before it creates any QP or
-//! answers with QP numbers (a wrong or missing proof is refused and
-//! logged); it then creates matching QPs with posted receives for
-//! notifications, brings them to RTS and answers with its own endpoints.
+//! The initiator says hello with its agent name, its session (random per
+//! transport) and one [`QpEndpoint`] per QP; the target answers with a
+//! random [`Nonce`] and requires [`auth::prove`]`(secret, nonce,
+//! "<initiator agent>/verbs/<session>")` with the secret it published in its
+//! connection info before it creates any QP or answers with QP numbers (a
+//! wrong or missing proof is refused and logged); it then creates matching
+//! QPs with posted receives for notifications, brings them to RTS and
+//! answers with its own endpoints.
+//!
+//! Two rules hold at the listener. A name is held by one session at a
+//! time: while a peer's receive QPs are installed here, a proven hello
+//! under its name from another session is refused with
+//! [`Handshake::NameInUse`] (the initiator's `connect` fails
+//! `TransportError::NameInUse`); the same session reconnecting is served,
+//! and the name is free again once the peer's QPs are removed. And at most
+//! `max_preauth` connections wait for their proof at once: a new one over
+//! that closes the oldest still waiting ([`PreAuth`]).
 //! The TCP connection stays open as the liveness channel: when it closes
 //! (initiator gone, disconnected or reconnecting), the target destroys those
 //! QPs; when the target's side closes (its process died), the initiator's
@@ -19,6 +29,7 @@
 //! touches the QP state: they hand QPs to the engine and tell it what
 //! happened with commands (`engine::Cmd`).
 
+use std::collections::{HashMap, VecDeque};
 use std::net::TcpListener;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -43,15 +54,18 @@ pub(super) const RECVS_PER_QP: u32 = 64;
 
 /// Version of the handshake below; a target refuses any other. 2: QP
 /// endpoints carry the responder READ depth (`QpEndpoint::rd_atom`); 3: the
-/// target challenges the initiator ([`Handshake::Challenge`]).
-pub(super) const HANDSHAKE_VERSION: u32 = 3;
+/// target challenges the initiator ([`Handshake::Challenge`]); 4: the
+/// hello carries the initiator's session, the proof covers it, and a name
+/// held by another session is refused ([`Handshake::NameInUse`]).
+pub(super) const HANDSHAKE_VERSION: u32 = 4;
 
 /// How often (ms) a thread blocked on a liveness channel looks at its stop flag.
 pub(super) const WATCH_MS: u64 = 100;
 
-/// What the initiator proves knowledge of the target's secret for.
-fn auth_context(initiator: &str) -> Vec<u8> {
-    format!("{initiator}/verbs").into_bytes()
+/// What the initiator proves knowledge of the target's secret for: its
+/// name and its session.
+fn auth_context(initiator: &str, session: u64) -> Vec<u8> {
+    format!("{initiator}/verbs/{session:016x}").into_bytes()
 }
 
 /// Handshake messages.
@@ -65,6 +79,10 @@ pub(super) enum Handshake {
         agent: String,
         /// One per QP.
         qps: Vec<QpEndpoint>,
+        /// The initiator transport's session (random, the same on each of
+        /// its connections; 0 from a version 3 initiator, refused anyway).
+        #[serde(default)]
+        session: u64,
     },
     /// Target → initiator, after a hello: prove you know my secret.
     Challenge {
@@ -86,6 +104,139 @@ pub(super) enum Handshake {
         /// Why.
         reason: String,
     },
+    /// Target → initiator, after a valid proof: refused because a peer
+    /// under this agent name is connected now from another session.
+    NameInUse {
+        /// The agent name claimed.
+        name: String,
+    },
+}
+
+/// Why the initiator's handshake failed.
+#[derive(Debug)]
+pub(super) enum HandshakeError {
+    /// The target holds our name for another session now.
+    NameInUse,
+    /// Anything else, in words.
+    Failed(String),
+}
+
+impl std::fmt::Display for HandshakeError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::NameInUse => f.write_str("target refused: our agent name is connected there from another session"),
+            Self::Failed(why) => f.write_str(why),
+        }
+    }
+}
+
+impl From<String> for HandshakeError {
+    fn from(why: String) -> Self {
+        Self::Failed(why)
+    }
+}
+
+/// The agent names of the peers connected to this target now, each with
+/// the session that holds it and how many of its connections have (or are
+/// installing) receive QPs here: a reconnecting session may briefly hold
+/// two.
+#[derive(Default)]
+pub(super) struct Names {
+    held: std::sync::Mutex<HashMap<String, (u64, usize)>>,
+}
+
+impl Names {
+    /// Hold `name` for `session`; `None` when another session holds it.
+    fn claim<'a>(&'a self, name: &str, session: u64) -> Option<NameHold<'a>> {
+        let mut held = self.held.lock().unwrap_or_else(|p| p.into_inner());
+        match held.get_mut(name) {
+            Some((s, _)) if *s != session => return None,
+            Some((_, n)) => *n += 1,
+            None => {
+                held.insert(name.to_string(), (session, 1));
+            }
+        }
+        Some(NameHold { names: self, name: name.to_string() })
+    }
+}
+
+/// One connection's hold on its agent name; released on drop.
+struct NameHold<'a> {
+    names: &'a Names,
+    name: String,
+}
+
+impl Drop for NameHold<'_> {
+    fn drop(&mut self) {
+        let mut held = self.names.held.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some((_, n)) = held.get_mut(&self.name) {
+            *n -= 1;
+            if *n == 0 {
+                held.remove(&self.name);
+            }
+        }
+    }
+}
+
+/// The listener's connections that have not yet proved the secret, oldest
+/// first, each with a handle to its socket: at most `max` of them; a new
+/// one over that shuts the oldest down (its thread then ends).
+pub(super) struct PreAuth {
+    max: usize,
+    waiting: std::sync::Mutex<VecDeque<(u64, SideChannel)>>,
+    next: std::sync::atomic::AtomicU64,
+}
+
+impl PreAuth {
+    pub(super) fn new(max: usize) -> Self {
+        Self { max: max.max(1), waiting: Default::default(), next: Default::default() }
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, VecDeque<(u64, SideChannel)>> {
+        self.waiting.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Count a new connection (`sock`: a handle to its socket) as waiting
+    /// for its proof, closing the oldest waiting ones past the bound.
+    fn admit(self: &Arc<Self>, sock: SideChannel) -> Waiting {
+        let id = self.next.fetch_add(1, Ordering::Relaxed);
+        let mut waiting = self.lock();
+        while waiting.len() >= self.max {
+            if let Some((_, old)) = waiting.pop_front() {
+                tracing::debug!("verbs: closing a handshake still unauthenticated (max_preauth)");
+                old.shutdown();
+            }
+        }
+        waiting.push_back((id, sock));
+        Waiting { list: self.clone(), id }
+    }
+}
+
+/// A connection counted in [`PreAuth`] until it proved the secret or ended.
+struct Waiting {
+    list: Arc<PreAuth>,
+    id: u64,
+}
+
+impl Waiting {
+    /// Leave the waiting list; false when this connection was closed for a
+    /// newer one meanwhile.
+    fn leave(&self) -> bool {
+        let mut waiting = self.list.lock();
+        match waiting.iter().position(|(id, _)| *id == self.id) {
+            Some(i) => {
+                waiting.remove(i);
+                true
+            }
+            None => false,
+        }
+    }
+}
+
+impl Drop for Waiting {
+    fn drop(&mut self) {
+        self.leave();
+    }
 }
 
 /// Accept handshakes until the transport stops. Running out of descriptors
@@ -116,8 +267,17 @@ pub(super) fn accept_loop<D: Device>(inner: Arc<Inner<D>>, listener: TcpListener
             // Setting up the accepted socket failed: that connection only.
             Err(_) => continue,
         };
+        // Counted until it proves the secret (`max_preauth`); a connection
+        // whose socket cannot be duplicated is not served.
+        let Ok(handle) = ch.try_clone() else {
+            continue;
+        };
+        let waiting = inner.preauth.admit(handle);
         let inner = inner.clone();
-        match std::thread::Builder::new().name("kvwire-verbs-peer".into()).spawn(move || serve(&inner, ch)) {
+        let spawned = std::thread::Builder::new().name("kvwire-verbs-peer".into()).spawn(move || {
+            serve(&inner, ch, waiting);
+        });
+        match spawned {
             Ok(t) => peers.push(t),
             Err(e) => tracing::warn!("verbs: cannot serve a peer: {e}"),
         }
@@ -133,8 +293,9 @@ fn timed_out(e: &SideChannelError) -> bool {
         if matches!(source.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut))
 }
 
-/// Challenge the initiator `agent`; true when it proved it knows our secret.
-fn authenticate<D: Device>(inner: &Inner<D>, ch: &mut SideChannel, agent: &str) -> bool {
+/// Challenge the initiator `agent` of `session`; true when it proved it
+/// knows our secret.
+fn authenticate<D: Device>(inner: &Inner<D>, ch: &mut SideChannel, agent: &str, session: u64) -> bool {
     let Ok(nonce) = Nonce::random() else {
         let _ = ch.send(&Handshake::Refuse { reason: "no randomness for a challenge".into() });
         return false;
@@ -143,7 +304,7 @@ fn authenticate<D: Device>(inner: &Inner<D>, ch: &mut SideChannel, agent: &str) 
         return false;
     }
     let ok = match ch.recv::<Handshake>() {
-        Ok(Handshake::Proof { proof }) => auth::verify(&inner.secret, &nonce, &auth_context(agent), &proof),
+        Ok(Handshake::Proof { proof }) => auth::verify(&inner.secret, &nonce, &auth_context(agent, session), &proof),
         _ => false,
     };
     if !ok {
@@ -153,16 +314,19 @@ fn authenticate<D: Device>(inner: &Inner<D>, ch: &mut SideChannel, agent: &str) 
     ok
 }
 
-fn serve<D: Device>(inner: &Inner<D>, mut ch: SideChannel) {
+/// Serve one handshake connection, counted in the pre-auth list (`waiting`,
+/// which holds a handle to its socket and drops it when the connection
+/// leaves the list) until it proved the secret.
+fn serve<D: Device>(inner: &Inner<D>, mut ch: SideChannel, waiting: Waiting) {
     let _ = ch.set_read_timeout(Some(inner.config.peer_timeout));
-    let (agent, remote) = match ch.recv::<Handshake>() {
+    let (agent, remote, session) = match ch.recv::<Handshake>() {
         Ok(Handshake::Hello { version, agent, .. }) if version != HANDSHAKE_VERSION => {
             let reason = format!("handshake version {version}, this side speaks {HANDSHAKE_VERSION}");
             tracing::warn!("verbs: refusing {agent}: {reason}");
             let _ = ch.send(&Handshake::Refuse { reason });
             return;
         }
-        Ok(Handshake::Hello { agent, qps, .. }) => (agent, qps),
+        Ok(Handshake::Hello { agent, qps, session, .. }) => (agent, qps, session),
         Ok(Handshake::Proof { .. }) => {
             tracing::warn!("verbs: refusing a peer that sent a proof before its hello");
             return;
@@ -176,15 +340,25 @@ fn serve<D: Device>(inner: &Inner<D>, mut ch: SideChannel) {
             return;
         }
     };
-    if !authenticate(inner, &mut ch, &agent) {
+    let proven = authenticate(inner, &mut ch, &agent, session);
+    // Closed for a newer connection while it proved: nothing more to say.
+    if !waiting.leave() || !proven {
         return;
     }
+    drop(waiting);
     if remote.len() > MAX_QPS_PER_HELLO {
         let reason = format!("{} QPs asked for, at most {MAX_QPS_PER_HELLO}", remote.len());
         tracing::warn!("verbs: refusing {agent}: {reason}");
         let _ = ch.send(&Handshake::Refuse { reason });
         return;
     }
+    // One session holds the name at a time: while this hold lives (until
+    // our receive QPs for it are removed), another session's is refused.
+    let Some(_name) = inner.names.claim(&agent, session) else {
+        tracing::warn!("verbs: refusing {agent}: the name is connected here now from another session");
+        let _ = ch.send(&Handshake::NameInUse { name: agent });
+        return;
+    };
     let mut qpns = Vec::new();
     let mut mine = Vec::new();
     let mut built = Vec::new();
@@ -266,25 +440,27 @@ pub(super) const MAX_QPS_PER_HELLO: usize = 64;
 pub(super) fn handshake(
     addr: &str,
     agent: &str,
+    session: u64,
     secret: &AgentSecret,
     local: &[QpEndpoint],
     timeout: Duration,
-) -> Result<(Vec<QpEndpoint>, SideChannel), String> {
+) -> Result<(Vec<QpEndpoint>, SideChannel), HandshakeError> {
     let mut ch = SideChannel::connect(addr, timeout).map_err(|e| e.to_string())?;
     ch.set_read_timeout(Some(timeout)).map_err(|e| e.to_string())?;
-    let hello = Handshake::Hello { version: HANDSHAKE_VERSION, agent: agent.to_string(), qps: local.to_vec() };
+    let hello = Handshake::Hello { version: HANDSHAKE_VERSION, agent: agent.to_string(), qps: local.to_vec(), session };
     ch.send(&hello).map_err(|e| e.to_string())?;
     let mut answer = ch.recv::<Handshake>().map_err(|e| e.to_string())?;
     if let Handshake::Challenge { nonce } = answer {
-        let proof = auth::prove(secret, &nonce, &auth_context(agent)).to_vec();
+        let proof = auth::prove(secret, &nonce, &auth_context(agent, session)).to_vec();
         ch.send(&Handshake::Proof { proof }).map_err(|e| e.to_string())?;
         answer = ch.recv::<Handshake>().map_err(|e| e.to_string())?;
     }
     match answer {
         Handshake::Accept { qps } if qps.len() == local.len() => Ok((qps, ch)),
-        Handshake::Accept { qps } => Err(format!("target answered {} QPs for {}", qps.len(), local.len())),
-        Handshake::Refuse { reason } => Err(format!("target refused: {reason}")),
-        other => Err(format!("unexpected {other:?} from the target")),
+        Handshake::Accept { qps } => Err(format!("target answered {} QPs for {}", qps.len(), local.len()).into()),
+        Handshake::Refuse { reason } => Err(format!("target refused: {reason}").into()),
+        Handshake::NameInUse { .. } => Err(HandshakeError::NameInUse),
+        other => Err(format!("unexpected {other:?} from the target").into()),
     }
 }
 

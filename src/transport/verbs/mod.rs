@@ -71,6 +71,12 @@
 //! end `PeerTimeout`. Nothing is dropped; other peers keep their own
 //! bound. Cost: one atomic add per notification delivered, one subtract
 //! per notification taken (docs/VERBS.md, "Notification bound").
+//! `max_preauth=N` (64): handshake connections that have not proved the
+//! secret, at most, per listener; a new one over that closes the oldest
+//! (0 or not a number: `InvalidOption`). An agent name is held by one
+//! session at a time: a proven hello under the name of a peer connected
+//! now from another transport is refused (`TransportError::NameInUse`;
+//! `conn`).
 
 /// Default `idle_yields` on software devices (rxe, siw); measured where `VerbsTransport::new` applies it.
 const SOFTWARE_IDLE_YIELDS: u32 = 5000;
@@ -138,6 +144,11 @@ use state::{NOTIF_SLOT_BYTES, PostLimits};
 /// Default of option `notif_queue_count` on verbs: notifications of one
 /// connected peer held in the target's queue until `take_notifications`.
 pub const DEFAULT_NOTIF_QUEUE_COUNT: usize = 1024;
+
+/// Handshake connections that have not yet proved the secret, at most, per
+/// listener (option `max_preauth`, as on tcp); a new one over that closes
+/// the oldest.
+pub const DEFAULT_MAX_PREAUTH: usize = 64;
 /// Default of option `notif_queue_bytes` on verbs: payload bytes of one
 /// connected peer held likewise (4 MiB).
 pub const DEFAULT_NOTIF_QUEUE_BYTES: usize = 4 << 20;
@@ -172,6 +183,13 @@ pub(crate) struct Inner<D: Device> {
     pub(crate) notif_bounds: NotifBounds,
     /// Commands to the engine.
     pub(crate) cmds: Handle<D::Qp>,
+    /// This transport's session (random), sent in every hello: a target
+    /// holds an agent name for one session at a time.
+    session: u64,
+    /// Names of the peers connected to this target now, with their sessions.
+    names: conn::Names,
+    /// Handshake connections that have not proved the secret (`max_preauth`).
+    preauth: Arc<conn::PreAuth>,
 }
 
 struct Peer {
@@ -246,6 +264,8 @@ struct Given {
     coalesce: bool,
     /// Per connected peer: `notif_queue_count`, `notif_queue_bytes`.
     notif_bounds: NotifBounds,
+    /// Handshake connections that have not proved the secret, at most.
+    max_preauth: usize,
 }
 
 impl Given {
@@ -286,6 +306,7 @@ impl Given {
                 &o,
                 NotifBounds { count: DEFAULT_NOTIF_QUEUE_COUNT, bytes: DEFAULT_NOTIF_QUEUE_BYTES },
             )?,
+            max_preauth: o.get_checked("max_preauth", DEFAULT_MAX_PREAUTH, |n| *n >= 1)?,
         })
     }
 }
@@ -396,6 +417,7 @@ impl VerbsTransport<RealNic> {
             max_send_wr,
             coalesce: o.coalesce,
             notif_bounds: o.notif_bounds,
+            max_preauth: o.max_preauth,
         };
         VerbsTransport::start(agent, config, setup)
     }
@@ -415,11 +437,17 @@ struct Setup<D> {
     max_send_wr: u32,
     coalesce: bool,
     notif_bounds: NotifBounds,
+    max_preauth: usize,
 }
 
 impl<D: Device> VerbsTransport<D> {
     /// Start the listener and the progress thread over `s.nic`.
     fn start(agent: &str, config: &TransportConfig, s: Setup<D>) -> Result<Self, TransportError> {
+        let session = {
+            let mut b = [0u8; 8];
+            getrandom::fill(&mut b).map_err(|e| TransportError::Unsupported(format!("no OS randomness: {e}")))?;
+            u64::from_le_bytes(b).max(1)
+        };
         let listener =
             TcpListener::bind((s.listen_ip.as_str(), 0)).map_err(|e| TransportError::io("bind(verbs listener)", e))?;
         let listen_addr = listener.local_addr().map_err(|e| TransportError::io("getsockname", e))?;
@@ -440,6 +468,9 @@ impl<D: Device> VerbsTransport<D> {
             stopping: AtomicBool::new(false),
             notif_bounds: s.notif_bounds,
             cmds: core.handle.clone(),
+            session,
+            names: conn::Names::default(),
+            preauth: Arc::new(conn::PreAuth::new(s.max_preauth)),
         });
         let i2 = inner.clone();
         let threads = vec![
@@ -466,7 +497,12 @@ impl<D: Device> VerbsTransport<D> {
     }
 
     /// Create `n` send QPs, handshake with `addr`, bring them to RTS.
-    fn open_qps(&self, addr: &str, secret: &AgentSecret, n: u32) -> Result<(Vec<D::Qp>, SideChannel), String> {
+    fn open_qps(
+        &self,
+        addr: &str,
+        secret: &AgentSecret,
+        n: u32,
+    ) -> Result<(Vec<D::Qp>, SideChannel), conn::HandshakeError> {
         reconnect::open_qps(&self.inner, &self.agent, addr, secret, n, self.max_send_wr)
     }
 
@@ -586,7 +622,12 @@ impl<D: Device> Transport for VerbsTransport<D> {
         let (done, live): (Vec<_>, Vec<_>) = self.retired.drain(..).partition(|t| t.is_finished());
         self.retired = live;
         done.into_iter().for_each(|t| drop(t.join()));
-        let (qps, ch) = self.open_qps(&info.addr, &info.secret, self.qps_per_peer).map_err(cerr)?;
+        let (qps, ch) = self.open_qps(&info.addr, &info.secret, self.qps_per_peer).map_err(|e| match e {
+            conn::HandshakeError::NameInUse => {
+                TransportError::NameInUse { peer: peer_name.to_string(), name: self.agent.clone() }
+            }
+            conn::HandshakeError::Failed(why) => cerr(why),
+        })?;
         let id = self.next_peer;
         self.next_peer += 1;
         let live = Liveness::watch(&self.inner, PeerId(id), peer_name, ch).map_err(cerr)?;

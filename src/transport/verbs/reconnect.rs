@@ -150,7 +150,8 @@ fn attempt<D: Device>(
     // Closing the old control connection tells the target to drop its QPs
     // (and give back their receive completions) before the new hello.
     *retired = old.and_then(Liveness::retire);
-    let (qps, ch) = open_qps(inner, &dial.agent, &dial.addr, &dial.secret, dial.qps, dial.max_send_wr)?;
+    let (qps, ch) = open_qps(inner, &dial.agent, &dial.addr, &dial.secret, dial.qps, dial.max_send_wr)
+        .map_err(|e| e.to_string())?;
     if stopped() {
         return Err("the peer was disconnected".into());
     }
@@ -169,7 +170,7 @@ pub(super) fn open_qps<D: Device>(
     secret: &AgentSecret,
     n: u32,
     max_send_wr: u32,
-) -> Result<(Vec<D::Qp>, SideChannel), String> {
+) -> Result<(Vec<D::Qp>, SideChannel), conn::HandshakeError> {
     let o = &inner.qp_options;
     let mut qps = Vec::new();
     let mut eps = Vec::new();
@@ -178,7 +179,7 @@ pub(super) fn open_qps<D: Device>(
         eps.push(inner.nic.endpoint(&qp, o).map_err(|e| e.to_string())?);
         qps.push(qp);
     }
-    let (remote, ch) = conn::handshake(addr, agent, secret, &eps, inner.config.peer_timeout)?;
+    let (remote, ch) = conn::handshake(addr, agent, inner.session, secret, &eps, inner.config.peer_timeout)?;
     for ((qp, l), r) in qps.iter().zip(&eps).zip(&remote) {
         inner.nic.connect(qp, l, r, o).map_err(|e| e.to_string())?;
     }

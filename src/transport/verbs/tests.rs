@@ -685,3 +685,130 @@ mod transport_bound {
         }
     }
 }
+
+/// The handshake listener's two rules (issue 27): an agent name is held by
+/// one session at a time, and at most `max_preauth` connections wait for
+/// their proof. Over the real handshake (TCP) on the simulated NIC.
+mod listener_rules {
+    use std::io::Read;
+    use std::net::TcpStream;
+    use std::time::{Duration, Instant};
+
+    use crate::transport::verbs::sim::{SimFabric, SimNic};
+    use crate::transport::verbs::{VerbsInfo, VerbsTransport};
+    use crate::transport::{Notification, Op, PeerId, PostRequest, Transport, TransportConfig, TransportError, XferId};
+
+    fn config(opts: &[(&str, &str)]) -> TransportConfig {
+        TransportConfig {
+            peer_timeout: Duration::from_secs(30),
+            options: opts.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect(),
+            ..Default::default()
+        }
+    }
+
+    /// `from` notifies `t` once (`payload`) and `t` receives it from `name`.
+    fn delivers(from: &mut VerbsTransport<SimNic>, peer: PeerId, t: &mut VerbsTransport<SimNic>, name: &str, x: u64) {
+        let payload = format!("n{x}").into_bytes();
+        let req = PostRequest { xfer: XferId(x), op: Op::Write, peer, segments: vec![], notification: Some(payload) };
+        from.post(req).unwrap();
+        let mut done = Vec::new();
+        let mut got: Vec<Notification> = Vec::new();
+        let t0 = Instant::now();
+        while done.is_empty() || got.is_empty() {
+            assert!(t0.elapsed() < Duration::from_secs(20), "no notification: {done:?}");
+            from.poll(&mut done);
+            t.take_notifications(&mut got);
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        assert!(done[0].result.is_ok(), "{done:?}");
+        assert_eq!(got.len(), 1);
+        assert_eq!(got[0].from_agent, name);
+        assert_eq!(got[0].payload, format!("n{x}").into_bytes());
+    }
+
+    #[test]
+    fn a_connected_name_is_refused_to_another_session_and_free_once_it_left() {
+        let fabric = SimFabric::new(21);
+        fabric.world().auto_step = 64;
+        let mut t = VerbsTransport::on_sim("t", &config(&[]), &fabric).unwrap();
+        let info = t.connection_info();
+        let mut a = VerbsTransport::on_sim("a", &config(&[]), &fabric).unwrap();
+        let pa = a.connect("t", &info, &[]).unwrap();
+        // Another transport (another session) under the same name: refused, typed.
+        let mut spoof = VerbsTransport::on_sim("a", &config(&[]), &fabric).unwrap();
+        let e = spoof.connect("t", &info, &[]).unwrap_err();
+        assert!(matches!(&e, TransportError::NameInUse { peer, name } if peer == "t" && name == "a"), "{e:?}");
+        // The honest peer is unaffected, and its own session reconnects.
+        delivers(&mut a, pa, &mut t, "a", 1);
+        a.disconnect(pa);
+        let pa = a.connect("t", &info, &[]).unwrap();
+        delivers(&mut a, pa, &mut t, "a", 2);
+        // Still held while `a` is connected, however often the spoofer tries.
+        assert!(matches!(spoof.connect("t", &info, &[]), Err(TransportError::NameInUse { .. })));
+        // Once `a` left (its receive QPs removed here), the name is free.
+        drop(a);
+        let t0 = Instant::now();
+        let ps = loop {
+            match spoof.connect("t", &info, &[]) {
+                Ok(p) => break p,
+                Err(TransportError::NameInUse { .. }) if t0.elapsed() < Duration::from_secs(5) => {
+                    std::thread::sleep(Duration::from_millis(20));
+                }
+                Err(e) => panic!("the name stayed held after its peer left: {e:?}"),
+            }
+        };
+        delivers(&mut spoof, ps, &mut t, "a", 3);
+    }
+
+    #[test]
+    fn the_oldest_unauthenticated_handshakes_are_closed_past_max_preauth() {
+        let fabric = SimFabric::new(22);
+        fabric.world().auto_step = 64;
+        let max = 4usize;
+        let mut t = VerbsTransport::on_sim("t", &config(&[("max_preauth", "4")]), &fabric).unwrap();
+        let info = t.connection_info();
+        let addr = postcard::from_bytes::<VerbsInfo>(&info).unwrap().addr;
+        // A flood that never says hello (peer_timeout is 30 s: none times out).
+        let mut flood: Vec<TcpStream> = (0..3 * max).map(|_| TcpStream::connect(&addr).unwrap()).collect();
+        // The listener closes all but the newest `max`, oldest first.
+        let closed = |s: &mut TcpStream| {
+            s.set_read_timeout(Some(Duration::from_millis(300))).unwrap();
+            let mut b = [0u8; 1];
+            match s.read(&mut b) {
+                Ok(0) => true,
+                Ok(_) => false,
+                Err(e) => !matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut),
+            }
+        };
+        let t0 = Instant::now();
+        for (i, s) in flood.iter_mut().enumerate().take(2 * max) {
+            let mut shut = closed(s);
+            while !shut && t0.elapsed() < Duration::from_secs(10) {
+                shut = closed(s);
+            }
+            assert!(shut, "flood connection {i} (of {}) is still open past max_preauth {max}", 3 * max);
+        }
+        for (i, s) in flood.iter_mut().enumerate().skip(2 * max) {
+            assert!(!closed(s), "flood connection {i}, among the newest {max}, was closed");
+        }
+        // An authenticated peer connects (well within peer_timeout) and delivers.
+        let mut a = VerbsTransport::on_sim("a", &config(&[]), &fabric).unwrap();
+        let t0 = Instant::now();
+        let pa = a.connect("t", &info, &[]).unwrap();
+        assert!(t0.elapsed() < Duration::from_secs(5), "took {:?}", t0.elapsed());
+        delivers(&mut a, pa, &mut t, "a", 1);
+        // Its proof took it off the list: the flood's newest are still open.
+        assert!(!closed(&mut flood[3 * max - 1]), "the newest flood connection was closed");
+    }
+
+    #[test]
+    fn max_preauth_zero_or_garbage_is_an_invalid_option() {
+        let fabric = SimFabric::new(23);
+        for v in ["0", "many", "-1"] {
+            let e = VerbsTransport::on_sim("x", &config(&[("max_preauth", v)]), &fabric).err().expect("refused");
+            assert!(matches!(e, TransportError::InvalidOption { .. }), "max_preauth={v}: {e:?}");
+        }
+        // A known option: 1 is the least accepted.
+        VerbsTransport::on_sim("x", &config(&[("max_preauth", "1")]), &fabric).expect("max_preauth=1");
+    }
+}

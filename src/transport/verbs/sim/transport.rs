@@ -72,6 +72,7 @@ impl VerbsTransport<SimNic> {
             max_send_wr,
             coalesce: o.coalesce,
             notif_bounds: o.notif_bounds,
+            max_preauth: o.max_preauth,
         };
         VerbsTransport::start(agent, config, setup)
     }
