@@ -529,3 +529,51 @@ fn verbs_empty_post_with_a_notification_is_done_and_delivered() {
     let c = wait_completion(&mut init, &mut done, XferId(2), WAIT).expect("completes");
     assert_eq!(c.result, Ok(()), "the connection survives an empty post");
 }
+
+/// Issue 27 item 5 on a real device: a second transport (another session)
+/// under the name of a connected peer is refused `NameInUse`; the honest
+/// peer keeps working; once it is gone the name is free. The simulated-NIC
+/// counterpart: `transport::verbs::tests::listener_rules`.
+#[test]
+#[ignore = "needs an RDMA device (Soft-RoCE guest: scripts/softroce-tests.sh)"]
+fn verbs_a_connected_name_is_refused_to_another_session() {
+    let (tdev, idev) = need_devices!();
+    let mut t = transport::create(TransportKind::Verbs, "t-names", &config(&tdev, &[])).unwrap();
+    let info = t.connection_info();
+    let mut a = transport::create(TransportKind::Verbs, "a-names", &config(&idev, &[])).unwrap();
+    let pa = a.connect("t-names", &info, &[]).unwrap();
+    let mut spoof = transport::create(TransportKind::Verbs, "a-names", &config(&idev, &[])).unwrap();
+    let e = spoof.connect("t-names", &info, &[]).unwrap_err();
+    assert!(matches!(&e, transport::TransportError::NameInUse { .. }), "{e:?}");
+    // The honest peer still notifies.
+    a.post(PostRequest {
+        xfer: XferId(1),
+        op: Op::Write,
+        peer: pa,
+        segments: vec![],
+        notification: Some(b"a".to_vec()),
+    })
+    .unwrap();
+    let mut done = Vec::new();
+    let c = wait_completion(&mut a, &mut done, XferId(1), WAIT).expect("the honest peer's notification completes");
+    assert!(c.result.is_ok(), "{c:?}");
+    let mut got: Vec<Notification> = Vec::new();
+    let t0 = Instant::now();
+    while got.is_empty() && t0.elapsed() < WAIT {
+        t.take_notifications(&mut got);
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    assert_eq!(got.first().map(|n| n.from_agent.as_str()), Some("a-names"));
+    // Once the honest peer is gone, the name is free.
+    drop(a);
+    let t0 = Instant::now();
+    loop {
+        match spoof.connect("t-names", &info, &[]) {
+            Ok(_) => break,
+            Err(transport::TransportError::NameInUse { .. }) if t0.elapsed() < WAIT => {
+                std::thread::sleep(Duration::from_millis(50));
+            }
+            Err(e) => panic!("the name stayed held after its peer left: {e:?}"),
+        }
+    }
+}
