@@ -11,6 +11,9 @@
 //!   sockets (at most `max_preauth` of them are kept).
 //! - The side-channel listener of `bench --listen` and `replay --role
 //!   decode` (`SideListener`) rides out `EMFILE` and accepts the next peer.
+//! - So do the metrics HTTP listener (`metrics::serve_http`: the next scrape
+//!   is answered) and the verbs handshake listener (on the simulated NIC: a
+//!   new initiator connects).
 
 use std::fs::File;
 use std::io::{BufRead, BufReader};
@@ -168,6 +171,71 @@ fn side_channel_listener_survives_emfile() {
             Err(_) => continue, // the queued connection that was dropped meanwhile
         }
     }
+}
+
+/// Queue a connection to `addr` while this process is out of descriptors,
+/// so that the listener's `accept` fails with `EMFILE` for a while, then
+/// free them.
+fn accept_through_emfile(addr: &str) {
+    let _limit = Lowered::to(open_fds() + 32);
+    let mut held = exhaust();
+    held.pop(); // one descriptor: our end of a connection the listener cannot accept
+    let queued = TcpStream::connect(addr).unwrap();
+    std::thread::sleep(Duration::from_millis(300)); // the listener's accept fails with EMFILE meanwhile
+    drop(queued);
+    drop(held);
+}
+
+#[test]
+fn metrics_listener_survives_emfile() {
+    use std::io::{Read, Write};
+    let _serial = RLIMIT.lock().unwrap_or_else(|p| p.into_inner());
+    let addr = kvwire::metrics::serve_http("127.0.0.1:0").unwrap().to_string();
+    accept_through_emfile(&addr);
+    // A loop that ended on the first error dropped its listener: this
+    // connect would be refused.
+    let t0 = Instant::now();
+    let mut c = TcpStream::connect(&addr).expect("the metrics listener is still there");
+    c.set_read_timeout(Some(Duration::from_secs(2))).unwrap();
+    c.write_all(b"GET /metrics HTTP/1.0\r\n\r\n").unwrap();
+    let mut reply = String::new();
+    c.read_to_string(&mut reply).expect("a scrape is answered once descriptors are free");
+    assert!(reply.starts_with("HTTP/1.0 200 OK\r\n"), "{reply:?}");
+    assert!(t0.elapsed() < Duration::from_secs(2), "took {:?}", t0.elapsed());
+}
+
+/// The handshake address in a verbs connection info (postcard: the
+/// `addr` string first, its length a varint).
+fn verbs_listen_addr(info: &[u8]) -> String {
+    let (mut len, mut at) = (0usize, 0usize);
+    loop {
+        let b = info[at];
+        len |= usize::from(b & 0x7f) << (7 * at);
+        at += 1;
+        if b & 0x80 == 0 {
+            break;
+        }
+    }
+    String::from_utf8(info[at..at + len].to_vec()).unwrap()
+}
+
+#[test]
+fn verbs_handshake_listener_survives_emfile() {
+    use kvwire::transport::verbs::VerbsTransport;
+    use kvwire::transport::verbs::sim::SimFabric;
+    let _serial = RLIMIT.lock().unwrap_or_else(|p| p.into_inner());
+    let fabric = SimFabric::new(27);
+    fabric.world().auto_step = 64;
+    let tag = std::process::id();
+    let mut init = VerbsTransport::on_sim(&format!("init-{tag}"), &cfg(2000), &fabric).unwrap();
+    let target = VerbsTransport::on_sim(&format!("target-{tag}"), &cfg(2000), &fabric).unwrap();
+    let info = target.connection_info();
+    let addr = verbs_listen_addr(&info);
+    assert!(addr.parse::<std::net::SocketAddr>().is_ok(), "{addr:?}");
+    accept_through_emfile(&addr);
+    let t0 = Instant::now();
+    init.connect("target", &info, &[]).expect("verbs: a new peer connects once descriptors are free");
+    assert!(t0.elapsed() < Duration::from_secs(2), "verbs: took {:?}", t0.elapsed());
 }
 
 const FLOOD_ENV: &str = "KVWIRE_TEST_FLOOD_ADDR";

@@ -13,11 +13,24 @@ connection secret, so the listener binds 127.0.0.1 unless
 with a 16-byte nonce from the listener; the caller's frame is preceded by
 HMAC-SHA256(token, nonce || frame), where the token is
 `KVWIRE_NIXL_LISTEN_TOKEN` (empty when unset). A frame with a wrong MAC is
-refused, and a listener bound to a non-loopback address without a token
-refuses every command: it never hands the metadata (or takes metadata) from
-a caller that did not prove the token. The accept loop survives EMFILE,
-ENFILE, ENOMEM, ENOBUFS (bounded backoff, logged once per episode) and
-per-connection errors such as ECONNABORTED."""
+refused (no answer; the connection is closed). Who is served:
+
+- with a token: a caller whose MAC proves it, from any address or uid;
+- on loopback without a token: a caller running under the listener
+  process's own effective uid (root is not special, as on shm). The caller's
+  uid is the owner of its end of the connection in /proc/net/tcp (and
+  tcp6), the entry whose local address is the peer address accept()
+  returned, looked up before the nonce is sent while the connection is
+  ESTABLISHED; any other uid, or no entry found, is refused like a wrong MAC;
+- on any other address without a token: nobody.
+
+So the listener never hands the metadata (or takes metadata) to a caller it
+did not authenticate. At most `MAX_PREAUTH` (64) connections that have not
+been authenticated yet are kept open at once, each served by its own thread
+(a silent caller holds only its own thread, for at most 5 s); a new one
+closes the oldest. The accept loop survives EMFILE, ENFILE, ENOMEM,
+ENOBUFS (bounded backoff, logged once per episode) and per-connection errors
+such as ECONNABORTED."""
 
 import errno
 import hashlib
@@ -63,6 +76,9 @@ def _send(sock, payload: bytes):
 NONCE_BYTES = 16
 #: Bytes of the MAC that precedes a caller's frame.
 MAC_BYTES = 32
+#: Connections not yet authenticated kept open at once (the oldest is closed
+#: for a new one).
+MAX_PREAUTH = 64
 #: Backoff of the accept loop on resource errors (seconds): start, most.
 BACKOFF_START, BACKOFF_MAX = 0.005, 0.25
 
@@ -125,6 +141,43 @@ def _is_loopback(host: str) -> bool:
         return host == "localhost"
 
 
+def _proc_hex(packed: bytes) -> str:
+    """An address as /proc/net/tcp{,6} prints it: 32-bit words in host order."""
+    return "".join("%08X" % struct.unpack("=I", packed[i : i + 4]) for i in range(0, len(packed), 4))
+
+
+def peer_uid(peer, local):
+    """The uid owning the caller's end of a loopback IPv4 connection, from
+    /proc/net/tcp and tcp6: the ESTABLISHED entry whose local address is
+    `peer` (as accept() returned it) and whose remote address is `local`
+    (our end). None when there is no such entry or the tables cannot be
+    read."""
+    pip, pport = peer[0], peer[1]
+    lip, lport = local[0], local[1]
+    try:
+        p4, l4 = socket.inet_aton(pip), socket.inet_aton(lip)
+    except OSError:
+        return None
+    mapped = b"\0" * 10 + b"\xff\xff"
+    tables = (
+        ("/proc/net/tcp", _proc_hex(p4), _proc_hex(l4)),
+        ("/proc/net/tcp6", _proc_hex(mapped + p4), _proc_hex(mapped + l4)),
+    )
+    for path, me, them in tables:
+        want_local, want_remote = f"{me}:{pport:04X}", f"{them}:{lport:04X}"
+        try:
+            with open(path) as f:
+                next(f, None)  # the header
+                for line in f:
+                    fields = line.split()
+                    # sl local rem st queues tr retrnsmt uid ...; st 01 = ESTABLISHED
+                    if len(fields) > 7 and fields[1] == want_local and fields[2] == want_remote and fields[3] == "01":
+                        return int(fields[7])
+        except (OSError, ValueError):
+            continue
+    return None
+
+
 class MetadataListener:
     """Serves `agent`'s metadata on `port` (0: an ephemeral port), on `host`
     (default `KVWIRE_NIXL_LISTEN_ADDR`, else 127.0.0.1)."""
@@ -137,6 +190,15 @@ class MetadataListener:
         # Without a token only loopback callers are possible at all; on any
         # other address an empty token would admit anyone: refuse everything.
         self._open = bool(self._token) or _is_loopback(host)
+        # On loopback without a token the caller is authenticated by its uid.
+        self._by_uid = not self._token and self._open
+        self._uid = os.geteuid()
+        # Connections not yet authenticated, oldest first; guarded by _lock,
+        # which is also held to shut one down or close it (never a reused fd).
+        self._pending = {}
+        self._lock = threading.Lock()
+        # The agent's calls stay serialized, as when one thread served all.
+        self._agent_lock = threading.Lock()
         if not self._open:
             logger.warning(
                 "metadata listener on %s without KVWIRE_NIXL_LISTEN_TOKEN: every request is refused", host
@@ -172,26 +234,70 @@ class MetadataListener:
             if episode is not None:
                 logger.info("metadata listener: accepting again (%s)", os.strerror(episode))
                 delay, episode = BACKOFF_START, None
-            with conn:
-                try:
-                    conn.settimeout(5.0)
-                    nonce = os.urandom(NONCE_BYTES)
-                    conn.sendall(nonce)
-                    framed = recv_frame(conn)
-                    mac, frame = framed[:MAC_BYTES], framed[MAC_BYTES:]
-                    if not self._open or not hmac.compare_digest(mac, _mac(self._token, nonce, frame)):
-                        logger.warning("metadata listener: refused an unauthenticated request")
-                        continue
-                    cmd, body = frame[:1], frame[1:]
-                    if cmd == b"S":
-                        self._agent.loadRemoteMD(body)
-                    elif cmd == b"F":
-                        ok = body.decode() == self._agent.name and self._agent._core is not None
-                        _send(conn, self._agent.getLocalMD() if ok else b"")
-                    elif cmd == b"I":
-                        self._agent.invalidateRemoteMD(body.decode())
-                except Exception as e:  # noqa: BLE001 - a bad peer must not stop the listener
-                    logger.warning("metadata listener: %s", e)
+            with self._lock:
+                while len(self._pending) >= MAX_PREAUTH:
+                    oldest = next(iter(self._pending))
+                    del self._pending[oldest]
+                    try:
+                        oldest.shutdown(socket.SHUT_RDWR)  # its thread sees EOF and ends
+                    except OSError:
+                        pass
+                self._pending[conn] = True
+            try:
+                threading.Thread(target=self._handle, args=(conn,), name="nixl-md-conn", daemon=True).start()
+            except RuntimeError as e:  # no thread for it: this connection only
+                logger.warning("metadata listener: cannot serve a connection: %s", e)
+                self._forget(conn)
+
+    def _forget(self, conn):
+        with self._lock:
+            self._pending.pop(conn, None)
+            conn.close()
+
+    def _handle(self, conn):
+        try:
+            conn.settimeout(5.0)
+            uid_ok = True
+            if self._by_uid:
+                # Before the nonce: a caller gets one only while its end is
+                # still open (and so still listed under its uid).
+                uid = peer_uid(conn.getpeername(), conn.getsockname())
+                uid_ok = uid == self._uid
+                if not uid_ok:
+                    logger.warning(
+                        "metadata listener: refusing a caller under uid %s (only uid %d without"
+                        " KVWIRE_NIXL_LISTEN_TOKEN)",
+                        "unknown" if uid is None else uid,
+                        self._uid,
+                    )
+            nonce = os.urandom(NONCE_BYTES)
+            conn.sendall(nonce)
+            framed = recv_frame(conn)
+            mac, frame = framed[:MAC_BYTES], framed[MAC_BYTES:]
+            if not (self._open and uid_ok and hmac.compare_digest(mac, _mac(self._token, nonce, frame))):
+                logger.warning("metadata listener: refused an unauthenticated request")
+                return
+            with self._lock:
+                if not self._pending.pop(conn, False):
+                    return  # closed for a newer connection meanwhile
+            cmd, body = frame[:1], frame[1:]
+            if cmd == b"S":
+                with self._agent_lock:
+                    self._agent.loadRemoteMD(body)
+            elif cmd == b"F":
+                with self._agent_lock:
+                    ok = body.decode() == self._agent.name and self._agent._core is not None
+                    md = self._agent.getLocalMD() if ok else b""
+                _send(conn, md)
+            elif cmd == b"I":
+                with self._agent_lock:
+                    self._agent.invalidateRemoteMD(body.decode())
+        except ConnectionError as e:  # it left, or was closed for a newer connection
+            logger.debug("metadata listener: %s", e)
+        except Exception as e:  # noqa: BLE001 - a bad peer must not stop the listener
+            logger.warning("metadata listener: %s", e)
+        finally:
+            self._forget(conn)
 
     def close(self):
         self._stop = True
@@ -200,3 +306,9 @@ class MetadataListener:
         except OSError:
             pass
         self._sock.close()
+        with self._lock:
+            for conn in self._pending:
+                try:
+                    conn.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
