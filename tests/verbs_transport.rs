@@ -467,7 +467,8 @@ fn verbs_hello_without_a_proof_gets_no_qp_numbers() {
         Some(String::from_utf8_lossy(&body).into_owned())
     };
     let qp = r#"{"qpn":1,"psn":1,"lid":0,"gid":[0,0,0,0,0,0,0,0,0,0,0,0,0,0,0,0],"mtu":3,"rd_atom":1}"#;
-    frame(&mut s, &format!(r#"{{"Hello":{{"version":3,"agent":"mallory","qps":[{qp}]}}}}"#));
+    // version: HANDSHAKE_VERSION in src/transport/verbs/conn.rs
+    frame(&mut s, &format!(r#"{{"Hello":{{"version":4,"agent":"mallory","session":1,"qps":[{qp}]}}}}"#));
     let challenge = read(&mut s).expect("a challenge");
     assert!(challenge.contains("Challenge"), "{challenge}");
     frame(&mut s, &format!(r#"{{"Proof":{{"proof":[{}]}}}}"#, vec!["0"; 32].join(",")));
