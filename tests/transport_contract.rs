@@ -34,7 +34,7 @@ use kvwire::transport::verbs::VerbsTransport;
 use kvwire::transport::verbs::sim::{SimFabric, SimNic};
 use kvwire::transport::{
     FailureKind, MemoryBacking, MemoryKind, Op, PostRequest, RemoteAccessKind, RemoteKey, RemoteRegion, Segment,
-    Transport, TransportConfig, TransportError, TransportKind, View, XferId,
+    TransferFailure, Transport, TransportConfig, TransportError, TransportKind, View, XferId,
 };
 
 #[derive(Clone, Copy, Debug)]
@@ -204,17 +204,6 @@ fn a_forged_rkey_is_an_unknown_key(be: Backend) {
         lkey: ireg.lkey,
         rkey,
     };
-    let finish = |a: &mut Box<dyn Transport>, x: u64| {
-        let deadline = Instant::now() + Duration::from_secs(60);
-        let mut out = Vec::new();
-        loop {
-            a.wait(&mut out, Duration::from_millis(50));
-            if let Some(c) = out.iter().find(|c| c.xfer == XferId(x)) {
-                return c.result.clone();
-            }
-            assert!(Instant::now() < deadline, "{be:?}: transfer {x} never completed");
-        }
-    };
     let forged = RemoteKey(treg.rkey.0 ^ 0x5a5a00);
     let cases = [
         (1, forged, dst.addr(), RemoteAccessKind::UnknownKey),
@@ -224,14 +213,33 @@ fn a_forged_rkey_is_an_unknown_key(be: Backend) {
         let segments = vec![seg(rkey, at)];
         a.post(PostRequest { xfer: XferId(x), op: Op::Write, peer, segments, notification: Some(vec![x as u8]) })
             .unwrap();
-        let why = finish(&mut a, x).expect_err("a forged access must fail");
+        let why = result_of(&mut a, be, x).expect_err("a forged access must fail");
         assert_eq!(why.kind, FailureKind::RemoteAccess(want), "{be:?}: {why}");
     }
     assert!(dst.to_vec(..).iter().all(|&b| b == 0), "{be:?}: bytes moved through a forged access");
     let segments = vec![seg(treg.rkey, dst.addr())];
     a.post(PostRequest { xfer: XferId(3), op: Op::Write, peer, segments, notification: Some(vec![3]) }).unwrap();
-    assert_eq!(finish(&mut a, 3), Ok(()), "{be:?}");
+    assert_eq!(result_of(&mut a, be, 3), Ok(()), "{be:?}");
     assert_eq!(dst.to_vec(..4096), src.to_vec(..4096), "{be:?}");
+    only_notification_is(&mut b, be, &[3]);
+}
+
+/// Wait (up to 60 s) for transfer `x`'s completion on `a`; its result.
+fn result_of(a: &mut Box<dyn Transport>, be: Backend, x: u64) -> Result<(), TransferFailure> {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let mut out = Vec::new();
+    loop {
+        a.wait(&mut out, Duration::from_millis(50));
+        if let Some(c) = out.iter().find(|c| c.xfer == XferId(x)) {
+            return c.result.clone();
+        }
+        assert!(Instant::now() < deadline, "{be:?}: transfer {x} never completed");
+    }
+}
+
+/// The target `b` receives exactly one notification, `want` (waits up to
+/// 30 s for the first, then 50 ms for any other).
+fn only_notification_is(b: &mut Box<dyn Transport>, be: Backend, want: &[u8]) {
     let deadline = Instant::now() + Duration::from_secs(30);
     let mut got = Vec::new();
     while got.is_empty() && Instant::now() < deadline {
@@ -241,7 +249,7 @@ fn a_forged_rkey_is_an_unknown_key(be: Backend) {
     std::thread::sleep(Duration::from_millis(50));
     b.take_notifications(&mut got);
     let payloads: Vec<Vec<u8>> = got.into_iter().map(|n| n.payload).collect();
-    assert_eq!(payloads, vec![vec![3u8]], "{be:?}: only the valid transfer's notification arrives");
+    assert_eq!(payloads, vec![want.to_vec()], "{be:?}: only the valid transfer's notification arrives");
 }
 
 /// Metadata claiming more than the target registered (a stale or forged
@@ -265,15 +273,7 @@ fn the_targets_own_check_refuses_what_it_never_registered(be: Backend) {
             vec![Segment { local_addr: src.addr(), remote_addr, len_bytes, lkey: ireg.lkey, rkey: treg.rkey }];
         a.post(PostRequest { xfer: XferId(x), op: Op::Write, peer, segments, notification: Some(vec![x as u8]) })
             .unwrap();
-        let deadline = Instant::now() + Duration::from_secs(60);
-        let mut out = Vec::new();
-        loop {
-            a.wait(&mut out, Duration::from_millis(50));
-            if let Some(c) = out.iter().find(|c| c.xfer == XferId(x)) {
-                return c.result.clone();
-            }
-            assert!(Instant::now() < deadline, "{be:?}: transfer {x} never completed");
-        }
+        result_of(a, be, x)
     };
     // Straddling the end of the registration, then wholly past it.
     for (x, at) in [(1, dst.addr() + (1 << 16) - 4096), (2, dst.addr() + (1 << 16))] {
@@ -283,16 +283,7 @@ fn the_targets_own_check_refuses_what_it_never_registered(be: Backend) {
     assert!(dst.to_vec(..).iter().all(|&b| b == 0), "{be:?}: bytes written outside the registration");
     assert_eq!(post(&mut a, 3, dst.addr(), 4096), Ok(()), "{be:?}: the link works after");
     assert_eq!(dst.to_vec(..4096), src.to_vec(..4096), "{be:?}");
-    let deadline = Instant::now() + Duration::from_secs(30);
-    let mut got = Vec::new();
-    while got.is_empty() && Instant::now() < deadline {
-        b.take_notifications(&mut got);
-        std::thread::sleep(Duration::from_millis(1));
-    }
-    std::thread::sleep(Duration::from_millis(50));
-    b.take_notifications(&mut got);
-    let payloads: Vec<Vec<u8>> = got.into_iter().map(|n| n.payload).collect();
-    assert_eq!(payloads, vec![vec![3u8]], "{be:?}: only the valid transfer's notification arrives");
+    only_notification_is(&mut b, be, &[3]);
 }
 
 fn a_notification_arrives_after_its_data(be: Backend) {
