@@ -20,6 +20,12 @@ pub const BACKOFF_START: Duration = Duration::from_millis(5);
 /// freed descriptor is used within this time.
 pub const BACKOFF_MAX: Duration = Duration::from_millis(250);
 
+/// Connections that have not yet proved the agent secret, at most, per
+/// listener, unless option `max_preauth` says otherwise (tcp service and
+/// verbs handshake listeners); a new one over that closes the oldest, so an
+/// unauthenticated flood cannot use up the descriptors.
+pub const DEFAULT_MAX_PREAUTH: usize = 64;
+
 /// What an accept loop does after an error.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum AfterError {

@@ -63,9 +63,7 @@ use super::{
     TransportError, TransportKind, XferId,
 };
 
-/// Connections still proving the agent secret, at most, per listener
-/// (option `max_preauth`); the oldest is dropped for a new one.
-pub const DEFAULT_MAX_PREAUTH: usize = 64;
+pub use crate::accept::DEFAULT_MAX_PREAUTH;
 
 /// Connections per peer unless option `conns_per_peer` says otherwise.
 /// Measured on the 2-core reference machine (docs/TCP.md): 2 connections

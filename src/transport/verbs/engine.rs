@@ -325,7 +325,7 @@ impl<N: Nic> Engine<N> {
     /// their receives; true when any was. Costs a length check while none
     /// is held.
     pub fn release_held(&mut self) -> bool {
-        self.st.holds_back() && self.st.release_held()
+        self.st.release_held()
     }
 
     /// The progress deadlines (every few ms) and the cancels' deadlines.

@@ -145,10 +145,7 @@ use state::{NOTIF_SLOT_BYTES, PostLimits};
 /// connected peer held in the target's queue until `take_notifications`.
 pub const DEFAULT_NOTIF_QUEUE_COUNT: usize = 1024;
 
-/// Handshake connections that have not yet proved the secret, at most, per
-/// listener (option `max_preauth`, as on tcp); a new one over that closes
-/// the oldest.
-pub const DEFAULT_MAX_PREAUTH: usize = 64;
+pub use crate::accept::DEFAULT_MAX_PREAUTH;
 /// Default of option `notif_queue_bytes` on verbs: payload bytes of one
 /// connected peer held likewise (4 MiB).
 pub const DEFAULT_NOTIF_QUEUE_BYTES: usize = 4 << 20;

@@ -597,6 +597,7 @@ impl<Q: NicQp> State<Q> {
     }
 
     /// True while a receive QP holds notifications in its slots.
+    #[cfg(test)]
     pub fn holds_back(&self) -> bool {
         !self.holding.is_empty()
     }
