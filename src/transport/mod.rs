@@ -352,6 +352,23 @@ impl TransportError {
         Self::Io { call, source: source.into() }
     }
 
+    /// A connect whose handshake the target did not answer within
+    /// `timeout` (every backend: shm, tcp, verbs). Like every
+    /// [`TransportError::Timeout`] it took no effect (nothing of the peer is
+    /// kept) and may be retried, as a NIXL user retries `makeConnection` or
+    /// vLLM's connector its handshake; a refusal stays
+    /// [`TransportError::Connect`] or [`TransportError::NameInUse`].
+    pub fn connect_timeout(peer: &str, timeout: std::time::Duration, detail: impl std::fmt::Display) -> Self {
+        Self::Timeout { op: "connect", peer: peer.to_string(), timeout, detail: detail.to_string() }
+    }
+
+    /// Whether an I/O error means a socket timeout expired (`SO_RCVTIMEO`
+    /// and `SO_SNDTIMEO` report `EAGAIN`/`EWOULDBLOCK`, some paths
+    /// `ETIMEDOUT`).
+    pub fn is_timeout_io(e: &std::io::Error) -> bool {
+        matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut)
+    }
+
     /// The failing call and its errno, for an [`TransportError::Io`] that
     /// came from one (a verbs or system call during setup or I/O).
     pub fn failed_call(&self) -> Option<(&'static str, i32)> {
@@ -452,7 +469,11 @@ pub trait Transport: Send {
     /// Connect to a peer agent from its connection info and registered regions.
     ///
     /// # Errors
-    /// [`TransportError::BadConnectionInfo`], [`TransportError::Connect`],
+    /// [`TransportError::BadConnectionInfo`], [`TransportError::Connect`]
+    /// (refused, unreachable, malformed answers),
+    /// [`TransportError::NameInUse`], [`TransportError::Timeout`] with `op`
+    /// `"connect"` when the target did not answer the handshake within
+    /// `peer_timeout` (nothing is kept; a retry may succeed),
     /// [`TransportError::Unsupported`] (e.g. `shm` to another host).
     fn connect(&mut self, peer_name: &str, info: &[u8], regions: &[RemoteRegion]) -> Result<PeerId, TransportError>;
 

@@ -225,9 +225,10 @@ fn expire(peer: &PeerShared) {
 /// The whole handshake is bounded by `timeout`.
 ///
 /// # Errors
-/// [`TransportError::Connect`] when the target refuses us, answers
+/// [`TransportError::Connect`] when the target refuses us or answers
 /// malformed or lying region replies (a memfd smaller than the region, or
-/// not sealed against shrinking), or does not answer in time.
+/// not sealed against shrinking); [`TransportError::Timeout`] (`op`
+/// `"connect"`) when it does not answer within `timeout`.
 pub(super) fn handshake(
     agent: &str,
     peer_name: &str,
@@ -236,15 +237,28 @@ pub(super) fn handshake(
     timeout: Duration,
 ) -> Result<(Channel, HashMap<u32, PeerRegion>), TransportError> {
     let cerr = |reason: String| TransportError::Connect { peer: peer_name.to_string(), reason };
+    // A socket timeout (a full backlog at `connect`, a target that does not
+    // answer in time) is `Timeout`, which may be retried; anything else is
+    // `Connect`.
+    let fail = |e: TransportError| match e {
+        TransportError::Io { call, source } if TransportError::is_timeout_io(&source) => {
+            TransportError::connect_timeout(
+                peer_name,
+                timeout,
+                format!("handshake ({call}): no answer from the target"),
+            )
+        }
+        e => cerr(e.to_string()),
+    };
     let deadline = Instant::now() + timeout;
-    let ch = Channel::connect(&info.socket, timeout).map_err(|e| cerr(e.to_string()))?;
+    let ch = Channel::connect(&info.socket, timeout).map_err(fail)?;
     let recv = |ch: &Channel| -> Result<(Msg, Option<OwnedFd>), TransportError> {
         let left = deadline.saturating_duration_since(Instant::now());
         if left.is_zero() {
-            return Err(cerr(format!("handshake did not finish within {timeout:?}")));
+            return Err(TransportError::connect_timeout(peer_name, timeout, "the handshake did not finish"));
         }
         ch.set_timeouts(left)?;
-        match ch.recv().map_err(|e| cerr(e.to_string()))? {
+        match ch.recv().map_err(fail)? {
             None => Err(cerr("peer closed the connection during the handshake".into())),
             Some((Msg::Refused { reason }, _)) if reason.starts_with(super::target::NAME_IN_USE) => {
                 Err(TransportError::NameInUse { peer: peer_name.to_string(), name: agent.to_string() })
@@ -259,7 +273,7 @@ pub(super) fn handshake(
     };
     let proof = auth::prove(&info.secret, &nonce, &wire::proof_context(agent)).to_vec();
     let rkeys: Vec<u32> = regions.iter().map(|r| r.rkey.0).collect();
-    ch.send(&Msg::Hello { agent: agent.to_string(), rkeys, proof }, None).map_err(|e| cerr(e.to_string()))?;
+    ch.send(&Msg::Hello { agent: agent.to_string(), rkeys, proof }, None).map_err(fail)?;
     let mut table = HashMap::new();
     let mut fds = HashMap::new();
     let mut revoked_early = Vec::new();
@@ -285,7 +299,7 @@ pub(super) fn handshake(
             (Msg::Revoke { rkey }, _) => {
                 // Deregistered while we were connecting: never use it.
                 revoked_early.push(rkey);
-                ch.send(&Msg::RevokeAck { rkey }, None).map_err(|e| cerr(e.to_string()))?;
+                ch.send(&Msg::RevokeAck { rkey }, None).map_err(fail)?;
             }
             (other, _) => return Err(cerr(format!("unexpected handshake message {other:?}"))),
         }

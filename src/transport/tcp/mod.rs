@@ -417,6 +417,8 @@ impl Transport for TcpTransport {
             socks.push(self.open(&addr, i, &info.secret).map_err(|e| {
                 if e.get_ref().is_some_and(|r| r.is::<NameInUse>()) {
                     TransportError::NameInUse { peer: peer_name.to_string(), name: self.agent.clone() }
+                } else if TransportError::is_timeout_io(&e) {
+                    TransportError::connect_timeout(peer_name, self.config.peer_timeout, format!("{addr}: {e}"))
                 } else {
                     cerr(format!("{addr}: {e}"))
                 }
@@ -536,6 +538,34 @@ mod tests {
 
     fn seg(local: u64, remote: u64, len: u64) -> Segment {
         Segment { local_addr: local, remote_addr: remote, len_bytes: len, lkey: LocalKey(1), rkey: RemoteKey(1) }
+    }
+
+    /// A target that takes the TCP connection but never sends its
+    /// challenge is a `Timeout` (`op` `"connect"`) after `peer_timeout`, not
+    /// a refusal; the same transport then connects to a real target.
+    #[test]
+    fn a_target_that_never_answers_the_handshake_is_a_connect_timeout() {
+        let timeout = Duration::from_millis(300);
+        let config = TransportConfig { peer_timeout: timeout, ..TransportConfig::default() };
+        let mut a = TcpTransport::new("a", &config).unwrap();
+        let t = TcpTransport::new("t", &config).unwrap();
+        let silent = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let held = std::thread::spawn({
+            let silent = silent.try_clone().unwrap();
+            move || silent.accept().map(|(s, _)| s)
+        });
+        let mut info = TcpConnectionInfo::decode(&t.connection_info()).unwrap();
+        info.addr = silent.local_addr().unwrap().to_string();
+        let started = std::time::Instant::now();
+        match a.connect("t", &info.encode(), &[]) {
+            Err(TransportError::Timeout { op: "connect", peer, timeout: got, .. }) => {
+                assert_eq!((peer.as_str(), got), ("t", timeout));
+            }
+            other => panic!("expected a connect Timeout, got {other:?}"),
+        }
+        assert!(started.elapsed() < Duration::from_secs(20), "bounded by peer_timeout: {:?}", started.elapsed());
+        drop(held.join());
+        a.connect("t", &t.connection_info(), &[]).expect("the real target after a timed-out try");
     }
 
     #[test]

@@ -117,6 +117,9 @@ pub(super) enum Handshake {
 pub(super) enum HandshakeError {
     /// The target holds our name for another session now.
     NameInUse,
+    /// The target took the connection but did not answer in time (a
+    /// receive or send on the side channel timed out): may be retried.
+    TimedOut(String),
     /// Anything else, in words.
     Failed(String),
 }
@@ -125,7 +128,7 @@ impl std::fmt::Display for HandshakeError {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
             Self::NameInUse => f.write_str("target refused: our agent name is connected there from another session"),
-            Self::Failed(why) => f.write_str(why),
+            Self::TimedOut(why) | Self::Failed(why) => f.write_str(why),
         }
     }
 }
@@ -445,15 +448,22 @@ pub(super) fn handshake(
     local: &[QpEndpoint],
     timeout: Duration,
 ) -> Result<(Vec<QpEndpoint>, SideChannel), HandshakeError> {
+    let fail = |e: SideChannelError| {
+        if timed_out(&e) {
+            HandshakeError::TimedOut(format!("handshake: {e}"))
+        } else {
+            HandshakeError::Failed(e.to_string())
+        }
+    };
     let mut ch = SideChannel::connect(addr, timeout).map_err(|e| e.to_string())?;
     ch.set_read_timeout(Some(timeout)).map_err(|e| e.to_string())?;
     let hello = Handshake::Hello { version: HANDSHAKE_VERSION, agent: agent.to_string(), qps: local.to_vec(), session };
-    ch.send(&hello).map_err(|e| e.to_string())?;
-    let mut answer = ch.recv::<Handshake>().map_err(|e| e.to_string())?;
+    ch.send(&hello).map_err(fail)?;
+    let mut answer = ch.recv::<Handshake>().map_err(fail)?;
     if let Handshake::Challenge { nonce } = answer {
         let proof = auth::prove(secret, &nonce, &auth_context(agent, session)).to_vec();
-        ch.send(&Handshake::Proof { proof }).map_err(|e| e.to_string())?;
-        answer = ch.recv::<Handshake>().map_err(|e| e.to_string())?;
+        ch.send(&Handshake::Proof { proof }).map_err(fail)?;
+        answer = ch.recv::<Handshake>().map_err(fail)?;
     }
     match answer {
         Handshake::Accept { qps } if qps.len() == local.len() => Ok((qps, ch)),

@@ -623,6 +623,9 @@ impl<D: Device> Transport for VerbsTransport<D> {
             conn::HandshakeError::NameInUse => {
                 TransportError::NameInUse { peer: peer_name.to_string(), name: self.agent.clone() }
             }
+            conn::HandshakeError::TimedOut(why) => {
+                TransportError::connect_timeout(peer_name, self.inner.config.peer_timeout, why)
+            }
             conn::HandshakeError::Failed(why) => cerr(why),
         })?;
         let id = self.next_peer;

@@ -812,3 +812,39 @@ mod listener_rules {
         VerbsTransport::on_sim("x", &config(&[("max_preauth", "1")]), &fabric).expect("max_preauth=1");
     }
 }
+
+/// A target that takes the side-channel connection but never answers the
+/// handshake is a `Timeout` (`op` `"connect"`) within `peer_timeout`,
+/// which may be retried; the same transport then connects to a real
+/// target (nothing of the failed try was kept).
+#[test]
+fn a_target_that_never_answers_the_handshake_is_a_connect_timeout() {
+    use crate::transport::verbs::sim::SimFabric;
+    use crate::transport::verbs::{VerbsInfo, VerbsTransport};
+    use crate::transport::{Transport, TransportConfig};
+
+    let fabric = SimFabric::new(17);
+    fabric.world().auto_step = 64;
+    let timeout = Duration::from_millis(300);
+    let config = TransportConfig { peer_timeout: timeout, ..Default::default() };
+    let mut a = VerbsTransport::on_sim("a", &config, &fabric).unwrap();
+    let t = VerbsTransport::on_sim("t", &config, &fabric).unwrap();
+    let silent = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let held = std::thread::spawn({
+        let silent = silent.try_clone().unwrap();
+        move || silent.accept().map(|(s, _)| s)
+    });
+    let real: VerbsInfo = postcard::from_bytes(&t.connection_info()).unwrap();
+    let info = VerbsInfo { addr: silent.local_addr().unwrap().to_string(), secret: real.secret };
+    let started = std::time::Instant::now();
+    let got = a.connect("t", &postcard::to_allocvec(&info).unwrap(), &[]);
+    match &got {
+        Err(TransportError::Timeout { op: "connect", peer, timeout: t, .. }) => {
+            assert_eq!((peer.as_str(), *t), ("t", timeout));
+        }
+        other => panic!("expected a connect Timeout, got {other:?}"),
+    }
+    assert!(started.elapsed() < Duration::from_secs(20), "bounded by peer_timeout: {:?}", started.elapsed());
+    drop(held.join());
+    a.connect("t", &t.connection_info(), &[]).expect("the real target after a timed-out try");
+}

@@ -77,6 +77,7 @@ pub(super) fn run(mut chan: SideChannel, own: Option<&Own>) -> Result<Option<Ser
         decode_name,
         prefill_name,
         summary,
+        wait_s,
     } = setup
     else {
         bail!("expected Setup from prefill");
@@ -94,7 +95,7 @@ pub(super) fn run(mut chan: SideChannel, own: Option<&Own>) -> Result<Option<Ser
     let (mut engine, hosts) = build_engine(&decode_name, &shape, transport, &cfg)?;
     let (prefill_md, _published) =
         exchange_metadata(&mut chan, etcd.as_ref(), &engine.metadata(), &prefill_name, true)?;
-    engine.connect(&prefill_md)?;
+    super::prefill::connect_within(&mut engine, &prefill_md, std::time::Duration::from_secs(wait_s))?;
     let inbox = spawn_reader(&chan)?;
 
     let mut pools: Vec<PagePool> = (0..g.dp).map(|_| PagePool::new(num_pages)).collect();

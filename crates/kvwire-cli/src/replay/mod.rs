@@ -126,7 +126,8 @@ pub(crate) struct ReplayArgs {
     /// `--role prefill`: which of the --prefills this one is, 0-based.
     #[arg(long, default_value_t = 0)]
     pub prefill_rank: usize,
-    /// Seconds a side waits for the other to connect (--role only).
+    /// Seconds a side waits for the other to connect, and a prefill for a
+    /// decode engine that answers its transport handshake late (--role only).
     #[arg(long, default_value_t = 60)]
     pub wait_s: u64,
     /// Serve kvwire's Prometheus metrics at http://IP:PORT/metrics for the
@@ -211,6 +212,9 @@ pub(crate) enum Msg {
         prefill_name: String,
         /// Send the summary to decode after `Finished` (`--role`).
         summary: bool,
+        /// Seconds the decode keeps trying a transport handshake with the
+        /// prefill that times out (`--wait-s`).
+        wait_s: u64,
     },
     /// Either way: KV engine metadata bytes (empty: published in etcd).
     Meta(Vec<u8>),

@@ -84,6 +84,31 @@ pub(super) struct CacheShape {
 
 /// Build a KV engine of `shape` in host memory; returns the shard buffers
 /// `[replica][shard]` too, for filling and checking pages.
+/// Connect to a decode engine, trying again while its transport handshake
+/// times out (a target starved of CPU or memory answers late; a timed-out
+/// connect keeps nothing, see `TransportError::Timeout`) until `budget`
+/// (`--wait-s`) is spent. A refusal or any other error fails at once.
+pub(super) fn connect_within(
+    engine: &mut KVTransferEngine,
+    md: &kvwire::kv::KVTransferEngineMetadata,
+    budget: Duration,
+) -> Result<(), kvwire::kv::KvError> {
+    use kvwire::engine::EngineError;
+    use kvwire::kv::KvError;
+    use kvwire::transport::TransportError;
+    let deadline = Instant::now() + budget;
+    loop {
+        match engine.connect(md) {
+            Err(KvError::Engine(EngineError::Transport(e @ TransportError::Timeout { op: "connect", .. })))
+                if Instant::now() < deadline =>
+            {
+                eprintln!("replay: {e}; trying again (up to --wait-s {} s)", budget.as_secs());
+            }
+            other => return other,
+        }
+    }
+}
+
 pub(super) fn build_engine(
     name: &str,
     shape: &CacheShape,
@@ -227,6 +252,7 @@ pub(super) fn run(a: &ReplayArgs, mut chans: Vec<SideChannel>) -> Result<Report>
             decode_name: if role { format!("decode{d}-p{}", a.prefill_rank) } else { "decode".to_string() },
             prefill_name: prefill_name.clone(),
             summary: role,
+            wait_s: a.wait_s,
         })?;
     }
     let cfg =
@@ -240,7 +266,8 @@ pub(super) fn run(a: &ReplayArgs, mut chans: Vec<SideChannel>) -> Result<Report>
     for (d, chan) in chans.iter_mut().enumerate() {
         let their = if role { format!("decode{d}-p{}", a.prefill_rank) } else { "decode".to_string() };
         let (md, p) = exchange_metadata(chan, etcd.as_ref(), &engine.metadata(), &their, false)?;
-        engine.connect(&md).with_context(|| format!("connecting to the decode engine {}", md.name))?;
+        connect_within(&mut engine, &md, Duration::from_secs(a.wait_s))
+            .with_context(|| format!("connecting to the decode engine {}", md.name))?;
         decode_mds.push(md);
         published.push(p);
     }
