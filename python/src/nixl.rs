@@ -187,6 +187,22 @@ fn scattered_descs(
     remote_addrs: &Bound<'_, PyAny>,
     lengths: &Bound<'_, PyAny>,
 ) -> PyResult<(Vec<Desc>, Vec<Desc>, u64)> {
+    if let (Ok(a), Ok(b), Ok(c)) =
+        (local_addrs.downcast::<PyList>(), remote_addrs.downcast::<PyList>(), lengths.downcast::<PyList>())
+    {
+        // What SGLang and vLLM pass: three lists, read row by row.
+        let (mut l, mut r, mut total) = (Vec::with_capacity(a.len()), Vec::with_capacity(a.len()), 0u64);
+        crate::ints::rows3(a, b, c, |la, ra, n| {
+            let n = u64::try_from(n).map_err(|_| PyValueError::new_err(format!("negative length {n}")))?;
+            if n > 0 {
+                l.push(Desc::new(la, n));
+                r.push(Desc::new(ra, n));
+                total = total.saturating_add(n);
+            }
+            Ok(())
+        })?;
+        return Ok((l, r, total));
+    }
     let seq = |o: &Bound<'_, PyAny>, signed: bool| -> PyResult<Vec<u64>> {
         match o.downcast::<PyList>() {
             Ok(list) => crate::ints::list_u64(list, signed),
