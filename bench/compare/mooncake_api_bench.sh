@@ -4,7 +4,10 @@
 #   - kvwire's `mooncake` on shm and on tcp, and the real
 #     mooncake-transfer-engine-non-cuda wheel over TCP, on one host (127.0.0.1);
 #   - kvwire's own Rust path on the same sizes (`kvwire bench --scatter`), as the
-#     one-host reference;
+#     one-host reference; on shm twice: the target's buffer a kvwire HostBuffer
+#     (its memfd mapped by the initiator) and registered by address only
+#     (`--target-memory plain`, as the Python target's numpy buffer: both then
+#     copy by cross-memory attach);
 #   - kvwire's `mooncake` (tcp) and the real wheel (TCP) across two network
 #     namespaces joined by a veth pair (initiator 10.77.0.1, target 10.77.0.2).
 # 256 MiB of 4 KiB / 64 KiB / 1 MiB pages scattered by a permutation, batch
@@ -77,6 +80,14 @@ for t in shm tcp; do
             "$kvwire" bench --transport $t --op $op --block-size "$page" --blocks $(( bytes / page )) --scatter \
                 --iters "${MC_BENCH_REPS:-3}" --json 2>/dev/null |
                 sed "s/^{/{\"label\": \"kvwire Rust path, $t, one host\", /" >> "$out"
+            if [ "$t" = shm ]; then
+                # The same with the target's buffer registered by address only,
+                # as the Python target's numpy buffer is: shm then copies by
+                # cross-memory attach in both (like for like).
+                "$kvwire" bench --transport shm --op $op --block-size "$page" --blocks $(( bytes / page )) --scatter \
+                    --target-memory plain --iters "${MC_BENCH_REPS:-3}" --json 2>/dev/null |
+                    sed "s/^{/{\"label\": \"kvwire Rust path, shm, plain memory, one host\", /" >> "$out"
+            fi
         done
     done
 done

@@ -47,6 +47,40 @@ fn write_and_read_report_every_documented_key_and_verify() {
     }
 }
 
+/// `--target-memory plain` registers the target's buffer without its memfd:
+/// over shm the bytes then move by cross-memory attach (verified), and a
+/// target that denies cross-memory attach (`cma=deny`) cannot be reached at
+/// all, which shows the memfd was not used.
+#[test]
+fn plain_target_memory_moves_by_cross_memory_attach() {
+    let run = |op: &str, extra: &[&str]| {
+        kvwire()
+            .args(["bench", "--transport", "shm", "--op", op, "--block-size", "4KiB", "--blocks", "256"])
+            .args(["--iters", "2", "--warmup", "1", "--scatter", "--lat-iters", "5", "--json"])
+            .args(["--target-memory", "plain"])
+            .args(extra)
+            .output()
+            .unwrap()
+    };
+    for op in ["write", "read"] {
+        let out = run(op, &[]);
+        assert!(out.status.success(), "{op}: {}", String::from_utf8_lossy(&out.stderr));
+        let j = json_of(&out);
+        assert_eq!((j["verified"].as_bool(), j["target_memory"].as_str()), (Some(true), Some("plain")), "{j}");
+    }
+    let out = run("write", &["--target-option", "cma=deny"]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && err.contains("cross-memory attach is disabled"), "{err}");
+    // The default (memfd) needs no cross-memory attach.
+    let out = kvwire()
+        .args(["bench", "--transport", "shm", "--block-size", "4KiB", "--blocks", "64", "--iters", "1"])
+        .args(["--lat-iters", "2", "--json", "--target-option", "cma=deny"])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert_eq!(json_of(&out)["target_memory"], "memfd");
+}
+
 #[test]
 fn contiguous_blocks_coalesce_into_one_segment() {
     let out = kvwire()

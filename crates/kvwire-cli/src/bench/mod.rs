@@ -53,6 +53,13 @@ pub(crate) struct BenchArgs {
     /// Destination blocks in a random permutation (a paged cache); default: contiguous.
     #[arg(long)]
     scatter: bool,
+    /// How the target registers its buffer: `memfd` (kvwire's HostBuffer,
+    /// whose sealed memfd shm peers map and copy into directly) or `plain`
+    /// (by address only, as a Python or torch engine registers its own
+    /// memory: shm then copies by cross-memory attach). Other transports
+    /// move the same bytes either way.
+    #[arg(long, default_value = "memfd", value_parser = ["memfd", "plain"])]
+    target_memory: String,
     /// Transfers in flight at once in the measured phase (1: one after the
     /// other, each timed alone; more: a stream, as perftest's outstanding
     /// messages); 1..=4096.
@@ -130,6 +137,9 @@ enum Ctl {
         blocks: u64,
         options: Vec<(String, String)>,
         copy_threads: usize,
+        /// `--target-memory plain`: register the buffer without its memfd.
+        #[serde(default)]
+        plain_memory: bool,
     },
     Meta(Vec<u8>),
     Verify {
@@ -239,6 +249,8 @@ struct Report {
     /// Single-block latency transfers (`--lat-iters` or its default).
     lat_iters: usize,
     scatter: bool,
+    /// How the target registered its buffer (`--target-memory`).
+    target_memory: String,
     copy_threads: usize,
     pipeline: usize,
     /// How the initiator waited for each transfer: `block`
@@ -460,6 +472,7 @@ fn initiate(a: &BenchArgs, total: u64, chan: &mut SideChannel) -> Result<Report>
         blocks: a.blocks,
         options: theirs,
         copy_threads: a.copy_threads,
+        plain_memory: a.target_memory == "plain",
     })?;
     let peer = a.connect.as_deref().unwrap_or("the target process");
     match crate::dial::expect_answer(chan, peer, a.connect_timeout)? {
@@ -562,6 +575,7 @@ fn initiate(a: &BenchArgs, total: u64, chan: &mut SideChannel) -> Result<Report>
         iters: a.iters,
         lat_iters: a.lat_iters,
         scatter: a.scatter,
+        target_memory: a.target_memory.clone(),
         copy_threads: a.copy_threads,
         pipeline: a.pipeline,
         wait: if a.poll_wait { "poll" } else { "block" },

@@ -68,6 +68,19 @@ pub(super) fn listen(l: &mut SideListener, addr: &str, timeout: Option<Duration>
     }
 }
 
+/// `--target-memory plain`: the buffer registered by address only, without
+/// the memfd behind it, as an engine's own (numpy, torch) memory is: shm
+/// peers reach it by cross-memory attach instead of mapping it.
+struct Plain(Arc<HostBuffer>);
+
+// SAFETY: the `Arc` keeps the HostBuffer, and so its mapping, alive for as
+// long as this registration; the descriptor is the buffer's own.
+unsafe impl kvwire::transport::MemoryBacking for Plain {
+    fn desc(&self) -> kvwire::transport::MemoryDesc {
+        self.0.desc()
+    }
+}
+
 /// How often a `--listen` target with no initiator yet says it still waits.
 const STILL_WAITING_EVERY: Duration = Duration::from_secs(60);
 
@@ -82,7 +95,7 @@ fn serve(mut chan: SideChannel, setup: Ctl) -> Result<()> {
 }
 
 fn target_loop(chan: &mut SideChannel, setup: Ctl) -> Result<()> {
-    let Ctl::Setup { transport, op, block_size, blocks, options, copy_threads } = setup else {
+    let Ctl::Setup { transport, op, block_size, blocks, options, copy_threads, plain_memory } = setup else {
         bail!("expected Setup from the initiator");
     };
     let mut engine = TransferEngine::new("bench-target", transport, &config(copy_threads, options))?;
@@ -90,7 +103,11 @@ fn target_loop(chan: &mut SideChannel, setup: Ctl) -> Result<()> {
     if op == Op::Read {
         fill_blocks(&buf, block_size, blocks);
     }
-    engine.register(buf.clone())?;
+    if plain_memory {
+        engine.register(Arc::new(Plain(buf.clone())))?;
+    } else {
+        engine.register(buf.clone())?;
+    }
     chan.send(&Ctl::Meta(engine.metadata().to_bytes()))?;
     let mut seen = 0usize;
     let mut verified = false;
