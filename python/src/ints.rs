@@ -17,45 +17,68 @@ use pyo3::ffi;
 use pyo3::prelude::*;
 use pyo3::types::PyList;
 
-/// One element of `list` as a `u64` (`signed`: as an `i64`, reinterpreted;
-/// the caller checks the sign).
-///
-/// # Safety
-/// The GIL is held and `i` is below the length of `list`, read with the GIL
-/// held since the caller last ran Python code.
-///
-/// # Errors
-/// `TypeError` for an element that is not an int, `OverflowError` for one
-/// out of range (a negative value when not `signed`) — CPython's own
-/// messages.
-#[allow(unsafe_code)]
-unsafe fn item_u64(list: &Bound<'_, PyList>, i: usize, signed: bool) -> PyResult<u64> {
-    let py = list.py();
-    // SAFETY: per the contract above. `PyList_GetItem` returns a borrowed,
-    // non-null item the list keeps alive; nothing here runs Python code that
-    // could shrink the list: the int check comes before the conversions,
-    // which for an int (or subclass) read its value without calling back.
-    let (value, failed) = unsafe {
-        let item = ffi::PyList_GetItem(list.as_ptr(), i as ffi::Py_ssize_t);
-        if item.is_null() {
+/// The last element read from one column and its value: a column that
+/// repeats one int object (`[page_len] * n`, the usual lengths column)
+/// converts it once. Python ints are immutable, so the same object has the
+/// same value.
+#[derive(Default)]
+struct Memo {
+    last: Option<(*mut ffi::PyObject, u64)>,
+}
+
+impl Memo {
+    /// Element `i` of `list` as a `u64` (`signed`: as an `i64`,
+    /// reinterpreted; the caller checks the sign).
+    ///
+    /// # Safety
+    /// The GIL is held and `i` is below the length of `list`, read with the
+    /// GIL held since the caller last ran Python code; every earlier read
+    /// through this memo was of the same `list` with no Python code run
+    /// since (the remembered object is one the list still holds).
+    ///
+    /// # Errors
+    /// `TypeError` for an element that is not an int, `OverflowError` for
+    /// one out of range (a negative value when not `signed`) — CPython's
+    /// own messages.
+    #[allow(unsafe_code)]
+    unsafe fn read(&mut self, list: &Bound<'_, PyList>, i: usize, signed: bool) -> PyResult<u64> {
+        let py = list.py();
+        // SAFETY: per the contract above. `PyList_GetItem` returns a
+        // borrowed, non-null item the list keeps alive; nothing here runs
+        // Python code that could shrink the list: the int check comes before
+        // the conversions, which for an int (or subclass) read its value
+        // without calling back.
+        let (value, failed) = unsafe {
+            let item = ffi::PyList_GetItem(list.as_ptr(), i as ffi::Py_ssize_t);
+            if item.is_null() {
+                return Err(PyErr::fetch(py));
+            }
+            if let Some((p, v)) = self.last
+                && p == item
+            {
+                return Ok(v);
+            }
+            if ffi::PyLong_Check(item) == 0 {
+                let name = list.get_item(i)?.get_type().name()?.to_string();
+                return Err(PyTypeError::new_err(format!("an integer is required (element {i} is {name})")));
+            }
+            let r = if signed {
+                let v = as_i64(item);
+                (v as u64, v == -1 && !ffi::PyErr_Occurred().is_null())
+            } else {
+                let v = as_u64(item);
+                (v, v == u64::MAX && !ffi::PyErr_Occurred().is_null())
+            };
+            if !r.1 {
+                self.last = Some((item, r.0));
+            }
+            r
+        };
+        if failed {
             return Err(PyErr::fetch(py));
         }
-        if ffi::PyLong_Check(item) == 0 {
-            let name = list.get_item(i)?.get_type().name()?.to_string();
-            return Err(PyTypeError::new_err(format!("an integer is required (element {i} is {name})")));
-        }
-        if signed {
-            let v = as_i64(item);
-            (v as u64, v == -1 && !ffi::PyErr_Occurred().is_null())
-        } else {
-            let v = as_u64(item);
-            (v, v == u64::MAX && !ffi::PyErr_Occurred().is_null())
-        }
-    };
-    if failed {
-        return Err(PyErr::fetch(py));
+        Ok(value)
     }
-    Ok(value)
 }
 
 /// `PyLong_AsUnsignedLong` where C `unsigned long` holds a `u64`.
@@ -94,15 +117,17 @@ unsafe fn as_i64(item: *mut ffi::PyObject) -> i64 {
 /// the caller checks the sign).
 ///
 /// # Errors
-/// As [`item_u64`], for the first bad element.
+/// As [`Memo::read`], for the first bad element.
 pub(crate) fn list_u64(list: &Bound<'_, PyList>, signed: bool) -> PyResult<Vec<u64>> {
     let n = list.len();
     let mut out = Vec::with_capacity(n);
+    let mut memo = Memo::default();
     for i in 0..n {
         #[allow(unsafe_code)]
-        // SAFETY: GIL held (`Bound`), `i < n`, and no Python code runs in
-        // this loop (`item_u64` calls none for ints and returns on others).
-        out.push(unsafe { item_u64(list, i, signed) }?);
+        // SAFETY: GIL held (`Bound`), `i < n`, one list for the memo, and no
+        // Python code runs in this loop (`read` calls none for ints and
+        // returns on others).
+        out.push(unsafe { memo.read(list, i, signed) }?);
     }
     Ok(out)
 }
@@ -112,7 +137,7 @@ pub(crate) fn list_u64(list: &Bound<'_, PyList>, signed: bool) -> PyResult<Vec<u
 /// peer_buffer_addresses, lengths)` read without a vector per column.
 ///
 /// # Errors
-/// `ValueError` naming the three lengths when they differ; as [`item_u64`]
+/// `ValueError` naming the three lengths when they differ; as [`Memo::read`]
 /// for the first bad element; whatever `row` returns.
 pub(crate) fn rows3(
     a: &Bound<'_, PyList>,
@@ -128,11 +153,13 @@ pub(crate) fn rows3(
             c.len()
         )));
     }
+    let (mut ma, mut mb, mut mc) = (Memo::default(), Memo::default(), Memo::default());
     for i in 0..n {
         #[allow(unsafe_code)]
-        // SAFETY: GIL held (`Bound`); `i < n`, the length of all three, and
-        // no Python code runs in this loop (`row` is Rust).
-        let (x, y, z) = unsafe { (item_u64(a, i, false)?, item_u64(b, i, false)?, item_u64(c, i, true)? as i64) };
+        // SAFETY: GIL held (`Bound`); `i < n`, the length of all three; each
+        // memo reads one list; and no Python code runs in this loop (`row`
+        // is Rust).
+        let (x, y, z) = unsafe { (ma.read(a, i, false)?, mb.read(b, i, false)?, mc.read(c, i, true)? as i64) };
         row(x, y, z)?;
     }
     Ok(())

@@ -139,6 +139,33 @@ impl Core {
             }
         }
     }
+
+    /// Post request `id`; see [`PyNixlCore::post`].
+    fn post(&mut self, id: u64, notif: Option<Vec<u8>>) -> PyResult<i32> {
+        if self.req(id)?.handle.is_some() && self.state(id).unwrap_or(status::SUCCESS) == status::IN_PROG {
+            return Err(err(status::REPOST_ACTIVE, "the request's previous post is still in progress"));
+        }
+        let Core { engine, reqs, segments, .. } = self;
+        let r = reqs.get_mut(&id).ok_or_else(|| err(status::INVALID_PARAM, "unknown request"))?;
+        if let Some(n) = notif {
+            r.notif = Some(n);
+        }
+        if let Some(old) = r.handle.take() {
+            let _ = engine.release(old);
+        }
+        r.refused = None;
+        let h = match engine.post_with(r.op, &r.local, &r.agent, &r.remote, r.notif.clone(), segments) {
+            Ok(h) => h,
+            Err(e) => {
+                if engine_code(&e) == status::REMOTE_DISCONNECT {
+                    r.refused = Some((status::REMOTE_DISCONNECT, e.to_string()));
+                }
+                return Err(engine_err(e));
+            }
+        };
+        r.handle = Some(h);
+        self.state(id)
+    }
 }
 
 /// See the module docs. `transport`: `"shm"`, `"tcp"` or `"verbs"`.
@@ -151,6 +178,9 @@ pub struct PyNixlCore {
     busy_polls: std::sync::atomic::AtomicU32,
     /// `notifs` calls in a row that found nothing.
     empty_polls: std::sync::atomic::AtomicU32,
+    /// The transport's completion channel, for `wait` to sleep on without
+    /// the lock.
+    signal: Option<kvwire::transport::CompletionSignal>,
 }
 
 /// Empty `notifs` answers in a row per yield of the caller's core (see
@@ -162,6 +192,14 @@ const EMPTY_POLLS_PER_YIELD: u32 = 1024;
 /// transfer's latency low, the rest give a tight polling loop's core to the
 /// copy threads.
 const SPIN_POLLS: u32 = 16;
+
+/// Longest sleep of `PyNixlCore::wait` on the completion signal before it
+/// checks again: a wake is a hint, and a failure found by the engine's own
+/// checks (a peer declared dead) rings nothing.
+const WAIT_SLICE: Duration = Duration::from_millis(2);
+/// `PyNixlCore::wait`'s sleep between checks on a transport without a
+/// completion signal.
+const WAIT_NAP: Duration = Duration::from_micros(200);
 
 impl PyNixlCore {
     fn run<T: Send>(&self, py: Python<'_>, f: impl FnOnce(&mut Core) -> PyResult<T> + Send) -> PyResult<T> {
@@ -262,6 +300,7 @@ impl PyNixlCore {
             EngineError::BadAgentName { .. } => PyValueError::new_err(e.to_string()),
             other => engine_err(other),
         })?;
+        let signal = engine.completion_signal();
         let core = Core {
             engine,
             regs: HashMap::new(),
@@ -277,6 +316,7 @@ impl PyNixlCore {
             transport: kind,
             busy_polls: Default::default(),
             empty_polls: Default::default(),
+            signal,
         })
     }
 
@@ -495,12 +535,15 @@ impl PyNixlCore {
     /// intermediate array). Entries of length 0 move nothing and are left
     /// out. Checked now, as [`create`](Self::create). Returns `(id, total
     /// bytes)`; id 0 when nothing is left to move (no request is made).
+    /// `post=True` also posts it, as [`post`](Self::post) (one call and one
+    /// pass of checks for Mooncake's one-shot batch calls); when that post
+    /// fails, no request is left behind and its error is raised.
     ///
     /// Raises `TypeError` / `OverflowError` for an element that is not an
     /// int in `u64` range (a negative address), `ValueError` for sequences
     /// of different lengths or a negative length, `NixlCoreError` for the
     /// checks of [`create`](Self::create).
-    #[pyo3(signature = (op, local_addrs, agent, remote_addrs, lengths, notif=None))]
+    #[pyo3(signature = (op, local_addrs, agent, remote_addrs, lengths, notif=None, post=false))]
     #[allow(clippy::too_many_arguments)] // Mooncake's batch arguments, plus `py`
     fn create_scattered(
         &self,
@@ -511,6 +554,7 @@ impl PyNixlCore {
         remote_addrs: &Bound<'_, PyAny>,
         lengths: &Bound<'_, PyAny>,
         notif: Option<Vec<u8>>,
+        post: bool,
     ) -> PyResult<(u64, u64)> {
         let op = op_of(op)?;
         let (l, r, total) = scattered_descs(local_addrs, remote_addrs, lengths)?;
@@ -518,10 +562,18 @@ impl PyNixlCore {
             return Ok((0, 0));
         }
         self.run(py, |c| {
-            c.engine.check_local(&l).map_err(engine_err)?;
-            c.engine.check_remote(&agent, &r).map_err(engine_err)?;
+            if !post {
+                c.engine.check_local(&l).map_err(engine_err)?;
+                c.engine.check_remote(&agent, &r).map_err(engine_err)?;
+            }
             let id = c.id();
             c.reqs.insert(id, Request { op, agent, local: l, remote: r, notif, handle: None, refused: None });
+            if post && let Err(e) = c.post(id, None) {
+                // The post checks what create would have (same errors);
+                // nothing moved, and no request is left behind.
+                c.reqs.remove(&id);
+                return Err(e);
+            }
             Ok((id, total))
         })
     }
@@ -532,31 +584,7 @@ impl PyNixlCore {
     /// is still moving.
     #[pyo3(signature = (id, notif=None))]
     fn post(&self, py: Python<'_>, id: u64, notif: Option<Vec<u8>>) -> PyResult<i32> {
-        self.run(py, |c| {
-            if c.req(id)?.handle.is_some() && c.state(id).unwrap_or(status::SUCCESS) == status::IN_PROG {
-                return Err(err(status::REPOST_ACTIVE, "the request's previous post is still in progress"));
-            }
-            let Core { engine, reqs, segments, .. } = c;
-            let r = reqs.get_mut(&id).ok_or_else(|| err(status::INVALID_PARAM, "unknown request"))?;
-            if let Some(n) = notif {
-                r.notif = Some(n);
-            }
-            if let Some(old) = r.handle.take() {
-                let _ = engine.release(old);
-            }
-            r.refused = None;
-            let h = match engine.post_with(r.op, &r.local, &r.agent, &r.remote, r.notif.clone(), segments) {
-                Ok(h) => h,
-                Err(e) => {
-                    if engine_code(&e) == status::REMOTE_DISCONNECT {
-                        r.refused = Some((status::REMOTE_DISCONNECT, e.to_string()));
-                    }
-                    return Err(engine_err(e));
-                }
-            };
-            r.handle = Some(h);
-            c.state(id)
-        })
+        self.run(py, |c| c.post(id, notif))
     }
 
     /// NIXL status of request `id`: SUCCESS or IN_PROG; raises NOT_POSTED
@@ -581,6 +609,44 @@ impl PyNixlCore {
             self.busy_polls.store(0, Relaxed);
         }
         s
+    }
+
+    /// Wait until request `id` leaves IN_PROG or `timeout_s` seconds (wall
+    /// time, ≥ 0) pass; returns what [`state`](Self::state) would then: SUCCESS,
+    /// IN_PROG on timeout (the request stays posted), or a raise with the
+    /// failure's status. The GIL and the core's lock are released while it
+    /// sleeps (on the transport's completion channel, woken by the
+    /// completion; slices of at most 2 ms), so other threads post and poll
+    /// meanwhile and the waiting thread spends no CPU on polling — the
+    /// blocking half of Mooncake 0.3's `batch_transfer_sync_write`, where a
+    /// NIXL caller spins on `state`. Raises `ValueError` for a negative or
+    /// NaN `timeout_s`.
+    fn wait(&self, py: Python<'_>, id: u64, timeout_s: f64) -> PyResult<i32> {
+        if timeout_s.is_nan() || timeout_s < 0.0 {
+            return Err(PyValueError::new_err(format!("timeout_s must be >= 0 seconds, got {timeout_s}")));
+        }
+        // Capped at a day: Instant + Duration must not overflow.
+        let timeout = Duration::from_secs_f64(timeout_s.min(86_400.0));
+        crate::gil::without_gil(py, || {
+            let deadline = std::time::Instant::now() + timeout;
+            loop {
+                let s = {
+                    let mut core =
+                        self.inner.lock().map_err(|_| PyRuntimeError::new_err("NIXL core poisoned by a panic"))?;
+                    core.state(id)?
+                };
+                let left = deadline.saturating_duration_since(std::time::Instant::now());
+                if s != status::IN_PROG || left.is_zero() {
+                    return Ok(s);
+                }
+                match &self.signal {
+                    Some(sig) => {
+                        sig.wait(left.min(WAIT_SLICE));
+                    }
+                    None => std::thread::sleep(left.min(WAIT_NAP)),
+                }
+            }
+        })
     }
 
     /// `(start_us, post_us, xfer_us, bytes, desc_count)` of the last post.

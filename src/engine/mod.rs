@@ -645,6 +645,19 @@ impl TransferEngine {
         }
     }
 
+    /// A [`CompletionSignal`](transport::CompletionSignal) on this
+    /// engine's transport, for a caller that shares the engine between
+    /// threads behind a lock: check [`status`](Self::status) under the lock,
+    /// then, still in progress, sleep on the signal with the lock released
+    /// (bounded slices: a wake is a hint, and failures found only by
+    /// [`progress`](Self::progress) ring nothing), so that other threads
+    /// post and poll meanwhile. [`wait`](Self::wait) is the same for a
+    /// caller that owns the engine. `None` for a transport without a
+    /// completion channel (sleep briefly between checks instead).
+    pub fn completion_signal(&self) -> Option<transport::CompletionSignal> {
+        self.transport.completion_signal()
+    }
+
     /// Bytes a transfer moves.
     ///
     /// # Errors

@@ -112,6 +112,11 @@ impl<T: AsRef<XferState>> InFlight<T> {
         self.done_tx.clone()
     }
 
+    /// A signal on the completion channel (see [`super::CompletionSignal`]).
+    pub(super) fn signal(&self) -> super::CompletionSignal {
+        super::CompletionSignal::new(self.done.clone())
+    }
+
     /// Track a posted transfer until it completes or is cancelled.
     pub(super) fn insert(&mut self, x: Arc<T>) {
         let id = state(&x).id;

@@ -131,6 +131,44 @@ pub struct Completion {
     pub result: Result<(), TransferFailure>,
 }
 
+/// A way to sleep until a transport reports a completion, without holding
+/// the transport (or the engine that owns it): a thread that released the
+/// engine's lock between status checks sleeps here instead of polling, and
+/// other threads keep using the engine meanwhile. It watches the backend's
+/// completion channel without taking anything from it (the next
+/// [`Transport::poll`] still gets every completion). NIXL has no such call
+/// (its callers spin on `getXferStatus`); Mooncake 0.3's
+/// `batch_transfer_sync_write` sleeps inside the engine the same way.
+#[derive(Debug, Clone)]
+pub struct CompletionSignal(crossbeam_channel::Receiver<Completion>);
+
+impl CompletionSignal {
+    pub(crate) fn new(done: crossbeam_channel::Receiver<Completion>) -> Self {
+        Self(done)
+    }
+
+    /// Sleep until a completion is queued on the channel (any transfer's,
+    /// one taken meanwhile by another thread's poll included) or `timeout`
+    /// (wall time) passes. True when one is queued. Callers check their
+    /// transfer's status after it either way: a wake is a hint, not a
+    /// result. A channel whose sender is gone (a transport being dropped)
+    /// sleeps the whole `timeout` instead of returning at once.
+    pub fn wait(&self, timeout: Duration) -> bool {
+        let mut sel = crossbeam_channel::Select::new();
+        sel.recv(&self.0);
+        if sel.ready_timeout(timeout).is_err() {
+            return false;
+        }
+        if self.0.is_empty() {
+            // Ready with nothing queued: disconnected, or another thread
+            // drained it first; either way nothing to report now.
+            std::thread::sleep(timeout);
+            return false;
+        }
+        true
+    }
+}
+
 /// A notification received from a peer: `(peer agent name, payload)`.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Notification {
@@ -510,6 +548,14 @@ pub trait Transport: Send {
             std::thread::sleep(timeout.min(Duration::from_micros(200)));
             self.poll(out);
         }
+    }
+
+    /// A [`CompletionSignal`] on this backend's completion channel, for
+    /// callers that wait without holding the transport. `None` (the
+    /// default) for backends without one: callers then sleep briefly
+    /// between polls.
+    fn completion_signal(&self) -> Option<CompletionSignal> {
+        None
     }
 
     /// Stop a transfer. Returns only when nothing can still touch its buffers.

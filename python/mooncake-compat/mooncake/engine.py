@@ -78,6 +78,8 @@ KVWIRE = True
 # NIXL status codes the kvwire core raises (kvwire python/src/nixl.rs).
 _NOT_FOUND = -4
 _REMOTE_DISCONNECT = -10
+# Longest single sleep of a sync call inside the core (seconds).
+_WAIT_SLICE_S = 0.1
 
 _OFF = {"", "0", "false", "off", "no"}
 
@@ -811,9 +813,10 @@ class TransferEngine:
         for attempt in (0, 1):
             try:
                 if lists:
-                    rid, total = core.create_scattered(opname, buffers, s.agent, peer_addrs, lengths, notif)
-                    if rid == 0:
-                        return 0, s, 0
+                    # Created and posted in one call (one pass of checks).
+                    rid, total = core.create_scattered(opname, buffers, s.agent, peer_addrs, lengths, notif,
+                                                       post=True)
+                    return rid, s, total
                 else:
                     total = int(lens.sum())
                     rid = core.create(opname, _rows(bufs, lens), s.agent, _rows(peers, lens), 2, notif)
@@ -861,10 +864,12 @@ class TransferEngine:
         except (NixlCoreError, AttributeError):
             pass
 
-    def _poll(self, rid, target):
-        """1 done, 0 running, -1 failed (request released when not running)."""
+    def _poll(self, rid, target, wait_s=None):
+        """1 done, 0 running, -1 failed (request released when not running).
+        With ``wait_s``, first sleep up to that many seconds for the request
+        to finish (in the core, GIL and lock released)."""
         try:
-            st = self._core.state(rid)
+            st = self._core.state(rid) if wait_s is None else self._core.wait(rid, wait_s)
         except NixlCoreError as e:
             logger.error("transfer to %s failed: %s", target, e.args[-1])
             self._release(rid)
@@ -882,18 +887,17 @@ class TransferEngine:
         return time.monotonic() + self._timeout + total / 1e9  # Mooncake: + 1 GiB/s
 
     def _wait(self, rid, target, deadline):
-        n = 0
+        # Mooncake's sync calls block inside the engine; so does this: the
+        # core sleeps on the transport's completion channel, in slices of at
+        # most 0.1 s so that signals (Ctrl-C) are handled meanwhile.
         while True:
-            r = self._poll(rid, target)
+            r = self._poll(rid, target, max(0.0, min(deadline - time.monotonic(), _WAIT_SLICE_S)))
             if r != 0:
                 return 0 if r == 1 else -1
             if time.monotonic() > deadline:
                 logger.error("transfer to %s timed out (MC_TRANSFER_TIMEOUT=%gs)", target, self._timeout)
                 self._release(rid)  # cancels; returns once no byte can still move
                 return -1
-            n += 1
-            if n > 200:
-                time.sleep(0.0002 if n < 2000 else 0.001)
 
     def _sync(self, target, op, buffers, peer_addrs, lengths, notify=None):
         rid, _s, total = self._submit(target, op, buffers, peer_addrs, lengths, notify)

@@ -399,6 +399,69 @@ def test_batch_argument_forms_and_refusals(engines, form):
         assert a.batch_transfer_sync_write(b.session_id, conv([2**64] + srcs[1:]), conv(dsts), conv([PAGE] * n)) == -1
 
 
+def test_columns_that_repeat_int_objects(engines):
+    """The core converts a repeated int object once (the usual
+    ``[page_len] * n`` lengths column): values that change mid-column, a
+    repeated address and a bad element after repeats still come out right."""
+    a, b = engines
+    n = 8
+    src, dst = reg(a, n * PAGE, fill=11), reg(b, n * PAGE)
+    half = int(str(PAGE // 2))  # a distinct object
+    lens = [PAGE] * n
+    lens[2], lens[5] = half, half
+    srcs = [src.ctypes.data + i * PAGE for i in range(n)]
+    dsts = [dst.ctypes.data + i * PAGE for i in range(n)]
+    assert a.batch_transfer_sync_write(b.session_id, srcs, dsts, lens) == 0
+    d, s_ = dst.reshape(n, PAGE), src.reshape(n, PAGE)
+    for i in range(n):
+        k = PAGE // 2 if i in (2, 5) else PAGE
+        assert (d[i, :k] == s_[i, :k]).all() and (d[i, k:] == 0).all(), i
+    one = src.ctypes.data
+    assert a.batch_transfer_sync_write(b.session_id, [one] * n, dsts, [PAGE] * n) == 0
+    assert (d == s_[0]).all(), "one source address repeated n times"
+    assert a.batch_transfer_sync_write(b.session_id, srcs, dsts, [PAGE] * (n - 1) + ["x"]) == -1
+    assert a.batch_transfer_sync_write(b.session_id, srcs, dsts, [PAGE] * (n - 1) + [-PAGE]) == -1
+
+
+def test_core_wait_and_one_call_post(engines):
+    """The core calls under the sync path: ``create_scattered(post=True)``
+    creates and posts in one call and leaves no request behind when the post
+    is refused; ``wait`` sleeps until the request ends (GIL released) and
+    answers as ``state``."""
+    from kvwire._kvwire import NixlCoreError
+    a, b = engines
+    n = 64
+    src, dst = reg(a, n * PAGE, fill=12), reg(b, n * PAGE)
+    assert a.batch_transfer_sync_write(b.session_id, [src.ctypes.data], [dst.ctypes.data], [8]) == 0
+    core, agent = a._core, a._session(b.session_id).agent
+    srcs = [src.ctypes.data + i * PAGE for i in range(n)]
+    dsts = [dst.ctypes.data + (n - 1 - i) * PAGE for i in range(n)]
+    rid, total = core.create_scattered("WRITE", srcs, agent, dsts, [PAGE] * n, None, post=True)
+    assert total == n * PAGE
+    assert core.wait(rid, 30.0) == 0
+    assert core.wait(rid, 0.0) == 0, "a finished request answers at once"
+    assert (dst.reshape(n, PAGE)[::-1] == src.reshape(n, PAGE)).all()
+    core.release(rid)
+    with pytest.raises(NixlCoreError) as e:
+        core.create_scattered("WRITE", srcs, agent, [dsts[0] + n * PAGE] + dsts[1:], [PAGE] * n, None, post=True)
+    assert e.value.args[0] == -4  # NOT_FOUND, as create's own check says it
+    with pytest.raises(NixlCoreError) as e:
+        core.state(rid + 1)
+    assert "unknown" in e.value.args[1], "the refused request was left behind"
+    with pytest.raises(NixlCoreError):
+        core.wait(rid, 1.0)  # released: unknown
+    for bad in (-1.0, float("nan")):
+        with pytest.raises(ValueError):
+            core.wait(rid, bad)
+    # Unposted: NOT_POSTED at once, not a wait until the timeout.
+    rid2, _ = core.create_scattered("WRITE", srcs, agent, dsts, [PAGE] * n, None)
+    t = time.monotonic()
+    with pytest.raises(NixlCoreError) as e:
+        core.wait(rid2, 30.0)
+    assert e.value.args[0] == -1 and time.monotonic() - t < 10
+    core.release(rid2)
+
+
 def test_unknown_and_dead_sessions(engines):
     a, b = engines
     src = reg(a, PAGE)

@@ -496,6 +496,10 @@ impl Transport for ShmTransport {
         self.inflight.wait(out, timeout);
     }
 
+    fn completion_signal(&self) -> Option<super::CompletionSignal> {
+        Some(self.inflight.signal())
+    }
+
     fn cancel(&mut self, xfer: XferId) {
         self.inflight.cancel(xfer);
     }

@@ -510,6 +510,10 @@ impl Transport for TcpTransport {
         self.inflight.wait(out, timeout);
     }
 
+    fn completion_signal(&self) -> Option<super::CompletionSignal> {
+        Some(self.inflight.signal())
+    }
+
     fn cancel(&mut self, xfer: XferId) {
         // Queued chunks are skipped; a chunk on the wire finishes its
         // syscall (bounded by peer_timeout) and a READ stops writing into

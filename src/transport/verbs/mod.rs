@@ -714,6 +714,10 @@ impl<D: Device> Transport for VerbsTransport<D> {
         }
     }
 
+    fn completion_signal(&self) -> Option<super::CompletionSignal> {
+        Some(super::CompletionSignal::new(self.core.done.clone()))
+    }
+
     /// Returns once the NIC can no longer touch the transfer's buffers: the
     /// engine drops its queued work and closes the reply once its posted
     /// WRs completed or flushed (it moves the QPs carrying them to the
