@@ -8,7 +8,8 @@
 #     (its memfd mapped by the initiator) and registered by address only
 #     (`--target-memory plain`, as the Python target's numpy buffer: both then
 #     copy by cross-memory attach);
-#   - kvwire's `mooncake` (tcp) and the real wheel (TCP) across two network
+#   - kvwire's `mooncake` (tcp), the real wheel (TCP) and kvwire's Rust path
+#     (`kvwire bench --listen` / `--connect`, tcp) across two network
 #     namespaces joined by a veth pair (initiator 10.77.0.1, target 10.77.0.2).
 # 256 MiB of 4 KiB / 64 KiB / 1 MiB pages scattered by a permutation, batch
 # write and read, bytes verified. Prints a table and writes
@@ -97,6 +98,21 @@ if [ "$netns" = 1 ]; then
     run "kvwire mooncake, tcp, two netns" ip netns exec "$A" env KVWIRE_MOONCAKE_TRANSPORT=tcp \
         KVWIRE_MOONCAKE_TOKEN=bench-$$ "${ns[@]}" "$ours"
     run "Mooncake 0.3.13.post1 TCP, two netns" ip netns exec "$A" env "${ns[@]}" "$real"
+    # kvwire's Rust path across the same namespaces (`bench --listen` in B,
+    # `bench --connect` from A): where the tcp link itself tops out.
+    port=$(( 18600 + $$ % 1000 ))
+    for op in write read; do
+        for page in 4096 65536 1048576; do
+            ip netns exec "$B" env KVWIRE_TCP_LISTEN=10.77.0.2:0 "$kvwire" bench --listen "10.77.0.2:$port" \
+                --listen-timeout 60 >"$logs/rust-netns-target.log" 2>&1 &
+            tpid=$!
+            ip netns exec "$A" env KVWIRE_TCP_LISTEN=10.77.0.1:0 "$kvwire" bench --connect "10.77.0.2:$port" \
+                --connect-timeout 30 --transport tcp --op $op --block-size "$page" --blocks $(( bytes / page )) \
+                --scatter --iters "${MC_BENCH_REPS:-3}" --json 2>>"$logs/rust-netns-initiator.err" |
+                sed "s/^{/{\"label\": \"kvwire Rust path, tcp, two netns\", /" >> "$out" || true
+            wait "$tpid" || true
+        done
+    done
 fi
 done
 
