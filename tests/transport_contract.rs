@@ -412,16 +412,28 @@ fn a_dead_peer_fails_within_the_timeout_then_fast(be: Backend) {
     a.disconnect(&bn).unwrap();
 }
 
-fn release_fences_the_memory(be: Backend) {
-    let Some((mut a, mut b)) = pair(be, "fence", &[]) else { return };
+/// 32 MiB registered at `a` (filled from `seed`) and at `b`, `a` connected
+/// to `b`, and the 4 KiB page descriptors that write `a`'s pages into `b`'s
+/// in reverse order: `(src, dst, local, remote)`.
+fn reversed_pages(
+    a: &mut TransferEngine,
+    b: &mut TransferEngine,
+    seed: u8,
+) -> (Arc<HostBuffer>, Arc<HostBuffer>, Vec<Desc>, Vec<Desc>) {
     let len = 32 << 20;
-    let (src, dst) = (buf(len, 5), Arc::new(HostBuffer::new(len).unwrap()));
+    let (src, dst) = (buf(len, seed), Arc::new(HostBuffer::new(len).unwrap()));
     a.register(src.clone()).unwrap();
     b.register(dst.clone()).unwrap();
     a.connect(&b.metadata()).unwrap();
     let pages = len / 4096;
     let l: Vec<Desc> = (0..pages).map(|p| Desc::new(src.addr() + (p * 4096) as u64, 4096)).collect();
     let r: Vec<Desc> = (0..pages).map(|p| Desc::new(dst.addr() + ((pages - 1 - p) * 4096) as u64, 4096)).collect();
+    (src, dst, l, r)
+}
+
+fn release_fences_the_memory(be: Backend) {
+    let Some((mut a, mut b)) = pair(be, "fence", &[]) else { return };
+    let (_src, dst, l, r) = reversed_pages(&mut a, &mut b, 5);
     for _ in 0..3 {
         let h = a.post(Op::Write, &l, b.name(), &r, None).unwrap();
         a.release(h).unwrap();
@@ -794,14 +806,8 @@ fn a_completion_signal_wakes_a_waiter_and_takes_nothing(be: Backend) {
     let Some((mut a, mut b)) = pair(be, "signal", &[]) else { return };
     let sig = a.completion_signal().expect("every backend has a completion channel");
     assert!(!sig.wait(Duration::from_millis(20)), "{be:?}: woken with nothing in flight");
-    let len = 32 << 20;
-    let (src, dst) = (buf(len, 9), Arc::new(HostBuffer::new(len).unwrap()));
-    a.register(src.clone()).unwrap();
-    b.register(dst.clone()).unwrap();
-    a.connect(&b.metadata()).unwrap();
-    let pages = len / 4096;
-    let l: Vec<Desc> = (0..pages).map(|p| Desc::new(src.addr() + (p * 4096) as u64, 4096)).collect();
-    let r: Vec<Desc> = (0..pages).map(|p| Desc::new(dst.addr() + ((pages - 1 - p) * 4096) as u64, 4096)).collect();
+    let (src, dst, l, r) = reversed_pages(&mut a, &mut b, 9);
+    let pages = l.len();
     for round in 0..3 {
         let h = a.post(Op::Write, &l, b.name(), &r, None).unwrap();
         let mut wakes = 0;
