@@ -20,9 +20,13 @@ MC_BENCH_TARGET_HOST (the target's, default MC_BENCH_HOST),
 MC_BENCH_PROTOCOL (default tcp), MC_BENCH_BYTES (default 256 MiB),
 MC_BENCH_REPS (default 3), MC_BENCH_BATCH (descriptors per call, 0 = all in
 one call; default 0), MC_BENCH_PAGES (comma list, default 4096,65536,1048576),
-MC_BENCH_TARGET_PREFIX. Prints one JSON object on stdout.
+MC_BENCH_TARGET_PREFIX, MC_BENCH_TARGET_MEMORY (`numpy`, the default: the
+target registers a numpy array by address, as SGLang registers its
+tensors; `managed`: the target's buffer comes from
+`allocate_managed_buffer`). Prints one JSON object on stdout.
 """
 
+import ctypes
 import hashlib
 import json
 import os
@@ -40,6 +44,7 @@ PAGES = [int(p) for p in os.environ.get("MC_BENCH_PAGES", "4096,65536,1048576").
 PROTOCOL = os.environ.get("MC_BENCH_PROTOCOL", "tcp")
 HOST = os.environ.get("MC_BENCH_HOST", "127.0.0.1")
 TARGET_HOST = os.environ.get("MC_BENCH_TARGET_HOST", HOST)
+TARGET_MEMORY = os.environ.get("MC_BENCH_TARGET_MEMORY", "numpy")
 
 
 def engine(host):
@@ -58,9 +63,17 @@ def content(seed):
 
 def run_target():
     e = engine(TARGET_HOST)
-    buf = np.zeros(BYTES, np.uint8)
-    if e.register_memory(buf.ctypes.data, BYTES) != 0:
-        raise SystemExit("target register_memory failed")
+    if TARGET_MEMORY == "managed":
+        addr = e.allocate_managed_buffer(BYTES)
+        if addr == 0:
+            raise SystemExit("target allocate_managed_buffer failed")
+        buf = np.ctypeslib.as_array((ctypes.c_uint8 * BYTES).from_address(addr))
+    elif TARGET_MEMORY == "numpy":
+        buf = np.zeros(BYTES, np.uint8)
+        if e.register_memory(buf.ctypes.data, BYTES) != 0:
+            raise SystemExit("target register_memory failed")
+    else:
+        raise SystemExit(f"MC_BENCH_TARGET_MEMORY={TARGET_MEMORY!r}: numpy or managed")
     session = f"{TARGET_HOST}:{e.get_rpc_port()}"
     print(json.dumps({"session": session, "addr": buf.ctypes.data}), flush=True)
     for line in sys.stdin:
@@ -161,7 +174,7 @@ def main():
     finally:
         tgt.close()
     print(json.dumps({"impl": impl, "transport": getattr(e, "_transport", None) or PROTOCOL, "protocol": PROTOCOL,
-                      "host": HOST, "target_host": TARGET_HOST, "bytes": BYTES, "reps": REPS, "batch": BATCH,
+                      "host": HOST, "target_host": TARGET_HOST, "target_memory": TARGET_MEMORY, "bytes": BYTES, "reps": REPS, "batch": BATCH,
                       "results": results}))
 
 

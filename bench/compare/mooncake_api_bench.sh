@@ -71,6 +71,9 @@ fi
 for round in $(seq 1 "${MC_BENCH_ROUNDS:-1}"); do
 echo "== round $round" >&2
 run "kvwire mooncake, shm, one host" KVWIRE_MOONCAKE_TRANSPORT=shm "$ours"
+# The target's buffer from allocate_managed_buffer (kvwire: its own memfd
+# memory, which shm maps, like the Rust path's HostBuffer target).
+run "kvwire mooncake, shm, managed target" KVWIRE_MOONCAKE_TRANSPORT=shm MC_BENCH_TARGET_MEMORY=managed "$ours"
 run "kvwire mooncake, tcp, one host" KVWIRE_MOONCAKE_TRANSPORT=tcp "$ours"
 run "Mooncake 0.3.13.post1 TCP, one host" "$real"
 

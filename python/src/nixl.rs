@@ -102,6 +102,9 @@ struct Core {
     /// Descriptor lists of released requests, for the next `make` to refill
     /// without faulting in fresh pages (1 MiB per side at 65,536).
     spare: Vec<Vec<Desc>>,
+    /// Host memory kvwire allocated (`alloc_host`), by start address:
+    /// registrations inside one are views of it, which shm peers map.
+    hosted: std::collections::BTreeMap<u64, Arc<kvwire::HostBuffer>>,
 }
 
 impl Core {
@@ -138,6 +141,25 @@ impl Core {
                 Err(err(code, why.to_string()))
             }
         }
+    }
+
+    /// The backing to register for `desc`: a view of the `alloc_host`
+    /// buffer holding the whole range (when it is the whole buffer, shm peers
+    /// map its memfd and copy with plain stores), else the caller's memory by
+    /// address (shm peers reach it by cross-memory attach).
+    fn backing(&self, desc: MemoryDesc) -> Arc<dyn kvwire::transport::MemoryBacking> {
+        if desc.kind == MemoryKind::Dram
+            && let Some((&start, hb)) = self.hosted.range(..=desc.addr).next_back()
+            && let Some(v) = kvwire::transport::View::new(hb.clone(), desc.addr - start, desc.len_bytes)
+        {
+            return Arc::new(v);
+        }
+        // SAFETY: NIXL's `registerMem` contract, which this API is: the
+        // caller passes memory it owns (`nixl._utils.malloc_passthru`
+        // memory, numpy arrays, torch tensors it holds) and keeps it valid
+        // until it deregisters it. Python hands raw addresses here, so
+        // nothing stronger can be checked; documented in docs/NIXL.md.
+        Arc::new(unsafe { RawMemory::new(desc) })
     }
 
     /// Post request `id`; see [`PyNixlCore::post`].
@@ -309,6 +331,7 @@ impl PyNixlCore {
             next_id: 0,
             segments: Vec::new(),
             spare: Vec::new(),
+            hosted: Default::default(),
         };
         Ok(Self {
             inner: Mutex::new(core),
@@ -342,13 +365,7 @@ impl PyNixlCore {
         let desc =
             MemoryDesc { addr, len_bytes: length, kind, device_id: if kind == MemoryKind::Dram { 0 } else { dev } };
         self.run(py, |c| {
-            // SAFETY: NIXL's `registerMem` contract, which this API is: the
-            // caller passes memory it owns (`nixl._utils.malloc_passthru`
-            // memory, numpy arrays, torch tensors it holds) and keeps it valid
-            // until it deregisters it. Python hands raw addresses here, so
-            // nothing stronger can be checked; documented in docs/NIXL.md.
-            let mem = unsafe { RawMemory::new(desc) };
-            let h = c.engine.register(Arc::new(mem)).map_err(engine_err)?;
+            let h = c.engine.register(c.backing(desc)).map_err(engine_err)?;
             c.regs.entry((addr, length)).or_default().push(h);
             Ok(())
         })
@@ -369,9 +386,7 @@ impl PyNixlCore {
                 .iter()
                 .map(|&(addr, length, dev)| {
                     let device_id = if kind == MemoryKind::Dram { 0 } else { dev };
-                    // SAFETY: as in `register` (NIXL's `registerMem` contract).
-                    let mem = unsafe { RawMemory::new(MemoryDesc { addr, len_bytes: length, kind, device_id }) };
-                    Arc::new(mem) as Arc<dyn kvwire::transport::MemoryBacking>
+                    c.backing(MemoryDesc { addr, len_bytes: length, kind, device_id })
                 })
                 .collect();
             let hs = c.engine.register_batch(mems).map_err(engine_err)?;
@@ -379,6 +394,44 @@ impl PyNixlCore {
                 c.regs.entry((addr, length)).or_default().push(h);
             }
             Ok(())
+        })
+    }
+
+    /// Allocate `length` bytes of zeroed host memory that kvwire owns (a
+    /// sealed memfd, mapped and pre-faulted) and return its address; nothing
+    /// is registered. A later `register` of a range inside it registers a
+    /// view of it; on shm a registration of the whole of it (once at a time)
+    /// hands its memfd to peers on this host, which map it and copy with
+    /// plain stores, where memory registered by address (and a part of this
+    /// memory) is reached by cross-memory attach. The allocator behind the
+    /// `mooncake` package's `allocate_managed_buffer`. It stays allocated until `free_host`, and
+    /// after that for as long as a registration or a transfer uses it.
+    /// Raises `ValueError` for a zero length, `NixlCoreError` (BACKEND) when
+    /// the allocation fails (the cause named).
+    fn alloc_host(&self, py: Python<'_>, length: u64) -> PyResult<u64> {
+        if length == 0 {
+            return Err(PyValueError::new_err("alloc_host of 0 bytes"));
+        }
+        let len = usize::try_from(length).map_err(|_| PyValueError::new_err(format!("{length} bytes is too large")))?;
+        self.run(py, |c| {
+            let hb = kvwire::HostBuffer::new(len)
+                .map_err(|e| err(status::BACKEND, format!("host memory of {length} bytes: {e}")))?;
+            let addr = hb.addr();
+            c.hosted.insert(addr, Arc::new(hb));
+            Ok(addr)
+        })
+    }
+
+    /// Give back memory from `alloc_host` (its start address). Registrations
+    /// and transfers that still use it keep it mapped until they end.
+    /// Raises `NixlCoreError` (NOT_FOUND) for an address `alloc_host` did
+    /// not return or that was given back already.
+    fn free_host(&self, py: Python<'_>, addr: u64) -> PyResult<()> {
+        self.run(py, |c| {
+            c.hosted
+                .remove(&addr)
+                .map(|_| ())
+                .ok_or_else(|| err(status::NOT_FOUND, format!("{addr:#x} is not memory from alloc_host")))
         })
     }
 

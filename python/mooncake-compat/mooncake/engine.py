@@ -33,7 +33,6 @@ import glob
 import ipaddress
 import json
 import logging
-import mmap
 import os
 import random
 import socket
@@ -376,7 +375,7 @@ class TransferEngine:
         self._lock = threading.RLock()
         self._regs = {}  # addr -> length, in registration order
         self._starts = []  # the keys of _regs, sorted (overlap checks)
-        self._managed = {}  # addr -> mmap
+        self._managed = {}  # addr -> length (memory from the core's alloc_host)
         self._sessions = {}  # session id -> _Session
         self._batches = {}  # id -> _Batch
         self._next_batch = 0
@@ -523,12 +522,7 @@ class TransferEngine:
         """Stop serving and drop the kvwire engine (kvwire extension; Mooncake
         frees on destruction)."""
         with self._lock:
-            self._teardown()
-            for m in self._managed.values():
-                try:
-                    m.close()
-                except BufferError:
-                    pass
+            self._teardown()  # the core, and the managed memory it holds, go with it
             self._managed.clear()
 
     def __del__(self):
@@ -642,37 +636,39 @@ class TransferEngine:
         return rc
 
     def allocate_managed_buffer(self, length):
+        """``length`` bytes of zeroed host memory, registered; 0 on failure.
+        kvwire allocates it (a sealed memfd), so peers on this host on shm
+        map it and copy with plain stores instead of by cross-memory attach."""
         length = int(length)
-        if length <= 0 or self._core is None:
+        core = self._core
+        if length <= 0 or core is None:
             return 0
         try:
-            m = mmap.mmap(-1, length, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-        except (OSError, ValueError) as e:
-            logger.error("allocate_managed_buffer(%d): %s", length, e)
+            addr = core.alloc_host(length)
+        except (NixlCoreError, ValueError, OverflowError) as e:
+            logger.error("allocate_managed_buffer(%d): %s", length, e.args[-1])
             return 0
-        addr = ctypes.addressof(ctypes.c_char.from_buffer(m))
-        if self.register_memory(addr, length) != 0:
-            m.close()
+        if self.register_memory(addr, length, "cpu:0") != 0:
+            core.free_host(addr)
             return 0
         with self._lock:
-            self._managed[addr] = m
+            self._managed[addr] = length
         return addr
 
     def free_managed_buffer(self, buffer_addr, length):
         addr = int(buffer_addr)
         with self._lock:
-            m = self._managed.get(addr)
-            if m is None:
+            if addr not in self._managed:
                 logger.error("free_managed_buffer: %#x was not allocated here", addr)
                 return ERR_INVALID_ARGUMENT
             rc = self.unregister_memory(addr)
             if rc != 0:
                 return rc
             del self._managed[addr]
-        try:
-            m.close()
-        except BufferError:
-            pass  # a ctypes view still exists; the mapping goes with it
+            try:
+                self._core.free_host(addr)
+            except (NixlCoreError, AttributeError):
+                pass  # the engine (and its memory) is gone already
         return 0
 
     def get_first_buffer_address(self, segment_name):

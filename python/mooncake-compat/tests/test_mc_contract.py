@@ -1,6 +1,7 @@
 """Contract of mooncake.engine.TransferEngine (kvwire) in one process: every
 call, its Mooncake return codes, bytes verified, on shm and tcp."""
 
+import ctypes
 import importlib
 import os
 import socket
@@ -229,6 +230,60 @@ def test_managed_buffers_and_bytes(transport):
     assert e.free_managed_buffer(p, 1 << 20) < 0
     assert e.get_first_buffer_address(e.session_id) == 0
     e.close()
+
+
+def test_managed_memory_is_mapped_by_shm_peers():
+    """``allocate_managed_buffer``'s allocator (the core's ``alloc_host``) is
+    kvwire-owned memfd memory: an shm target that denies cross-memory attach
+    (``cma=deny``) cannot register a numpy buffer by address (nor a part of
+    this memory), but registers the whole of this memory, which its peers map
+    and write into."""
+    from kvwire._kvwire import NixlCore, NixlCoreError
+    n = 16 * PAGE
+    a = NixlCore(f"mc-memfd-a-{os.getpid()}", "shm", 2, 5000, [])
+    b = NixlCore(f"mc-memfd-b-{os.getpid()}", "shm", 2, 5000, [("cma", "deny")])
+    src = np.frombuffer(np.random.default_rng(13).bytes(n), dtype=np.uint8).copy()
+    a.register(src.ctypes.data, n, "DRAM", 0)
+    plain = np.zeros(n, np.uint8)
+    with pytest.raises(NixlCoreError) as e:
+        b.register(plain.ctypes.data, n, "DRAM", 0)
+    assert "cross-memory attach" in e.value.args[1]
+    dst = b.alloc_host(n)
+    assert ctypes.string_at(dst, n) == bytes(n), "zeroed"
+    b.register(dst, n, "DRAM", 0)  # the whole of it, once: its memfd goes to peers
+    with pytest.raises(NixlCoreError) as e:
+        b.register(dst, n // 2, "DRAM", 0)  # a part of it is plain memory to shm
+    assert "cross-memory attach" in e.value.args[1]
+    agent = a.load(b.metadata())
+    pages = list(range(16))
+    rid, total = a.create_scattered("WRITE", [src.ctypes.data + i * PAGE for i in pages], agent,
+                                    [dst + (15 - i) * PAGE for i in pages], [PAGE] * 16, None, post=True)
+    assert total == n and a.wait(rid, 30.0) == 0
+    a.release(rid)
+    got = np.frombuffer(ctypes.string_at(dst, n), dtype=np.uint8).reshape(16, PAGE)
+    assert (got[::-1] == src.reshape(16, PAGE)).all()
+    b.deregister(dst, n)
+    b.free_host(dst)
+    with pytest.raises(NixlCoreError):
+        b.free_host(dst)
+    with pytest.raises(ValueError):
+        b.alloc_host(0)
+
+
+def test_managed_buffer_as_a_transfer_target(engines):
+    a, b = engines
+    n = 8 * PAGE
+    src = reg(a, n, fill=14)
+    dst = b.allocate_managed_buffer(n)
+    assert dst != 0
+    assert a.batch_transfer_sync_write(b.session_id, [src.ctypes.data + i * PAGE for i in range(8)],
+                                       [dst + (7 - i) * PAGE for i in range(8)], [PAGE] * 8) == 0
+    got = np.frombuffer(b.read_bytes_from_buffer(dst, n), dtype=np.uint8).reshape(8, PAGE)
+    assert (got[::-1] == src.reshape(8, PAGE)).all()
+    back = reg(a, n)
+    assert a.batch_transfer_sync_read(b.session_id, [back.ctypes.data], [dst], [n]) == 0
+    assert (back == np.frombuffer(b.read_bytes_from_buffer(dst, n), dtype=np.uint8)).all()
+    assert b.free_managed_buffer(dst, n) == 0
 
 
 # -- transfers ------------------------------------------------------------
