@@ -225,10 +225,12 @@ const WAIT_NAP: Duration = Duration::from_micros(200);
 
 impl PyNixlCore {
     fn run<T: Send>(&self, py: Python<'_>, f: impl FnOnce(&mut Core) -> PyResult<T> + Send) -> PyResult<T> {
-        crate::gil::without_gil(py, || {
-            let mut core = self.inner.lock().map_err(|_| PyRuntimeError::new_err("NIXL core poisoned by a panic"))?;
-            f(&mut core)
-        })
+        crate::gil::without_gil(py, || f(&mut *self.lock()?))
+    }
+
+    /// The core, locked (call with the GIL released, as `run` does).
+    fn lock(&self) -> PyResult<std::sync::MutexGuard<'_, Core>> {
+        self.inner.lock().map_err(|_| PyRuntimeError::new_err("NIXL core poisoned by a panic"))
     }
 }
 
@@ -404,8 +406,9 @@ impl PyNixlCore {
     /// hands its memfd to peers on this host, which map it and copy with
     /// plain stores, where memory registered by address (and a part of this
     /// memory) is reached by cross-memory attach. The allocator behind the
-    /// `mooncake` package's `allocate_managed_buffer`. It stays allocated until `free_host`, and
-    /// after that for as long as a registration or a transfer uses it.
+    /// `mooncake` package's `allocate_managed_buffer`. It stays allocated
+    /// until `free_host`, and after that for as long as a registration or a
+    /// transfer uses it.
     /// Raises `ValueError` for a zero length, `NixlCoreError` (BACKEND) when
     /// the allocation fails (the cause named).
     fn alloc_host(&self, py: Python<'_>, length: u64) -> PyResult<u64> {
@@ -683,11 +686,7 @@ impl PyNixlCore {
         crate::gil::without_gil(py, || {
             let deadline = std::time::Instant::now() + timeout;
             loop {
-                let s = {
-                    let mut core =
-                        self.inner.lock().map_err(|_| PyRuntimeError::new_err("NIXL core poisoned by a panic"))?;
-                    core.state(id)?
-                };
+                let s = self.lock()?.state(id)?;
                 let left = deadline.saturating_duration_since(std::time::Instant::now());
                 if s != status::IN_PROG || left.is_zero() {
                     return Ok(s);
