@@ -10,7 +10,10 @@
 #     copy by cross-memory attach);
 #   - kvwire's `mooncake` (tcp), the real wheel (TCP) and kvwire's Rust path
 #     (`kvwire bench --listen` / `--connect`, tcp) across two network
-#     namespaces joined by a veth pair (initiator 10.77.0.1, target 10.77.0.2).
+#     namespaces joined by a veth pair (initiator 10.77.0.1, target 10.77.0.2);
+#   - the TCP ceiling of each path: a plain byte stream over 1, 2 and 4
+#     connections (bench/compare/tcp_ceiling.py), on one host and across the
+#     namespaces.
 # 256 MiB of 4 KiB / 64 KiB / 1 MiB pages scattered by a permutation, batch
 # write and read, bytes verified. Prints a table and writes
 # target/mooncake-api-bench.json (one JSON object per run).
@@ -96,7 +99,29 @@ for t in shm tcp; do
     done
 done
 
+# The TCP ceiling of a path: a plain byte stream (bench/compare/tcp_ceiling.py:
+# no framing, 1 MiB sends, 1, 2 and 4 connections), what any TCP engine works under.
+ceiling() {  # ceiling <label> <target prefix...> -- <initiator prefix...> <host>
+    local label=$1; shift
+    local tgt=() ini=()
+    while [ "$1" != -- ]; do tgt+=("$1"); shift; done; shift
+    while [ $# -gt 1 ]; do ini+=("$1"); shift; done
+    local host=$1 port=$(( 19600 + $$ % 300 ))
+    "${tgt[@]}" "$ours" "$root/bench/compare/tcp_ceiling.py" serve "$host" "$port" 2>"$logs/ceiling-serve.err" &
+    local spid=$!
+    sleep 0.5
+    for streams in 1 2 4; do
+        "${ini[@]}" "$ours" "$root/bench/compare/tcp_ceiling.py" send "$host" "$port" "$streams" "$bytes" \
+            "${MC_BENCH_REPS:-3}" 2>>"$logs/ceiling-send.err" |
+            sed "s/^{/{\"label\": \"$label\", /" >> "$out" || true
+    done
+    kill "$spid" 2>/dev/null || true
+    wait "$spid" 2>/dev/null || true
+}
+ceiling "plain TCP stream, one host" env -- env 127.0.0.1
+
 if [ "$netns" = 1 ]; then
+    ceiling "plain TCP stream, two netns" ip netns exec "$B" -- ip netns exec "$A" 10.77.0.2
     # a remote asker needs the deployment token to get kvwire's metadata (docs/MOONCAKE.md)
     run "kvwire mooncake, tcp, two netns" ip netns exec "$A" env KVWIRE_MOONCAKE_TRANSPORT=tcp \
         KVWIRE_MOONCAKE_TOKEN=bench-$$ "${ns[@]}" "$ours"
@@ -124,8 +149,12 @@ import json, sys
 rows = [json.loads(l) for l in open(sys.argv[1]) if l.strip().startswith("{")]
 best = {}  # (label, page, op) -> (GB/s, CPU ns/page, rounds), the best round
 for r in rows:
-    cells = ([(x["page"], x["op"], x["gbps"], x["caller_cpu_ns_per_page"]) for x in r["results"]] if "results" in r
-             else [(r["block_size"], r["op"].upper(), round(r["gb_per_s"], 3), round(r.get("post_cpu_ns_per_block", 0), 1))])
+    if "results" in r:
+        cells = [(x["page"], x["op"], x["gbps"], x["caller_cpu_ns_per_page"]) for x in r["results"]]
+    elif "streams" in r:  # tcp_ceiling.py: a plain stream over `streams` connections
+        cells = [(f"{r['streams']} conn", "SEND", r["gbps"], "-")]
+    else:
+        cells = [(r["block_size"], r["op"].upper(), round(r["gb_per_s"], 3), round(r.get("post_cpu_ns_per_block", 0), 1))]
     for page, op, gbps, cpu in cells:
         k = (r["label"], page, op)
         old = best.get(k)
