@@ -60,7 +60,12 @@ pub const TCP_OPTIONS: &[OptionSpec] = &[
         "the listen address; on 0.0.0.0 the default-route interface's address",
         "address published to peers in the agent metadata",
     ),
-    spec("conns_per_peer", "count 1..=64", "2", "TCP connections (and worker threads) per connected peer"),
+    spec(
+        "conns_per_peer",
+        "count 1..=64",
+        "half the cores, 2..=8",
+        "TCP connections (and worker threads) per connected peer",
+    ),
     spec(
         "max_preauth",
         "count >= 1",
