@@ -36,9 +36,7 @@ trap 'rm -rf "$stage"' EXIT
 cp -r python/mooncake-compat/tests "$stage/tests"
 echo "$name: $(softroce_stage_python "$py" "$stage")"
 
-guest_cmd="cd /host && export PYTHONHOME=/host/py PYTHONPATH=/host/site LD_LIBRARY_PATH=/host/lib \
-PYTHONDONTWRITEBYTECODE=1 KVWIRE_MOONCAKE_TEST_DEVICE=rxe0 KVWIRE_MOONCAKE_TEST_PEER_DEVICE=rxe1 \
-KVWIRE_MOONCAKE_TEST_TRANSPORTS=verbs && cd tests && \
-/host/python3 -c 'import mooncake.engine, kvwire; print(\"python in the guest:\", kvwire.__file__)' && \
+softroce_run_staged_python "$stage" \
+    "KVWIRE_MOONCAKE_TEST_DEVICE=rxe0 KVWIRE_MOONCAKE_TEST_PEER_DEVICE=rxe1 KVWIRE_MOONCAKE_TEST_TRANSPORTS=verbs" \
+    "cd tests && /host/python3 -c 'import mooncake.engine, kvwire; print(\"python in the guest:\", kvwire.__file__)' && \
 /host/python3 -m pytest -v --color=no -p no:cacheprovider --timeout=600 ${PYTEST_ARGS:-} test_mc_engines.py test_mc_two_process.py"
-flock /tmp/kvwire-softroce.lock bash "$softroce_vm" run "$stage" "$guest_cmd"

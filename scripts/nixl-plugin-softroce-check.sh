@@ -41,9 +41,8 @@ cp -r nixl-plugin/tests "$stage/tests/plugin"
 cp -r python/nixl-compat/tests "$stage/tests/compat"
 echo "$name: $(softroce_stage_python "$py" "$stage")"
 
-guest_cmd="cd /host && export PYTHONHOME=/host/py PYTHONPATH=/host/site LD_LIBRARY_PATH=/host/lib \
-PYTHONDONTWRITEBYTECODE=1 NIXL_PLUGIN_DIR=/host/plugin NIXL_LOG_LEVEL=WARN KVWIRE_REQUIRE_RDMA=1 && \
-echo '== agent_test verbs rxe0 rxe1' && timeout 300 /host/plugin/agent_test verbs rxe0 rxe1 && \
+softroce_run_staged_python "$stage" "NIXL_PLUGIN_DIR=/host/plugin NIXL_LOG_LEVEL=WARN KVWIRE_REQUIRE_RDMA=1" \
+"echo '== agent_test verbs rxe0 rxe1' && timeout 300 /host/plugin/agent_test verbs rxe0 rxe1 && \
 echo '== test_real_nixl.py on verbs' && cd /host/tests/plugin && \
 KVWIRE_NIXL_PLUGIN_TRANSPORTS=verbs KVWIRE_NIXL_PLUGIN_DEVICE=rxe0 KVWIRE_NIXL_PLUGIN_PEER_DEVICE=rxe1 \
 /host/python3 -m pytest -v --color=no -p no:cacheprovider --timeout=600 ${PYTEST_ARGS:-} test_real_nixl.py && \
@@ -51,4 +50,3 @@ echo '== nixl-compat flows, real NIXL + KVWIRE on verbs' && cd /host/tests/compa
 KVWIRE_NIXL_REAL=1 KVWIRE_NIXL_TEST_BACKENDS=KVWIRE KVWIRE_TRANSPORT=verbs \
 /host/python3 -m pytest -v --color=no -p no:cacheprovider --timeout=600 -k \"vllm_shaped or sglang_shaped_flow\" \
 ${PYTEST_ARGS:-} test_nixl_two_process.py test_nixl_sglang.py && echo 'nixl-plugin-softroce-check: passed'"
-flock /tmp/kvwire-softroce.lock bash "$softroce_vm" run "$stage" "$guest_cmd"

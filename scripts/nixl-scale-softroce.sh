@@ -68,7 +68,6 @@ if [ "$IMPL" = real ]; then
         echo "$name: no rxe provider (librxe-rdmav*.so) here to stage for UCX" >&2
     fi
 fi
-guest_cmd="cd /host && export PYTHONHOME=/host/py PYTHONPATH=/host/site LD_LIBRARY_PATH=/host/lib \
-PYTHONDONTWRITEBYTECODE=1 $env_extra NIXL_BENCH_PAGES=4096 \
-NIXL_BENCH_BYTES=$((DESCS * 4096)) NIXL_BENCH_REPS=${REPS:-1} && /host/python3 nixl_api_bench.py"
-flock /tmp/kvwire-softroce.lock bash "$softroce_vm" run "$stage" "$guest_cmd"
+softroce_run_staged_python "$stage" \
+    "$env_extra NIXL_BENCH_PAGES=4096 NIXL_BENCH_BYTES=$((DESCS * 4096)) NIXL_BENCH_REPS=${REPS:-1}" \
+    "/host/python3 nixl_api_bench.py"

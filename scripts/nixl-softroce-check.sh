@@ -35,9 +35,7 @@ trap 'rm -rf "$stage"' EXIT
 cp -r python/nixl-compat/tests "$stage/tests"
 echo "$name: $(softroce_stage_python "$py" "$stage")"
 
-guest_cmd="cd /host && export PYTHONHOME=/host/py PYTHONPATH=/host/site LD_LIBRARY_PATH=/host/lib \
-PYTHONDONTWRITEBYTECODE=1 UCX_NET_DEVICES=rxe0 KVWIRE_NIXL_TEST_PEER_DEVICE=rxe1 \
-KVWIRE_NIXL_TEST_BACKENDS=KVWIRE_VERBS,UCX KVWIRE_NIXL_TEST_EXPECT_TRANSPORT=verbs && cd tests && \
-/host/python3 -c 'import nixl._api, kvwire; print(\"python in the guest:\", kvwire.__file__)' && \
+softroce_run_staged_python "$stage" \
+    "UCX_NET_DEVICES=rxe0 KVWIRE_NIXL_TEST_PEER_DEVICE=rxe1 KVWIRE_NIXL_TEST_BACKENDS=KVWIRE_VERBS,UCX KVWIRE_NIXL_TEST_EXPECT_TRANSPORT=verbs" \
+    "cd tests && /host/python3 -c 'import nixl._api, kvwire; print(\"python in the guest:\", kvwire.__file__)' && \
 /host/python3 -m pytest -v --color=no -p no:cacheprovider --timeout=600 -k \"vllm_shaped or sglang_shaped_flow\" ${PYTEST_ARGS:-} test_nixl_two_process.py test_nixl_sglang.py"
-flock /tmp/kvwire-softroce.lock bash "$softroce_vm" run "$stage" "$guest_cmd"

@@ -55,6 +55,17 @@ PY
   echo "staged $(du -sm "$stage" | cut -f1) MB (python $ver from $base)"
 }
 
+# softroce_run_staged_python STAGE ENV CMDS: run shell command line CMDS in
+# the guest, from /host (STAGE), with the Python staged there by
+# softroce_stage_python on its paths (PYTHONHOME, PYTHONPATH,
+# LD_LIBRARY_PATH; no bytecode written) and ENV ("VAR=value ..." words)
+# exported; serialized with the guest's other users by
+# flock /tmp/kvwire-softroce.lock. Returns the guest command's status.
+softroce_run_staged_python() { # stage env cmds
+  flock /tmp/kvwire-softroce.lock bash "$softroce_vm" run "$1" \
+    "cd /host && export PYTHONHOME=/host/py PYTHONPATH=/host/site LD_LIBRARY_PATH=/host/lib PYTHONDONTWRITEBYTECODE=1 $2 && $3"
+}
+
 # softroce_python_preflight NAME: python3 with venv is needed here to build
 # what the guest runs ("NAME: skipped: ..." or, with KVWIRE_REQUIRE_PYTHON=1,
 # an error, when it is missing).

@@ -26,15 +26,14 @@ timeout, so a silent or hostile asker costs a thread for at most
 ``IO_TIMEOUT_S``.
 """
 
-import hashlib
 import hmac
-import ipaddress
 import json
 import logging
 import os
 import socket
-import struct
 import threading
+
+from kvwire import _net
 
 logger = logging.getLogger("mooncake.kvwire")
 
@@ -53,76 +52,25 @@ def _token():
     return t.encode() if t else None
 
 
-def _recv_exact(sock, n):
-    buf = bytearray()
-    while len(buf) < n:
-        chunk = sock.recv(n - len(buf))
-        if not chunk:
-            raise ConnectionError("peer closed the connection")
-        buf += chunk
-    return bytes(buf)
-
-
 def recv_frame(sock):
-    (n,) = struct.unpack(">I", _recv_exact(sock, 4))
-    if n > MAX_FRAME:
-        raise ValueError(f"frame of {n} bytes exceeds {MAX_FRAME}")
-    return _recv_exact(sock, n)
+    return _net.recv_frame(sock, MAX_FRAME)
 
 
-def send_frame(sock, payload):
-    sock.sendall(struct.pack(">I", len(payload)) + payload)
+send_frame = _net.send_frame
 
 
 def _proof(token, nonce, cmd):
     if token is None:
-        return b"\0" * 32
-    return hmac.new(token, nonce + cmd, hashlib.sha256).digest()
+        return b"\0" * _net.PROOF_BYTES
+    return _net.proof(token, nonce, cmd)
 
 
 # -- the local-asker rule ------------------------------------------------
 
-def _parse_proc_addr(text):
-    """`/proc/net/tcp{,6}` address ``HEX:PORT`` -> (ip_address, port)."""
-    h, p = text.split(":")
-    raw = bytes.fromhex(h)
-    if len(raw) == 4:
-        ip = ipaddress.IPv4Address(raw[::-1])
-    else:
-        # four 32-bit words, each in host (little-endian) order
-        ip = ipaddress.IPv6Address(b"".join(raw[i:i + 4][::-1] for i in range(0, 16, 4)))
-        if ip.ipv4_mapped is not None:
-            ip = ip.ipv4_mapped
-    return ip, int(p, 16)
-
-
-def _norm(addr):
-    ip = ipaddress.ip_address(addr[0].split("%")[0])
-    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
-        ip = ip.ipv4_mapped
-    return ip, int(addr[1])
-
-
 def socket_owner_uid(local, remote):
     """uid owning the TCP socket whose local end is `local` and remote end
     is `remote` in this network namespace, or None when there is none."""
-    want_l, want_r = _norm(local), _norm(remote)
-    for path in ("/proc/net/tcp", "/proc/net/tcp6"):
-        try:
-            with open(path) as f:
-                lines = f.read().splitlines()[1:]
-        except OSError:
-            continue
-        for line in lines:
-            cols = line.split()
-            if len(cols) < 8:
-                continue
-            try:
-                if _parse_proc_addr(cols[1]) == want_l and _parse_proc_addr(cols[2]) == want_r:
-                    return int(cols[7])
-            except ValueError:
-                continue
-    return None
+    return _net.tcp_peer_uid(local, remote)
 
 
 def is_local_same_user(conn):

@@ -33,15 +33,15 @@ ENOBUFS (bounded backoff, logged once per episode) and per-connection errors
 such as ECONNABORTED."""
 
 import errno
-import hashlib
 import hmac
 import ipaddress
 import os
 import socket
-import struct
 import sys
 import threading
 import time
+
+from kvwire import _net
 
 from .logging import get_logger
 
@@ -50,26 +50,12 @@ logger = get_logger(__name__)
 #: Largest frame accepted (bytes): kvwire's metadata limit, 16 MiB.
 MAX_FRAME = 16 << 20
 
-
-def _recv_exact(sock, n):
-    buf = bytearray()
-    while len(buf) < n:
-        chunk = sock.recv(n - len(buf))
-        if not chunk:
-            raise ConnectionError("peer closed the connection")
-        buf += chunk
-    return bytes(buf)
+_recv_exact = _net.recv_exact
+_send = _net.send_frame
 
 
 def recv_frame(sock) -> bytes:
-    (n,) = struct.unpack(">I", _recv_exact(sock, 4))
-    if n > MAX_FRAME:
-        raise ValueError(f"frame of {n} bytes exceeds {MAX_FRAME}")
-    return _recv_exact(sock, n)
-
-
-def _send(sock, payload: bytes):
-    sock.sendall(struct.pack(">I", len(payload)) + payload)
+    return _net.recv_frame(sock, MAX_FRAME)
 
 
 #: Bytes of the listener's per-connection nonce.
@@ -99,8 +85,7 @@ def listen_token() -> bytes:
     return os.environ.get("KVWIRE_NIXL_LISTEN_TOKEN", "").encode()
 
 
-def _mac(token: bytes, nonce: bytes, frame: bytes) -> bytes:
-    return hmac.new(token, nonce + frame, hashlib.sha256).digest()
+_mac = _net.proof
 
 
 def _request(s, payload: bytes) -> None:
@@ -141,41 +126,12 @@ def _is_loopback(host: str) -> bool:
         return host == "localhost"
 
 
-def _proc_hex(packed: bytes) -> str:
-    """An address as /proc/net/tcp{,6} prints it: 32-bit words in host order."""
-    return "".join("%08X" % struct.unpack("=I", packed[i : i + 4]) for i in range(0, len(packed), 4))
-
-
 def peer_uid(peer, local):
-    """The uid owning the caller's end of a loopback IPv4 connection, from
-    /proc/net/tcp and tcp6: the ESTABLISHED entry whose local address is
-    `peer` (as accept() returned it) and whose remote address is `local`
-    (our end). None when there is no such entry or the tables cannot be
-    read."""
-    pip, pport = peer[0], peer[1]
-    lip, lport = local[0], local[1]
-    try:
-        p4, l4 = socket.inet_aton(pip), socket.inet_aton(lip)
-    except OSError:
-        return None
-    mapped = b"\0" * 10 + b"\xff\xff"
-    tables = (
-        ("/proc/net/tcp", _proc_hex(p4), _proc_hex(l4)),
-        ("/proc/net/tcp6", _proc_hex(mapped + p4), _proc_hex(mapped + l4)),
-    )
-    for path, me, them in tables:
-        want_local, want_remote = f"{me}:{pport:04X}", f"{them}:{lport:04X}"
-        try:
-            with open(path) as f:
-                next(f, None)  # the header
-                for line in f:
-                    fields = line.split()
-                    # sl local rem st queues tr retrnsmt uid ...; st 01 = ESTABLISHED
-                    if len(fields) > 7 and fields[1] == want_local and fields[2] == want_remote and fields[3] == "01":
-                        return int(fields[7])
-        except (OSError, ValueError):
-            continue
-    return None
+    """The uid owning the caller's end of a connection, from /proc/net/tcp
+    and tcp6: the ESTABLISHED entry whose local address is `peer` (as
+    accept() returned it) and whose remote address is `local` (our end).
+    None when there is no such entry or the tables cannot be read."""
+    return _net.tcp_peer_uid(peer, local)
 
 
 class MetadataListener:
