@@ -42,41 +42,56 @@ impl Memo {
     /// own messages.
     #[allow(unsafe_code)]
     unsafe fn read(&mut self, list: &Bound<'_, PyList>, i: usize, signed: bool) -> PyResult<u64> {
-        let py = list.py();
-        // SAFETY: per the contract above. `PyList_GetItem` returns a
-        // borrowed, non-null item the list keeps alive; nothing here runs
-        // Python code that could shrink the list: the int check comes before
-        // the conversions, which for an int (or subclass) read its value
-        // without calling back.
+        // SAFETY: GIL held and `i` in range (the contract above).
+        let item = unsafe { ffi::PyList_GetItem(list.as_ptr(), i as ffi::Py_ssize_t) };
+        if item.is_null() {
+            return Err(PyErr::fetch(list.py()));
+        }
+        // SAFETY: `item` is element `i` of `list`, just read (the contract
+        // of `value` is this one's).
+        unsafe { self.value(list, i, item, signed) }
+    }
+
+    /// The value of `item`, element `i` of `list`, as [`read`](Self::read).
+    ///
+    /// # Safety
+    /// As [`read`](Self::read), and `item` is the non-null pointer
+    /// `PyList_GetItem(list, i)` returned with no Python code run since.
+    #[allow(unsafe_code)]
+    unsafe fn value(
+        &mut self,
+        list: &Bound<'_, PyList>,
+        i: usize,
+        item: *mut ffi::PyObject,
+        signed: bool,
+    ) -> PyResult<u64> {
+        if let Some((p, v)) = self.last
+            && p == item
+        {
+            return Ok(v);
+        }
+        // SAFETY: per the contract above: a borrowed item the list keeps
+        // alive; nothing here runs Python code that could shrink the list:
+        // the int check comes before the conversions, which for an int (or
+        // subclass) read its value without calling back. An exact int is
+        // told by its type pointer alone (no `PyType_GetFlags` call).
         let (value, failed) = unsafe {
-            let item = ffi::PyList_GetItem(list.as_ptr(), i as ffi::Py_ssize_t);
-            if item.is_null() {
-                return Err(PyErr::fetch(py));
-            }
-            if let Some((p, v)) = self.last
-                && p == item
-            {
-                return Ok(v);
-            }
-            if ffi::PyLong_Check(item) == 0 {
+            if ffi::PyLong_CheckExact(item) == 0 && ffi::PyLong_Check(item) == 0 {
                 let name = list.get_item(i)?.get_type().name()?.to_string();
                 return Err(PyTypeError::new_err(format!("an integer is required (element {i} is {name})")));
             }
-            let r = if signed {
+            if signed {
                 let v = as_i64(item);
                 (v as u64, v == -1 && !ffi::PyErr_Occurred().is_null())
             } else {
                 let v = as_u64(item);
                 (v, v == u64::MAX && !ffi::PyErr_Occurred().is_null())
-            };
-            if !r.1 {
-                self.last = Some((item, r.0));
             }
-            r
         };
         if failed {
-            return Err(PyErr::fetch(py));
+            return Err(PyErr::fetch(list.py()));
         }
+        self.last = Some((item, value));
         Ok(value)
     }
 }
@@ -132,9 +147,20 @@ pub(crate) fn list_u64(list: &Bound<'_, PyList>, signed: bool) -> PyResult<Vec<u
     Ok(out)
 }
 
+/// Rows read per block by [`rows3`]: the items of a block are looked up and
+/// their int objects prefetched before the first of them is converted.
+const BLOCK: usize = 32;
+
 /// Row `i` of three equally long lists, (unsigned, unsigned, signed), handed
 /// to `row` in order, in one pass: Mooncake's `(buffers,
 /// peer_buffer_addresses, lengths)` read without a vector per column.
+///
+/// The rows go in blocks of [`BLOCK`]: first the block's items of all three
+/// lists are looked up and their int objects prefetched, then converted. A
+/// batch's int objects are 96 bytes per row in CPython's heap, not in cache
+/// after the pages themselves were filled or copied; a row's conversion
+/// otherwise waits on each of its three objects in turn
+/// (`bench/compare/mooncake_caller_cpu.py`, its cold rounds).
 ///
 /// # Errors
 /// `ValueError` naming the three lengths when they differ; as [`Memo::read`]
@@ -154,13 +180,50 @@ pub(crate) fn rows3(
         )));
     }
     let (mut ma, mut mb, mut mc) = (Memo::default(), Memo::default(), Memo::default());
-    for i in 0..n {
-        #[allow(unsafe_code)]
-        // SAFETY: GIL held (`Bound`); `i < n`, the length of all three; each
-        // memo reads one list; and no Python code runs in this loop (`row`
-        // is Rust).
-        let (x, y, z) = unsafe { (ma.read(a, i, false)?, mb.read(b, i, false)?, mc.read(c, i, true)? as i64) };
-        row(x, y, z)?;
+    let lists = [a, b, c];
+    let mut items = [[std::ptr::null_mut::<ffi::PyObject>(); 3]; BLOCK];
+    let mut start = 0;
+    while start < n {
+        let end = (start + BLOCK).min(n);
+        for (i, row_items) in (start..end).zip(items.iter_mut()) {
+            for (l, item) in lists.iter().zip(row_items.iter_mut()) {
+                *item = item_prefetched(l, i)?;
+            }
+        }
+        for (i, it) in (start..end).zip(items.iter()) {
+            #[allow(unsafe_code)]
+            // SAFETY: GIL held (`Bound`); `i < n`, the length of all three;
+            // each item is what `PyList_GetItem` just returned for row `i`,
+            // with no Python code run since (`row` is Rust); each memo reads
+            // one list.
+            let (x, y, z) = unsafe {
+                (ma.value(a, i, it[0], false)?, mb.value(b, i, it[1], false)?, mc.value(c, i, it[2], true)? as i64)
+            };
+            row(x, y, z)?;
+        }
+        start = end;
     }
     Ok(())
+}
+
+/// Element `i` of `list` (borrowed), with a hint to the CPU to fetch its
+/// object into cache; the hint has no effect on what is read later.
+///
+/// # Errors
+/// `IndexError` for `i` past the end (callers stay below the length).
+#[allow(unsafe_code)]
+fn item_prefetched(list: &Bound<'_, PyList>, i: usize) -> PyResult<*mut ffi::PyObject> {
+    // SAFETY: GIL held (`Bound`); `PyList_GetItem` bounds-checks `i` and
+    // returns a borrowed item or null with IndexError set.
+    let item = unsafe { ffi::PyList_GetItem(list.as_ptr(), i as ffi::Py_ssize_t) };
+    if item.is_null() {
+        return Err(PyErr::fetch(list.py()));
+    }
+    #[cfg(target_arch = "x86_64")]
+    // SAFETY: a prefetch reads nothing architecturally and cannot fault.
+    unsafe {
+        use std::arch::x86_64::{_MM_HINT_T0, _mm_prefetch};
+        _mm_prefetch::<_MM_HINT_T0>(item.cast::<i8>());
+    }
+    Ok(item)
 }

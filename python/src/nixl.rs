@@ -243,17 +243,24 @@ fn op_of(op: &str) -> PyResult<Op> {
 }
 
 /// The descriptors of [`NixlCore::create_scattered`]'s three sequences and
-/// their total length in bytes (zero-length entries left out).
+/// their total length in bytes (zero-length entries left out), written into
+/// `l` and `r` (cleared first; spare vectors of an earlier request, so that
+/// a batch of 65,536 descriptors does not fault in 2 MiB of fresh pages).
 fn scattered_descs(
     local_addrs: &Bound<'_, PyAny>,
     remote_addrs: &Bound<'_, PyAny>,
     lengths: &Bound<'_, PyAny>,
+    (mut l, mut r): (Vec<Desc>, Vec<Desc>),
 ) -> PyResult<(Vec<Desc>, Vec<Desc>, u64)> {
+    l.clear();
+    r.clear();
     if let (Ok(a), Ok(b), Ok(c)) =
         (local_addrs.downcast::<PyList>(), remote_addrs.downcast::<PyList>(), lengths.downcast::<PyList>())
     {
         // What SGLang and vLLM pass: three lists, read row by row.
-        let (mut l, mut r, mut total) = (Vec::with_capacity(a.len()), Vec::with_capacity(a.len()), 0u64);
+        l.reserve(a.len());
+        r.reserve(a.len());
+        let mut total = 0u64;
         crate::ints::rows3(a, b, c, |la, ra, n| {
             let n = u64::try_from(n).map_err(|_| PyValueError::new_err(format!("negative length {n}")))?;
             if n > 0 {
@@ -282,7 +289,9 @@ fn scattered_descs(
             lens.len()
         )));
     }
-    let (mut l, mut r, mut total) = (Vec::with_capacity(la.len()), Vec::with_capacity(la.len()), 0u64);
+    l.reserve(la.len());
+    r.reserve(la.len());
+    let mut total = 0u64;
     for ((&a, &b), &n) in la.iter().zip(&ra).zip(&lens) {
         let n = u64::try_from(n).map_err(|_| PyValueError::new_err(format!("negative length {n}")))?;
         if n > 0 {
@@ -613,7 +622,8 @@ impl PyNixlCore {
         post: bool,
     ) -> PyResult<(u64, u64)> {
         let op = op_of(op)?;
-        let (l, r, total) = scattered_descs(local_addrs, remote_addrs, lengths)?;
+        let spare = self.run(py, |c| Ok((c.spare.pop().unwrap_or_default(), c.spare.pop().unwrap_or_default())))?;
+        let (l, r, total) = scattered_descs(local_addrs, remote_addrs, lengths, spare)?;
         if l.is_empty() {
             return Ok((0, 0));
         }

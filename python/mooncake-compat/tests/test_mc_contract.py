@@ -517,6 +517,45 @@ def test_core_wait_and_one_call_post(engines):
     core.release(rid2)
 
 
+def test_core_lists_in_blocks_and_reused_descriptor_vectors(engines):
+    """``create_scattered`` reads the lists in blocks of rows (items looked
+    up and prefetched, then converted) into descriptor vectors that released
+    requests leave behind: a bad element in a later block is named by its
+    index, and a short request after a long one moves its own rows only (no
+    descriptor of the earlier request left over)."""
+    a, b = engines
+    n, w = 5000, 8  # over the 4,096 descriptors a released vector must hold to be kept
+    src, dst = reg(a, n * w, fill=21), reg(b, n * w)
+    a.batch_transfer_sync_write(b.session_id, [src.ctypes.data], [dst.ctypes.data], [8])
+    core, agent = a._core, a._session(b.session_id).agent
+    srcs = [src.ctypes.data + i * w for i in range(n)]
+    dsts = [dst.ctypes.data + (n - 1 - i) * w for i in range(n)]
+    for bad_at in (0, 31, 32, 70, n - 1):
+        bad = list(srcs)
+        bad[bad_at] = "x"
+        with pytest.raises(TypeError, match=f"element {bad_at} is str"):
+            core.create_scattered("WRITE", bad, agent, dsts, [w] * n, None)
+        neg = list(dsts)
+        neg[bad_at] = -5
+        with pytest.raises(OverflowError):
+            core.create_scattered("WRITE", srcs, agent, neg, [w] * n, None)
+    rid, total = core.create_scattered("WRITE", srcs, agent, dsts, [w] * n, None, post=True)
+    assert total == n * w and core.wait(rid, 30.0) == 0
+    core.release(rid)  # its vectors are kept for the next request
+    assert (dst.reshape(n, w)[::-1] == src.reshape(n, w)).all()
+    dst[:] = 0
+    rid, total = core.create_scattered("WRITE", srcs[:3], agent, dsts[:3], [w] * 3, None, post=True)
+    assert total == 3 * w and core.wait(rid, 30.0) == 0
+    core.release(rid)
+    d = dst.reshape(n, w)
+    assert (d[n - 3:][::-1] == src.reshape(n, w)[:3]).all()
+    assert (d[:n - 3] == 0).all(), "only the short request's rows moved"
+    rid, total = core.create_scattered("WRITE", srcs, agent, dsts, [w] * n, None, post=True)
+    assert total == n * w and core.wait(rid, 30.0) == 0
+    core.release(rid)
+    assert (dst.reshape(n, w)[::-1] == src.reshape(n, w)).all()
+
+
 def test_unknown_and_dead_sessions(engines):
     a, b = engines
     src = reg(a, PAGE)
