@@ -9,7 +9,8 @@ scattered by a permutation with batch_transfer_sync_write and
 batch_transfer_sync_read, and verifies the bytes (sha256 of the target's
 buffer against the expected permutation after a WRITE; the read-back buffer
 against the target's known contents after a READ). Reports GB/s (best of
-REPS) and the calling thread's CPU time per page of each call.
+REPS, and the median of REPS as `gbps_median`) and the calling thread's
+CPU time per page of the best call.
 
 The target is started as `$MC_BENCH_TARGET_PREFIX python this --target`
 (e.g. `ip netns exec A`), so the two can sit in different network
@@ -18,7 +19,8 @@ namespaces; its sessions are P2PHANDSHAKE.
 Env: MC_BENCH_HOST (this side's local_hostname, default 127.0.0.1),
 MC_BENCH_TARGET_HOST (the target's, default MC_BENCH_HOST),
 MC_BENCH_PROTOCOL (default tcp), MC_BENCH_BYTES (default 256 MiB),
-MC_BENCH_REPS (default 3), MC_BENCH_BATCH (descriptors per call, 0 = all in
+MC_BENCH_REPS (timed calls, default 3), MC_BENCH_WARMUP (untimed calls
+before them, default 2, as `kvwire bench --warmup`), MC_BENCH_BATCH (descriptors per call, 0 = all in
 one call; default 0), MC_BENCH_PAGES (comma list, default 4096,65536,1048576),
 MC_BENCH_TARGET_PREFIX, MC_BENCH_TARGET_MEMORY (`numpy`, the default: the
 target registers a numpy array by address, as SGLang registers its
@@ -36,6 +38,7 @@ import hashlib
 import json
 import os
 import shlex
+import statistics
 import subprocess
 import sys
 import time
@@ -44,6 +47,7 @@ import numpy as np
 
 BYTES = int(os.environ.get("MC_BENCH_BYTES", str(256 << 20)))
 REPS = int(os.environ.get("MC_BENCH_REPS", "3"))
+WARMUP = int(os.environ.get("MC_BENCH_WARMUP", "2"))
 BATCH = int(os.environ.get("MC_BENCH_BATCH", "0"))
 PAGES = [int(p) for p in os.environ.get("MC_BENCH_PAGES", "4096,65536,1048576").split(",")]
 PROTOCOL = os.environ.get("MC_BENCH_PROTOCOL", "tcp")
@@ -167,33 +171,43 @@ def main():
             backs = [back.ctypes.data + i * page for i in range(n)]
             dsts = [tgt.addr + int(p) * page for p in perm]
             for op in ("WRITE", "READ"):
-                best, cpu = None, None
-                for rep in range(REPS):
-                    seed = page * 10 + rep
-                    if op == "WRITE":
-                        src[:] = content(seed)
-                        tgt.call(op="fill", seed=None)
-                        dt, ct = moved(e, "batch_transfer_sync_write", tgt.session, srcs, dsts, page)
-                        expect = np.empty_like(src).reshape(n, page)
-                        expect[perm] = src.reshape(n, page)
-                        ok = tgt.call(op="sha")["sha"] == hashlib.sha256(expect).hexdigest()
-                    else:
-                        tgt.call(op="fill", seed=seed)
-                        back[:] = 0
-                        dt, ct = moved(e, "batch_transfer_sync_read", tgt.session, backs, dsts, page)
-                        ok = bool((back.reshape(n, page) == content(seed).reshape(n, page)[perm]).all())
-                    if not ok:
-                        raise SystemExit(f"{op} page {page}: bytes differ")
+                # As `kvwire bench` runs: the same bytes, WARMUP untimed calls,
+                # then REPS timed calls back to back, the bytes verified after
+                # the last (a call that returns nonzero stops the run).
+                seed = page * 10 + (op == "READ")
+                if op == "WRITE":
+                    src[:] = content(seed)
+                    tgt.call(op="fill", seed=None)
+                    fn, locs = "batch_transfer_sync_write", srcs
+                else:
+                    tgt.call(op="fill", seed=seed)
+                    back[:] = 0
+                    fn, locs = "batch_transfer_sync_read", backs
+                for _ in range(WARMUP):
+                    moved(e, fn, tgt.session, locs, dsts, page)
+                best, cpu, times = None, None, []
+                for _ in range(REPS):
+                    dt, ct = moved(e, fn, tgt.session, locs, dsts, page)
+                    times.append(dt)
                     if best is None or dt < best:
                         best, cpu = dt, ct
+                if op == "WRITE":
+                    expect = np.empty_like(src).reshape(n, page)
+                    expect[perm] = src.reshape(n, page)
+                    ok = tgt.call(op="sha")["sha"] == hashlib.sha256(expect).hexdigest()
+                else:
+                    ok = bool((back.reshape(n, page) == content(seed).reshape(n, page)[perm]).all())
+                if not ok:
+                    raise SystemExit(f"{op} page {page}: bytes differ")
                 results.append({"page": page, "op": op, "gbps": round(BYTES / best / 1e9, 3),
+                                "gbps_median": round(BYTES / statistics.median(times) / 1e9, 3),
                                 "seconds": round(best, 4), "calls": -(-n // (BATCH or n)),
                                 "caller_cpu_ns_per_page": round(cpu / n * 1e9, 1)})
                 print(f"{impl:8} {page:>8} {op:5} {BYTES / best / 1e9:7.3f} GB/s", file=sys.stderr, flush=True)
     finally:
         tgt.close()
     print(json.dumps({"impl": impl, "transport": getattr(e, "_transport", None) or PROTOCOL, "protocol": PROTOCOL,
-                      "host": HOST, "target_host": TARGET_HOST, "target_memory": TARGET_MEMORY, "align": ALIGN, "bytes": BYTES, "reps": REPS, "batch": BATCH,
+                      "host": HOST, "target_host": TARGET_HOST, "target_memory": TARGET_MEMORY, "align": ALIGN, "bytes": BYTES, "reps": REPS, "warmup": WARMUP, "batch": BATCH,
                       "results": results}))
 
 

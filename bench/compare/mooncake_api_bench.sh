@@ -25,10 +25,12 @@
 # Real Mooncake gets MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER and
 # MC_TCP_MAX_PENDING_ADMISSIONS_PER_PEER = 65535, else its TCP transport rejects
 # a batch of more than 1,024 pages (docs/MOONCAKE.md); both get the same calls.
-# Env: MC_BENCH_BYTES, MC_BENCH_REPS, MC_BENCH_BATCH (see the .py), KVWIRE_BIN
+# Env: MC_BENCH_BYTES, MC_BENCH_REPS, MC_BENCH_WARMUP, MC_BENCH_BATCH (see the .py;
+# REPS and WARMUP also set `kvwire bench --iters / --warmup`), KVWIRE_BIN
 # (the kvwire binary; default target/release/kvwire, built when missing),
 # MC_BENCH_ROUNDS (default 1): repeat the whole set, rounds interleaved, and
-# report each cell's best round (the load of a shared machine moves between runs).
+# report each cell's best round and the median over the rounds of each round's median
+# (the load of a shared machine moves between runs).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 root=$(pwd)
@@ -85,14 +87,14 @@ for t in shm tcp; do
     for op in write read; do
         for page in 4096 65536 1048576; do
             "$kvwire" bench --transport $t --op $op --block-size "$page" --blocks $(( bytes / page )) --scatter \
-                --iters "${MC_BENCH_REPS:-3}" --json 2>/dev/null |
+                --iters "${MC_BENCH_REPS:-3}" --warmup "${MC_BENCH_WARMUP:-2}" --json 2>/dev/null |
                 sed "s/^{/{\"label\": \"kvwire Rust path, $t, one host\", /" >> "$out"
             if [ "$t" = shm ]; then
                 # The same with the target's buffer registered by address only,
                 # as the Python target's numpy buffer is: shm then copies by
                 # cross-memory attach in both (like for like).
                 "$kvwire" bench --transport shm --op $op --block-size "$page" --blocks $(( bytes / page )) --scatter \
-                    --target-memory plain --iters "${MC_BENCH_REPS:-3}" --json 2>/dev/null |
+                    --target-memory plain --iters "${MC_BENCH_REPS:-3}" --warmup "${MC_BENCH_WARMUP:-2}" --json 2>/dev/null |
                     sed "s/^{/{\"label\": \"kvwire Rust path, shm, plain memory, one host\", /" >> "$out"
             fi
         done
@@ -136,7 +138,7 @@ if [ "$netns" = 1 ]; then
             tpid=$!
             ip netns exec "$A" env KVWIRE_TCP_LISTEN=10.77.0.1:0 "$kvwire" bench --connect "10.77.0.2:$port" \
                 --connect-timeout 30 --transport tcp --op $op --block-size "$page" --blocks $(( bytes / page )) \
-                --scatter --iters "${MC_BENCH_REPS:-3}" --json 2>>"$logs/rust-netns-initiator.err" |
+                --scatter --iters "${MC_BENCH_REPS:-3}" --warmup "${MC_BENCH_WARMUP:-2}" --json 2>>"$logs/rust-netns-initiator.err" |
                 sed "s/^{/{\"label\": \"kvwire Rust path, tcp, two netns\", /" >> "$out" || true
             wait "$tpid" || true
         done
@@ -147,20 +149,40 @@ done
 "$ours" - "$out" <<'PY'
 import json, sys
 rows = [json.loads(l) for l in open(sys.argv[1]) if l.strip().startswith("{")]
-best = {}  # (label, page, op) -> (GB/s, CPU ns/page, rounds), the best round
+import statistics
+# (label, page, op) -> [(GB/s best, GB/s median, CPU ns/page)], one per round.
+# Best: the fastest rep (Python) or the mean of the back-to-back transfers
+# (`kvwire bench`); median: the median rep (Python) or the median transfer's
+# latency (`kvwire bench`, p50) — the like-for-like pair the docs' ratios use.
+cells_by = {}
 for r in rows:
     if "results" in r:
-        cells = [(x["page"], x["op"], x["gbps"], x["caller_cpu_ns_per_page"]) for x in r["results"]]
+        cells = [(x["page"], x["op"], x["gbps"], x.get("gbps_median", x["gbps"]), x["caller_cpu_ns_per_page"])
+                 for x in r["results"]]
     elif "streams" in r:  # tcp_ceiling.py: a plain stream over `streams` connections
-        cells = [(f"{r['streams']} conn", "SEND", r["gbps"], "-")]
+        cells = [(f"{r['streams']} conn", "SEND", r["gbps"], r["gbps"], "-")]
     else:
-        cells = [(r["block_size"], r["op"].upper(), round(r["gb_per_s"], 3), round(r.get("post_cpu_ns_per_block", 0), 1))]
-    for page, op, gbps, cpu in cells:
-        k = (r["label"], page, op)
-        old = best.get(k)
-        n = (old[2] if old else 0) + 1
-        best[k] = (gbps, cpu, n) if old is None or gbps > old[0] else (old[0], old[1], n)
-print(f"{'run (best of rounds)':42} {'page':>8} {'op':5} {'GB/s':>7} {'caller CPU ns/page':>18} {'rounds':>6}")
-for (label, page, op), (gbps, cpu, n) in best.items():
-    print(f"{label:42} {page:>8} {op:5} {gbps:>7} {cpu:>18} {n:>6}")
+        med = round(r["bytes_per_transfer"] / r["p50_us"] / 1e3, 3) if r.get("p50_us") else r["gb_per_s"]
+        cells = [(r["block_size"], r["op"].upper(), round(r["gb_per_s"], 3), med,
+                  round(r.get("post_cpu_ns_per_block", 0), 1))]
+    for page, op, gbps, med, cpu in cells:
+        cells_by.setdefault((r["label"], page, op), []).append((gbps, med, cpu))
+print(f"{'run':42} {'page':>8} {'op':5} {'GB/s best':>9} {'GB/s median':>11} {'caller CPU ns/page':>18} {'rounds':>6}")
+for (label, page, op), rs in cells_by.items():
+    gbps, _, cpu = max(rs, key=lambda x: x[0])
+    med = round(statistics.median(x[1] for x in rs), 3)
+    print(f"{label:42} {page:>8} {op:5} {gbps:>9} {med:>11} {cpu:>18} {len(rs):>6}")
+# Like for like (the same memory kind on both sides): the package's median
+# over the Rust path's median, and kvwire over real Mooncake across the namespaces.
+pairs = [("kvwire mooncake, shm, one host", "kvwire Rust path, shm, plain memory, one host"),
+         ("kvwire mooncake, shm, managed target", "kvwire Rust path, shm, one host"),
+         ("kvwire mooncake, tcp, one host", "kvwire Rust path, tcp, one host"),
+         ("kvwire mooncake, tcp, two netns", "Mooncake 0.3.13.post1 TCP, two netns")]
+print(f"\n{'ratio of medians':82} {'page':>8} {'op':5} {'ratio':>6}")
+for a, b in pairs:
+    for (label, page, op), rs in cells_by.items():
+        other = cells_by.get((b, page, op))
+        if label == a and other:
+            ratio = statistics.median(x[1] for x in rs) / statistics.median(x[1] for x in other)
+            print(f"{a + ' / ' + b:82} {page:>8} {op:5} {ratio:>6.2f}")
 PY
