@@ -32,6 +32,7 @@ import logging
 import os
 import socket
 import threading
+import time
 
 from kvwire import _net
 
@@ -97,12 +98,26 @@ class RpcServer:
         self._thread.start()
 
     def _serve(self):
+        # One failed accept (EMFILE, ENFILE, ENOBUFS, ECONNABORTED) or thread
+        # start must not stop the server: log it, back off, keep accepting.
+        backoff = 0.0
         while not self._stop:
             try:
                 conn, _ = self._sock.accept()
-            except OSError:
-                return
-            threading.Thread(target=self._handle, args=(conn,), name="mooncake-kvwire-rpc-conn", daemon=True).start()
+            except OSError as e:
+                if self._stop:
+                    return
+                backoff = min(max(backoff * 2, 0.01), 1.0)
+                logger.warning("mooncake rpc: accept failed (%s); retrying in %.2f s", e, backoff)
+                time.sleep(backoff)
+                continue
+            backoff = 0.0
+            try:
+                threading.Thread(target=self._handle, args=(conn,), name="mooncake-kvwire-rpc-conn",
+                                 daemon=True).start()
+            except RuntimeError as e:  # no thread to spare: refuse this asker, keep serving
+                logger.warning("mooncake rpc: %s; connection refused", e)
+                conn.close()
 
     def _handle(self, conn):
         with conn:

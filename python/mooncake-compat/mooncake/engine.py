@@ -33,6 +33,7 @@ import glob
 import ipaddress
 import json
 import logging
+import operator
 import os
 import random
 import socket
@@ -349,12 +350,14 @@ def _ints(x, code):
     ``np.asarray`` per element); raises TypeError/ValueError/OverflowError
     (e.g. a negative address) on bad input."""
     dtype = np.uint64 if code == "Q" else np.int64
-    if isinstance(x, np.ndarray):
-        return x.astype(dtype, copy=False).reshape(-1)
-    try:
-        return np.frombuffer(array.array(code, x), dtype=dtype)
-    except TypeError:
-        return np.asarray(x, dtype=dtype).reshape(-1)
+    if not isinstance(x, np.ndarray):
+        try:
+            return np.frombuffer(array.array(code, x), dtype=dtype)
+        except TypeError:
+            x = np.asarray(x)
+    if x.dtype.kind not in "iu":  # floats are refused, not truncated (as a list's are)
+        raise TypeError(f"an integer array is required, not {x.dtype}")
+    return x.astype(dtype, copy=False).reshape(-1)
 
 
 def _rows(addrs, lens):
@@ -363,6 +366,14 @@ def _rows(addrs, lens):
     a[:, 0] = addrs
     a[:, 1] = lens
     return a.tobytes()
+
+
+def _size_t(length, call):
+    """`length` as a size_t, as pybind11 converts one: an int >= 0, else TypeError."""
+    n = operator.index(length)
+    if n < 0:
+        raise TypeError(f"{call}: length must not be negative (got {n})")
+    return n
 
 
 class TransferEngine:
@@ -680,13 +691,22 @@ class TransferEngine:
 
     @staticmethod
     def write_bytes_to_buffer(dest_address, src_ptr, length):
-        data = bytes(src_ptr)
-        ctypes.memmove(int(dest_address), data, min(int(length), len(data)))
+        # As Mooncake's binding (`char *src_ptr, size_t length`): the source
+        # is bytes-like or str (UTF-8), the length not negative (TypeError,
+        # as pybind11's size_t); at most len(src) bytes are written.
+        if isinstance(src_ptr, str):
+            data = src_ptr.encode()
+        elif isinstance(src_ptr, (bytes, bytearray, memoryview)):
+            data = bytes(src_ptr)
+        else:
+            raise TypeError(f"write_bytes_to_buffer: src_ptr must be bytes or str, not {type(src_ptr).__name__}")
+        n = _size_t(length, "write_bytes_to_buffer")
+        ctypes.memmove(int(dest_address), data, min(n, len(data)))
         return 0
 
     @staticmethod
     def read_bytes_from_buffer(source_address, length):
-        return ctypes.string_at(int(source_address), int(length))
+        return ctypes.string_at(int(source_address), _size_t(length, "read_bytes_from_buffer"))
 
     # -- sessions ---------------------------------------------------------
     def _locate(self, name):
@@ -806,7 +826,8 @@ class TransferEngine:
             return 0, s, 0
         opname = "WRITE" if op == TransferOpcode.Write else "READ"
         notif = _pack_notify(notify.name, notify.msg) if notify is not None else None
-        for attempt in (0, 1):
+        indexed = refreshed = False  # each retry at most once
+        while True:
             try:
                 if lists:
                     # Created and posted in one call (one pass of checks).
@@ -817,14 +838,30 @@ class TransferEngine:
                     total = int(lens.sum())
                     rid = core.create(opname, _rows(bufs, lens), s.agent, _rows(peers, lens), 2, notif)
                 break
-            except (TypeError, ValueError, OverflowError) as e:
+            except TypeError as e:
+                if lists and not indexed:
+                    # numpy ints (or any `__index__` type) in the lists, as
+                    # Mooncake's pybind11 binding takes them: read each
+                    # column as Python ints once here, then ask again.
+                    try:
+                        buffers, peer_addrs, lengths = (list(map(operator.index, c))
+                                                        for c in (buffers, peer_addrs, lengths))
+                    except TypeError:
+                        logger.error("transfer arguments: %s", e)
+                        return None, None, 0
+                    indexed = True
+                    continue
+                logger.error("transfer arguments: %s", e)
+                return None, None, 0
+            except (ValueError, OverflowError) as e:
                 logger.error("transfer arguments: %s", e)
                 return None, None, 0
             except NixlCoreError as e:
                 status, msg = e.args
-                if status == _NOT_FOUND and attempt == 0 and s.host:
+                if status == _NOT_FOUND and not refreshed and s.host:
                     if not self._remote_ok(s, peer_addrs, lengths):
                         # Registered after we fetched its description? Ask again.
+                        refreshed = True
                         s = self._session(target, refresh=True)
                         if s is None:
                             return None, None, 0

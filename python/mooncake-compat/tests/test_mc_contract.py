@@ -232,6 +232,57 @@ def test_managed_buffers_and_bytes(transport):
     e.close()
 
 
+def test_bytes_helpers_refuse_negative_lengths_and_non_bytes_sources(transport):
+    # A negative length was memmove'd as a huge size_t (SIGSEGV) and read
+    # up to the next NUL; an int source was taken as that many zero bytes.
+    e = TransferEngine()
+    assert e.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0
+    p = e.allocate_managed_buffer(4096)
+    assert p != 0
+    assert e.write_bytes_to_buffer(p, b"keep", 4) == 0
+    with pytest.raises(TypeError, match="negative"):
+        e.write_bytes_to_buffer(p, b"abc", -1)
+    with pytest.raises(TypeError, match="negative"):
+        e.read_bytes_from_buffer(p, -1)
+    with pytest.raises(TypeError, match="bytes or str"):
+        e.write_bytes_to_buffer(p, 5, 5)
+    assert e.read_bytes_from_buffer(p, 4) == b"keep", "a refused call wrote nothing"
+    assert e.write_bytes_to_buffer(p, "hé", 3) == 0  # str: UTF-8, as Mooncake's char*
+    assert e.read_bytes_from_buffer(p, 3) == "hé".encode()
+    assert e.free_managed_buffer(p, 4096) == 0
+    e.close()
+
+
+def test_rpc_server_keeps_accepting_after_failed_accepts():
+    # EMFILE from accept() (an asker holding many connections) stopped the
+    # accept thread for good; now it backs off and keeps serving.
+    import errno
+
+    class Flaky:
+        def __init__(self, sock, failures):
+            self.sock, self.failures = sock, failures
+
+        def accept(self):
+            if self.failures:
+                self.failures -= 1
+                raise OSError(errno.EMFILE, "Too many open files")
+            return self.sock.accept()
+
+        def __getattr__(self, name):
+            return getattr(self.sock, name)
+
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(8)
+    flaky = Flaky(sock, 3)
+    server = _rpc.RpcServer(flaky, lambda: b'{"agent": "flaky"}')
+    try:
+        assert _rpc.describe("127.0.0.1", server.port, timeout=10)["agent"] == "flaky"
+        assert flaky.failures == 0, "the three failed accepts were retried"
+    finally:
+        server.close()
+
+
 def test_managed_memory_is_mapped_by_shm_peers():
     """``allocate_managed_buffer``'s allocator (the core's ``alloc_host``) is
     kvwire-owned memfd memory: an shm target that denies cross-memory attach
@@ -453,6 +504,29 @@ def test_batch_argument_forms_and_refusals(engines, form):
         assert a.batch_transfer_sync_write(b.session_id, conv(srcs), conv(dsts), conv([1.5] * n)) == -1
         assert a.batch_transfer_sync_write(b.session_id, conv([2**64] + srcs[1:]), conv(dsts), conv([PAGE] * n)) == -1
 
+
+
+def test_numpy_ints_in_lists_move_and_floats_are_refused(engines):
+    """Mooncake's pybind11 binding takes any `__index__` int in its lists
+    (numpy scalars included); float arrays are refused, never truncated."""
+    a, b = engines
+    n = 4
+    src, dst = reg(a, n * PAGE, fill=21), reg(b, n * PAGE)
+    srcs = [src.ctypes.data + i * PAGE for i in range(n)]
+    dsts = [dst.ctypes.data + i * PAGE for i in range(n)]
+    assert a.batch_transfer_sync_write(b.session_id, [np.int64(x) for x in srcs], [np.uint64(x) for x in dsts],
+                                       [np.int32(PAGE)] * n) == 0
+    assert (dst == src).all()
+    dst[:] = 0
+    assert a.transfer_sync_write(b.session_id, np.int64(srcs[1]), np.uint64(dsts[1]), np.int64(PAGE)) == 0
+    assert (dst[PAGE:2 * PAGE] == src[PAGE:2 * PAGE]).all() and not dst[:PAGE].any()
+    dst[:] = 0
+    assert a.batch_transfer_sync_write(b.session_id, [np.float64(srcs[0])], [dsts[0]], [PAGE]) == -1
+    assert a.batch_transfer_sync_write(b.session_id, np.array(srcs[:1], np.uint64), np.array(dsts[:1], np.uint64),
+                                       np.array([100.9])) == -1
+    assert a.batch_transfer_sync_write(b.session_id, np.array(srcs[:1], np.float64), np.array(dsts[:1], np.uint64),
+                                       np.array([PAGE])) == -1
+    assert not dst.any(), "refused calls moved nothing"
 
 def test_columns_that_repeat_int_objects(engines):
     """The core converts a repeated int object once (the usual
