@@ -76,8 +76,13 @@ SUPPORT_CUDA = False
 KVWIRE = True
 
 # NIXL status codes the kvwire core raises (kvwire python/src/nixl.rs).
+_BACKEND = -3
 _NOT_FOUND = -4
 _REMOTE_DISCONNECT = -10
+# _poll/_wait: the transfer failed with the backend's error (a remote access
+# error: the target refused a key or range), which a stale description of
+# the target explains; any other failure is -1.
+_REFUSED = -3
 # Longest single sleep of a sync call inside the core (seconds).
 _WAIT_SLICE_S = 0.1
 
@@ -301,7 +306,7 @@ class _Etcd:
 
 
 class _Session:
-    __slots__ = ("name", "host", "port", "agent", "instance", "buffers", "transport")
+    __slots__ = ("name", "host", "port", "agent", "instance", "buffers", "transport", "md")
 
     def __init__(self, name, host, port, desc):
         self.name, self.host, self.port = name, host, port
@@ -309,13 +314,23 @@ class _Session:
         self.instance = desc["instance"]
         self.buffers = [tuple(b) for b in desc["buffers"]]
         self.transport = desc["transport"]
+        self.md = desc.get("md")
+
+
+class _Refused(Exception):
+    """_submit: the backend refused the post (args: the _Session, why)."""
 
 
 class _Batch:
-    __slots__ = ("rid", "deadline", "session")
+    """An async batch: its request, deadline, session name, and what to post
+    again once if the target's description turns out stale (`_Engine._stale`)."""
 
-    def __init__(self, rid, deadline, session):
+    __slots__ = ("rid", "deadline", "session", "args", "used")
+
+    def __init__(self, rid, deadline, session, args, used):
         self.rid, self.deadline, self.session = rid, deadline, session
+        self.args = args  # (op, buffers, peer_addrs, lengths), None once retried
+        self.used = used  # the _Session the request was posted with
 
 
 _NOTIFY_MAGIC = b"MCKVN1"
@@ -866,6 +881,8 @@ class TransferEngine:
                         if s is None:
                             return None, None, 0
                         continue
+                if status == _BACKEND:
+                    raise _Refused(s, msg)  # at post (shm copies in the call)
                 logger.error("transfer to %s: %s", target, msg)
                 if status == _REMOTE_DISCONNECT or "unknown agent" in msg.lower():
                     self._drop(target)
@@ -873,8 +890,10 @@ class TransferEngine:
         try:
             core.post(rid)
         except NixlCoreError as e:
-            logger.error("transfer to %s: %s", target, e.args[-1])
             self._release(rid)
+            if e.args[0] == _BACKEND:
+                raise _Refused(s, e.args[-1]) from None
+            logger.error("transfer to %s: %s", target, e.args[-1])
             if e.args[0] == _REMOTE_DISCONNECT:
                 self._drop(target)
             return None, None, 0
@@ -898,47 +917,80 @@ class TransferEngine:
             pass
 
     def _poll(self, rid, target, wait_s=None):
-        """1 done, 0 running, -1 failed (request released when not running).
-        With ``wait_s``, first sleep up to that many seconds for the request
-        to finish (in the core, GIL and lock released)."""
+        """(1, None) done, (0, None) running, or (-1 / _REFUSED, why) failed;
+        the request is released when not running. With ``wait_s``, first
+        sleep up to that many seconds for the request to finish (in the
+        core, GIL and lock released)."""
         try:
             st = self._core.state(rid) if wait_s is None else self._core.wait(rid, wait_s)
         except NixlCoreError as e:
-            logger.error("transfer to %s failed: %s", target, e.args[-1])
             self._release(rid)
             if e.args[0] == _REMOTE_DISCONNECT:
                 self._drop(target)
-            return -1
+            return (_REFUSED if e.args[0] == _BACKEND else -1), e.args[-1]
         except AttributeError:  # closed meanwhile
-            return -1
+            return -1, "engine closed"
         if st == 0:
             self._release(rid)
-            return 1
-        return 0
+            return 1, None
+        return 0, None
 
     def _deadline(self, total):
         return time.monotonic() + self._timeout + total / 1e9  # Mooncake: + 1 GiB/s
 
     def _wait(self, rid, target, deadline):
+        """(0, None) done, or (-1 / _REFUSED, why) failed or timed out (the
+        request cancelled)."""
         # Mooncake's sync calls block inside the engine; so does this: the
         # core sleeps on the transport's completion channel, in slices of at
         # most 0.1 s so that signals (Ctrl-C) are handled meanwhile.
         while True:
-            r = self._poll(rid, target, max(0.0, min(deadline - time.monotonic(), _WAIT_SLICE_S)))
+            r, why = self._poll(rid, target, max(0.0, min(deadline - time.monotonic(), _WAIT_SLICE_S)))
             if r != 0:
-                return 0 if r == 1 else -1
+                return (0, None) if r == 1 else (r, why)
             if time.monotonic() > deadline:
-                logger.error("transfer to %s timed out (MC_TRANSFER_TIMEOUT=%gs)", target, self._timeout)
                 self._release(rid)  # cancels; returns once no byte can still move
-                return -1
+                return -1, f"timed out (MC_TRANSFER_TIMEOUT={self._timeout:g}s)"
+
+    def _stale(self, target, used):
+        """Whether the target's description changed since `used` (a
+        _Session) was fetched: it unregistered and registered memory again
+        (new keys, maybe at the same addresses), so a transfer it refused may
+        succeed with the new one. Fetches (and loads) the new description."""
+        if used is None or not used.host:
+            return False
+        new = self._session(target, refresh=True)
+        return new is not None and new.md != used.md
+
+    def _failed(self, target, why):
+        logger.error("transfer to %s failed: %s", target, why)
+        return -1
 
     def _sync(self, target, op, buffers, peer_addrs, lengths, notify=None):
-        rid, _s, total = self._submit(target, op, buffers, peer_addrs, lengths, notify)
-        if rid is None:
-            return -1
-        if rid == 0:
-            return 0
-        return self._wait(rid, str(target), self._deadline(total))
+        target = str(target)
+        deadline = None
+        for attempt in (0, 1):
+            try:
+                rid, s, total = self._submit(target, op, buffers, peer_addrs, lengths, notify)
+            except _Refused as e:
+                (s, why), r = e.args, _REFUSED
+            else:
+                if rid is None:
+                    return -1
+                if rid == 0:
+                    return 0
+                if deadline is None:
+                    deadline = self._deadline(total)
+                r, why = self._wait(rid, target, deadline)
+                if r == 0:
+                    return 0
+            # Refused by a target that has registered again since we fetched
+            # its description (its keys changed): post once more with the new
+            # one. Both ops move the same bytes again, so a part moved before
+            # the refusal is harmless. One retry, within the same deadline.
+            late = deadline is not None and time.monotonic() > deadline
+            if r != _REFUSED or attempt or late or not self._stale(target, s):
+                return self._failed(target, why)
 
     def transfer_sync_write(self, target_hostname, buffer, peer_buffer_address, length, transport_hint=""):
         return self._sync(target_hostname, TransferOpcode.Write, [buffer], [peer_buffer_address], [length])
@@ -965,14 +1017,37 @@ class TransferEngine:
                           notify)
 
     def _async(self, target, op, buffers, peer_addrs, lengths):
-        rid, s, total = self._submit(target, op, buffers, peer_addrs, lengths)
+        target = str(target)
+        for attempt in (0, 1):
+            try:
+                rid, s, total = self._submit(target, op, buffers, peer_addrs, lengths)
+                break
+            except _Refused as e:  # as in _sync
+                if attempt or not self._stale(target, e.args[0]):
+                    self._failed(target, e.args[1])
+                    return 0
         if rid is None:
             return 0  # Mooncake's failure id
         with self._lock:
             self._next_batch += 1
             bid = self._next_batch
-            self._batches[bid] = _Batch(rid, self._deadline(total), str(target))
+            self._batches[bid] = _Batch(rid, self._deadline(total), target, (op, buffers, peer_addrs, lengths), s)
         return bid
+
+    def _retry(self, b, r, why):
+        """After batch `b` failed with (r, why): post it again when the
+        target's description was stale (as `_sync`); True when reposted."""
+        if r != _REFUSED or b.args is None or time.monotonic() > b.deadline or not self._stale(b.session, b.used):
+            return False
+        args, b.args = b.args, None
+        try:
+            rid, s, _total = self._submit(b.session, *args)
+        except _Refused:
+            return False
+        if rid is None:
+            return False
+        b.rid, b.used = rid, s
+        return True
 
     def batch_transfer_async_write(self, target_hostname, buffers, peer_buffer_addresses, lengths,
                                    transport_hint=""):
@@ -1001,10 +1076,18 @@ class TransferEngine:
         if b is None:
             logger.error("transfer_check_status: unknown batch id %s", batch_id)
             return -1
-        r = 1 if b.rid == 0 else self._poll(b.rid, b.session)
+        if b.rid == 0:
+            r, why = 1, None
+        else:
+            r, why = self._poll(b.rid, b.session)
+            if r < 0 and self._retry(b, r, why):
+                return 0
         if r == 0 and time.monotonic() > b.deadline:
             self._release(b.rid)
             r = -2
+            logger.error("transfer to %s timed out (MC_TRANSFER_TIMEOUT=%gs)", b.session, self._timeout)
+        elif r < 0:
+            r = self._failed(b.session, why)
         if r != 0:
             self._take(batch_id)
         return r
@@ -1026,8 +1109,12 @@ class TransferEngine:
         for i, b in enumerate(batches):
             if b.rid == 0:
                 continue
-            if self._wait(b.rid, b.session, b.deadline) != 0:
-                rc = -1
+            while True:
+                r, why = self._wait(b.rid, b.session, b.deadline)
+                if r == 0 or not self._retry(b, r, why):
+                    break
+            if r != 0:
+                rc = self._failed(b.session, why)
                 for o in batches[i + 1:]:
                     if o.rid:
                         self._release(o.rid)

@@ -29,6 +29,8 @@ def handle(cmd):
             arrays[a] = b
         rc = engine.batch_register_memory(addrs, cmd["sizes"]) if cmd.get("register", True) else 0
         return {"rc": rc, "addrs": addrs}
+    if op == "register":  # again, buffers made by "alloc" (same addresses)
+        return {"rc": engine.batch_register_memory(cmd["addrs"], [arrays[a].nbytes for a in cmd["addrs"]])}
     if op == "managed":
         return {"addr": engine.allocate_managed_buffer(cmd["size"])}
     if op == "unregister":

@@ -669,6 +669,60 @@ def test_peer_unregisters_after_session_opened(engines):
     assert not dst.any()
 
 
+def test_peer_registers_again_at_the_same_address(engines):
+    # The target unregisters and registers the same memory again (new keys);
+    # the initiator's cached description names the old ones. Mooncake fetches
+    # a segment's description again when it changes; so does this package:
+    # the refused transfer is posted once more with the new description.
+    a, b = engines
+    src, dst = reg(a, PAGE, fill=12), reg(b, PAGE)
+    assert a.transfer_sync_write(b.session_id, src.ctypes.data, dst.ctypes.data, PAGE) == 0
+    for op in ("write", "read"):
+        assert b.unregister_memory(dst.ctypes.data) == 0
+        assert b.register_memory(dst.ctypes.data, PAGE) == 0
+        if op == "write":
+            dst[:] = 0
+            assert a.transfer_sync_write(b.session_id, src.ctypes.data, dst.ctypes.data, PAGE) == 0
+            assert (dst == src).all()
+        else:
+            src2 = reg(a, PAGE)
+            assert a.batch_transfer_sync_read(b.session_id, [src2.ctypes.data], [dst.ctypes.data], [PAGE]) == 0
+            assert (src2 == src).all()
+    # registered again shorter: the part still registered is reached, the
+    # rest refused with nothing written
+    assert b.unregister_memory(dst.ctypes.data) == 0
+    assert b.register_memory(dst.ctypes.data, PAGE // 2) == 0
+    dst[:] = 0
+    assert a.transfer_sync_write(b.session_id, src.ctypes.data, dst.ctypes.data, PAGE) == -1
+    assert not dst.any()
+    assert a.transfer_sync_write(b.session_id, src.ctypes.data, dst.ctypes.data, PAGE // 2) == 0
+    assert (dst[:PAGE // 2] == src[:PAGE // 2]).all() and not dst[PAGE // 2:].any()
+
+
+def test_refused_transfer_to_an_unchanged_target_is_not_retried(engines, monkeypatch):
+    # A refusal that a stale description does not explain fails at once:
+    # the description is fetched again once, found unchanged, no second post.
+    a, b = engines
+    src, dst = reg(a, PAGE, fill=13), reg(b, PAGE)
+    assert a.transfer_sync_write(b.session_id, src.ctypes.data, dst.ctypes.data, PAGE) == 0
+    posts, stale = [], []
+    real_submit, real_stale = a._submit, a._stale
+    monkeypatch.setattr(a, "_submit", lambda *x, **k: posts.append(1) or real_submit(*x, **k))
+    monkeypatch.setattr(a, "_stale", lambda *x: stale.append(real_stale(*x)) or stale[-1])
+    assert b.unregister_memory(dst.ctypes.data) == 0
+    assert b.register_memory(dst.ctypes.data, PAGE) == 0
+    assert a.transfer_sync_write(b.session_id, src.ctypes.data, dst.ctypes.data, PAGE) == 0
+    assert (posts, stale) == ([1, 1], [True])
+    # b's core refuses the access now (its key deregistered behind the
+    # package's back) while b still hands out the description a has
+    posts.clear(), stale.clear()
+    frozen = b._describe()
+    monkeypatch.setattr(b._server, "_describe", lambda: frozen)
+    b._core.deregister(dst.ctypes.data, PAGE)
+    assert a.transfer_sync_write(b.session_id, src.ctypes.data, dst.ctypes.data, PAGE) == -1
+    assert len(posts) == 1 and stale == [False]
+
+
 def test_loopback_to_own_session(engines):
     a, _ = engines
     x, y = reg(a, PAGE, fill=10), reg(a, PAGE)

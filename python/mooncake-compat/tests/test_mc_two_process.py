@@ -105,6 +105,32 @@ def test_target_unregisters(transport, peer_factory):
     (dst2,) = peer.call(op="alloc", sizes=[PAGE])["addrs"]
     assert e.transfer_sync_write(session, src.ctypes.data, dst2, PAGE) == 0
     assert peer.call(op="read", addr=dst2, len=PAGE)["hex"] == src.tobytes().hex()
+    # registered again at the same address (new keys): every kind of call
+    # reaches it, though e last fetched the old description
+    back = np.zeros(PAGE, dtype=np.uint8)
+    assert e.register_memory(back.ctypes.data, PAGE) == 0
+    assert peer.call(op="register", addrs=[dst])["rc"] == 0
+    assert e.transfer_sync_write(session, src.ctypes.data, dst, PAGE) == 0
+    assert peer.call(op="read", addr=dst, len=PAGE)["hex"] == src.tobytes().hex()
+    for again in ("sync_read", "batch", "submit"):
+        assert peer.call(op="unregister", addrs=[dst])["rc"] == 0
+        assert peer.call(op="register", addrs=[dst])["rc"] == 0
+        back[:] = 0
+        if again == "sync_read":
+            assert e.transfer_sync_read(session, back.ctypes.data, dst, PAGE) == 0
+        elif again == "batch":
+            bid = e.batch_transfer_async_read(session, [back.ctypes.data], [dst], [PAGE])
+            assert bid != 0 and e.get_batch_transfer_status([bid]) == 0
+        else:
+            peer.call(op="write", addr=dst, hex="00" * PAGE)
+            bid = e.transfer_submit_write(session, src.ctypes.data, dst, PAGE)
+            assert bid != 0
+            deadline = time.monotonic() + 30
+            while (r := e.transfer_check_status(bid)) == 0 and time.monotonic() < deadline:
+                time.sleep(0.001)
+            assert r == 1
+            assert e.transfer_sync_read(session, back.ctypes.data, dst, PAGE) == 0
+        assert (back == src).all(), again
     e.close()
 
 
