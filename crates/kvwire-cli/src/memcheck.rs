@@ -5,12 +5,10 @@ use anyhow::Result;
 
 use crate::failure::user_error;
 
-/// `MemAvailable` of `/proc/meminfo` (bytes), or `None` where unknown.
+/// Bytes of memory available (`MemAvailable`, lowered to the cgroup's
+/// limit), or `None` where unknown: [`kvwire::transport::shm::available_host_bytes`].
 pub(crate) fn available_bytes() -> Option<u64> {
-    let text = std::fs::read_to_string("/proc/meminfo").ok()?;
-    let line = text.lines().find(|l| l.starts_with("MemAvailable:"))?;
-    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
-    kib.checked_mul(1024)
+    kvwire::transport::shm::available_host_bytes()
 }
 
 fn gib(b: u128) -> String {

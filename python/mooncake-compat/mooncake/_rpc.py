@@ -21,9 +21,12 @@ frame ``cmd(1) + proof(32) + body``:
   * without a token, a *local* asker: its TCP socket is in this network
     namespace's ``/proc/net/tcp{,6}`` and is owned by this process's uid.
 
-Everything a peer sends is bounded (``MAX_FRAME``) and every socket has a
-timeout, so a silent or hostile asker costs a thread for at most
-``IO_TIMEOUT_S``.
+Everything a peer sends is bounded (a request frame by ``MAX_REQUEST``, a
+reply by ``MAX_FRAME``) and every socket has a timeout. At most
+``MAX_OPEN`` (64) connections are served at once, each by its own thread;
+a new one shuts the oldest down (as the ``nixl`` package's metadata
+listener), so a flood of silent askers holds at most 64 threads and cannot
+keep a real asker out for long.
 """
 
 import hmac
@@ -40,6 +43,10 @@ logger = logging.getLogger("mooncake.kvwire")
 
 MAGIC = b"MCKV1"
 MAX_FRAME = 64 << 20
+#: Largest request the server reads (bytes): cmd(1) + proof(32); the rest is slack.
+MAX_REQUEST = 1024
+#: Connections served at once (a new one shuts the oldest down).
+MAX_OPEN = 64
 IO_TIMEOUT_S = 5.0
 TOKEN_ENV = "KVWIRE_MOONCAKE_TOKEN"
 
@@ -94,6 +101,10 @@ class RpcServer:
         self._describe = describe
         self.port = sock.getsockname()[1]
         self._stop = False
+        # Connections being served, oldest first; guarded by _lock, which is
+        # also held to shut one down or close it (never a reused fd).
+        self._open = {}
+        self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._serve, name="mooncake-kvwire-rpc", daemon=True)
         self._thread.start()
 
@@ -112,41 +123,56 @@ class RpcServer:
                 time.sleep(backoff)
                 continue
             backoff = 0.0
+            with self._lock:
+                while len(self._open) >= MAX_OPEN:
+                    oldest = next(iter(self._open))
+                    del self._open[oldest]
+                    try:
+                        oldest.shutdown(socket.SHUT_RDWR)  # its thread sees EOF and ends
+                    except OSError:
+                        pass
+                self._open[conn] = True
             try:
                 threading.Thread(target=self._handle, args=(conn,), name="mooncake-kvwire-rpc-conn",
                                  daemon=True).start()
             except RuntimeError as e:  # no thread to spare: refuse this asker, keep serving
                 logger.warning("mooncake rpc: %s; connection refused", e)
-                conn.close()
+                self._forget(conn)
+
+    def _forget(self, conn):
+        with self._lock:
+            self._open.pop(conn, None)
+            conn.close()
 
     def _handle(self, conn):
-        with conn:
-            try:
-                conn.settimeout(IO_TIMEOUT_S)
-                nonce = os.urandom(16)
-                send_frame(conn, MAGIC + nonce)
-                frame = recv_frame(conn)
-                if len(frame) < 33:
-                    return
-                cmd, proof = frame[:1], frame[1:33]
-                if cmd == b"P":
-                    send_frame(conn, b"+ok")
-                elif cmd == b"M":
-                    token = self._token
-                    if token is not None:
-                        ok = hmac.compare_digest(proof, _proof(token, nonce, cmd))
-                        why = f"wrong or missing {TOKEN_ENV} proof"
-                    else:
-                        ok = is_local_same_user(conn)
-                        why = (f"asker {conn.getpeername()[0]} is not a local process of this user; "
-                               f"set the same {TOKEN_ENV} on every host to serve remote peers")
-                    if ok:
-                        send_frame(conn, b"+" + self._describe())
-                    else:
-                        logger.warning("mooncake rpc: refused to describe this engine: %s", why)
-                        send_frame(conn, b"-" + why.encode())
-            except Exception as e:  # noqa: BLE001 - a bad asker must not stop the server
-                logger.debug("mooncake rpc: %s", e)
+        try:
+            conn.settimeout(IO_TIMEOUT_S)
+            nonce = os.urandom(16)
+            send_frame(conn, MAGIC + nonce)
+            frame = _net.recv_frame(conn, MAX_REQUEST)
+            if len(frame) < 33:
+                return
+            cmd, proof = frame[:1], frame[1:33]
+            if cmd == b"P":
+                send_frame(conn, b"+ok")
+            elif cmd == b"M":
+                token = self._token
+                if token is not None:
+                    ok = hmac.compare_digest(proof, _proof(token, nonce, cmd))
+                    why = f"wrong or missing {TOKEN_ENV} proof"
+                else:
+                    ok = is_local_same_user(conn)
+                    why = (f"asker {conn.getpeername()[0]} is not a local process of this user; "
+                           f"set the same {TOKEN_ENV} on every host to serve remote peers")
+                if ok:
+                    send_frame(conn, b"+" + self._describe())
+                else:
+                    logger.warning("mooncake rpc: refused to describe this engine: %s", why)
+                    send_frame(conn, b"-" + why.encode())
+        except Exception as e:  # noqa: BLE001 - a bad asker must not stop the server
+            logger.debug("mooncake rpc: %s", e)
+        finally:
+            self._forget(conn)
 
     def close(self):
         self._stop = True
@@ -155,6 +181,12 @@ class RpcServer:
         except OSError:
             pass
         self._sock.close()
+        with self._lock:
+            for conn in self._open:
+                try:
+                    conn.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
 
 
 # -- client --------------------------------------------------------------

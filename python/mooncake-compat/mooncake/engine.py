@@ -102,8 +102,18 @@ class TransferNotify:
     """A notification: ``name`` and ``msg`` (strings), as Mooncake's."""
 
     def __init__(self, name="", msg=""):
-        self.name = name
-        self.msg = msg
+        # Strings, as the std::string fields of Mooncake's binding (which
+        # raises TypeError for anything else); bytes are read as UTF-8.
+        self.name = self._str(name, "name")
+        self.msg = self._str(msg, "msg")
+
+    @staticmethod
+    def _str(v, what):
+        if isinstance(v, str):
+            return v
+        if isinstance(v, (bytes, bytearray)):
+            return bytes(v).decode(errors="replace")
+        raise TypeError(f"TransferNotify.{what} must be str, not {type(v).__name__}")
 
     def __repr__(self):
         return f"TransferNotify(name={self.name!r}, msg={self.msg!r})"
@@ -151,16 +161,21 @@ def _active_rdma_port():
 
 
 def _split_host_port(name):
-    """``host:port`` / ``[v6]:port`` / ``host`` -> (host, port or None)."""
+    """``host:port`` / ``[v6]:port`` / ``host`` -> (host, port or None);
+    a port outside 1..65535 is None (not wrapped by the resolver)."""
     name = str(name).strip()
     if name.startswith("["):
         host, _, rest = name[1:].partition("]")
         rest = rest.lstrip(":")
-        return host, int(rest) if rest.isdigit() else None
+        return host, _port(rest)
     host, sep, port = name.rpartition(":")
     if sep and port.isdigit() and ":" not in host:
-        return host, int(port)
+        return host, _port(port)
     return name, None
+
+
+def _port(text):
+    return int(text) if text.isdigit() and 0 < int(text) < 65536 else None
 
 
 def _resolve(host):

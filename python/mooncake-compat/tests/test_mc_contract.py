@@ -226,6 +226,12 @@ def test_managed_buffers_and_bytes(transport):
     assert e.write_bytes_to_buffer(p, b"xyz", 2) == 0
     assert e.read_bytes_from_buffer(p, 3) == b"xy\0"
     assert e.allocate_managed_buffer(0) == 0
+    # More than this machine has available: 0 at once (its pages would be
+    # faulted in at allocation: the OOM killer, not a code, answered before)
+    with open("/proc/meminfo") as f:
+        avail = next(int(l.split()[1]) * 1024 for l in f if l.startswith("MemAvailable:"))
+    assert e.allocate_managed_buffer(2 * avail) == 0
+    assert e.get_first_buffer_address(e.session_id) == p
     assert e.free_managed_buffer(p, 1 << 20) == 0
     assert e.free_managed_buffer(p, 1 << 20) < 0
     assert e.get_first_buffer_address(e.session_id) == 0
@@ -280,6 +286,51 @@ def test_rpc_server_keeps_accepting_after_failed_accepts():
         assert _rpc.describe("127.0.0.1", server.port, timeout=10)["agent"] == "flaky"
         assert flaky.failures == 0, "the three failed accepts were retried"
     finally:
+        server.close()
+
+
+def test_rpc_server_bounds_connections_and_request_frames():
+    # 100 silent askers hold at most MAX_OPEN connections (and threads): each
+    # new one shuts the oldest down, so a real asker is served at once; a
+    # request frame above MAX_REQUEST is refused unread.
+    import struct
+    import threading
+
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(128)
+    server = _rpc.RpcServer(sock, lambda: b'{"agent": "bounded"}')
+    silent = []
+    try:
+        for _ in range(100):
+            c = socket.create_connection(("127.0.0.1", server.port), timeout=5)
+            assert c.recv(64)[4:9] == _rpc.MAGIC  # served: the challenge came
+            silent.append(c)
+        t = time.monotonic()
+        assert _rpc.describe("127.0.0.1", server.port, timeout=10)["agent"] == "bounded"
+        assert time.monotonic() - t < _rpc.IO_TIMEOUT_S, "not held up by the silent askers"
+        held = [th for th in threading.enumerate() if th.name == "mooncake-kvwire-rpc-conn"]
+        assert len(held) <= _rpc.MAX_OPEN
+        with server._lock:
+            assert len(server._open) <= _rpc.MAX_OPEN
+        closed = 0
+        for c in silent[:100 - _rpc.MAX_OPEN]:
+            c.settimeout(5)
+            closed += c.recv(1) == b""
+        assert closed == 100 - _rpc.MAX_OPEN, "the oldest were shut down"
+        big = socket.create_connection(("127.0.0.1", server.port), timeout=5)
+        big.recv(64)
+        big.sendall(struct.pack(">I", _rpc.MAX_REQUEST + 1) + b"M")
+        big.settimeout(5)
+        try:
+            answer = big.recv(64)
+        except ConnectionResetError:  # closed with our byte unread
+            answer = b""
+        assert answer == b"", "closed without an answer"
+        big.close()
+    finally:
+        for c in silent:
+            c.close()
         server.close()
 
 
@@ -438,6 +489,12 @@ def test_notifications(engines):
         time.sleep(0.01)
     assert sorted((n.name, n.msg) for n in got) == [("req-7", "kv done"), ("req-8", "aux")]
     assert b.get_notifies() == []
+    # strings, as Mooncake's std::string fields (None is a TypeError there too)
+    with pytest.raises(TypeError):
+        TransferNotify(None, None)
+    with pytest.raises(TypeError):
+        TransferNotify("x", 5)
+    assert TransferNotify(b"n", b"m") == TransferNotify("n", "m")
 
 
 # -- errors are return codes, not exceptions ------------------------------
@@ -647,6 +704,11 @@ def test_unknown_and_dead_sessions(engines):
     assert a.send_probe("unreachable_peer:9") != 0
     assert a.send_probe(b.session_id) == 0
     assert a.send_probe(a.session_id) == 0
+    # a port past 65535 is no session (it used to wrap to port - 65536)
+    wrapped = f"127.0.0.1:{int(b.session_id.rsplit(':', 1)[1]) + 65536}"
+    assert a.send_probe(wrapped) != 0
+    assert a.transfer_sync_write(wrapped, src.ctypes.data, 0, 16) == -1
+    assert a.send_probe("127.0.0.1:0") != 0
 
 
 def test_peer_registers_after_session_opened(engines):

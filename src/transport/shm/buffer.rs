@@ -39,11 +39,15 @@ impl HostBuffer {
     /// # Errors
     /// The failing call (`memfd_create`, `ftruncate`, `mmap`) as an I/O error;
     /// `InvalidInput` for a zero length; `FileTooLarge` when the buffer
-    /// exceeds the process's `RLIMIT_FSIZE` (instead of dying of SIGXFSZ).
+    /// exceeds the process's `RLIMIT_FSIZE` (instead of dying of SIGXFSZ);
+    /// `OutOfMemory` when it exceeds [`available_host_bytes`] (its pages are
+    /// faulted in at once, so past that the kernel's OOM killer would answer
+    /// instead of an error).
     pub fn new(len_bytes: usize) -> io::Result<Self> {
         if len_bytes == 0 {
             return Err(io::Error::new(io::ErrorKind::InvalidInput, "HostBuffer of 0 bytes"));
         }
+        check_room((len_bytes as u64).div_ceil(4096) * 4096, len_bytes, available_host_bytes())?;
         let fd = memfd_create("kvwire-host-buffer", MFdFlags::MFD_CLOEXEC | MFdFlags::MFD_ALLOW_SEALING)
             .map_err(io::Error::from)?;
         let file = File::from(fd);
@@ -381,6 +385,7 @@ unsafe fn rehome_pages(addr: u64, len: usize, fd: RawFd, old: BorrowedFd<'_>) ->
         .map_err(io::Error::from)?;
     let new = File::from(new);
     check_fsize(size as u64, len)?;
+    check_room(size as u64, len, available_host_bytes())?;
     new.set_len(size as u64)?;
     // Allocate the new pages now: where memory is short this fails here
     // (ENOSPC / ENOMEM, nothing moved) instead of the copy's page faults
@@ -456,6 +461,73 @@ unsafe fn rehome_pages(addr: u64, len: usize, fd: RawFd, old: BorrowedFd<'_>) ->
     Ok(())
 }
 
+/// Bytes of host memory a new allocation can take now: `MemAvailable` of
+/// `/proc/meminfo`, lowered to the room left under this process's memory
+/// cgroup where it has a limit (v2 `memory.max` − `memory.current`, v1
+/// `memory.limit_in_bytes` − `memory.usage_in_bytes`), as a container's
+/// limit is not in `/proc/meminfo`. `None` where neither can be read (then
+/// nothing is refused for want of memory).
+pub fn available_host_bytes() -> Option<u64> {
+    let meminfo = std::fs::read_to_string("/proc/meminfo").ok().and_then(|t| meminfo_available(&t));
+    let cgroup =
+        std::fs::read_to_string("/proc/self/cgroup").ok().and_then(|t| cgroup_files(&t)).and_then(|(max, current)| {
+            cgroup_room(&std::fs::read_to_string(max).ok()?, &std::fs::read_to_string(current).ok()?)
+        });
+    match (meminfo, cgroup) {
+        (Some(a), Some(b)) => Some(a.min(b)),
+        (a, b) => a.or(b),
+    }
+}
+
+/// `MemAvailable` (bytes) of a `/proc/meminfo` text.
+fn meminfo_available(text: &str) -> Option<u64> {
+    let line = text.lines().find(|l| l.starts_with("MemAvailable:"))?;
+    line.split_whitespace().nth(1)?.parse::<u64>().ok()?.checked_mul(1024)
+}
+
+/// The (limit, usage) files of this process's memory cgroup, from the text
+/// of `/proc/self/cgroup` (v1's `memory` controller line, else v2's `0::`).
+fn cgroup_files(text: &str) -> Option<(String, String)> {
+    let mut v2 = None;
+    for line in text.lines() {
+        let mut parts = line.splitn(3, ':');
+        let (_, controllers, path) = (parts.next()?, parts.next()?, parts.next()?.trim_end());
+        let path = path.trim_end_matches('/');
+        if controllers.split(',').any(|c| c == "memory") {
+            let dir = format!("/sys/fs/cgroup/memory{path}");
+            return Some((format!("{dir}/memory.limit_in_bytes"), format!("{dir}/memory.usage_in_bytes")));
+        }
+        if controllers.is_empty() {
+            let dir = format!("/sys/fs/cgroup{path}");
+            v2 = Some((format!("{dir}/memory.max"), format!("{dir}/memory.current")));
+        }
+    }
+    v2
+}
+
+/// Room under a cgroup limit (bytes): `memory.max` − `memory.current`;
+/// `None` without a limit (`max`) or an unreadable value.
+fn cgroup_room(max: &str, current: &str) -> Option<u64> {
+    let max: u64 = max.trim().parse().ok()?;
+    Some(max.saturating_sub(current.trim().parse().ok()?))
+}
+
+/// Refuse `size` bytes of pre-faulted memory above `avail` (see
+/// [`available_host_bytes`]).
+fn check_room(size: u64, len_bytes: usize, avail: Option<u64>) -> io::Result<()> {
+    match avail {
+        Some(avail) if size > avail => Err(io::Error::new(
+            io::ErrorKind::OutOfMemory,
+            format!(
+                "HostBuffer of {len_bytes} bytes exceeds the {avail} bytes of memory available \
+                 (MemAvailable, or the cgroup's memory.max): its pages are faulted in at once, \
+                 which would wake the OOM killer"
+            ),
+        )),
+        _ => Ok(()),
+    }
+}
+
 fn check_fsize(size: u64, len_bytes: usize) -> io::Result<()> {
     let mut lim = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
     // SAFETY: getrlimit writes one rlimit into a live local.
@@ -495,6 +567,46 @@ unsafe impl MemoryBacking for HostBuffer {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn refuses_more_memory_than_is_available() {
+        let meminfo = "MemTotal:       24000000 kB\nMemFree:  100 kB\nMemAvailable:   1000 kB\n";
+        assert_eq!(meminfo_available(meminfo), Some(1_024_000));
+        assert_eq!(meminfo_available("MemTotal: 5 kB\n"), None);
+        assert_eq!(cgroup_room("max\n", "4096\n"), None);
+        assert_eq!(cgroup_room("1048576\n", "4096\n"), Some(1_044_480));
+        assert_eq!(cgroup_room("4096\n", "8192\n"), Some(0));
+        let v1 = "5:memory:/pod/c1\n0::/\n";
+        assert_eq!(
+            cgroup_files(v1),
+            Some((
+                "/sys/fs/cgroup/memory/pod/c1/memory.limit_in_bytes".into(),
+                "/sys/fs/cgroup/memory/pod/c1/memory.usage_in_bytes".into()
+            ))
+        );
+        assert_eq!(
+            cgroup_files("0::/user.slice/x\n"),
+            Some((
+                "/sys/fs/cgroup/user.slice/x/memory.max".into(),
+                "/sys/fs/cgroup/user.slice/x/memory.current".into()
+            ))
+        );
+        assert_eq!(cgroup_files("0::/\n").unwrap().0, "/sys/fs/cgroup/memory.max");
+        assert_eq!(cgroup_files("3:cpu:/\n"), None);
+        assert!(check_room(8192, 8000, Some(8192)).is_ok());
+        assert!(check_room(8192, 8000, None).is_ok());
+        let e = check_room(12_288, 9000, Some(8192)).unwrap_err();
+        assert_eq!(e.kind(), io::ErrorKind::OutOfMemory);
+        assert!(e.to_string().contains("9000 bytes") && e.to_string().contains("8192 bytes"), "{e}");
+        // This machine: its figure is known, and a buffer twice its size is
+        // refused before a page is touched (a regression here would wake
+        // the OOM killer rather than pass).
+        let avail = available_host_bytes().expect("MemAvailable of /proc/meminfo");
+        assert!(avail > 0);
+        let Ok(twice) = usize::try_from(avail.saturating_mul(2)) else { return };
+        let e = HostBuffer::new(twice).unwrap_err();
+        assert_eq!(e.kind(), io::ErrorKind::OutOfMemory, "{e}");
+    }
 
     #[test]
     fn allocates_zeroed_page_aligned_memory() {

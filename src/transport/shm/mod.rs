@@ -38,7 +38,7 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
-pub use buffer::HostBuffer;
+pub use buffer::{HostBuffer, available_host_bytes};
 use copy::{CopyPool, Job, PeerShared, SpareSegments, XferShared};
 pub use stream::stream_copy;
 use target::{Accepted, AcceptedPeer, Acks, LocalRegion, NotifQueue, RegionTable, Shared};
