@@ -205,6 +205,29 @@ def test_peer_killed_mid_batch_then_restarted(transport, peer_factory, monkeypat
     e.close()
 
 
+def stop(peer):
+    """SIGSTOP `peer` and return once every thread of it is stopped: SIGSTOP
+    takes effect per thread as each next leaves the kernel, so on a loaded
+    host a receiver thread can still acknowledge for a moment."""
+    import os
+    import signal
+
+    os.kill(peer.proc.pid, signal.SIGSTOP)
+    deadline = time.monotonic() + 10
+    while True:
+        states = []
+        for task in os.listdir(f"/proc/{peer.proc.pid}/task"):
+            try:
+                with open(f"/proc/{peer.proc.pid}/task/{task}/stat") as f:
+                    states.append(f.read().rsplit(")", 1)[1].split()[0])
+            except OSError:
+                pass
+        if states and all(st in ("T", "t") for st in states):
+            return
+        assert time.monotonic() < deadline, f"the target did not stop: {states}"
+        time.sleep(0.01)
+
+
 def test_frozen_peer_is_bounded_by_the_timeout(transport, peer_factory, monkeypatch):
     """A peer that stops answering (SIGSTOP) never makes a call hang: each
     returns a code within MC_TRANSFER_TIMEOUT (+ 1 s/GiB + slack); once it
@@ -220,24 +243,8 @@ def test_frozen_peer_is_bounded_by_the_timeout(transport, peer_factory, monkeypa
     e = local_engine()
     src = reg(e, 16 * PAGE, seed=12)
     assert e.transfer_sync_write(session, src.ctypes.data, dst, PAGE) == 0
-    os.kill(peer.proc.pid, signal.SIGSTOP)
     try:
-        # SIGSTOP takes effect per thread as each next leaves the kernel: on a
-        # loaded host a receiver thread can still acknowledge for a moment.
-        # Post only once every thread of the target is stopped.
-        deadline = time.monotonic() + 10
-        while True:
-            states = []
-            for task in os.listdir(f"/proc/{peer.proc.pid}/task"):
-                try:
-                    with open(f"/proc/{peer.proc.pid}/task/{task}/stat") as f:
-                        states.append(f.read().rsplit(")", 1)[1].split()[0])
-                except OSError:
-                    pass
-            if states and all(st in ("T", "t") for st in states):
-                break
-            assert time.monotonic() < deadline, f"the target did not stop: {states}"
-            time.sleep(0.01)
+        stop(peer)
         t = time.monotonic()
         rc = e.batch_transfer_sync_write(session, [src.ctypes.data + i * PAGE for i in range(16)],
                                          [dst + i * PAGE for i in range(16)], [PAGE] * 16)
@@ -255,4 +262,33 @@ def test_frozen_peer_is_bounded_by_the_timeout(transport, peer_factory, monkeypa
     while e.transfer_sync_write(session, src.ctypes.data, dst, PAGE) != 0:
         assert time.monotonic() < deadline, "the session did not recover after SIGCONT"
     assert peer.call(op="read", addr=dst, len=PAGE)["hex"] == src[:PAGE].tobytes().hex()
+    e.close()
+
+
+def test_unregister_with_a_batch_in_flight_is_refused(transport, peer_factory):
+    """Local memory an unfinished async batch still uses is not unregistered
+    (-1, the registration kept): nothing is freed that a transfer may still
+    touch. Once the batch is done it is."""
+    import os
+    import signal
+
+    peer = peer_factory()
+    session = peer.call(op="init")["session"]
+    n = 16 << 20
+    (dst,) = peer.call(op="alloc", sizes=[n])["addrs"]
+    if transport == "verbs":
+        pytest.skip("an RDMA WRITE lands without the target's CPU: a stopped target does not hold the batch")
+    e = local_engine()
+    src = reg(e, n, seed=14)
+    assert e.transfer_sync_write(session, src.ctypes.data, dst, PAGE) == 0  # the session is open
+    try:
+        stop(peer)  # the batch cannot finish while the target is stopped
+        bid = e.batch_transfer_async_write(session, [src.ctypes.data], [dst], [n])
+        assert bid != 0
+        assert e.unregister_memory(src.ctypes.data) == -1
+    finally:
+        os.kill(peer.proc.pid, signal.SIGCONT)
+    assert e.get_batch_transfer_status([bid]) == 0
+    assert peer.call(op="sha", pieces=[[dst, n]])["sha"] == hashlib.sha256(src.tobytes()).hexdigest()
+    assert e.unregister_memory(src.ctypes.data) == 0
     e.close()
