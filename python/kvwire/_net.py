@@ -7,7 +7,9 @@ extension needed."""
 import hashlib
 import hmac
 import ipaddress
+import socket
 import struct
+import threading
 
 #: Bytes of a frame's length prefix (big-endian unsigned).
 LEN_BYTES = 4
@@ -97,3 +99,52 @@ def tcp_peer_uid(peer, local):
             except ValueError:
                 continue
     return None
+
+
+class Served:
+    """The connections a listener serves at once, oldest first, at most
+    `limit`: adding one past it shuts the oldest down (its thread sees EOF
+    and ends), so silent callers hold at most `limit` threads. Shutting down
+    and closing happen under one lock, so a descriptor is never shut down
+    after it was closed and reused."""
+
+    def __init__(self, limit):
+        self.limit = limit
+        self._conns = {}
+        self._lock = threading.Lock()
+
+    def __len__(self):
+        with self._lock:
+            return len(self._conns)
+
+    def add(self, conn):
+        with self._lock:
+            while len(self._conns) >= self.limit:
+                oldest = next(iter(self._conns))
+                del self._conns[oldest]
+                _shutdown(oldest)
+            self._conns[conn] = True
+
+    def take(self, conn):
+        """Stop counting `conn` (it is no longer a silent caller); False
+        when it was shut down for a newer one meanwhile."""
+        with self._lock:
+            return self._conns.pop(conn, False)
+
+    def forget(self, conn):
+        """Stop counting `conn` and close it."""
+        with self._lock:
+            self._conns.pop(conn, None)
+            conn.close()
+
+    def shutdown_all(self):
+        with self._lock:
+            for conn in self._conns:
+                _shutdown(conn)
+
+
+def _shutdown(conn):
+    try:
+        conn.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass

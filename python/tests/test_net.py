@@ -82,3 +82,26 @@ def test_no_such_connection_is_none():
     with c, s:
         assert _net.tcp_peer_uid(("127.0.0.1", 1), s.getsockname()) is None
         assert _net.tcp_peer_uid(("not an address", 1), s.getsockname()) is None
+
+
+def test_served_keeps_at_most_limit_and_shuts_the_oldest_down():
+    made = [pair() for _ in range(4)]
+    try:
+        served = _net.Served(2)
+        for _, s in made[:3]:
+            served.add(s)
+        assert len(served) == 2
+        # the oldest (made[0]) was shut down: its caller sees the end
+        assert made[0][0].recv(1) == b""
+        assert served.take(made[1][1]) is True
+        assert served.take(made[1][1]) is False, "taken already"
+        assert served.take(made[0][1]) is False, "shut down for a newer one"
+        served.forget(made[2][1])
+        assert made[2][1].fileno() == -1 and len(served) == 0
+        served.add(made[3][1])
+        served.shutdown_all()
+        assert made[3][0].recv(1) == b""
+    finally:
+        for c, s in made:
+            c.close()
+            s.close()

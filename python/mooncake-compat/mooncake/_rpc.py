@@ -101,10 +101,7 @@ class RpcServer:
         self._describe = describe
         self.port = sock.getsockname()[1]
         self._stop = False
-        # Connections being served, oldest first; guarded by _lock, which is
-        # also held to shut one down or close it (never a reused fd).
-        self._open = {}
-        self._lock = threading.Lock()
+        self._open = _net.Served(MAX_OPEN)  # connections being served
         self._thread = threading.Thread(target=self._serve, name="mooncake-kvwire-rpc", daemon=True)
         self._thread.start()
 
@@ -123,26 +120,13 @@ class RpcServer:
                 time.sleep(backoff)
                 continue
             backoff = 0.0
-            with self._lock:
-                while len(self._open) >= MAX_OPEN:
-                    oldest = next(iter(self._open))
-                    del self._open[oldest]
-                    try:
-                        oldest.shutdown(socket.SHUT_RDWR)  # its thread sees EOF and ends
-                    except OSError:
-                        pass
-                self._open[conn] = True
+            self._open.add(conn)
             try:
                 threading.Thread(target=self._handle, args=(conn,), name="mooncake-kvwire-rpc-conn",
                                  daemon=True).start()
             except RuntimeError as e:  # no thread to spare: refuse this asker, keep serving
                 logger.warning("mooncake rpc: %s; connection refused", e)
-                self._forget(conn)
-
-    def _forget(self, conn):
-        with self._lock:
-            self._open.pop(conn, None)
-            conn.close()
+                self._open.forget(conn)
 
     def _handle(self, conn):
         try:
@@ -172,7 +156,7 @@ class RpcServer:
         except Exception as e:  # noqa: BLE001 - a bad asker must not stop the server
             logger.debug("mooncake rpc: %s", e)
         finally:
-            self._forget(conn)
+            self._open.forget(conn)
 
     def close(self):
         self._stop = True
@@ -181,12 +165,7 @@ class RpcServer:
         except OSError:
             pass
         self._sock.close()
-        with self._lock:
-            for conn in self._open:
-                try:
-                    conn.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass
+        self._open.shutdown_all()
 
 
 # -- client --------------------------------------------------------------

@@ -149,10 +149,8 @@ class MetadataListener:
         # On loopback without a token the caller is authenticated by its uid.
         self._by_uid = not self._token and self._open
         self._uid = os.geteuid()
-        # Connections not yet authenticated, oldest first; guarded by _lock,
-        # which is also held to shut one down or close it (never a reused fd).
-        self._pending = {}
-        self._lock = threading.Lock()
+        # Connections not yet authenticated, oldest first (at most MAX_PREAUTH).
+        self._pending = _net.Served(MAX_PREAUTH)
         # The agent's calls stay serialized, as when one thread served all.
         self._agent_lock = threading.Lock()
         if not self._open:
@@ -190,25 +188,12 @@ class MetadataListener:
             if episode is not None:
                 logger.info("metadata listener: accepting again (%s)", os.strerror(episode))
                 delay, episode = BACKOFF_START, None
-            with self._lock:
-                while len(self._pending) >= MAX_PREAUTH:
-                    oldest = next(iter(self._pending))
-                    del self._pending[oldest]
-                    try:
-                        oldest.shutdown(socket.SHUT_RDWR)  # its thread sees EOF and ends
-                    except OSError:
-                        pass
-                self._pending[conn] = True
+            self._pending.add(conn)
             try:
                 threading.Thread(target=self._handle, args=(conn,), name="nixl-md-conn", daemon=True).start()
             except RuntimeError as e:  # no thread for it: this connection only
                 logger.warning("metadata listener: cannot serve a connection: %s", e)
-                self._forget(conn)
-
-    def _forget(self, conn):
-        with self._lock:
-            self._pending.pop(conn, None)
-            conn.close()
+                self._pending.forget(conn)
 
     def _handle(self, conn):
         try:
@@ -233,9 +218,8 @@ class MetadataListener:
             if not (self._open and uid_ok and hmac.compare_digest(mac, _mac(self._token, nonce, frame))):
                 logger.warning("metadata listener: refused an unauthenticated request")
                 return
-            with self._lock:
-                if not self._pending.pop(conn, False):
-                    return  # closed for a newer connection meanwhile
+            if not self._pending.take(conn):
+                return  # closed for a newer connection meanwhile
             cmd, body = frame[:1], frame[1:]
             if cmd == b"S":
                 with self._agent_lock:
@@ -253,7 +237,7 @@ class MetadataListener:
         except Exception as e:  # noqa: BLE001 - a bad peer must not stop the listener
             logger.warning("metadata listener: %s", e)
         finally:
-            self._forget(conn)
+            self._pending.forget(conn)
 
     def close(self):
         self._stop = True
@@ -262,9 +246,4 @@ class MetadataListener:
         except OSError:
             pass
         self._sock.close()
-        with self._lock:
-            for conn in self._pending:
-                try:
-                    conn.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass
+        self._pending.shutdown_all()
