@@ -104,8 +104,13 @@ class TransferNotify:
     def __init__(self, name="", msg=""):
         # Strings, as the std::string fields of Mooncake's binding (which
         # raises TypeError for anything else); bytes are read as UTF-8.
-        self.name = self._str(name, "name")
-        self.msg = self._str(msg, "msg")
+        self.name = name
+        self.msg = msg
+
+    def __setattr__(self, key, value):
+        if key in ("name", "msg"):
+            value = self._str(value, key)
+        object.__setattr__(self, key, value)
 
     @staticmethod
     def _str(v, what):
@@ -169,13 +174,17 @@ def _split_host_port(name):
         rest = rest.lstrip(":")
         return host, _port(rest)
     host, sep, port = name.rpartition(":")
-    if sep and port.isdigit() and ":" not in host:
+    if sep and _digits(port) and ":" not in host:
         return host, _port(port)
     return name, None
 
 
 def _port(text):
-    return int(text) if text.isdigit() and 0 < int(text) < 65536 else None
+    return int(text) if _digits(text) and 0 < int(text) < 65536 else None
+
+
+def _digits(text):
+    return text.isascii() and text.isdigit()  # not "²" or "٣", which str.isdigit takes
 
 
 def _resolve(host):
@@ -337,15 +346,14 @@ class _Refused(Exception):
 
 
 class _Batch:
-    """An async batch: its request, deadline, session name, and what to post
-    again once if the target's description turns out stale (`_Engine._stale`)."""
+    """An async batch: its request, deadline, session name, the _Session it
+    was posted with, and whether it was posted again (`TransferEngine._retry`)."""
 
-    __slots__ = ("rid", "deadline", "session", "args", "used")
+    __slots__ = ("rid", "deadline", "session", "used", "retried")
 
-    def __init__(self, rid, deadline, session, args, used):
-        self.rid, self.deadline, self.session = rid, deadline, session
-        self.args = args  # (op, buffers, peer_addrs, lengths), None once retried
-        self.used = used  # the _Session the request was posted with
+    def __init__(self, rid, deadline, session, used):
+        self.rid, self.deadline, self.session, self.used = rid, deadline, session, used
+        self.retried = False
 
 
 _NOTIFY_MAGIC = b"MCKVN1"
@@ -757,9 +765,11 @@ class TransferEngine:
             return None
         return host, port
 
-    def _session(self, name, refresh=False):
+    def _session(self, name, refresh=False, rpc_timeout=5.0, drop=True):
         """The open session `name` (fetching the peer's description on first
-        use or when `refresh`), or None (logged)."""
+        use or when `refresh`, waiting at most `rpc_timeout` seconds for its
+        rpc port), or None (logged). An unreachable peer is forgotten unless
+        not `drop`."""
         core = self._core
         if core is None:
             return None
@@ -775,13 +785,14 @@ class TransferEngine:
         if where is None:
             return None
         try:
-            desc = _rpc.describe(where[0], where[1], timeout=min(5.0, self._timeout))
+            desc = _rpc.describe(where[0], where[1], timeout=min(rpc_timeout, self._timeout))
         except _rpc.RpcRefused as e:
             logger.error("session %s refused to describe itself: %s", name, e)
             return None
         except (OSError, ValueError, ConnectionError) as e:
             logger.error("session %s unreachable: %s", name, e)
-            self._drop(name)
+            if drop:
+                self._drop(name)
             return None
         if desc.get("transport") != self._transport:
             logger.error("session %s uses kvwire %s, this engine %s (see the transport rule in "
@@ -932,17 +943,20 @@ class TransferEngine:
             pass
 
     def _poll(self, rid, target, wait_s=None):
-        """(1, None) done, (0, None) running, or (-1 / _REFUSED, why) failed;
-        the request is released when not running. With ``wait_s``, first
-        sleep up to that many seconds for the request to finish (in the
-        core, GIL and lock released)."""
+        """(1, None) done, (0, None) running, (-1, why) failed, or
+        (_REFUSED, why): the target refused it (the request is kept, for the
+        caller to post again or release); released after 1 and -1. With
+        ``wait_s``, first sleep up to that many seconds for the request to
+        finish (in the core, GIL and lock released)."""
         try:
             st = self._core.state(rid) if wait_s is None else self._core.wait(rid, wait_s)
         except NixlCoreError as e:
+            if e.args[0] == _BACKEND:
+                return _REFUSED, e.args[-1]
             self._release(rid)
             if e.args[0] == _REMOTE_DISCONNECT:
                 self._drop(target)
-            return (_REFUSED if e.args[0] == _BACKEND else -1), e.args[-1]
+            return -1, e.args[-1]
         except AttributeError:  # closed meanwhile
             return -1, "engine closed"
         if st == 0:
@@ -950,12 +964,13 @@ class TransferEngine:
             return 1, None
         return 0, None
 
-    def _deadline(self, total):
-        return time.monotonic() + self._timeout + total / 1e9  # Mooncake: + 1 GiB/s
+    def _deadline(self, total, start=None):
+        # Mooncake: MC_TRANSFER_TIMEOUT + 1 s per GiB, from the call
+        return (time.monotonic() if start is None else start) + self._timeout + total / 1e9
 
     def _wait(self, rid, target, deadline):
-        """(0, None) done, or (-1 / _REFUSED, why) failed or timed out (the
-        request cancelled)."""
+        """(0, None) done, (-1, why) failed or timed out (the request
+        cancelled and released), or (_REFUSED, why) as `_poll`."""
         # Mooncake's sync calls block inside the engine; so does this: the
         # core sleeps on the transport's completion channel, in slices of at
         # most 0.1 s so that signals (Ctrl-C) are handled meanwhile.
@@ -967,45 +982,73 @@ class TransferEngine:
                 self._release(rid)  # cancels; returns once no byte can still move
                 return -1, f"timed out (MC_TRANSFER_TIMEOUT={self._timeout:g}s)"
 
-    def _stale(self, target, used):
+    def _stale(self, target, used, deadline):
         """Whether the target's description changed since `used` (a
         _Session) was fetched: it unregistered and registered memory again
         (new keys, maybe at the same addresses), so a transfer it refused may
-        succeed with the new one. Fetches (and loads) the new description."""
+        succeed with the new one. Fetches (and loads) the new description,
+        waiting for the rpc port at most 1 s and never past `deadline`; an
+        rpc port that does not answer is not stale (and not forgotten)."""
         if used is None or not used.host:
             return False
-        new = self._session(target, refresh=True)
+        left = min(1.0, deadline - time.monotonic())
+        if left <= 0:
+            return False
+        new = self._session(target, refresh=True, rpc_timeout=left, drop=False)
         return new is not None and new.md != used.md
+
+    def _repost(self, rid, target, used, deadline):
+        """After request `rid` was refused (`_REFUSED`): post it again — its
+        own descriptors, resolved against the target's new description —
+        when that description changed (`_stale`); else release it. True when
+        posted again."""
+        if self._stale(target, used, deadline):
+            try:
+                self._core.post(rid)
+                return True
+            except NixlCoreError as e:
+                logger.debug("transfer to %s: posting again: %s", target, e.args[-1])
+        self._release(rid)
+        return False
 
     def _failed(self, target, why):
         logger.error("transfer to %s failed: %s", target, why)
         return -1
 
-    def _sync(self, target, op, buffers, peer_addrs, lengths, notify=None):
-        target = str(target)
-        deadline = None
-        for attempt in (0, 1):
+    def _post_once_more(self, target, op, buffers, peer_addrs, lengths, notify, start):
+        """_submit, and once more if the target refused the post itself and
+        its description changed (a refusal at post: shm copies in the call).
+        Returns (request id or None, session, total bytes)."""
+        try:
+            return self._submit(target, op, buffers, peer_addrs, lengths, notify)
+        except _Refused as e:
+            s, why = e.args
+        if self._stale(target, s, self._deadline(0, start)):
             try:
-                rid, s, total = self._submit(target, op, buffers, peer_addrs, lengths, notify)
+                return self._submit(target, op, buffers, peer_addrs, lengths, notify)
             except _Refused as e:
-                (s, why), r = e.args, _REFUSED
-            else:
-                if rid is None:
-                    return -1
-                if rid == 0:
-                    return 0
-                if deadline is None:
-                    deadline = self._deadline(total)
-                r, why = self._wait(rid, target, deadline)
-                if r == 0:
-                    return 0
-            # Refused by a target that has registered again since we fetched
-            # its description (its keys changed): post once more with the new
-            # one. Both ops move the same bytes again, so a part moved before
-            # the refusal is harmless. One retry, within the same deadline.
-            late = deadline is not None and time.monotonic() > deadline
-            if r != _REFUSED or attempt or late or not self._stale(target, s):
-                return self._failed(target, why)
+                why = e.args[1]
+        self._failed(target, why)
+        return None, None, 0
+
+    def _sync(self, target, op, buffers, peer_addrs, lengths, notify=None):
+        # A transfer the target refuses because it registered again since
+        # we fetched its description (its keys changed) is posted once more
+        # with the new one, within the same deadline. Both ops move the same
+        # bytes again, so a part moved before the refusal is harmless.
+        target, start = str(target), time.monotonic()
+        rid, s, total = self._post_once_more(target, op, buffers, peer_addrs, lengths, notify, start)
+        if rid is None:
+            return -1
+        if rid == 0:
+            return 0
+        deadline = self._deadline(total, start)
+        r, why = self._wait(rid, target, deadline)
+        if r == _REFUSED and self._repost(rid, target, s, deadline):
+            r, why = self._wait(rid, target, deadline)
+            if r == _REFUSED:
+                self._release(rid)
+        return 0 if r == 0 else self._failed(target, why)
 
     def transfer_sync_write(self, target_hostname, buffer, peer_buffer_address, length, transport_hint=""):
         return self._sync(target_hostname, TransferOpcode.Write, [buffer], [peer_buffer_address], [length])
@@ -1032,37 +1075,28 @@ class TransferEngine:
                           notify)
 
     def _async(self, target, op, buffers, peer_addrs, lengths):
-        target = str(target)
-        for attempt in (0, 1):
-            try:
-                rid, s, total = self._submit(target, op, buffers, peer_addrs, lengths)
-                break
-            except _Refused as e:  # as in _sync
-                if attempt or not self._stale(target, e.args[0]):
-                    self._failed(target, e.args[1])
-                    return 0
+        target, start = str(target), time.monotonic()
+        rid, s, total = self._post_once_more(target, op, buffers, peer_addrs, lengths, None, start)
         if rid is None:
             return 0  # Mooncake's failure id
         with self._lock:
             self._next_batch += 1
             bid = self._next_batch
-            self._batches[bid] = _Batch(rid, self._deadline(total), target, (op, buffers, peer_addrs, lengths), s)
+            self._batches[bid] = _Batch(rid, self._deadline(total, start), target, s)
         return bid
 
-    def _retry(self, b, r, why):
-        """After batch `b` failed with (r, why): post it again when the
-        target's description was stale (as `_sync`); True when reposted."""
-        if r != _REFUSED or b.args is None or time.monotonic() > b.deadline or not self._stale(b.session, b.used):
+    def _retry(self, b, r):
+        """After batch `b`'s request ended with `r`: when refused, post it
+        again once (`_repost`: its own descriptors, never the caller's lists,
+        which Mooncake lets the caller reuse once the call returned). True
+        when posted again; a refused request not posted again is released."""
+        if r != _REFUSED:
             return False
-        args, b.args = b.args, None
-        try:
-            rid, s, _total = self._submit(b.session, *args)
-        except _Refused:
+        if b.retried:
+            self._release(b.rid)
             return False
-        if rid is None:
-            return False
-        b.rid, b.used = rid, s
-        return True
+        b.retried = True
+        return self._repost(b.rid, b.session, b.used, b.deadline)
 
     def batch_transfer_async_write(self, target_hostname, buffers, peer_buffer_addresses, lengths,
                                    transport_hint=""):
@@ -1095,7 +1129,7 @@ class TransferEngine:
             r, why = 1, None
         else:
             r, why = self._poll(b.rid, b.session)
-            if r < 0 and self._retry(b, r, why):
+            if r < 0 and self._retry(b, r):
                 return 0
         if r == 0 and time.monotonic() > b.deadline:
             self._release(b.rid)
@@ -1126,7 +1160,7 @@ class TransferEngine:
                 continue
             while True:
                 r, why = self._wait(b.rid, b.session, b.deadline)
-                if r == 0 or not self._retry(b, r, why):
+                if r == 0 or not self._retry(b, r):
                     break
             if r != 0:
                 rc = self._failed(b.session, why)

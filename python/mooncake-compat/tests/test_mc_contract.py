@@ -494,6 +494,11 @@ def test_notifications(engines):
     with pytest.raises(TypeError):
         TransferNotify("x", 5)
     assert TransferNotify(b"n", b"m") == TransferNotify("n", "m")
+    n = TransferNotify("a", "b")
+    with pytest.raises(TypeError):
+        n.msg = 5
+    n.name = "c"
+    assert (n.name, n.msg) == ("c", "b")
 
 
 # -- errors are return codes, not exceptions ------------------------------
@@ -708,6 +713,12 @@ def test_unknown_and_dead_sessions(engines):
     assert a.send_probe(wrapped) != 0
     assert a.transfer_sync_write(wrapped, src.ctypes.data, 0, 16) == -1
     assert a.send_probe("127.0.0.1:0") != 0
+    # digits other than ASCII are no port (int() refuses "²", reads "٣" as 3)
+    for odd in ("127.0.0.1:²", "127.0.0.1:٣", "[::1]:①"):
+        assert a.send_probe(odd) != 0
+        assert a.transfer_sync_write(odd, src.ctypes.data, 0, 16) == -1
+        assert a.batch_transfer_async_write(odd, [src.ctypes.data], [0], [16]) == 0
+        assert a.get_first_buffer_address(odd) == 0
 
 
 def test_peer_registers_after_session_opened(engines):
@@ -760,16 +771,75 @@ def test_peer_registers_again_at_the_same_address(engines):
     assert (dst[:PAGE // 2] == src[:PAGE // 2]).all() and not dst[PAGE // 2:].any()
 
 
+@pytest.mark.parametrize("reuse", ["cleared", "refilled"])
+def test_async_retry_posts_what_was_given_not_the_callers_reused_lists(engines, reuse):
+    # Mooncake's binding copies the lists at the call: the caller may clear
+    # or refill them for its next batch at once. A batch posted again after
+    # a refusal (the target registered again) must move what was given then.
+    a, b = engines
+    x, y = reg(b, PAGE), reg(b, PAGE)
+    s1, s2 = reg(a, PAGE, fill=15), reg(a, PAGE, fill=16)
+    assert a.transfer_sync_write(b.session_id, s1.ctypes.data, y.ctypes.data, PAGE) == 0  # session open
+    y[:] = 0
+    for check in ("get_batch_transfer_status", "transfer_check_status"):
+        x[:] = 0
+        assert b.unregister_memory(x.ctypes.data) == 0
+        assert b.register_memory(x.ctypes.data, PAGE) == 0  # new keys, a's description is stale
+        bufs, peers, lens = [s1.ctypes.data], [x.ctypes.data], [PAGE]
+        bid = a.batch_transfer_async_write(b.session_id, bufs, peers, lens)
+        assert bid != 0
+        if reuse == "cleared":
+            bufs.clear(), peers.clear(), lens.clear()
+        else:
+            bufs[0], peers[0] = s2.ctypes.data, y.ctypes.data
+        if check == "get_batch_transfer_status":
+            assert a.get_batch_transfer_status([bid]) == 0
+        else:
+            deadline = time.monotonic() + 30
+            while (r := a.transfer_check_status(bid)) == 0:
+                assert time.monotonic() < deadline
+            assert r == 1
+        assert (x == s1).all(), (reuse, check)
+        assert not y.any(), (reuse, check)
+
+
+def test_a_slow_rpc_port_bounds_the_retry_check(engines, monkeypatch):
+    # The description is fetched again with at most 1 s for the rpc port:
+    # no call waits the 5 s rpc timeout for it, and a port that did not
+    # answer in time does not make the session forgotten.
+    a, b = engines
+    src, dst = reg(a, PAGE, fill=17), reg(b, PAGE)
+    assert a.transfer_sync_write(b.session_id, src.ctypes.data, dst.ctypes.data, PAGE) == 0
+    real = b._server._describe
+    monkeypatch.setattr(b._server, "_describe", lambda: time.sleep(3) or real())
+    assert b.unregister_memory(dst.ctypes.data) == 0
+    assert b.register_memory(dst.ctypes.data, PAGE) == 0
+    t = time.monotonic()
+    assert a.transfer_sync_write(b.session_id, src.ctypes.data, dst.ctypes.data, PAGE) == -1
+    t, took = time.monotonic(), time.monotonic() - t
+    bid = a.transfer_submit_write(b.session_id, src.ctypes.data, dst.ctypes.data, PAGE)
+    while bid and (r := a.transfer_check_status(bid)) == 0:
+        pass
+    took = max(took, time.monotonic() - t)
+    assert took < 2.5, f"a refused call took {took:.1f} s"
+    assert b.session_id in a._sessions, "not forgotten for a slow answer"
+    monkeypatch.setattr(b._server, "_describe", real)
+    dst[:] = 0
+    assert a.transfer_sync_write(b.session_id, src.ctypes.data, dst.ctypes.data, PAGE) == 0
+    assert (dst == src).all()
+
+
 def test_refused_transfer_to_an_unchanged_target_is_not_retried(engines, monkeypatch):
     # A refusal that a stale description does not explain fails at once:
     # the description is fetched again once, found unchanged, no second post.
     a, b = engines
     src, dst = reg(a, PAGE, fill=13), reg(b, PAGE)
     assert a.transfer_sync_write(b.session_id, src.ctypes.data, dst.ctypes.data, PAGE) == 0
-    posts, stale = [], []
-    real_submit, real_stale = a._submit, a._stale
+    posts, stale = [], []  # posts: the first, and each post again (a new request or the same)
+    real_submit, real_stale, real_repost = a._submit, a._stale, a._repost
     monkeypatch.setattr(a, "_submit", lambda *x, **k: posts.append(1) or real_submit(*x, **k))
     monkeypatch.setattr(a, "_stale", lambda *x: stale.append(real_stale(*x)) or stale[-1])
+    monkeypatch.setattr(a, "_repost", lambda *x: real_repost(*x) and (posts.append(1) or True))
     assert b.unregister_memory(dst.ctypes.data) == 0
     assert b.register_memory(dst.ctypes.data, PAGE) == 0
     assert a.transfer_sync_write(b.session_id, src.ctypes.data, dst.ctypes.data, PAGE) == 0

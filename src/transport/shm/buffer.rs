@@ -463,16 +463,19 @@ unsafe fn rehome_pages(addr: u64, len: usize, fd: RawFd, old: BorrowedFd<'_>) ->
 
 /// Bytes of host memory a new allocation can take now: `MemAvailable` of
 /// `/proc/meminfo`, lowered to the room left under this process's memory
-/// cgroup where it has a limit (v2 `memory.max` − `memory.current`, v1
-/// `memory.limit_in_bytes` − `memory.usage_in_bytes`), as a container's
-/// limit is not in `/proc/meminfo`. `None` where neither can be read (then
-/// nothing is refused for want of memory).
+/// cgroup where it has a limit, as a container's limit is not in
+/// `/proc/meminfo`: the limit (v2 `memory.max`, v1 `memory.limit_in_bytes`)
+/// less the usage (`memory.current`, `memory.usage_in_bytes`) that the
+/// kernel cannot reclaim at once, i.e. less the inactive page cache
+/// (`memory.stat` `inactive_file`, v1 `total_inactive_file`): a container
+/// that has just read model weights has that much more room. `None` where
+/// neither can be read (then nothing is refused for want of memory).
 pub fn available_host_bytes() -> Option<u64> {
-    let meminfo = std::fs::read_to_string("/proc/meminfo").ok().and_then(|t| meminfo_available(&t));
-    let cgroup =
-        std::fs::read_to_string("/proc/self/cgroup").ok().and_then(|t| cgroup_files(&t)).and_then(|(max, current)| {
-            cgroup_room(&std::fs::read_to_string(max).ok()?, &std::fs::read_to_string(current).ok()?)
-        });
+    let read = |p: &str| std::fs::read_to_string(p).ok();
+    let meminfo = read("/proc/meminfo").and_then(|t| meminfo_available(&t));
+    let cgroup = read("/proc/self/cgroup").and_then(|t| cgroup_files(&t)).and_then(|f| {
+        cgroup_room(&read(&f.limit)?, &read(&f.usage)?, &read(&f.stat).unwrap_or_default(), f.inactive_key)
+    });
     match (meminfo, cgroup) {
         (Some(a), Some(b)) => Some(a.min(b)),
         (a, b) => a.or(b),
@@ -485,9 +488,25 @@ fn meminfo_available(text: &str) -> Option<u64> {
     line.split_whitespace().nth(1)?.parse::<u64>().ok()?.checked_mul(1024)
 }
 
-/// The (limit, usage) files of this process's memory cgroup, from the text
-/// of `/proc/self/cgroup` (v1's `memory` controller line, else v2's `0::`).
-fn cgroup_files(text: &str) -> Option<(String, String)> {
+/// The files of a memory cgroup that [`available_host_bytes`] reads.
+#[derive(Debug, PartialEq, Eq)]
+struct CgroupFiles {
+    limit: String,
+    usage: String,
+    stat: String,
+    /// The `memory.stat` key of the inactive page cache.
+    inactive_key: &'static str,
+}
+
+/// This process's memory cgroup files, from the text of `/proc/self/cgroup`
+/// (v1's `memory` controller line, else v2's `0::`).
+fn cgroup_files(text: &str) -> Option<CgroupFiles> {
+    let files = |dir: String, limit: &str, usage: &str, inactive_key| CgroupFiles {
+        limit: format!("{dir}/{limit}"),
+        usage: format!("{dir}/{usage}"),
+        stat: format!("{dir}/memory.stat"),
+        inactive_key,
+    };
     let mut v2 = None;
     for line in text.lines() {
         let mut parts = line.splitn(3, ':');
@@ -495,21 +514,26 @@ fn cgroup_files(text: &str) -> Option<(String, String)> {
         let path = path.trim_end_matches('/');
         if controllers.split(',').any(|c| c == "memory") {
             let dir = format!("/sys/fs/cgroup/memory{path}");
-            return Some((format!("{dir}/memory.limit_in_bytes"), format!("{dir}/memory.usage_in_bytes")));
+            return Some(files(dir, "memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file"));
         }
         if controllers.is_empty() {
-            let dir = format!("/sys/fs/cgroup{path}");
-            v2 = Some((format!("{dir}/memory.max"), format!("{dir}/memory.current")));
+            v2 = Some(files(format!("/sys/fs/cgroup{path}"), "memory.max", "memory.current", "inactive_file"));
         }
     }
     v2
 }
 
-/// Room under a cgroup limit (bytes): `memory.max` − `memory.current`;
-/// `None` without a limit (`max`) or an unreadable value.
-fn cgroup_room(max: &str, current: &str) -> Option<u64> {
-    let max: u64 = max.trim().parse().ok()?;
-    Some(max.saturating_sub(current.trim().parse().ok()?))
+/// Room under a cgroup limit (bytes): limit − (usage − inactive page
+/// cache), the cache read from the `memory.stat` text under `inactive_key`
+/// (0 where absent); `None` without a limit (`max`) or an unreadable value.
+fn cgroup_room(limit: &str, usage: &str, stat: &str, inactive_key: &str) -> Option<u64> {
+    let limit: u64 = limit.trim().parse().ok()?;
+    let usage: u64 = usage.trim().parse().ok()?;
+    let inactive = stat
+        .lines()
+        .find_map(|l| l.strip_prefix(inactive_key)?.strip_prefix(' ')?.trim().parse::<u64>().ok())
+        .unwrap_or(0);
+    Some(limit.saturating_sub(usage.saturating_sub(inactive)))
 }
 
 /// Refuse `size` bytes of pre-faulted memory above `avail` (see
@@ -520,7 +544,7 @@ fn check_room(size: u64, len_bytes: usize, avail: Option<u64>) -> io::Result<()>
             io::ErrorKind::OutOfMemory,
             format!(
                 "HostBuffer of {len_bytes} bytes exceeds the {avail} bytes of memory available \
-                 (MemAvailable, or the cgroup's memory.max): its pages are faulted in at once, \
+                 (MemAvailable, or the room under the memory cgroup's limit): its pages are faulted in at once, \
                  which would wake the OOM killer"
             ),
         )),
@@ -573,25 +597,26 @@ mod tests {
         let meminfo = "MemTotal:       24000000 kB\nMemFree:  100 kB\nMemAvailable:   1000 kB\n";
         assert_eq!(meminfo_available(meminfo), Some(1_024_000));
         assert_eq!(meminfo_available("MemTotal: 5 kB\n"), None);
-        assert_eq!(cgroup_room("max\n", "4096\n"), None);
-        assert_eq!(cgroup_room("1048576\n", "4096\n"), Some(1_044_480));
-        assert_eq!(cgroup_room("4096\n", "8192\n"), Some(0));
-        let v1 = "5:memory:/pod/c1\n0::/\n";
-        assert_eq!(
-            cgroup_files(v1),
-            Some((
-                "/sys/fs/cgroup/memory/pod/c1/memory.limit_in_bytes".into(),
-                "/sys/fs/cgroup/memory/pod/c1/memory.usage_in_bytes".into()
-            ))
-        );
-        assert_eq!(
-            cgroup_files("0::/user.slice/x\n"),
-            Some((
-                "/sys/fs/cgroup/user.slice/x/memory.max".into(),
-                "/sys/fs/cgroup/user.slice/x/memory.current".into()
-            ))
-        );
-        assert_eq!(cgroup_files("0::/\n").unwrap().0, "/sys/fs/cgroup/memory.max");
+        assert_eq!(cgroup_room("max\n", "4096\n", "", "inactive_file"), None);
+        assert_eq!(cgroup_room("1048576\n", "4096\n", "", "inactive_file"), Some(1_044_480));
+        assert_eq!(cgroup_room("4096\n", "8192\n", "", "inactive_file"), Some(0));
+        // page cache the kernel can drop is room: usage 900, of it 600 inactive file pages
+        let v2stat = "anon 300\nfile 600\ninactive_file 600\nactive_file 0\n";
+        assert_eq!(cgroup_room("1000", "900", v2stat, "inactive_file"), Some(700));
+        let v1stat = "cache 600\ninactive_file 9\ntotal_inactive_file 600\n";
+        assert_eq!(cgroup_room("1000", "900", v1stat, "total_inactive_file"), Some(700));
+        assert_eq!(cgroup_room("1000", "900", v1stat, "inactive_file"), Some(109));
+        let v1 = cgroup_files("5:memory:/pod/c1\n0::/\n").unwrap();
+        assert_eq!(v1.limit, "/sys/fs/cgroup/memory/pod/c1/memory.limit_in_bytes");
+        assert_eq!(v1.usage, "/sys/fs/cgroup/memory/pod/c1/memory.usage_in_bytes");
+        assert_eq!(v1.stat, "/sys/fs/cgroup/memory/pod/c1/memory.stat");
+        assert_eq!(v1.inactive_key, "total_inactive_file");
+        let v2 = cgroup_files("0::/user.slice/x\n").unwrap();
+        assert_eq!(v2.limit, "/sys/fs/cgroup/user.slice/x/memory.max");
+        assert_eq!(v2.usage, "/sys/fs/cgroup/user.slice/x/memory.current");
+        assert_eq!(v2.stat, "/sys/fs/cgroup/user.slice/x/memory.stat");
+        assert_eq!(v2.inactive_key, "inactive_file");
+        assert_eq!(cgroup_files("0::/\n").unwrap().limit, "/sys/fs/cgroup/memory.max");
         assert_eq!(cgroup_files("3:cpu:/\n"), None);
         assert!(check_room(8192, 8000, Some(8192)).is_ok());
         assert!(check_room(8192, 8000, None).is_ok());
