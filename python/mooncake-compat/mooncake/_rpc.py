@@ -170,9 +170,35 @@ class RpcServer:
 
 # -- client --------------------------------------------------------------
 
+class _Within:
+    """A socket whose reads and writes all end by `deadline` (monotonic
+    seconds): the timeout left is set before each, so a peer that answers
+    in small pieces cannot stretch the exchange past it."""
+
+    def __init__(self, sock, deadline):
+        self._sock, self._deadline = sock, deadline
+
+    def _left(self):
+        left = self._deadline - time.monotonic()
+        if left <= 0:
+            raise socket.timeout("rpc exchange timed out")
+        self._sock.settimeout(left)
+
+    def recv(self, n):
+        self._left()
+        return self._sock.recv(n)
+
+    def sendall(self, data):
+        self._left()
+        return self._sock.sendall(data)
+
+
 def _ask(host, port, cmd, timeout):
-    with socket.create_connection((host, port), timeout=timeout) as s:
-        s.settimeout(timeout)
+    """One exchange with the rpc port at `host:port`, `timeout` seconds in
+    all (connect, challenge, request, answer)."""
+    deadline = time.monotonic() + timeout
+    with socket.create_connection((host, port), timeout=timeout) as raw:
+        s = _Within(raw, deadline)
         hello = recv_frame(s)
         if not hello.startswith(MAGIC) or len(hello) != len(MAGIC) + 16:
             raise ConnectionError(f"{host}:{port} is not a kvwire Mooncake rpc port")

@@ -349,11 +349,16 @@ class _Batch:
     """An async batch: its request, deadline, session name, the _Session it
     was posted with, and whether it was posted again (`TransferEngine._retry`)."""
 
-    __slots__ = ("rid", "deadline", "session", "used", "retried")
+    __slots__ = ("rid", "deadline", "session", "used", "retried", "lock", "result")
 
     def __init__(self, rid, deadline, session, used):
         self.rid, self.deadline, self.session, self.used = rid, deadline, session, used
         self.retried = False
+        # Held while one thread polls, posts again or waits (two threads
+        # checking one id must not both repost, or release what the other
+        # posts); `result` is the final code once there is one.
+        self.lock = threading.Lock()
+        self.result = None
 
 
 _NOTIFY_MAGIC = b"MCKVN1"
@@ -1002,12 +1007,15 @@ class TransferEngine:
         own descriptors, resolved against the target's new description —
         when that description changed (`_stale`); else release it. True when
         posted again."""
-        if self._stale(target, used, deadline):
+        # Not past the deadline: the description may come just before it.
+        if self._stale(target, used, deadline) and time.monotonic() < deadline:
             try:
                 self._core.post(rid)
                 return True
             except NixlCoreError as e:
                 logger.debug("transfer to %s: posting again: %s", target, e.args[-1])
+            except AttributeError:  # closed meanwhile
+                return False
         self._release(rid)
         return False
 
@@ -1119,54 +1127,69 @@ class TransferEngine:
 
     def transfer_check_status(self, batch_id):
         """1 done, 0 running, -1 failed, -2 timed out (the transfer is
-        cancelled). After 1, -1 or -2 the id is freed."""
+        cancelled). After 1, -1 or -2 the id is freed; threads that checked
+        the same id meanwhile get the same answer."""
         with self._lock:
             b = self._batches.get(int(batch_id))
         if b is None:
             logger.error("transfer_check_status: unknown batch id %s", batch_id)
             return -1
-        if b.rid == 0:
-            r, why = 1, None
-        else:
-            r, why = self._poll(b.rid, b.session)
-            if r < 0 and self._retry(b, r):
-                return 0
-        if r == 0 and time.monotonic() > b.deadline:
-            self._release(b.rid)
-            r = -2
-            logger.error("transfer to %s timed out (MC_TRANSFER_TIMEOUT=%gs)", b.session, self._timeout)
-        elif r < 0:
-            r = self._failed(b.session, why)
-        if r != 0:
-            self._take(batch_id)
-        return r
+        with b.lock:
+            if b.result is not None:  # another thread finished it meanwhile
+                return b.result
+            if b.rid == 0:
+                r, why = 1, None
+            else:
+                r, why = self._poll(b.rid, b.session)
+                if r < 0 and self._retry(b, r):
+                    return 0
+            if r == 0 and time.monotonic() > b.deadline:
+                self._release(b.rid)
+                r = -2
+                logger.error("transfer to %s timed out (MC_TRANSFER_TIMEOUT=%gs)", b.session, self._timeout)
+            elif r < 0:
+                r = self._failed(b.session, why)
+            if r != 0:
+                b.result = r
+                self._take(batch_id)
+            return r
 
     def get_batch_transfer_status(self, batch_ids):
         """Waits for every batch: 0 when all completed, -1 on the first
-        failure or timeout (the rest are cancelled and freed)."""
-        batches = []
-        for bid in batch_ids:
-            b = self._take(bid)
-            if b is None:
-                logger.error("get_batch_transfer_status: unknown batch id %s", bid)
-                for o in batches:
-                    if o.rid:
-                        self._release(o.rid)
+        failure or timeout (the rest are cancelled and freed). An unknown id
+        is -1 with every batch left as it was."""
+        try:
+            ids = list(dict.fromkeys(int(bid) for bid in batch_ids))  # each once, in order
+        except (TypeError, ValueError) as e:
+            logger.error("get_batch_transfer_status: %s", e)
+            return -1
+        with self._lock:
+            unknown = [bid for bid in ids if bid not in self._batches]
+            if unknown:
+                logger.error("get_batch_transfer_status: unknown batch id %s", unknown[0])
                 return -1
-            batches.append(b)
+            batches = [self._batches.pop(bid) for bid in ids]
         rc = 0
         for i, b in enumerate(batches):
-            if b.rid == 0:
-                continue
-            while True:
-                r, why = self._wait(b.rid, b.session, b.deadline)
-                if r == 0 or not self._retry(b, r):
-                    break
+            with b.lock:  # a transfer_check_status of the same id may be inside
+                if b.result is not None:
+                    r, why = (0, None) if b.result == 1 else (-1, "failed (seen by transfer_check_status)")
+                elif b.rid == 0:
+                    r, why = 0, None
+                else:
+                    while True:
+                        r, why = self._wait(b.rid, b.session, b.deadline)
+                        if r == 0 or not self._retry(b, r):
+                            break
+                    b.result = 1 if r == 0 else -1
             if r != 0:
-                rc = self._failed(b.session, why)
+                rc = -1
+                logger.error("transfer to %s failed: %s", b.session, why)
                 for o in batches[i + 1:]:
-                    if o.rid:
-                        self._release(o.rid)
+                    with o.lock:
+                        if o.result is None and o.rid:
+                            self._release(o.rid)
+                            o.result = -1
                 break
         return rc
 

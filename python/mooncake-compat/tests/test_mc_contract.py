@@ -26,6 +26,22 @@ def reg(engine, n, fill=None):
     return a
 
 
+def opened(engines, fill):
+    """(a, b, src, dst): a page registered on each engine, written from a
+    to b once (the session open, b's description cached by a)."""
+    a, b = engines
+    src, dst = reg(a, PAGE, fill=fill), reg(b, PAGE)
+    assert a.transfer_sync_write(b.session_id, src.ctypes.data, dst.ctypes.data, PAGE) == 0
+    return a, b, src, dst
+
+
+def register_again(engine, a):
+    """Unregister `a` and register it again: new keys at the same address,
+    so a peer's cached description of `engine` is stale."""
+    assert engine.unregister_memory(a.ctypes.data) == 0
+    assert engine.register_memory(a.ctypes.data, a.nbytes) == 0
+
+
 # -- setup ----------------------------------------------------------------
 
 def test_initialize_p2p_session_and_rpc_port(transport):
@@ -731,9 +747,7 @@ def test_peer_registers_after_session_opened(engines):
 
 
 def test_peer_unregisters_after_session_opened(engines):
-    a, b = engines
-    src, dst = reg(a, PAGE, fill=9), reg(b, PAGE)
-    assert a.transfer_sync_write(b.session_id, src.ctypes.data, dst.ctypes.data, PAGE) == 0
+    a, b, src, dst = opened(engines, 9)
     dst[:] = 0
     assert b.unregister_memory(dst.ctypes.data) == 0
     # a still caches the old description; the target checks its current registrations
@@ -746,12 +760,9 @@ def test_peer_registers_again_at_the_same_address(engines):
     # the initiator's cached description names the old ones. Mooncake fetches
     # a segment's description again when it changes; so does this package:
     # the refused transfer is posted once more with the new description.
-    a, b = engines
-    src, dst = reg(a, PAGE, fill=12), reg(b, PAGE)
-    assert a.transfer_sync_write(b.session_id, src.ctypes.data, dst.ctypes.data, PAGE) == 0
+    a, b, src, dst = opened(engines, 12)
     for op in ("write", "read"):
-        assert b.unregister_memory(dst.ctypes.data) == 0
-        assert b.register_memory(dst.ctypes.data, PAGE) == 0
+        register_again(b, dst)
         if op == "write":
             dst[:] = 0
             assert a.transfer_sync_write(b.session_id, src.ctypes.data, dst.ctypes.data, PAGE) == 0
@@ -783,8 +794,7 @@ def test_async_retry_posts_what_was_given_not_the_callers_reused_lists(engines, 
     y[:] = 0
     for check in ("get_batch_transfer_status", "transfer_check_status"):
         x[:] = 0
-        assert b.unregister_memory(x.ctypes.data) == 0
-        assert b.register_memory(x.ctypes.data, PAGE) == 0  # new keys, a's description is stale
+        register_again(b, x)  # new keys, a's description is stale
         bufs, peers, lens = [s1.ctypes.data], [x.ctypes.data], [PAGE]
         bid = a.batch_transfer_async_write(b.session_id, bufs, peers, lens)
         assert bid != 0
@@ -807,13 +817,10 @@ def test_a_slow_rpc_port_bounds_the_retry_check(engines, monkeypatch):
     # The description is fetched again with at most 1 s for the rpc port:
     # no call waits the 5 s rpc timeout for it, and a port that did not
     # answer in time does not make the session forgotten.
-    a, b = engines
-    src, dst = reg(a, PAGE, fill=17), reg(b, PAGE)
-    assert a.transfer_sync_write(b.session_id, src.ctypes.data, dst.ctypes.data, PAGE) == 0
+    a, b, src, dst = opened(engines, 17)
     real = b._server._describe
     monkeypatch.setattr(b._server, "_describe", lambda: time.sleep(3) or real())
-    assert b.unregister_memory(dst.ctypes.data) == 0
-    assert b.register_memory(dst.ctypes.data, PAGE) == 0
+    register_again(b, dst)
     t = time.monotonic()
     assert a.transfer_sync_write(b.session_id, src.ctypes.data, dst.ctypes.data, PAGE) == -1
     t, took = time.monotonic(), time.monotonic() - t
@@ -829,19 +836,105 @@ def test_a_slow_rpc_port_bounds_the_retry_check(engines, monkeypatch):
     assert (dst == src).all()
 
 
+def test_two_threads_checking_one_refused_batch(engines):
+    # Both poll the same id while it is refused and posted again: one
+    # repost, both get 1 (the id is freed once), the bytes land.
+    import threading
+
+    a, b, src, dst = opened(engines, 18)
+    for _ in range(4):
+        dst[:] = 0
+        register_again(b, dst)
+        bid = a.batch_transfer_async_write(b.session_id, [src.ctypes.data], [dst.ctypes.data], [PAGE])
+        assert bid != 0
+        got = []
+
+        def check():
+            deadline = time.monotonic() + 30
+            while (r := a.transfer_check_status(bid)) == 0 and time.monotonic() < deadline:
+                pass
+            got.append(r)
+
+        threads = [threading.Thread(target=check) for _ in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert got == [1, 1] and (dst == src).all()
+        assert not a._batches
+
+
+def test_close_during_a_retry_is_a_code(engines, monkeypatch):
+    import threading
+
+    a, b, src, dst = opened(engines, 19)
+    real = b._server._describe
+    monkeypatch.setattr(b._server, "_describe", lambda: time.sleep(0.5) or real())  # the retry waits here
+    register_again(b, dst)
+    got = []
+
+    def call():
+        try:
+            got.append(a.transfer_sync_write(b.session_id, src.ctypes.data, dst.ctypes.data, PAGE))
+        except Exception as e:  # noqa: BLE001 - what the test looks for
+            got.append(e)
+
+    t = threading.Thread(target=call)
+    t.start()
+    time.sleep(0.2)
+    a.close()
+    t.join(10)
+    assert got == [-1]
+
+
+def test_batch_status_with_an_unknown_id_leaves_the_batches(engines):
+    a, b = engines
+    src, dst = reg(a, PAGE, fill=20), reg(b, PAGE)
+    bid = a.batch_transfer_async_write(b.session_id, [src.ctypes.data], [dst.ctypes.data], [PAGE])
+    assert bid != 0
+    assert a.get_batch_transfer_status([bid, 987654]) == -1
+    assert a.get_batch_transfer_status([bid, bid]) == 0  # still there; each id once
+    assert (dst == src).all() and not a._batches
+
+
+def test_rpc_exchange_has_one_deadline():
+    # A peer that answers in small pieces, each within a socket timeout,
+    # used to stretch an exchange to any length; the timeout is now the
+    # whole exchange's.
+    import threading
+
+    ls = socket.create_server(("127.0.0.1", 0))
+
+    def drip():
+        c, _ = ls.accept()
+        hello = _rpc.MAGIC + b"n" * 16
+        frame = len(hello).to_bytes(4, "big") + hello
+        try:
+            for byte in frame:
+                c.sendall(bytes([byte]))
+                time.sleep(0.2)
+        except OSError:
+            pass
+        c.close()
+
+    threading.Thread(target=drip, daemon=True).start()
+    t = time.monotonic()
+    with pytest.raises(OSError):
+        _rpc.describe("127.0.0.1", ls.getsockname()[1], timeout=1.0)
+    assert time.monotonic() - t < 1.5
+    ls.close()
+
+
 def test_refused_transfer_to_an_unchanged_target_is_not_retried(engines, monkeypatch):
     # A refusal that a stale description does not explain fails at once:
     # the description is fetched again once, found unchanged, no second post.
-    a, b = engines
-    src, dst = reg(a, PAGE, fill=13), reg(b, PAGE)
-    assert a.transfer_sync_write(b.session_id, src.ctypes.data, dst.ctypes.data, PAGE) == 0
+    a, b, src, dst = opened(engines, 13)
     posts, stale = [], []  # posts: the first, and each post again (a new request or the same)
     real_submit, real_stale, real_repost = a._submit, a._stale, a._repost
     monkeypatch.setattr(a, "_submit", lambda *x, **k: posts.append(1) or real_submit(*x, **k))
     monkeypatch.setattr(a, "_stale", lambda *x: stale.append(real_stale(*x)) or stale[-1])
     monkeypatch.setattr(a, "_repost", lambda *x: real_repost(*x) and (posts.append(1) or True))
-    assert b.unregister_memory(dst.ctypes.data) == 0
-    assert b.register_memory(dst.ctypes.data, PAGE) == 0
+    register_again(b, dst)
     assert a.transfer_sync_write(b.session_id, src.ctypes.data, dst.ctypes.data, PAGE) == 0
     assert (posts, stale) == ([1, 1], [True])
     # b's core refuses the access now (its key deregistered behind the
