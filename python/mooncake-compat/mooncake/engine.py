@@ -27,6 +27,7 @@ gateway) and then does the same.
 import array
 import base64
 import bisect
+import collections
 import ctypes
 import enum
 import glob
@@ -85,6 +86,11 @@ _REMOTE_DISCONNECT = -10
 _REFUSED = -3
 # Longest single sleep of a sync call inside the core (seconds).
 _WAIT_SLICE_S = 0.1
+# How many freed batch ids keep their final answer (1, -1, -2), so a thread
+# that checks an id another thread just finished gets that answer rather
+# than "unknown id" (Mooncake frees the id; checking it again there is a
+# use after free). Ids are never reused, so a kept answer is never stale.
+_FINISHED_KEPT = 1024
 
 _OFF = {"", "0", "false", "off", "no"}
 
@@ -432,6 +438,7 @@ class TransferEngine:
         self._managed = {}  # addr -> length (memory from the core's alloc_host)
         self._sessions = {}  # session id -> _Session
         self._batches = {}  # id -> _Batch
+        self._finished = collections.OrderedDict()  # freed id -> final answer, the last _FINISHED_KEPT
         self._next_batch = 0
         self._server = None
         self._etcd = None
@@ -1121,17 +1128,25 @@ class TransferEngine:
     def transfer_submit_write(self, target_hostname, buffer, peer_buffer_address, length, transport_hint=""):
         return self._async(target_hostname, TransferOpcode.Write, [buffer], [peer_buffer_address], [length])
 
-    def _take(self, bid):
+    def _take(self, bid, result):
+        """Frees batch `bid`, keeping its final `result` for late checkers."""
         with self._lock:
-            return self._batches.pop(int(bid), None)
+            self._batches.pop(int(bid), None)
+            self._finished[int(bid)] = result
+            while len(self._finished) > _FINISHED_KEPT:
+                self._finished.popitem(last=False)
 
     def transfer_check_status(self, batch_id):
         """1 done, 0 running, -1 failed, -2 timed out (the transfer is
-        cancelled). After 1, -1 or -2 the id is freed; threads that checked
-        the same id meanwhile get the same answer."""
+        cancelled). After 1, -1 or -2 the id is freed; threads that check the
+        same id meanwhile or later get the same answer (the last 1,024 freed
+        ids keep it). An id never handed out is -1."""
         with self._lock:
             b = self._batches.get(int(batch_id))
+            done = self._finished.get(int(batch_id))
         if b is None:
+            if done is not None:
+                return done
             logger.error("transfer_check_status: unknown batch id %s", batch_id)
             return -1
         with b.lock:
@@ -1151,45 +1166,58 @@ class TransferEngine:
                 r = self._failed(b.session, why)
             if r != 0:
                 b.result = r
-                self._take(batch_id)
+                self._take(batch_id, r)
             return r
 
     def get_batch_transfer_status(self, batch_ids):
         """Waits for every batch: 0 when all completed, -1 on the first
-        failure or timeout (the rest are cancelled and freed). An unknown id
-        is -1 with every batch left as it was."""
+        failure or timeout (the rest are cancelled and freed). An id freed
+        already (by `transfer_check_status` or an earlier call) counts with
+        its final answer; an id never handed out is -1 with every batch left
+        as it was."""
         try:
             ids = list(dict.fromkeys(int(bid) for bid in batch_ids))  # each once, in order
         except (TypeError, ValueError) as e:
             logger.error("get_batch_transfer_status: %s", e)
             return -1
         with self._lock:
-            unknown = [bid for bid in ids if bid not in self._batches]
+            unknown = [bid for bid in ids if bid not in self._batches and bid not in self._finished]
             if unknown:
                 logger.error("get_batch_transfer_status: unknown batch id %s", unknown[0])
                 return -1
-            batches = [self._batches.pop(bid) for bid in ids]
+            # a batch stays findable while it is waited for, so a
+            # transfer_check_status of the same id meanwhile waits on its
+            # lock and gets the answer given here
+            batches = [(bid, self._batches.get(bid), self._finished.get(bid)) for bid in ids]
         rc = 0
-        for i, b in enumerate(batches):
-            with b.lock:  # a transfer_check_status of the same id may be inside
-                if b.result is not None:
-                    r, why = (0, None) if b.result == 1 else (-1, "failed (seen by transfer_check_status)")
-                elif b.rid == 0:
-                    r, why = 0, None
-                else:
-                    while True:
-                        r, why = self._wait(b.rid, b.session, b.deadline)
-                        if r == 0 or not self._retry(b, r):
-                            break
-                    b.result = 1 if r == 0 else -1
+        for i, (bid, b, done) in enumerate(batches):
+            if b is None:
+                r, why = (0, None) if done == 1 else (-1, "failed (seen by an earlier check)")
+            else:
+                with b.lock:  # a transfer_check_status of the same id may be inside
+                    if b.result is not None:
+                        r, why = (0, None) if b.result == 1 else (-1, "failed (seen by transfer_check_status)")
+                    elif b.rid == 0:
+                        r, why = 0, None
+                    else:
+                        while True:
+                            r, why = self._wait(b.rid, b.session, b.deadline)
+                            if r == 0 or not self._retry(b, r):
+                                break
+                        b.result = 1 if r == 0 else -1
+                    self._take(bid, 1 if r == 0 else b.result)
             if r != 0:
                 rc = -1
-                logger.error("transfer to %s failed: %s", b.session, why)
-                for o in batches[i + 1:]:
+                logger.error("transfer to %s failed: %s", b.session if b else bid, why)
+                for obid, o, _ in batches[i + 1:]:
+                    if o is None:
+                        continue
                     with o.lock:
-                        if o.result is None and o.rid:
-                            self._release(o.rid)
+                        if o.result is None:
+                            if o.rid:
+                                self._release(o.rid)
                             o.result = -1
+                        self._take(obid, o.result)
                 break
         return rc
 

@@ -466,8 +466,55 @@ def test_async_batches_and_submit(engines):
         assert time.monotonic() < deadline
     assert rc == 1
     assert (dst[PAGE:2 * PAGE] == src[:PAGE]).all()
-    assert a.transfer_check_status(bid) == -1, "a finished id is freed"
+    assert bid not in a._batches, "a finished id is freed"
+    assert a.transfer_check_status(bid) == 1, "a freed id answers its final result again"
+    assert a.get_batch_transfer_status([bid]) == 0
+    assert a.transfer_check_status(12345678) == -1, "an id never handed out"
     assert a.get_batch_transfer_status([12345678]) == -1, "unknown id"
+
+
+def test_freed_ids_keep_their_answer_for_a_bounded_while(engines, monkeypatch):
+    # A thread that checks an id another thread just finished gets that
+    # answer; only the last _FINISHED_KEPT freed ids are kept.
+    import mooncake.engine as me
+
+    monkeypatch.setattr(me, "_FINISHED_KEPT", 4)
+    a, b = engines
+    src, dst = reg(a, PAGE, fill=21), reg(b, PAGE)
+    ids = []
+    for _ in range(6):
+        bid = a.batch_transfer_async_write(b.session_id, [src.ctypes.data], [dst.ctypes.data], [PAGE])
+        assert bid != 0 and a.get_batch_transfer_status([bid]) == 0
+        ids.append(bid)
+    assert len(a._finished) == 4 and not a._batches
+    assert [a.transfer_check_status(i) for i in ids] == [-1, -1, 1, 1, 1, 1]
+
+
+def test_check_status_and_batch_status_of_one_id_in_two_threads(engines):
+    # get_batch_transfer_status keeps the batch findable while it waits, so
+    # a transfer_check_status of the same id meanwhile is never "unknown".
+    import threading
+
+    a, b = engines
+    src, dst = reg(a, 256 * PAGE, fill=22), reg(b, 256 * PAGE)
+    for _ in range(20):
+        dst[:] = 0
+        bid = a.batch_transfer_async_write(b.session_id, [src.ctypes.data + i * PAGE for i in range(256)],
+                                           [dst.ctypes.data + i * PAGE for i in range(256)], [PAGE] * 256)
+        assert bid != 0
+        got = []
+
+        def check():
+            deadline = time.monotonic() + 30
+            while (r := a.transfer_check_status(bid)) == 0 and time.monotonic() < deadline:
+                pass
+            got.append(r)
+
+        t = threading.Thread(target=check)
+        t.start()
+        rc = a.get_batch_transfer_status([bid])
+        t.join()
+        assert (rc, got) == (0, [1]) and (dst == src).all() and not a._batches
 
 
 def test_failed_async_status(engines):
@@ -838,7 +885,8 @@ def test_a_slow_rpc_port_bounds_the_retry_check(engines, monkeypatch):
 
 def test_two_threads_checking_one_refused_batch(engines):
     # Both poll the same id while it is refused and posted again: one
-    # repost, both get 1 (the id is freed once), the bytes land.
+    # repost, both get 1 (the id is freed once; a thread checking after the
+    # free gets the kept answer), the bytes land.
     import threading
 
     a, b, src, dst = opened(engines, 18)
