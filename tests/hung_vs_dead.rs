@@ -95,3 +95,44 @@ fn shm_a_killed_target_is_peer_died() {
 fn tcp_a_killed_target_is_peer_died() {
     dead_is_peer_died(TransportKind::Tcp);
 }
+
+/// Releasing (cancelling) a transfer whose bytes are on the wire to a
+/// stopped target returns once nothing can touch its buffers — at once, not
+/// after `peer_timeout` (tcp used to wait in the worker's blocked syscall
+/// for the whole timeout, holding the engine, and the `mooncake` package's
+/// -2 with it). The peer stays usable: once the target resumes, the next
+/// transfer to it completes (tcp opened the cut connection again).
+fn cancel_to_a_stopped_target(kind: TransportKind) {
+    let timeout = Duration::from_secs(60);
+    let (t, mut e, buf) = setup(kind, timeout);
+    let h = post(&mut e, &t, &buf, 4).unwrap();
+    assert_eq!(wait(&mut e, h, Duration::from_secs(20)), TransferStatus::Done, "{kind}");
+    t.signal(libc::SIGSTOP);
+    let addr = t.meta.regions[0].addr;
+    // 1 MiB with a notification: more than the socket buffers take, so a
+    // tcp worker is blocked sending it, and on shm the notification waits
+    // for the stopped target.
+    let big = e
+        .post(Op::Write, &[Desc::new(buf.addr(), 1 << 20)], "target", &[Desc::new(addr, 1 << 20)], Some(vec![7; 8]))
+        .unwrap();
+    let small = post(&mut e, &t, &buf, 5).unwrap();
+    assert_eq!(e.wait(big, Duration::from_millis(200)).unwrap(), TransferStatus::InProgress, "{kind}");
+    let began = Instant::now();
+    e.release(big).unwrap();
+    e.release(small).unwrap();
+    let took = began.elapsed();
+    t.signal(libc::SIGCONT);
+    assert!(took < timeout / 2, "{kind}: release waited {took:?}, as if for the peer timeout ({timeout:?})");
+    let h = post(&mut e, &t, &buf, 6).unwrap();
+    assert_eq!(wait(&mut e, h, Duration::from_secs(30)), TransferStatus::Done, "{kind}: the peer after the cancel");
+}
+
+#[test]
+fn shm_cancel_to_a_stopped_target_returns_at_once() {
+    cancel_to_a_stopped_target(TransportKind::Shm);
+}
+
+#[test]
+fn tcp_cancel_to_a_stopped_target_returns_at_once() {
+    cancel_to_a_stopped_target(TransportKind::Tcp);
+}

@@ -337,6 +337,65 @@ fn cancel_returns_once_nothing_writes_local_memory() {
     assert_eq!(completion(&mut p.init, Duration::from_secs(5)).unwrap().result, Ok(()));
 }
 
+/// Cancels cut the connections of chunks on the wire; the transport opens
+/// them again, and transfers that were not cancelled — posted before,
+/// beside and after — complete with their bytes, notifications delivered,
+/// the peer never marked dead.
+#[test]
+fn cancels_beside_live_transfers_leave_the_peer_and_its_other_transfers_whole() {
+    let mut p = raw_pair(5000);
+    p.target_fill();
+    let half = (p.src.len() / 2) as u64;
+    for round in 0..60u64 {
+        // A live WRITE into the first half, big READs of the second half
+        // cancelled while on the wire, another live WRITE after them.
+        p.src.fill_with(0, half as usize, pattern(round));
+        let seg = |off: u64, len: u64, p: &RawPair| Segment {
+            local_addr: p.src.addr() + off,
+            remote_addr: p.dst.addr() + off,
+            len_bytes: len,
+            lkey: p.lkey,
+            rkey: p.rkey,
+        };
+        let live = 1000 + 2 * round;
+        let write = |id: u64, off: u64, p: &mut RawPair| {
+            let segments = vec![seg(off, half / 2, p)];
+            let req =
+                PostRequest { xfer: XferId(id), op: Op::Write, peer: p.peer, segments, notification: Some(vec![1]) };
+            p.init.post(req).unwrap();
+        };
+        write(live, 0, &mut p);
+        for k in 0..3 {
+            let segments = vec![seg(half, half, &p)];
+            let req =
+                PostRequest { xfer: XferId(10 * round + k), op: Op::Read, peer: p.peer, segments, notification: None };
+            p.init.post(req).unwrap();
+        }
+        for k in 0..3 {
+            p.init.cancel(XferId(10 * round + k));
+        }
+        write(live + 1, half / 2, &mut p);
+        let (mut out, t0) = (Vec::new(), Instant::now());
+        while out.len() < 2 {
+            assert!(t0.elapsed() < Duration::from_secs(20), "round {round}: a live transfer never completed: {out:?}");
+            p.init.poll(&mut out);
+            std::thread::sleep(Duration::from_micros(200));
+        }
+        assert!(out.iter().all(|c| c.result.is_ok()), "round {round}: {out:?}");
+        let mut done: Vec<u64> = out.iter().map(|c| c.xfer.0).collect();
+        done.sort();
+        assert_eq!(done, [live, live + 1], "round {round}: only the live transfers complete");
+        assert_eq!(p.dst.to_vec(..half as usize), p.src.to_vec(..half as usize), "round {round}");
+    }
+    let mut notes = Vec::new();
+    let t0 = Instant::now();
+    while notes.len() < 120 && t0.elapsed() < Duration::from_secs(10) {
+        p.target.take_notifications(&mut notes);
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    assert_eq!(notes.len(), 120, "one notification per live transfer");
+}
+
 impl RawPair {
     fn target_fill(&self) {
         self.dst.fill_with(0, self.dst.len(), pattern(5));

@@ -162,10 +162,20 @@ impl<T: AsRef<XferState>> InFlight<T> {
     /// this returns. Its completion, if one was already queued, is dropped
     /// by [`InFlight::poll`]. Unknown or finished ids are ignored.
     pub(super) fn cancel(&mut self, xfer: XferId) {
+        self.cancel_then(xfer, |_| {});
+    }
+
+    /// [`InFlight::cancel`], calling `cut` between marking the transfer
+    /// cancelled and waiting: the backend's way to end a chunk blocked on
+    /// the wire (tcp shuts its connection down). A worker that enters a
+    /// chunk publishes that first and checks [`XferState::live`] after, so
+    /// either `cut` sees it inside or it sees the cancel.
+    pub(super) fn cancel_then(&mut self, xfer: XferId, cut: impl FnOnce(&T)) {
         let Some(x) = self.xfers.remove(&xfer.0) else { return };
-        let x = state(&x);
-        x.cancelled.store(true, Ordering::Release);
-        super::wait_until(|| x.pending.load(Ordering::Acquire) == 0);
+        let s = state(&x);
+        s.cancelled.store(true, Ordering::SeqCst);
+        cut(&x);
+        super::wait_until(|| s.pending.load(Ordering::Acquire) == 0);
     }
 
     /// [`InFlight::cancel`] every tracked transfer, one after the other.

@@ -265,6 +265,52 @@ def test_frozen_peer_is_bounded_by_the_timeout(transport, peer_factory, monkeypa
     e.close()
 
 
+def test_timeout_of_a_submitted_write_to_a_frozen_peer_returns_at_once(transport, peer_factory, monkeypatch):
+    """transfer_check_status past MC_TRANSFER_TIMEOUT returns -2 at once
+    (it cancels the transfer; tcp used to wait in the cancel for another
+    peer timeout, holding the engine): the call is short, the code comes
+    within the timeout + slack, the session works once the peer runs again."""
+    import os
+    import signal
+
+    timeout_s = 5
+    monkeypatch.setenv("MC_TRANSFER_TIMEOUT", str(timeout_s))
+    peer = peer_factory()
+    session = peer.call(op="init")["session"]
+    n = 16 << 20
+    (dst,) = peer.call(op="alloc", sizes=[n])["addrs"]
+    if transport != "tcp":
+        pytest.skip(f"{transport} writes into the target's memory without its CPU: a stopped target does not hold "
+                    "the transfer (only tcp's target process receives the bytes)")
+    e = local_engine()
+    src = reg(e, n, seed=15)
+    assert e.transfer_sync_write(session, src.ctypes.data, dst, PAGE) == 0  # the session is open
+    try:
+        stop(peer)
+        t0 = time.monotonic()
+        bid = e.transfer_submit_write(session, src.ctypes.data, dst, n)
+        assert bid != 0
+        while True:
+            t = time.monotonic()
+            rc = e.transfer_check_status(bid)
+            call = time.monotonic() - t
+            if rc != 0:
+                break
+            assert time.monotonic() - t0 < 3 * timeout_s, "never timed out"
+            time.sleep(0.05)
+        assert rc == -2
+        assert call < timeout_s / 2, f"the call that returned -2 took {call:.1f}s (a cancel waiting for the peer)"
+        assert time.monotonic() - t0 < timeout_s + 3
+    finally:
+        os.kill(peer.proc.pid, signal.SIGCONT)
+    src[:] = 9
+    deadline = time.monotonic() + 3 * timeout_s
+    while e.transfer_sync_write(session, src.ctypes.data, dst, PAGE) != 0:
+        assert time.monotonic() < deadline, "the session did not recover after SIGCONT"
+    assert peer.call(op="read", addr=dst, len=PAGE)["hex"] == src[:PAGE].tobytes().hex()
+    e.close()
+
+
 def test_unregister_with_a_batch_in_flight_is_refused(transport, peer_factory):
     """Local memory an unfinished async batch still uses is not unregistered
     (-1, the registration kept): nothing is freed that a transfer may still

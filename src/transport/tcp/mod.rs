@@ -315,24 +315,50 @@ impl TcpTransport {
     pub fn conns_per_peer(&self) -> usize {
         self.conns_per_peer
     }
+}
 
-    /// Open connection `index` to the peer at `addr` and answer its
-    /// challenge with a proof of `secret` (the peer's, from its info).
-    fn open(&self, addr: &SocketAddr, index: usize, secret: &AgentSecret) -> std::io::Result<TcpStream> {
-        let timeout = self.config.peer_timeout;
-        let sock = TcpStream::connect_timeout(addr, timeout)?;
+/// What an initiator needs to open (and, after a cancel cut one, open
+/// again) an authenticated connection to a peer: our agent name and
+/// session, the peer's address and secret, and the timeout.
+#[derive(Clone)]
+pub(super) struct Dialer {
+    agent: String,
+    session: u64,
+    timeout: Duration,
+    addr: SocketAddr,
+    secret: AgentSecret,
+}
+
+impl std::fmt::Debug for Dialer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Dialer").field("agent", &self.agent).field("addr", &self.addr).finish_non_exhaustive()
+    }
+}
+
+impl Dialer {
+    /// A TCP connection to the peer, with the socket timeouts set; no byte
+    /// exchanged yet (a caller may publish a clone, so that a shutdown
+    /// wakes the [`Dialer::handshake`] that follows).
+    pub(super) fn connect(&self) -> std::io::Result<TcpStream> {
+        let sock = TcpStream::connect_timeout(&self.addr, self.timeout)?;
         sock.set_nodelay(true)?;
-        sock.set_read_timeout(Some(timeout))?;
-        sock.set_write_timeout(Some(timeout))?;
+        sock.set_read_timeout(Some(self.timeout))?;
+        sock.set_write_timeout(Some(self.timeout))?;
+        Ok(sock)
+    }
+
+    /// Make `sock` connection `index`: answer the peer's challenge with a
+    /// proof of its secret and wait for its acknowledgement.
+    pub(super) fn handshake(&self, sock: &TcpStream, index: usize) -> std::io::Result<()> {
         let bad = |what: String| std::io::Error::new(std::io::ErrorKind::InvalidData, what);
         let mut b = [0u8; wire::HEADER_BYTES];
-        io::read_exact(&sock, &mut b)?;
+        io::read_exact(sock, &mut b)?;
         let ch = wire::Header::decode(&b).map_err(|e| bad(e.to_string()))?;
         if ch.kind != wire::Kind::Challenge {
             return Err(bad(format!("expected a challenge, got {:?}", ch.kind)));
         }
         let mut nonce = Nonce([0; auth::NONCE_BYTES]);
-        io::read_exact(&sock, &mut nonce.0)?;
+        io::read_exact(sock, &mut nonce.0)?;
         let name = self.agent.as_bytes();
         let mut name = name[..name.len().min(wire::MAX_NAME_BYTES as usize)].to_vec();
         name.push(0);
@@ -346,14 +372,14 @@ impl TcpTransport {
         };
         let mut frame = h.encode().to_vec();
         frame.extend_from_slice(name);
-        frame.extend_from_slice(&auth::prove(secret, &nonce, &wire::proof_context(name)));
-        std::io::Write::write_all(&mut &sock, &frame)?;
-        io::read_exact(&sock, &mut b)?;
+        frame.extend_from_slice(&auth::prove(&self.secret, &nonce, &wire::proof_context(name)));
+        std::io::Write::write_all(&mut &*sock, &frame)?;
+        io::read_exact(sock, &mut b)?;
         match wire::Header::decode(&b) {
-            Ok(a) if a.kind == wire::Kind::HelloAck => Ok(sock),
+            Ok(a) if a.kind == wire::Kind::HelloAck => Ok(()),
             Ok(a) if a.kind == wire::Kind::Resp => {
                 let mut reason = vec![0u8; a.body_bytes()];
-                io::read_exact(&sock, &mut reason)?;
+                io::read_exact(sock, &mut reason)?;
                 if a.status() == wire::Status::NameInUse {
                     let why = NameInUse(String::from_utf8_lossy(&reason).into_owned());
                     return Err(std::io::Error::new(std::io::ErrorKind::PermissionDenied, why));
@@ -366,6 +392,13 @@ impl TcpTransport {
             Ok(a) => Err(bad(format!("expected a hello ack, got {:?}", a.kind))),
             Err(e) => Err(bad(e.to_string())),
         }
+    }
+
+    /// [`Dialer::connect`] then [`Dialer::handshake`].
+    fn open(&self, index: usize) -> std::io::Result<TcpStream> {
+        let sock = self.connect()?;
+        self.handshake(&sock, index)?;
+        Ok(sock)
     }
 }
 
@@ -429,9 +462,16 @@ impl Transport for TcpTransport {
             .map_err(|e| TransportError::BadConnectionInfo(format!("{}: {e}", info.addr)))?
             .next()
             .ok_or_else(|| TransportError::BadConnectionInfo(format!("{} resolves to nothing", info.addr)))?;
+        let dialer = Dialer {
+            agent: self.agent.clone(),
+            session: self.session,
+            timeout: self.config.peer_timeout,
+            addr,
+            secret: info.secret.clone(),
+        };
         let mut socks = Vec::with_capacity(self.conns_per_peer);
         for i in 0..self.conns_per_peer {
-            socks.push(self.open(&addr, i, &info.secret).map_err(|e| {
+            socks.push(dialer.open(i).map_err(|e| {
                 if e.get_ref().is_some_and(|r| r.is::<NameInUse>()) {
                     TransportError::NameInUse { peer: peer_name.to_string(), name: self.agent.clone() }
                 } else if TransportError::is_timeout_io(&e) {
@@ -441,20 +481,25 @@ impl Transport for TcpTransport {
                 }
             })?);
         }
-        let clones = socks.iter().map(TcpStream::try_clone).collect::<Result<Vec<_>, _>>();
+        let slots = socks
+            .iter()
+            .map(|s| s.try_clone().map(worker::Slot::new))
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(|e| TransportError::io("dup", e))?;
         let shared = Arc::new(PeerShared {
             name: peer_name.to_string(),
             dead: AtomicBool::new(false),
             reason: Mutex::new(None),
-            streams: Mutex::new(clones.map_err(|e| TransportError::io("dup", e))?),
+            slots,
+            dialer,
         });
         let (tx, rx) = crossbeam_channel::unbounded::<Job>();
         let mut workers = Vec::with_capacity(socks.len());
         for (i, sock) in socks.into_iter().enumerate() {
-            let (rx, done) = (rx.clone(), self.inflight.sender());
+            let (rx, done, peer) = (rx.clone(), self.inflight.sender(), shared.clone());
             let spawned = std::thread::Builder::new()
                 .name(format!("kvwire-tcp-{i}"))
-                .spawn(move || worker::run(sock, rx, done))
+                .spawn(move || worker::run(sock, i, peer, rx, done))
                 .map_err(|e| TransportError::io("spawn", e));
             match spawned {
                 Ok(h) => workers.push(h),
@@ -532,10 +577,12 @@ impl Transport for TcpTransport {
     }
 
     fn cancel(&mut self, xfer: XferId) {
-        // Queued chunks are skipped; a chunk on the wire finishes its
-        // syscall (bounded by peer_timeout) and a READ stops writing into
-        // local memory at once.
-        self.inflight.cancel(xfer);
+        // Queued chunks are skipped; a chunk on the wire is cut: its
+        // connection is shut down, which ends the worker's syscall at once
+        // (a peer that stopped answering would hold it for peer_timeout),
+        // and the worker opens that connection again before its next chunk.
+        // A READ stops writing into local memory at once either way.
+        self.inflight.cancel_then(xfer, |x| x.peer.cut(x.core.id));
     }
 
     fn take_notifications(&mut self, out: &mut Vec<Notification>) {
@@ -545,10 +592,12 @@ impl Transport for TcpTransport {
 
 impl Drop for TcpTransport {
     fn drop(&mut self) {
-        self.inflight.cancel_all();
+        // Peers first: closing one shuts its connections down, so workers
+        // stuck on a silent peer return at once; then nothing is in a chunk.
         for (_, mut p) in self.peers.drain() {
             p.close();
         }
+        self.inflight.cancel_all();
         self.service = None;
     }
 }

@@ -18,7 +18,7 @@ use crossbeam_channel::{Receiver, Sender};
 use super::io::{self as tio, Range};
 use super::wire::{self, Header, Kind, SegmentDesc, Status};
 use crate::transport::inflight::XferState;
-use crate::transport::{Completion, Op, RemoteAccessKind, Segment, TransferFailure};
+use crate::transport::{Completion, Op, RemoteAccessKind, Segment, TransferFailure, XferId};
 
 /// One connected peer, shared by the transport and its workers.
 #[derive(Debug)]
@@ -29,8 +29,37 @@ pub(super) struct PeerShared {
     pub dead: AtomicBool,
     /// Why it died.
     pub reason: Mutex<Option<TransferFailure>>,
-    /// Clones of the connections, to wake blocked workers.
-    pub streams: Mutex<Vec<TcpStream>>,
+    /// One per connection (worker), by index.
+    pub slots: Vec<Slot>,
+    /// Opens a connection again after a cancel cut it.
+    pub dialer: super::Dialer,
+}
+
+/// What the transport knows of one worker's connection: a clone of it (to
+/// wake the worker by shutting it down) and the transfer whose chunk it is
+/// moving.
+#[derive(Debug)]
+pub(super) struct Slot(Mutex<SlotState>);
+
+#[derive(Debug)]
+struct SlotState {
+    stream: TcpStream,
+    /// Id of the transfer whose chunk the worker is moving (none between
+    /// chunks; 0 is a valid id).
+    busy: Option<u64>,
+    /// Shut down by a cancel; the worker opens it again (until then it is
+    /// not probed: its end of stream is ours, not the peer's).
+    cut: bool,
+}
+
+impl Slot {
+    pub(super) fn new(stream: TcpStream) -> Self {
+        Self(Mutex::new(SlotState { stream, busy: None, cut: false }))
+    }
+
+    fn state(&self) -> std::sync::MutexGuard<'_, SlotState> {
+        self.0.lock().unwrap_or_else(|p| p.into_inner())
+    }
 }
 
 impl PeerShared {
@@ -43,21 +72,41 @@ impl PeerShared {
                 *r = Some(why);
             }
         }
-        self.dead.store(true, Ordering::Release);
-        for s in self.streams.lock().unwrap_or_else(|p| p.into_inner()).iter() {
-            let _ = s.shutdown(std::net::Shutdown::Both);
+        self.dead.store(true, Ordering::SeqCst);
+        for slot in &self.slots {
+            let _ = slot.state().stream.shutdown(std::net::Shutdown::Both);
+        }
+    }
+
+    /// Shut down the connections whose worker is inside a chunk of transfer
+    /// `xfer` (just cancelled), so that a chunk blocked on a silent peer
+    /// ends now rather than after `peer_timeout`. Such a connection is
+    /// opened again ([`Dialer`](super::Dialer)) when its worker next moves
+    /// a live chunk; the peer stays usable and other connections' chunks go
+    /// on.
+    pub(super) fn cut(&self, xfer: XferId) {
+        for slot in &self.slots {
+            let mut st = slot.state();
+            if st.busy == Some(xfer.0) {
+                st.cut = true;
+                let _ = st.stream.shutdown(std::net::Shutdown::Both);
+            }
         }
     }
 
     /// Check the connections without blocking: a connection the peer closed
     /// (end of stream with nothing left to read) or reset means the peer is
-    /// dead. `MSG_PEEK` leaves any bytes for the worker reading them.
+    /// dead. `MSG_PEEK` leaves any bytes for the worker reading them. A
+    /// connection a cancel cut is skipped until it is open again.
     pub(super) fn probe(&self) -> Option<TransferFailure> {
         use nix::sys::socket::{MsgFlags, recv};
-        let streams = self.streams.lock().unwrap_or_else(|p| p.into_inner());
         let mut b = [0u8; 1];
-        for s in streams.iter() {
-            match recv(s.as_raw_fd(), &mut b, MsgFlags::MSG_PEEK | MsgFlags::MSG_DONTWAIT) {
+        for slot in &self.slots {
+            let st = slot.state();
+            if st.cut {
+                continue;
+            }
+            match recv(st.stream.as_raw_fd(), &mut b, MsgFlags::MSG_PEEK | MsgFlags::MSG_DONTWAIT) {
                 Ok(0) => return Some(TransferFailure::peer_died(format!("peer {} closed its connection", self.name))),
                 Ok(_) | Err(nix::errno::Errno::EAGAIN | nix::errno::Errno::EINTR) => {}
                 Err(e) => {
@@ -67,6 +116,49 @@ impl PeerShared {
             }
         }
         None
+    }
+
+    /// Worker `index` enters a chunk of `xfer` (before it checks whether
+    /// the transfer is still live, so that a cancel either sees it here or
+    /// it sees the cancel).
+    fn enter(&self, index: usize, xfer: XferId) {
+        self.slots[index].state().busy = Some(xfer.0);
+    }
+
+    /// Worker `index` left its chunk; true when a cancel cut its connection
+    /// meanwhile (its error, if any, is then not the peer's).
+    fn leave(&self, index: usize) -> bool {
+        let mut st = self.slots[index].state();
+        st.busy = None;
+        st.cut
+    }
+
+    /// Open connection `index` again after a cut, for a chunk of `x`. The
+    /// new connection is published before the handshake, so that a
+    /// [`PeerShared::kill`] or a cancel of `x` meanwhile wakes it (a cancel
+    /// leaves the slot cut: the error is then not the peer's).
+    fn redial(&self, index: usize, x: &XferState) -> io::Result<TcpStream> {
+        let closed = |what: &str| io::Error::new(io::ErrorKind::NotConnected, what.to_string());
+        let sock = self.dialer.connect()?;
+        {
+            let mut st = self.slots[index].state();
+            st.stream = sock.try_clone()?;
+            st.cut = false;
+        }
+        // After publishing: a kill or cancel that came before it is seen
+        // here, one that comes after shuts the new connection down.
+        if self.dead.load(Ordering::SeqCst) {
+            let _ = sock.shutdown(std::net::Shutdown::Both);
+            return Err(closed("peer closed while reconnecting"));
+        }
+        if !x.live() {
+            let mut st = self.slots[index].state();
+            st.cut = true;
+            let _ = st.stream.shutdown(std::net::Shutdown::Both);
+            return Err(closed("transfer cancelled while reconnecting"));
+        }
+        self.dialer.handshake(&sock, index)?;
+        Ok(sock)
     }
 
     /// The failure message for transfers to a dead peer.
@@ -219,24 +311,39 @@ impl Conn {
     }
 }
 
-/// Run a worker over `sock` until the job queue closes.
-pub(super) fn run(sock: TcpStream, jobs: Receiver<Job>, done: Sender<Completion>) {
+/// Run worker `index` of `peer` over `sock` until the job queue closes.
+pub(super) fn run(sock: TcpStream, index: usize, peer: Arc<PeerShared>, jobs: Receiver<Job>, done: Sender<Completion>) {
     let mut conn = Conn { sock, next_id: 0, head: Vec::new(), ranges: Vec::new() };
+    // Set when a cancel cut the connection; it is opened again for the
+    // next live chunk (not at once: chunks of cancelled transfers queued
+    // behind must be skipped without waiting on a silent peer).
+    let mut lost = false;
     for job in jobs.iter() {
         let x = &job.xfer;
-        let peer = &x.peer;
-        if x.core.live() {
-            if peer.dead.load(Ordering::Acquire) {
+        peer.enter(index, x.core.id);
+        let moved = if !x.core.live() {
+            Ok(())
+        } else if peer.dead.load(Ordering::Acquire) {
+            Err(ReqError::Remote(peer.failure()))
+        } else if lost {
+            peer.redial(index, &x.core).map_err(ReqError::Conn).and_then(|sock| {
+                (conn, lost) = (Conn { sock, next_id: 0, head: Vec::new(), ranges: Vec::new() }, false);
+                conn.transfer(x, &x.segments[job.range.clone()])
+            })
+        } else {
+            conn.transfer(x, &x.segments[job.range.clone()])
+        };
+        // A cancel cut the connection inside the chunk: the transfer is
+        // cancelled (nothing is reported), its error is not the peer's.
+        let cut = peer.leave(index);
+        lost |= cut;
+        match moved {
+            Ok(()) => {}
+            Err(ReqError::Remote(why)) => x.core.fail(why),
+            Err(ReqError::Conn(_)) if cut && x.core.cancelled.load(Ordering::Acquire) => {}
+            Err(ReqError::Conn(e)) => {
+                peer.kill(TransferFailure::from_io(&e, format!("peer {}", peer.name)));
                 x.core.fail(peer.failure());
-            } else {
-                match conn.transfer(x, &x.segments[job.range.clone()]) {
-                    Ok(()) => {}
-                    Err(ReqError::Remote(why)) => x.core.fail(why),
-                    Err(ReqError::Conn(e)) => {
-                        peer.kill(TransferFailure::from_io(&e, format!("peer {}", peer.name)));
-                        x.core.fail(peer.failure());
-                    }
-                }
             }
         }
         if !x.core.chunk_done() {
