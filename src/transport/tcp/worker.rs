@@ -151,7 +151,9 @@ impl PeerShared {
             let _ = sock.shutdown(std::net::Shutdown::Both);
             return Err(closed("peer closed while reconnecting"));
         }
-        if !x.live() {
+        // Only a cancel (not another chunk's failure) makes this a cut: the
+        // error is then not the peer's.
+        if x.cancelled.load(Ordering::SeqCst) {
             let mut st = self.slots[index].state();
             st.cut = true;
             let _ = st.stream.shutdown(std::net::Shutdown::Both);
@@ -328,6 +330,9 @@ pub(super) fn run(sock: TcpStream, index: usize, peer: Arc<PeerShared>, jobs: Re
         } else if lost {
             peer.redial(index, &x.core).map_err(ReqError::Conn).and_then(|sock| {
                 (conn, lost) = (Conn { sock, next_id: 0, head: Vec::new(), ranges: Vec::new() }, false);
+                if !x.core.live() {
+                    return Ok(()); // failed by another chunk meanwhile: skipped
+                }
                 conn.transfer(x, &x.segments[job.range.clone()])
             })
         } else {

@@ -1,0 +1,185 @@
+//! A tcp cancel cuts the connection of a chunk on the wire and the worker
+//! redials before its next live chunk (docs/TCP.md, cancel).
+//! A proxy between initiator and target lets a test freeze the wire (a
+//! stopped peer) and hold the listener's accept queue full (listen backlog
+//! 0), so that a redial's `connect` is slow (SYN dropped, retried after 1 s)
+//! or never completes.
+
+mod tcp_util;
+
+use std::io::{Read, Write};
+use std::net::{Shutdown, TcpListener, TcpStream};
+use std::os::fd::AsRawFd;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+use kvwire::HostBuffer;
+use kvwire::transport::tcp::{TcpConnectionInfo, TcpTransport};
+use kvwire::transport::{LocalKey, Op, PeerId, PostRequest, RemoteKey, Segment, Transport, TransportConfig, XferId};
+use tcp_util::completion;
+
+struct Proxy {
+    addr: String,
+    accepting: Arc<AtomicBool>,
+    frozen: Arc<AtomicBool>,
+}
+
+fn pump(mut from: TcpStream, mut to: TcpStream, frozen: Arc<AtomicBool>) {
+    let mut buf = vec![0u8; 16 << 10];
+    loop {
+        while frozen.load(Ordering::Acquire) {
+            std::thread::sleep(Duration::from_millis(2));
+        }
+        match from.read(&mut buf) {
+            Ok(0) | Err(_) => break,
+            Ok(n) => {
+                if to.write_all(&buf[..n]).is_err() {
+                    break;
+                }
+            }
+        }
+    }
+    let _ = to.shutdown(Shutdown::Write);
+    let _ = from.shutdown(Shutdown::Read);
+}
+
+impl Proxy {
+    fn start(target: String) -> Self {
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        // Backlog 0: the accept queue holds one connection; a SYN beyond it
+        // is dropped (the client retries after 1 s, 3 s, ...).
+        // SAFETY: listen(2) on a socket this listener owns; no memory is passed.
+        assert_eq!(unsafe { libc::listen(l.as_raw_fd(), 0) }, 0);
+        l.set_nonblocking(true).unwrap();
+        let addr = l.local_addr().unwrap().to_string();
+        let accepting = Arc::new(AtomicBool::new(true));
+        let frozen = Arc::new(AtomicBool::new(false));
+        let (a, f) = (accepting.clone(), frozen.clone());
+        std::thread::spawn(move || {
+            loop {
+                if !a.load(Ordering::Acquire) {
+                    std::thread::sleep(Duration::from_millis(2));
+                    continue;
+                }
+                match l.accept() {
+                    Ok((c, _)) => {
+                        c.set_nonblocking(false).unwrap();
+                        let t = TcpStream::connect(&target).unwrap();
+                        let (c2, t2) = (c.try_clone().unwrap(), t.try_clone().unwrap());
+                        let (f1, f2) = (f.clone(), f.clone());
+                        std::thread::spawn(move || pump(c, t, f1));
+                        std::thread::spawn(move || pump(t2, c2, f2));
+                    }
+                    Err(_) => std::thread::sleep(Duration::from_millis(2)),
+                }
+            }
+        });
+        Proxy { addr, accepting, frozen }
+    }
+}
+
+struct Setup {
+    init: TcpTransport,
+    _target: TcpTransport,
+    proxy: Proxy,
+    peer: PeerId,
+    src: Arc<HostBuffer>,
+    dst: Arc<HostBuffer>,
+    lkey: LocalKey,
+    rkey: RemoteKey,
+}
+
+const MIB: u64 = 1 << 20;
+
+fn setup(timeout: Duration) -> Setup {
+    let cfg = TransportConfig {
+        peer_timeout: timeout,
+        options: vec![("conns_per_peer".into(), "2".into())],
+        ..Default::default()
+    };
+    let mut init = TcpTransport::new("init", &cfg).unwrap();
+    let mut target = TcpTransport::new("target", &cfg).unwrap();
+    let src = Arc::new(HostBuffer::new((16 * MIB) as usize).unwrap());
+    let dst = Arc::new(HostBuffer::new((16 * MIB) as usize).unwrap());
+    let lkey = init.register(src.clone()).unwrap().lkey;
+    let rkey = target.register(dst.clone()).unwrap().rkey;
+    let mut info = TcpConnectionInfo::decode(&target.connection_info()).unwrap();
+    let proxy = Proxy::start(info.addr.clone());
+    info.addr = proxy.addr.clone();
+    let peer = init.connect("target", &info.encode(), &[]).unwrap();
+    Setup { init, _target: target, proxy, peer, src, dst, lkey, rkey }
+}
+
+impl Setup {
+    fn post(&mut self, id: u64, segs: &[(u64, u64, RemoteKey)]) {
+        let segments = segs
+            .iter()
+            .map(|&(off, len, rkey)| Segment {
+                local_addr: self.src.addr() + off,
+                remote_addr: self.dst.addr() + off,
+                len_bytes: len,
+                lkey: self.lkey,
+                rkey,
+            })
+            .collect();
+        self.init
+            .post(PostRequest { xfer: XferId(id), op: Op::Write, peer: self.peer, segments, notification: None })
+            .unwrap();
+    }
+
+    /// Cut both connections: a 2-chunk WRITE stuck on a frozen wire, cancelled.
+    fn cut(&mut self, id: u64, n: u64) {
+        let ok = completion(&mut self.init, Duration::from_secs(0));
+        assert!(ok.is_none(), "{ok:?}");
+        self.proxy.frozen.store(true, Ordering::Release);
+        let r = self.rkey;
+        let segs: Vec<_> = (0..n).map(|i| (i * 4 * MIB, 4 * MIB, r)).collect();
+        self.post(id, &segs);
+        std::thread::sleep(Duration::from_millis(300));
+        let t0 = Instant::now();
+        self.init.cancel(XferId(id));
+        assert!(t0.elapsed() < Duration::from_secs(1), "the cut cancel took {:?}", t0.elapsed());
+        self.proxy.frozen.store(false, Ordering::Release);
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+/// A transfer refused by the target (unknown rkey) while another worker of
+/// the same peer redials: the redial sees the transfer not live (failed,
+/// not cancelled), shuts its fresh connection and returns an error that the
+/// worker takes as the peer's: the healthy peer is marked dead.
+#[test]
+fn a_refused_transfer_during_a_redial_does_not_kill_the_peer() {
+    let mut s = setup(Duration::from_secs(5));
+    s.post(1, &[(0, MIB, s.rkey)]);
+    assert_eq!(completion(&mut s.init, Duration::from_secs(5)).unwrap().result, Ok(()));
+    // One worker's connection cut: it redials before its next chunk.
+    s.cut(2, 1);
+    // Hold the proxy's accept queue full: the redial's SYN is dropped and
+    // retried after 1 s; meanwhile the other worker's chunk of the same
+    // transfer is refused (unknown rkey) on its intact connection.
+    s.proxy.accepting.store(false, Ordering::Release);
+    let _filler = TcpStream::connect(&s.proxy.addr).unwrap();
+    let bad = RemoteKey(999);
+    s.post(3, &[(0, 4 * MIB, bad), (4 * MIB, 4 * MIB, bad)]);
+    std::thread::sleep(Duration::from_millis(300));
+    s.proxy.accepting.store(true, Ordering::Release);
+    let c = completion(&mut s.init, Duration::from_secs(10)).expect("xfer 3 completes");
+    println!("refused transfer: {c:?}");
+    assert!(c.result.is_err());
+    // The peer is alive and well: a good transfer must go through.
+    std::thread::sleep(Duration::from_millis(200));
+    let segments = vec![Segment {
+        local_addr: s.src.addr(),
+        remote_addr: s.dst.addr(),
+        len_bytes: MIB,
+        lkey: s.lkey,
+        rkey: s.rkey,
+    }];
+    let posted =
+        s.init.post(PostRequest { xfer: XferId(4), op: Op::Write, peer: s.peer, segments, notification: None });
+    assert!(posted.is_ok(), "a post to the healthy peer was refused: {posted:?}");
+    let c = completion(&mut s.init, Duration::from_secs(10)).expect("xfer 4 completes");
+    assert_eq!(c.result, Ok(()), "a live transfer to the healthy peer failed");
+}
