@@ -490,6 +490,19 @@ def test_freed_ids_keep_their_answer_for_a_bounded_while(engines, monkeypatch):
     assert [a.transfer_check_status(i) for i in ids] == [-1, -1, 1, 1, 1, 1]
 
 
+def checker(a, bid, got):
+    """A thread body: poll transfer_check_status(bid) until it is not 0 (at
+    most 30 s) and append the answer to `got`."""
+
+    def check():
+        deadline = time.monotonic() + 30
+        while (r := a.transfer_check_status(bid)) == 0 and time.monotonic() < deadline:
+            pass
+        got.append(r)
+
+    return check
+
+
 def test_check_status_and_batch_status_of_one_id_in_two_threads(engines):
     # get_batch_transfer_status keeps the batch findable while it waits, so
     # a transfer_check_status of the same id meanwhile is never "unknown".
@@ -503,12 +516,7 @@ def test_check_status_and_batch_status_of_one_id_in_two_threads(engines):
                                            [dst.ctypes.data + i * PAGE for i in range(256)], [PAGE] * 256)
         assert bid != 0
         got = []
-
-        def check():
-            deadline = time.monotonic() + 30
-            while (r := a.transfer_check_status(bid)) == 0 and time.monotonic() < deadline:
-                pass
-            got.append(r)
+        check = checker(a, bid, got)
 
         t = threading.Thread(target=check)
         t.start()
@@ -896,12 +904,7 @@ def test_two_threads_checking_one_refused_batch(engines):
         bid = a.batch_transfer_async_write(b.session_id, [src.ctypes.data], [dst.ctypes.data], [PAGE])
         assert bid != 0
         got = []
-
-        def check():
-            deadline = time.monotonic() + 30
-            while (r := a.transfer_check_status(bid)) == 0 and time.monotonic() < deadline:
-                pass
-            got.append(r)
+        check = checker(a, bid, got)
 
         threads = [threading.Thread(target=check) for _ in range(2)]
         for t in threads:

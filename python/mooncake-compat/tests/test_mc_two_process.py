@@ -228,6 +228,17 @@ def stop(peer):
         time.sleep(0.01)
 
 
+def recovers(e, peer, session, src, dst, fill, timeout_s):
+    """After SIGCONT: a write of `fill` to the session succeeds within
+    3 x timeout_s and its bytes are the peer's; then `e` is closed."""
+    src[:] = fill
+    deadline = time.monotonic() + 3 * timeout_s
+    while e.transfer_sync_write(session, src.ctypes.data, dst, PAGE) != 0:
+        assert time.monotonic() < deadline, "the session did not recover after SIGCONT"
+    assert peer.call(op="read", addr=dst, len=PAGE)["hex"] == src[:PAGE].tobytes().hex()
+    e.close()
+
+
 def test_frozen_peer_is_bounded_by_the_timeout(transport, peer_factory, monkeypatch):
     """A peer that stops answering (SIGSTOP) never makes a call hang: each
     returns a code within MC_TRANSFER_TIMEOUT (+ 1 s/GiB + slack); once it
@@ -257,12 +268,7 @@ def test_frozen_peer_is_bounded_by_the_timeout(transport, peer_factory, monkeypa
         assert time.monotonic() - t < timeout_s + 3
     finally:
         os.kill(peer.proc.pid, signal.SIGCONT)
-    src[:] = 7
-    deadline = time.monotonic() + 3 * timeout_s
-    while e.transfer_sync_write(session, src.ctypes.data, dst, PAGE) != 0:
-        assert time.monotonic() < deadline, "the session did not recover after SIGCONT"
-    assert peer.call(op="read", addr=dst, len=PAGE)["hex"] == src[:PAGE].tobytes().hex()
-    e.close()
+    recovers(e, peer, session, src, dst, 7, timeout_s)
 
 
 def test_timeout_of_a_submitted_write_to_a_frozen_peer_returns_at_once(transport, peer_factory, monkeypatch):
@@ -303,12 +309,7 @@ def test_timeout_of_a_submitted_write_to_a_frozen_peer_returns_at_once(transport
         assert time.monotonic() - t0 < timeout_s + 3
     finally:
         os.kill(peer.proc.pid, signal.SIGCONT)
-    src[:] = 9
-    deadline = time.monotonic() + 3 * timeout_s
-    while e.transfer_sync_write(session, src.ctypes.data, dst, PAGE) != 0:
-        assert time.monotonic() < deadline, "the session did not recover after SIGCONT"
-    assert peer.call(op="read", addr=dst, len=PAGE)["hex"] == src[:PAGE].tobytes().hex()
-    e.close()
+    recovers(e, peer, session, src, dst, 9, timeout_s)
 
 
 def test_unregister_with_a_batch_in_flight_is_refused(transport, peer_factory):
