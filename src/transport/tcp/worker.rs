@@ -235,6 +235,10 @@ struct Conn {
 }
 
 impl Conn {
+    fn new(sock: TcpStream) -> Self {
+        Self { sock, next_id: 0, head: Vec::new(), ranges: Vec::new() }
+    }
+
     /// Read a response header for request `id`; a refusal's reason as `Remote`.
     fn response(&mut self, id: u64) -> Result<Header, ReqError> {
         let mut b = [0u8; wire::HEADER_BYTES];
@@ -315,7 +319,7 @@ impl Conn {
 
 /// Run worker `index` of `peer` over `sock` until the job queue closes.
 pub(super) fn run(sock: TcpStream, index: usize, peer: Arc<PeerShared>, jobs: Receiver<Job>, done: Sender<Completion>) {
-    let mut conn = Conn { sock, next_id: 0, head: Vec::new(), ranges: Vec::new() };
+    let mut conn = Conn::new(sock);
     // Set when a cancel cut the connection; it is opened again for the
     // next live chunk (not at once: chunks of cancelled transfers queued
     // behind must be skipped without waiting on a silent peer).
@@ -329,7 +333,7 @@ pub(super) fn run(sock: TcpStream, index: usize, peer: Arc<PeerShared>, jobs: Re
             Err(ReqError::Remote(peer.failure()))
         } else if lost {
             peer.redial(index, &x.core).map_err(ReqError::Conn).and_then(|sock| {
-                (conn, lost) = (Conn { sock, next_id: 0, head: Vec::new(), ranges: Vec::new() }, false);
+                (conn, lost) = (Conn::new(sock), false);
                 if !x.core.live() {
                     return Ok(()); // failed by another chunk meanwhile: skipped
                 }
