@@ -183,3 +183,65 @@ fn a_refused_transfer_during_a_redial_does_not_kill_the_peer() {
     let c = completion(&mut s.init, Duration::from_secs(10)).expect("xfer 4 completes");
     assert_eq!(c.result, Ok(()), "a live transfer to the healthy peer failed");
 }
+
+/// Cut both connections, then hold the proxy's accept queue full so that
+/// the workers' redials for transfer 3 sit in a TCP connect that does not
+/// complete (SYNs dropped); returns once they are in it.
+fn stuck_in_redial(timeout: Duration) -> (Setup, TcpStream) {
+    let mut s = setup(timeout);
+    s.post(1, &[(0, MIB, s.rkey)]);
+    assert_eq!(completion(&mut s.init, Duration::from_secs(5)).unwrap().result, Ok(()));
+    s.cut(2, 2);
+    s.proxy.accepting.store(false, Ordering::Release);
+    let filler = TcpStream::connect(&s.proxy.addr).unwrap();
+    let r = s.rkey;
+    s.post(3, &[(0, 4 * MIB, r), (4 * MIB, 4 * MIB, r)]);
+    std::thread::sleep(Duration::from_millis(300));
+    (s, filler)
+}
+
+/// A cancel while the workers redial a peer that completes no TCP handshake
+/// returns at once (not after the peer timeout), and the peer stays usable.
+#[test]
+fn a_cancel_during_a_redials_connect_returns_at_once() {
+    let (mut s, filler) = stuck_in_redial(Duration::from_secs(4));
+    let t0 = Instant::now();
+    s.init.cancel(XferId(3));
+    let took = t0.elapsed();
+    assert!(took < Duration::from_secs(1), "a cancel during a redial's connect took {took:?}");
+    assert!(completion(&mut s.init, Duration::from_millis(200)).is_none(), "a cancelled transfer reported");
+    // Listener back: the peer was never at fault and takes the next transfer.
+    drop(filler);
+    s.proxy.accepting.store(true, Ordering::Release);
+    s.src.fill_with(0, MIB as usize, |_| 0x5a);
+    let r = s.rkey;
+    s.post(4, &[(0, MIB, r)]);
+    let c = completion(&mut s.init, Duration::from_secs(10)).expect("xfer 4 completes");
+    assert_eq!(c.result, Ok(()), "a live transfer after the cancelled redial failed");
+    assert!(s.dst.eq_at(0, &[0x5a; MIB as usize]), "xfer 4's bytes did not land");
+}
+
+/// A disconnect while the workers redial a peer that completes no TCP
+/// handshake returns at once, and the transfer in the redial fails.
+#[test]
+fn a_disconnect_during_a_redials_connect_returns_at_once() {
+    let (mut s, _filler) = stuck_in_redial(Duration::from_secs(4));
+    let t0 = Instant::now();
+    s.init.disconnect(s.peer);
+    let took = t0.elapsed();
+    assert!(took < Duration::from_secs(1), "a disconnect during a redial's connect took {took:?}");
+    let c = completion(&mut s.init, Duration::from_secs(1)).expect("xfer 3 reports");
+    assert!(c.result.is_err(), "xfer 3 to a disconnected peer: {c:?}");
+}
+
+/// Dropping the transport while its workers redial a peer that completes no
+/// TCP handshake returns at once.
+#[test]
+fn a_drop_during_a_redials_connect_returns_at_once() {
+    let (s, _filler) = stuck_in_redial(Duration::from_secs(4));
+    let Setup { init, .. } = s;
+    let t0 = Instant::now();
+    drop(init);
+    let took = t0.elapsed();
+    assert!(took < Duration::from_secs(1), "a drop during a redial's connect took {took:?}");
+}

@@ -90,6 +90,10 @@ pub fn default_conns_per_peer() -> usize {
 pub const CHUNK_BYTES: u64 = 4 << 20;
 /// Most connections per peer accepted from the option.
 pub const MAX_CONNS_PER_PEER: usize = 64;
+/// How often a redial's pending TCP connect looks whether its transfer was
+/// cancelled or its peer closed (the longest a cancel or disconnect waits
+/// on one).
+const CONNECT_SLICE: Duration = Duration::from_millis(50);
 
 /// Connection info published in the agent metadata (postcard-encoded).
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -320,7 +324,6 @@ impl TcpTransport {
 /// What an initiator needs to open (and, after a cancel cut one, open
 /// again) an authenticated connection to a peer: our agent name and
 /// session, the peer's address and secret, and the timeout.
-#[derive(Clone)]
 pub(super) struct Dialer {
     agent: String,
     session: u64,
@@ -339,8 +342,51 @@ impl Dialer {
     /// A TCP connection to the peer, with the socket timeouts set; no byte
     /// exchanged yet (a caller may publish a clone, so that a shutdown
     /// wakes the [`Dialer::handshake`] that follows).
-    pub(super) fn connect(&self) -> std::io::Result<TcpStream> {
-        let sock = TcpStream::connect_timeout(&self.addr, self.timeout)?;
+    ///
+    /// The TCP handshake is waited for in slices of [`CONNECT_SLICE`], up
+    /// to the peer timeout in all: `stop` is asked before each, and when it
+    /// answers true the attempt is abandoned with
+    /// [`ErrorKind::Interrupted`](std::io::ErrorKind::Interrupted), so that
+    /// a cancel or a disconnect never waits on a peer whose listener does
+    /// not complete handshakes (accept queue full, SYNs dropped). A peer
+    /// silent past the timeout gives
+    /// [`ErrorKind::TimedOut`](std::io::ErrorKind::TimedOut), as
+    /// `TcpStream::connect_timeout`.
+    pub(super) fn connect(&self, stop: impl Fn() -> bool) -> std::io::Result<TcpStream> {
+        use nix::errno::Errno;
+        use nix::poll::{PollFd, PollFlags, poll};
+        use nix::sys::socket::{AddressFamily, SockFlag, SockType, SockaddrStorage, getsockopt, socket, sockopt};
+        use std::os::fd::{AsFd, AsRawFd};
+        let family = if self.addr.is_ipv4() { AddressFamily::Inet } else { AddressFamily::Inet6 };
+        let fd = socket(family, SockType::Stream, SockFlag::SOCK_NONBLOCK | SockFlag::SOCK_CLOEXEC, None)?;
+        match nix::sys::socket::connect(fd.as_raw_fd(), &SockaddrStorage::from(self.addr)) {
+            Ok(()) => {}
+            Err(Errno::EINPROGRESS) => {
+                let deadline = std::time::Instant::now() + self.timeout;
+                loop {
+                    if stop() {
+                        return Err(std::io::Error::new(std::io::ErrorKind::Interrupted, "connect abandoned"));
+                    }
+                    let left = deadline.saturating_duration_since(std::time::Instant::now());
+                    if left.is_zero() {
+                        return Err(std::io::Error::new(std::io::ErrorKind::TimedOut, "connection timed out"));
+                    }
+                    let slice_ms = left.min(CONNECT_SLICE).as_millis().clamp(1, u16::MAX.into()) as u16;
+                    match poll(&mut [PollFd::new(fd.as_fd(), PollFlags::POLLOUT)], slice_ms) {
+                        Ok(0) | Err(Errno::EINTR) => {}
+                        Ok(_) => break,
+                        Err(e) => return Err(e.into()),
+                    }
+                }
+                match getsockopt(&fd, sockopt::SocketError)? {
+                    0 => {}
+                    e => return Err(std::io::Error::from_raw_os_error(e)),
+                }
+            }
+            Err(e) => return Err(e.into()),
+        }
+        let sock = TcpStream::from(fd);
+        sock.set_nonblocking(false)?;
         sock.set_nodelay(true)?;
         sock.set_read_timeout(Some(self.timeout))?;
         sock.set_write_timeout(Some(self.timeout))?;
@@ -396,7 +442,7 @@ impl Dialer {
 
     /// [`Dialer::connect`] then [`Dialer::handshake`].
     fn open(&self, index: usize) -> std::io::Result<TcpStream> {
-        let sock = self.connect()?;
+        let sock = self.connect(|| false)?;
         self.handshake(&sock, index)?;
         Ok(sock)
     }

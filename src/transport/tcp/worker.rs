@@ -62,6 +62,15 @@ impl Slot {
     }
 }
 
+impl SlotState {
+    /// Mark the connection cut by a cancel and shut it down (waking the
+    /// worker blocked on it).
+    fn cut(&mut self) {
+        self.cut = true;
+        let _ = self.stream.shutdown(std::net::Shutdown::Both);
+    }
+}
+
 impl PeerShared {
     /// Mark the peer dead for `why` and shut every connection down, which
     /// wakes the workers blocked on them.
@@ -88,8 +97,7 @@ impl PeerShared {
         for slot in &self.slots {
             let mut st = slot.state();
             if st.busy == Some(xfer.0) {
-                st.cut = true;
-                let _ = st.stream.shutdown(std::net::Shutdown::Both);
+                st.cut();
             }
         }
     }
@@ -137,9 +145,29 @@ impl PeerShared {
     /// new connection is published before the handshake, so that a
     /// [`PeerShared::kill`] or a cancel of `x` meanwhile wakes it (a cancel
     /// leaves the slot cut: the error is then not the peer's).
+    ///
+    /// The TCP connect itself gives up as soon as the peer is closed or `x`
+    /// is cancelled ([`Dialer::connect`](super::Dialer::connect)): a cancel
+    /// or disconnect never waits on a peer that completes no handshake.
     fn redial(&self, index: usize, x: &XferState) -> io::Result<TcpStream> {
         let closed = |what: &str| io::Error::new(io::ErrorKind::NotConnected, what.to_string());
-        let sock = self.dialer.connect()?;
+        let sock = match self
+            .dialer
+            .connect(|| self.dead.load(Ordering::SeqCst) || x.cancelled.load(Ordering::SeqCst))
+        {
+            Ok(sock) => sock,
+            // The slot stays cut (its old, shut connection): for a cancel
+            // the error is then not the peer's; for a closed peer the
+            // worker finds it dead.
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {
+                return Err(closed(if self.dead.load(Ordering::SeqCst) {
+                    "peer closed while reconnecting"
+                } else {
+                    "transfer cancelled while reconnecting"
+                }));
+            }
+            Err(e) => return Err(e),
+        };
         {
             let mut st = self.slots[index].state();
             st.stream = sock.try_clone()?;
@@ -154,9 +182,7 @@ impl PeerShared {
         // Only a cancel (not another chunk's failure) makes this a cut: the
         // error is then not the peer's.
         if x.cancelled.load(Ordering::SeqCst) {
-            let mut st = self.slots[index].state();
-            st.cut = true;
-            let _ = st.stream.shutdown(std::net::Shutdown::Both);
+            self.slots[index].state().cut();
             return Err(closed("transfer cancelled while reconnecting"));
         }
         self.dialer.handshake(&sock, index)?;
