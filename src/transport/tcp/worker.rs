@@ -151,9 +151,7 @@ impl PeerShared {
     /// or disconnect never waits on a peer that completes no handshake.
     fn redial(&self, index: usize, x: &XferState) -> io::Result<TcpStream> {
         let closed = |what: &str| io::Error::new(io::ErrorKind::NotConnected, what.to_string());
-        let sock = match self
-            .dialer
-            .connect(|| self.dead.load(Ordering::SeqCst) || x.cancelled.load(Ordering::SeqCst))
+        let sock = match self.dialer.connect(|| self.dead.load(Ordering::SeqCst) || x.cancelled.load(Ordering::SeqCst))
         {
             Ok(sock) => sock,
             // The slot stays cut (its old, shut connection): for a cancel
