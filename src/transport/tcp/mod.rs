@@ -94,6 +94,11 @@ pub const MAX_CONNS_PER_PEER: usize = 64;
 /// cancelled or its peer closed (the longest a cancel or disconnect waits
 /// on one).
 const CONNECT_SLICE: Duration = Duration::from_millis(50);
+/// How long a cancel lets a WRITE's chunks on the wire end by themselves
+/// before it cuts their connections (at most `peer_timeout`): long enough
+/// for a live target to take a whole chunk ([`CHUNK_BYTES`]), short
+/// against a stopped one.
+const CUT_GRACE: Duration = Duration::from_millis(500);
 
 /// Connection info published in the agent metadata (postcard-encoded).
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -628,7 +633,21 @@ impl Transport for TcpTransport {
         // (a peer that stopped answering would hold it for peer_timeout),
         // and the worker opens that connection again before its next chunk.
         // A READ stops writing into local memory at once either way.
-        self.inflight.cancel_then(xfer, |x| x.peer.cut(x.core.id));
+        // A WRITE's chunks on the wire are first given up to CUT_GRACE to
+        // end by themselves: a live target then has written its last byte
+        // and acknowledged it before cancel returns (its memory is fenced,
+        // as on shm and verbs); only a chunk stalled that long (a stopped
+        // or silent peer) is cut.
+        let grace = CUT_GRACE.min(self.config.peer_timeout);
+        self.inflight.cancel_then(xfer, |x| {
+            if x.core.op == super::Op::Write {
+                let until = std::time::Instant::now() + grace;
+                while x.peer.busy_with(x.core.id) && std::time::Instant::now() < until {
+                    std::thread::sleep(Duration::from_micros(200));
+                }
+            }
+            x.peer.cut(x.core.id);
+        });
     }
 
     fn take_notifications(&mut self, out: &mut Vec<Notification>) {

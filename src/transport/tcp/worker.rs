@@ -102,6 +102,11 @@ impl PeerShared {
         }
     }
 
+    /// Whether a worker is inside a chunk of transfer `xfer`.
+    pub(super) fn busy_with(&self, xfer: XferId) -> bool {
+        self.slots.iter().any(|slot| slot.state().busy == Some(xfer.0))
+    }
+
     /// Check the connections without blocking: a connection the peer closed
     /// (end of stream with nothing left to read) or reset means the peer is
     /// dead. `MSG_PEEK` leaves any bytes for the worker reading them. A
