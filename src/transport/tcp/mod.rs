@@ -642,9 +642,7 @@ impl Transport for TcpTransport {
         self.inflight.cancel_then(xfer, |x| {
             if x.core.op == super::Op::Write {
                 let until = std::time::Instant::now() + grace;
-                while x.peer.busy_with(x.core.id) && std::time::Instant::now() < until {
-                    std::thread::sleep(Duration::from_micros(200));
-                }
+                super::wait_until(|| !x.peer.busy_with(x.core.id) || std::time::Instant::now() >= until);
             }
             x.peer.cut(x.core.id);
         });
