@@ -50,11 +50,14 @@ struct SlotState {
     /// Shut down by a cancel; the worker opens it again (until then it is
     /// not probed: its end of stream is ours, not the peer's).
     cut: bool,
+    /// The worker is opening the connection again: its chunk has sent no
+    /// payload yet, so a cancel need not give it the WRITE grace.
+    dialing: bool,
 }
 
 impl Slot {
     pub(super) fn new(stream: TcpStream) -> Self {
-        Self(Mutex::new(SlotState { stream, busy: None, cut: false }))
+        Self(Mutex::new(SlotState { stream, busy: None, cut: false, dialing: false }))
     }
 
     fn state(&self) -> std::sync::MutexGuard<'_, SlotState> {
@@ -102,9 +105,13 @@ impl PeerShared {
         }
     }
 
-    /// Whether a worker is inside a chunk of transfer `xfer`.
+    /// Whether a worker is inside a chunk of transfer `xfer` that may have
+    /// sent payload (not one still opening its connection again).
     pub(super) fn busy_with(&self, xfer: XferId) -> bool {
-        self.slots.iter().any(|slot| slot.state().busy == Some(xfer.0))
+        self.slots.iter().any(|slot| {
+            let st = slot.state();
+            st.busy == Some(xfer.0) && !st.dialing
+        })
     }
 
     /// Check the connections without blocking: a connection the peer closed
@@ -143,6 +150,7 @@ impl PeerShared {
     fn leave(&self, index: usize) -> bool {
         let mut st = self.slots[index].state();
         st.busy = None;
+        st.dialing = false;
         st.cut
     }
 
@@ -155,20 +163,20 @@ impl PeerShared {
     /// is cancelled ([`Dialer::connect`](super::Dialer::connect)): a cancel
     /// or disconnect never waits on a peer that completes no handshake.
     fn redial(&self, index: usize, x: &XferState) -> io::Result<TcpStream> {
-        let closed = |what: &str| io::Error::new(io::ErrorKind::NotConnected, what.to_string());
-        let sock = match self.dialer.connect(|| self.dead.load(Ordering::SeqCst) || x.cancelled.load(Ordering::SeqCst))
-        {
+        let dead = || self.dead.load(Ordering::SeqCst);
+        let stopped = || dead() || x.cancelled.load(Ordering::SeqCst);
+        let interrupted = || {
+            let what = if dead() { "peer closed while reconnecting" } else { "transfer cancelled while reconnecting" };
+            io::Error::new(io::ErrorKind::NotConnected, what)
+        };
+        // No payload has left yet: a cancel meanwhile cuts at once.
+        self.slots[index].state().dialing = true;
+        let sock = match self.dialer.connect(stopped) {
             Ok(sock) => sock,
             // The slot stays cut (its old, shut connection): for a cancel
             // the error is then not the peer's; for a closed peer the
             // worker finds it dead.
-            Err(e) if e.kind() == io::ErrorKind::Interrupted => {
-                return Err(closed(if self.dead.load(Ordering::SeqCst) {
-                    "peer closed while reconnecting"
-                } else {
-                    "transfer cancelled while reconnecting"
-                }));
-            }
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => return Err(interrupted()),
             Err(e) => return Err(e),
         };
         {
@@ -177,18 +185,19 @@ impl PeerShared {
             st.cut = false;
         }
         // After publishing: a kill or cancel that came before it is seen
-        // here, one that comes after shuts the new connection down.
-        if self.dead.load(Ordering::SeqCst) {
-            let _ = sock.shutdown(std::net::Shutdown::Both);
-            return Err(closed("peer closed while reconnecting"));
-        }
-        // Only a cancel (not another chunk's failure) makes this a cut: the
-        // error is then not the peer's.
-        if x.cancelled.load(Ordering::SeqCst) {
-            self.slots[index].state().cut();
-            return Err(closed("transfer cancelled while reconnecting"));
+        // here, one that comes after shuts the new connection down. Only a
+        // cancel (not another chunk's failure) makes this a cut: the error
+        // is then not the peer's.
+        if stopped() {
+            if dead() {
+                let _ = sock.shutdown(std::net::Shutdown::Both);
+            } else {
+                self.slots[index].state().cut();
+            }
+            return Err(interrupted());
         }
         self.dialer.handshake(&sock, index)?;
+        self.slots[index].state().dialing = false;
         Ok(sock)
     }
 
