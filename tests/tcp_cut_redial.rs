@@ -3,7 +3,7 @@
 //! A proxy between initiator and target lets a test freeze the wire (a
 //! stopped peer) and hold the listener's accept queue full (listen backlog
 //! 0), so that a redial's `connect` is slow (SYN dropped, retried after 1 s)
-//! or never completes.
+//! or never completes, and throttle it (a slow but live target).
 
 mod tcp_util;
 
@@ -11,7 +11,7 @@ use std::io::{Read, Write};
 use std::net::{Shutdown, TcpListener, TcpStream};
 use std::os::fd::AsRawFd;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use kvwire::HostBuffer;
@@ -23,13 +23,21 @@ struct Proxy {
     addr: String,
     accepting: Arc<AtomicBool>,
     frozen: Arc<AtomicBool>,
+    /// Bytes per second each direction of each connection carries (0: no
+    /// limit).
+    rate: Arc<AtomicU64>,
 }
 
-fn pump(mut from: TcpStream, mut to: TcpStream, frozen: Arc<AtomicBool>) {
-    let mut buf = vec![0u8; 16 << 10];
+fn pump(mut from: TcpStream, mut to: TcpStream, frozen: Arc<AtomicBool>, rate: Arc<AtomicU64>) {
+    const BUF: u64 = 16 << 10;
+    let mut buf = vec![0u8; BUF as usize];
     loop {
         while frozen.load(Ordering::Acquire) {
             std::thread::sleep(Duration::from_millis(2));
+        }
+        let r = rate.load(Ordering::Relaxed);
+        if r > 0 {
+            std::thread::sleep(Duration::from_micros(BUF * 1_000_000 / r));
         }
         match from.read(&mut buf) {
             Ok(0) | Err(_) => break,
@@ -55,7 +63,8 @@ impl Proxy {
         let addr = l.local_addr().unwrap().to_string();
         let accepting = Arc::new(AtomicBool::new(true));
         let frozen = Arc::new(AtomicBool::new(false));
-        let (a, f) = (accepting.clone(), frozen.clone());
+        let rate = Arc::new(AtomicU64::new(0));
+        let (a, f, r) = (accepting.clone(), frozen.clone(), rate.clone());
         std::thread::spawn(move || {
             loop {
                 if !a.load(Ordering::Acquire) {
@@ -67,15 +76,15 @@ impl Proxy {
                         c.set_nonblocking(false).unwrap();
                         let t = TcpStream::connect(&target).unwrap();
                         let (c2, t2) = (c.try_clone().unwrap(), t.try_clone().unwrap());
-                        let (f1, f2) = (f.clone(), f.clone());
-                        std::thread::spawn(move || pump(c, t, f1));
-                        std::thread::spawn(move || pump(t2, c2, f2));
+                        let (f1, f2, r1, r2) = (f.clone(), f.clone(), r.clone(), r.clone());
+                        std::thread::spawn(move || pump(c, t, f1, r1));
+                        std::thread::spawn(move || pump(t2, c2, f2, r2));
                     }
                     Err(_) => std::thread::sleep(Duration::from_millis(2)),
                 }
             }
         });
-        Proxy { addr, accepting, frozen }
+        Proxy { addr, accepting, frozen, rate }
     }
 }
 
@@ -93,15 +102,21 @@ struct Setup {
 const MIB: u64 = 1 << 20;
 
 fn setup(timeout: Duration) -> Setup {
+    setup_with(timeout, 2)
+}
+
+/// Initiator and target joined through a proxy, `conns` connections per
+/// peer, 64 MiB buffers each side.
+fn setup_with(timeout: Duration, conns: usize) -> Setup {
     let cfg = TransportConfig {
         peer_timeout: timeout,
-        options: vec![("conns_per_peer".into(), "2".into())],
+        options: vec![("conns_per_peer".into(), conns.to_string())],
         ..Default::default()
     };
     let mut init = TcpTransport::new("init", &cfg).unwrap();
     let mut target = TcpTransport::new("target", &cfg).unwrap();
-    let src = Arc::new(HostBuffer::new((16 * MIB) as usize).unwrap());
-    let dst = Arc::new(HostBuffer::new((16 * MIB) as usize).unwrap());
+    let src = Arc::new(HostBuffer::new((64 * MIB) as usize).unwrap());
+    let dst = Arc::new(HostBuffer::new((64 * MIB) as usize).unwrap());
     let lkey = init.register(src.clone()).unwrap().lkey;
     let rkey = target.register(dst.clone()).unwrap().rkey;
     let mut info = TcpConnectionInfo::decode(&target.connection_info()).unwrap();
@@ -146,9 +161,9 @@ impl Setup {
 }
 
 /// A transfer refused by the target (unknown rkey) while another worker of
-/// the same peer redials: the redial sees the transfer not live (failed,
-/// not cancelled), shuts its fresh connection and returns an error that the
-/// worker takes as the peer's: the healthy peer is marked dead.
+/// the same peer redials: the refusal fails that transfer only; the redial
+/// of the other worker does not take it as the peer's fault, and the
+/// healthy peer takes the next transfer.
 #[test]
 fn a_refused_transfer_during_a_redial_does_not_kill_the_peer() {
     let mut s = setup(Duration::from_secs(5));
@@ -244,4 +259,113 @@ fn a_drop_during_a_redials_connect_returns_at_once() {
     drop(init);
     let took = t0.elapsed();
     assert!(took < Duration::from_secs(1), "a drop during a redial's connect took {took:?}");
+}
+
+/// A first transfer whose 1 MiB WRITE completes (the connections are open).
+fn warmed(timeout: Duration, conns: usize) -> Setup {
+    let mut s = setup_with(timeout, conns);
+    s.post(1, &[(0, MIB, s.rkey)]);
+    assert_eq!(completion(&mut s.init, Duration::from_secs(5)).unwrap().result, Ok(()));
+    s
+}
+
+/// The cancel of a transfer whose chunk is only queued, behind another
+/// transfer's chunks stuck on a frozen wire, returns at once: a queued
+/// chunk is skipped when a worker reaches it, nothing waits for it (it
+/// waited for the stuck chunks' socket timeout, 4.85 s).
+#[test]
+fn a_cancel_of_a_transfer_queued_behind_a_stalled_one_returns_at_once() {
+    let mut s = warmed(Duration::from_secs(5), 2);
+    s.proxy.frozen.store(true, Ordering::Release);
+    let r = s.rkey;
+    s.post(10, &[(0, 4 * MIB, r), (4 * MIB, 4 * MIB, r)]); // both workers stuck
+    std::thread::sleep(Duration::from_millis(300));
+    s.post(11, &[(8 * MIB, MIB, r)]); // queued behind
+    let t0 = Instant::now();
+    s.init.cancel(XferId(11));
+    let took = t0.elapsed();
+    assert!(took < Duration::from_secs(1), "the cancel of a queued transfer took {took:?}");
+    s.init.cancel(XferId(10));
+    s.proxy.frozen.store(false, Ordering::Release);
+    assert!(completion(&mut s.init, Duration::from_millis(300)).is_none(), "a cancelled transfer reported");
+    // The skipped chunk moved nothing; the peer takes the next transfer.
+    s.src.fill_with(16 * MIB as usize, MIB as usize, |_| 0x3c);
+    s.post(12, &[(16 * MIB, MIB, r)]);
+    let c = completion(&mut s.init, Duration::from_secs(10)).expect("xfer 12 completes");
+    assert_eq!((c.xfer, c.result), (XferId(12), Ok(())));
+    assert!(s.dst.eq_at(16 * MIB as usize, &[0x3c; MIB as usize]), "xfer 12's bytes did not land");
+    assert!(s.dst.eq_at(8 * MIB as usize, &[0; MIB as usize]), "the cancelled queued transfer wrote");
+}
+
+/// As above behind a slow but live transfer (no socket timeout ever
+/// fires): the cancel of the queued transfer does not wait for the 32 MiB
+/// ahead of it (it did: 1.98 s), and the transfer ahead completes.
+#[test]
+fn a_cancel_of_a_transfer_queued_behind_a_slow_one_returns_at_once() {
+    let mut s = warmed(Duration::from_secs(20), 2);
+    s.proxy.rate.store(8 << 20, Ordering::Relaxed);
+    let r = s.rkey;
+    let segs: Vec<_> = (0..8).map(|i| (i * 4 * MIB, 4 * MIB, r)).collect();
+    s.post(10, &segs);
+    std::thread::sleep(Duration::from_millis(300));
+    s.post(11, &[(40 * MIB, MIB, r)]);
+    let t0 = Instant::now();
+    s.init.cancel(XferId(11));
+    let took = t0.elapsed();
+    s.proxy.rate.store(0, Ordering::Relaxed);
+    assert!(took < Duration::from_secs(1), "the cancel of a queued transfer took {took:?}");
+    let c = completion(&mut s.init, Duration::from_secs(20)).expect("xfer 10 completes");
+    assert_eq!((c.xfer, c.result), (XferId(10), Ok(())));
+}
+
+/// Releases one after another of WRITEs on the wire to a stopped peer (what
+/// `get_batch_transfer_status` does with the rest of a batch): the first
+/// waits one grace and marks the peer stalled, the next cut at once (each
+/// waited the 500 ms grace: 4.0 s for 8). A completed transfer afterwards
+/// clears the mark.
+#[test]
+fn releases_one_after_another_to_a_stalled_peer_wait_one_grace() {
+    let mut s = warmed(Duration::from_secs(30), 8);
+    s.proxy.frozen.store(true, Ordering::Release);
+    let r = s.rkey;
+    for i in 0..8u64 {
+        s.post(10 + i, &[(i * 4 * MIB, 4 * MIB, r)]);
+    }
+    std::thread::sleep(Duration::from_millis(300));
+    let t0 = Instant::now();
+    for i in 0..8u64 {
+        s.init.cancel(XferId(10 + i));
+    }
+    let took = t0.elapsed();
+    s.proxy.frozen.store(false, Ordering::Release);
+    assert!(took < Duration::from_millis(2000), "8 releases to a stalled peer took {took:?}");
+    s.src.fill_with(0, MIB as usize, |_| 0x77);
+    s.post(20, &[(0, MIB, r)]);
+    let c = completion(&mut s.init, Duration::from_secs(10)).expect("xfer 20 completes");
+    assert_eq!((c.xfer, c.result), (XferId(20), Ok(())));
+    assert!(s.dst.eq_at(0, &[0x77; MIB as usize]), "xfer 20's bytes did not land");
+}
+
+/// A WRITE to a slow but live target (4 MiB/s a connection), released
+/// mid-chunk: release returns once the target has taken and acknowledged
+/// what was on the wire, so no byte lands after it (2.8 MB did with a fixed
+/// 500 ms grace).
+#[test]
+fn a_released_write_to_a_slow_live_target_lands_nothing_after_release() {
+    let mut s = warmed(Duration::from_secs(20), 2);
+    let n = 8 * MIB as usize;
+    s.src.fill_with(0, n, |_| 0xab);
+    s.dst.fill_with(0, n, |_| 0);
+    s.proxy.rate.store(4 << 20, Ordering::Relaxed);
+    let r = s.rkey;
+    s.post(20, &[(0, 4 * MIB, r), (4 * MIB, 4 * MIB, r)]);
+    std::thread::sleep(Duration::from_millis(200));
+    s.init.cancel(XferId(20));
+    let landed = |s: &Setup| s.dst.to_vec(0..n).iter().filter(|&&b| b == 0xab).count();
+    let at_release = landed(&s);
+    std::thread::sleep(Duration::from_secs(2));
+    let later = landed(&s);
+    s.proxy.rate.store(0, Ordering::Relaxed);
+    assert_eq!(later, at_release, "{} bytes landed after release returned", later - at_release);
+    assert!(completion(&mut s.init, Duration::from_millis(200)).is_none(), "a cancelled transfer reported");
 }

@@ -171,11 +171,21 @@ impl<T: AsRef<XferState>> InFlight<T> {
     /// chunk publishes that first and checks [`XferState::live`] after, so
     /// either `cut` sees it inside or it sees the cancel.
     pub(super) fn cancel_then(&mut self, xfer: XferId, cut: impl FnOnce(&T)) {
-        let Some(x) = self.xfers.remove(&xfer.0) else { return };
-        let s = state(&x);
-        s.cancelled.store(true, Ordering::SeqCst);
+        let Some(x) = self.mark_cancelled(xfer) else { return };
         cut(&x);
+        let s = state(&x);
         super::wait_until(|| s.pending.load(Ordering::Acquire) == 0);
+    }
+
+    /// Forget a tracked transfer and mark it cancelled, without waiting:
+    /// for a backend that knows itself which workers are inside one of its
+    /// chunks (tcp: its chunks still queued behind other transfers' are
+    /// skipped whenever a worker reaches them, and need no wait). None for
+    /// unknown or finished ids.
+    pub(super) fn mark_cancelled(&mut self, xfer: XferId) -> Option<Arc<T>> {
+        let x = self.xfers.remove(&xfer.0)?;
+        state(&x).cancelled.store(true, Ordering::SeqCst);
+        Some(x)
     }
 
     /// [`InFlight::cancel`] every tracked transfer, one after the other.

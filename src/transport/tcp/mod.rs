@@ -94,10 +94,10 @@ pub const MAX_CONNS_PER_PEER: usize = 64;
 /// cancelled or its peer closed (the longest a cancel or disconnect waits
 /// on one).
 const CONNECT_SLICE: Duration = Duration::from_millis(50);
-/// How long a cancel lets a WRITE's chunks on the wire end by themselves
-/// before it cuts their connections (at most `peer_timeout`): long enough
-/// for a live target to take a whole chunk ([`CHUNK_BYTES`]), short
-/// against a stopped one.
+/// How long a cancel lets a WRITE's chunk on the wire go on with its peer's
+/// TCP acknowledging no byte before it cuts the connection (at most
+/// `peer_timeout`): a live target, however slow, acknowledges within it;
+/// a stopped one is cut after it.
 const CUT_GRACE: Duration = Duration::from_millis(500);
 
 /// Connection info published in the agent metadata (postcard-encoded).
@@ -543,6 +543,7 @@ impl Transport for TcpTransport {
             reason: Mutex::new(None),
             slots,
             dialer,
+            stalled: AtomicBool::new(false),
         });
         let (tx, rx) = crossbeam_channel::unbounded::<Job>();
         let mut workers = Vec::with_capacity(socks.len());
@@ -628,28 +629,64 @@ impl Transport for TcpTransport {
     }
 
     fn cancel(&mut self, xfer: XferId) {
-        // Queued chunks are skipped; a chunk on the wire is cut: its
-        // connection is shut down, which ends the worker's syscall at once
-        // (a peer that stopped answering would hold it for peer_timeout),
-        // and the worker opens that connection again before its next chunk.
-        // A READ stops writing into local memory at once either way.
-        // A WRITE's chunks on the wire are first given up to CUT_GRACE to
-        // end by themselves: a live target then has written its last byte
-        // and acknowledged it before cancel returns (its memory is fenced,
-        // as on shm and verbs); only a chunk stalled that long (a stopped
-        // or silent peer) is cut.
-        let grace = CUT_GRACE.min(self.config.peer_timeout);
-        self.inflight.cancel_then(xfer, |x| {
-            if x.core.op == super::Op::Write {
-                let until = std::time::Instant::now() + grace;
-                super::wait_until(|| !x.peer.busy_with(x.core.id) || std::time::Instant::now() >= until);
-            }
-            x.peer.cut(x.core.id);
-        });
+        // Chunks still queued (behind other transfers' on the same
+        // connections) are skipped whenever a worker reaches them: nothing
+        // waits for them. A chunk on the wire is cut: its connection is
+        // shut down, which ends the worker's syscall at once (a peer that
+        // stopped answering would hold it for peer_timeout), and the worker
+        // opens that connection again before its next chunk. A READ stops
+        // writing into local memory at once either way.
+        // A WRITE's chunks on the wire are first let end by themselves while
+        // the target takes their bytes (its TCP acknowledges more within
+        // each CUT_GRACE, at most peer_timeout in all): a live target, however
+        // slow, then has written its last byte and acknowledged it before
+        // cancel returns (its memory is fenced, as on shm and verbs); only a
+        // chunk stalled that long (a stopped or silent peer) is cut, and the
+        // peer is marked stalled so that the next cancels cut at once.
+        let Some(x) = self.inflight.mark_cancelled(xfer) else { return };
+        let (peer, id) = (&x.peer, x.core.id);
+        if x.core.op == super::Op::Write && !peer.stalled.load(Ordering::Acquire) {
+            self.grace(peer, id);
+        }
+        peer.cut(id);
+        super::wait_until(|| !peer.inside(id));
     }
 
     fn take_notifications(&mut self, out: &mut Vec<Notification>) {
         self.notifs.drain_into(out);
+    }
+}
+
+impl TcpTransport {
+    /// Wait while a worker sends a chunk of WRITE `id` to `peer` and the
+    /// peer's TCP keeps acknowledging its bytes (progress at least once per
+    /// [`CUT_GRACE`], looked at every millisecond), at most `peer_timeout`
+    /// in all. A grace that ends on no progress marks the peer stalled.
+    fn grace(&self, peer: &PeerShared, id: XferId) {
+        let start = std::time::Instant::now();
+        let window = CUT_GRACE.min(self.config.peer_timeout);
+        let (mut last, mut moved, mut looked) = (peer.acked(id), start, start);
+        super::wait_until(|| {
+            if !peer.busy_with(id) {
+                return true;
+            }
+            let now = std::time::Instant::now();
+            if now.duration_since(start) >= self.config.peer_timeout {
+                return true;
+            }
+            if now.duration_since(looked) < Duration::from_millis(1) {
+                return false;
+            }
+            looked = now;
+            let acked = peer.acked(id);
+            if acked != last {
+                (last, moved) = (acked, now);
+            } else if now.duration_since(moved) >= window {
+                peer.stalled.store(true, Ordering::Release);
+                return true;
+            }
+            false
+        });
     }
 }
 

@@ -33,6 +33,11 @@ pub(super) struct PeerShared {
     pub slots: Vec<Slot>,
     /// Opens a connection again after a cancel cut it.
     pub dialer: super::Dialer,
+    /// Set when a cancel's WRITE grace ended with the peer's TCP
+    /// acknowledging nothing (a stopped or silent target); cleared when a
+    /// chunk to it completes. While set, a cancel cuts at once: releases
+    /// one after the other to a stopped peer do not each wait the grace.
+    pub stalled: AtomicBool,
 }
 
 /// What the transport knows of one worker's connection: a clone of it (to
@@ -112,6 +117,45 @@ impl PeerShared {
             let st = slot.state();
             st.busy == Some(xfer.0) && !st.dialing
         })
+    }
+
+    /// Whether a worker is inside a chunk of transfer `xfer` at all
+    /// (reconnecting for it included): a cancel returns once none is.
+    pub(super) fn inside(&self, xfer: XferId) -> bool {
+        self.slots.iter().any(|slot| slot.state().busy == Some(xfer.0))
+    }
+
+    /// Bytes the peer's TCP has acknowledged so far on the connections
+    /// whose worker is sending a chunk of `xfer` (Linux `TCP_INFO`'s
+    /// `tcpi_bytes_acked`, summed): while it grows the target is taking the
+    /// chunk. 0 where the kernel does not tell.
+    pub(super) fn acked(&self, xfer: XferId) -> u64 {
+        let mut sum = 0u64;
+        for slot in &self.slots {
+            let st = slot.state();
+            if st.busy != Some(xfer.0) || st.dialing {
+                continue;
+            }
+            // SAFETY: an all-zero `tcp_info` is a valid value of this plain
+            // C struct.
+            let mut info: libc::tcp_info = unsafe { std::mem::zeroed() };
+            let mut len = std::mem::size_of::<libc::tcp_info>() as libc::socklen_t;
+            // SAFETY: getsockopt(2) on a socket this slot owns, writing at
+            // most `len` bytes into `info`, which is that large.
+            let rc = unsafe {
+                libc::getsockopt(
+                    st.stream.as_raw_fd(),
+                    libc::IPPROTO_TCP,
+                    libc::TCP_INFO,
+                    (&raw mut info).cast(),
+                    &raw mut len,
+                )
+            };
+            if rc == 0 {
+                sum = sum.wrapping_add(info.tcpi_bytes_acked);
+            }
+        }
+        sum
     }
 
     /// Check the connections without blocking: a connection the peer closed
@@ -385,6 +429,8 @@ pub(super) fn run(sock: TcpStream, index: usize, peer: Arc<PeerShared>, jobs: Re
         let cut = peer.leave(index);
         lost |= cut;
         match moved {
+            // A live chunk moved: the peer takes bytes again.
+            Ok(()) if !cut => peer.stalled.store(false, Ordering::Release),
             Ok(()) => {}
             Err(ReqError::Remote(why)) => x.core.fail(why),
             Err(ReqError::Conn(_)) if cut && x.core.cancelled.load(Ordering::Acquire) => {}
