@@ -35,9 +35,8 @@ fn pump(mut from: TcpStream, mut to: TcpStream, frozen: Arc<AtomicBool>, rate: A
         while frozen.load(Ordering::Acquire) {
             std::thread::sleep(Duration::from_millis(2));
         }
-        let r = rate.load(Ordering::Relaxed);
-        if r > 0 {
-            std::thread::sleep(Duration::from_micros(BUF * 1_000_000 / r));
+        if let Some(us) = (BUF * 1_000_000).checked_div(rate.load(Ordering::Relaxed)) {
+            std::thread::sleep(Duration::from_micros(us));
         }
         match from.read(&mut buf) {
             Ok(0) | Err(_) => break,

@@ -312,6 +312,54 @@ def test_timeout_of_a_submitted_write_to_a_frozen_peer_returns_at_once(transport
     recovers(e, peer, session, src, dst, 9, timeout_s)
 
 
+def test_a_small_write_behind_a_big_one_to_a_frozen_peer_times_out_at_once(transport, peer_factory, monkeypatch):
+    """A 4 KiB transfer_submit_write queued behind a 64 MiB one to a stopped
+    peer: past MC_TRANSFER_TIMEOUT each gets its code (-2, or -1 once the
+    peer timed out) from a short transfer_check_status call (the small one's cancel used to wait for the
+    big one's chunks on the wire, holding the engine for another timeout)."""
+    import os
+    import signal
+
+    timeout_s = 5
+    monkeypatch.setenv("MC_TRANSFER_TIMEOUT", str(timeout_s))
+    peer = peer_factory()
+    session = peer.call(op="init")["session"]
+    n = 64 << 20
+    (dst,) = peer.call(op="alloc", sizes=[n + PAGE])["addrs"]
+    if transport != "tcp":
+        pytest.skip(f"{transport} writes into the target's memory without its CPU: a stopped target does not hold "
+                    "the transfer (only tcp's target process receives the bytes)")
+    e = local_engine()
+    src = reg(e, n + PAGE, seed=16)
+    assert e.transfer_sync_write(session, src.ctypes.data, dst, PAGE) == 0  # the session is open
+    try:
+        stop(peer)
+        t0 = time.monotonic()
+        big = e.transfer_submit_write(session, src.ctypes.data, dst, n)
+        small = e.transfer_submit_write(session, src.ctypes.data + n, dst + n, PAGE)
+        assert big != 0 and small != 0
+        codes, longest = {}, 0.0
+        while len(codes) < 2:
+            for name, bid in (("big", big), ("small", small)):
+                if name in codes:
+                    continue
+                t = time.monotonic()
+                rc = e.transfer_check_status(bid)
+                longest = max(longest, time.monotonic() - t)
+                if rc != 0:
+                    codes[name] = rc
+            assert time.monotonic() - t0 < 3 * timeout_s, f"never timed out: {codes}"
+            time.sleep(0.05)
+        # -2 at the deadline; -1 where the transport's own peer_timeout (the
+        # same MC_TRANSFER_TIMEOUT) failed the peer first.
+        assert set(codes.values()) <= {-1, -2}, codes
+        assert longest < timeout_s / 2, f"a transfer_check_status call took {longest:.1f}s"
+        assert time.monotonic() - t0 < timeout_s + 3
+    finally:
+        os.kill(peer.proc.pid, signal.SIGCONT)
+    recovers(e, peer, session, src, dst, 10, timeout_s)
+
+
 def test_unregister_with_a_batch_in_flight_is_refused(transport, peer_factory):
     """Local memory an unfinished async batch still uses is not unregistered
     (-1, the registration kept): nothing is freed that a transfer may still
