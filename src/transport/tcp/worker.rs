@@ -409,29 +409,31 @@ pub(super) fn run(sock: TcpStream, index: usize, peer: Arc<PeerShared>, jobs: Re
     for job in jobs.iter() {
         let x = &job.xfer;
         peer.enter(index, x.core.id);
+        // Ok(true): the chunk went to the peer and was answered; Ok(false):
+        // skipped (cancelled or failed before it started).
         let moved = if !x.core.live() {
-            Ok(())
+            Ok(false)
         } else if peer.dead.load(Ordering::Acquire) {
             Err(ReqError::Remote(peer.failure()))
         } else if lost {
             peer.redial(index, &x.core).map_err(ReqError::Conn).and_then(|sock| {
                 (conn, lost) = (Conn::new(sock), false);
                 if !x.core.live() {
-                    return Ok(()); // failed by another chunk meanwhile: skipped
+                    return Ok(false); // failed by another chunk meanwhile: skipped
                 }
-                conn.transfer(x, &x.segments[job.range.clone()])
+                conn.transfer(x, &x.segments[job.range.clone()]).map(|()| true)
             })
         } else {
-            conn.transfer(x, &x.segments[job.range.clone()])
+            conn.transfer(x, &x.segments[job.range.clone()]).map(|()| true)
         };
         // A cancel cut the connection inside the chunk: the transfer is
         // cancelled (nothing is reported), its error is not the peer's.
         let cut = peer.leave(index);
         lost |= cut;
         match moved {
-            // A live chunk moved: the peer takes bytes again.
-            Ok(()) if !cut => peer.stalled.store(false, Ordering::Release),
-            Ok(()) => {}
+            // A chunk moved: the peer takes bytes again.
+            Ok(true) if !cut => peer.stalled.store(false, Ordering::Release),
+            Ok(_) => {}
             Err(ReqError::Remote(why)) => x.core.fail(why),
             Err(ReqError::Conn(_)) if cut && x.core.cancelled.load(Ordering::Acquire) => {}
             Err(ReqError::Conn(e)) => {
