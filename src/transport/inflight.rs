@@ -7,7 +7,10 @@
 //! finished yet. The worker that finishes the last one reports the
 //! completion, unless the transfer was cancelled, and `cancel` waits for
 //! `pending` to reach 0, so that once it returns no worker touches the
-//! transfer's buffers. What is backend-specific (the peer, the segments,
+//! transfer's buffers (shm). A backend that knows which workers are inside
+//! a chunk (tcp) uses [`InFlight::mark_cancelled`] and waits for those
+//! alone: its chunks still queued are skipped when reached, touching
+//! nothing, and keep the transfer's state alive until then. What is backend-specific (the peer, the segments,
 //! how chunks are handed out) stays in the backend, next to an embedded
 //! [`XferState`].
 
@@ -31,7 +34,7 @@ pub(super) struct XferState {
     pub notification: Option<Vec<u8>>,
     /// Set by `cancel`: workers skip chunks not yet started and stop early.
     pub cancelled: AtomicBool,
-    /// Chunks not yet finished (a cancel waits for 0).
+    /// Chunks not yet finished ([`InFlight::cancel`] waits for 0).
     pending: AtomicUsize,
     /// First failure.
     error: Mutex<Option<TransferFailure>>,

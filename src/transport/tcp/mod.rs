@@ -45,8 +45,8 @@ mod worker;
 
 use std::collections::HashMap;
 use std::net::{IpAddr, SocketAddr, TcpListener, TcpStream, ToSocketAddrs, UdpSocket};
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
 use std::thread::JoinHandle;
 use std::time::Duration;
 
@@ -537,14 +537,7 @@ impl Transport for TcpTransport {
             .map(|s| s.try_clone().map(worker::Slot::new))
             .collect::<Result<Vec<_>, _>>()
             .map_err(|e| TransportError::io("dup", e))?;
-        let shared = Arc::new(PeerShared {
-            name: peer_name.to_string(),
-            dead: AtomicBool::new(false),
-            reason: Mutex::new(None),
-            slots,
-            dialer,
-            stalled: AtomicBool::new(false),
-        });
+        let shared = Arc::new(PeerShared::new(peer_name, slots, dialer));
         let (tx, rx) = crossbeam_channel::unbounded::<Job>();
         let mut workers = Vec::with_capacity(socks.len());
         for (i, sock) in socks.into_iter().enumerate() {
@@ -645,7 +638,7 @@ impl Transport for TcpTransport {
         // peer is marked stalled so that the next cancels cut at once.
         let Some(x) = self.inflight.mark_cancelled(xfer) else { return };
         let (peer, id) = (&x.peer, x.core.id);
-        if x.core.op == super::Op::Write && !peer.stalled.load(Ordering::Acquire) {
+        if x.core.op == super::Op::Write && !peer.stalled() {
             self.grace(peer, id);
         }
         peer.cut(id);
@@ -672,6 +665,9 @@ impl TcpTransport {
             }
             let now = std::time::Instant::now();
             if now.duration_since(start) >= self.config.peer_timeout {
+                if now.duration_since(moved) >= window {
+                    peer.set_stalled(true);
+                }
                 return true;
             }
             if now.duration_since(looked) < Duration::from_millis(1) {
@@ -682,7 +678,7 @@ impl TcpTransport {
             if acked != last {
                 (last, moved) = (acked, now);
             } else if now.duration_since(moved) >= window {
-                peer.stalled.store(true, Ordering::Release);
+                peer.set_stalled(true);
                 return true;
             }
             false

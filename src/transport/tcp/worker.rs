@@ -33,11 +33,13 @@ pub(super) struct PeerShared {
     pub slots: Vec<Slot>,
     /// Opens a connection again after a cancel cut it.
     pub dialer: super::Dialer,
-    /// Set when a cancel's WRITE grace ended with the peer's TCP
+    /// When a cancel's WRITE grace last ended with the peer's TCP
     /// acknowledging nothing (a stopped or silent target); cleared when a
-    /// chunk to it completes. While set, a cancel cuts at once: releases
-    /// one after the other to a stopped peer do not each wait the grace.
-    pub stalled: AtomicBool,
+    /// chunk to it completes. For [`STALL_TRUSTED`] after it a cancel cuts
+    /// at once: releases one after the other to a stopped peer do not each
+    /// wait the grace, and a peer that recovered is not taken for stalled
+    /// for long.
+    stalled: Mutex<Option<std::time::Instant>>,
 }
 
 /// What the transport knows of one worker's connection: a clone of it (to
@@ -79,7 +81,32 @@ impl SlotState {
     }
 }
 
+/// How long a stall seen by a cancel's grace is taken as still true.
+const STALL_TRUSTED: std::time::Duration = std::time::Duration::from_secs(1);
+
 impl PeerShared {
+    /// A peer named `name` over `slots`, redialled with `dialer`.
+    pub(super) fn new(name: &str, slots: Vec<Slot>, dialer: super::Dialer) -> Self {
+        Self {
+            name: name.to_string(),
+            dead: AtomicBool::new(false),
+            reason: Mutex::new(None),
+            slots,
+            dialer,
+            stalled: Mutex::new(None),
+        }
+    }
+
+    /// Whether a cancel's grace found the peer stalled less than
+    /// [`STALL_TRUSTED`] ago (and no chunk completed since).
+    pub(super) fn stalled(&self) -> bool {
+        self.stalled.lock().unwrap_or_else(|p| p.into_inner()).is_some_and(|at| at.elapsed() < STALL_TRUSTED)
+    }
+
+    /// Mark the peer stalled now (`true`) or not (`false`).
+    pub(super) fn set_stalled(&self, stalled: bool) {
+        *self.stalled.lock().unwrap_or_else(|p| p.into_inner()) = stalled.then(std::time::Instant::now);
+    }
     /// Mark the peer dead for `why` and shut every connection down, which
     /// wakes the workers blocked on them.
     pub(super) fn kill(&self, why: TransferFailure) {
@@ -189,8 +216,14 @@ impl PeerShared {
         self.slots[index].state().busy = Some(xfer.0);
     }
 
-    /// Worker `index` left its chunk; true when a cancel cut its connection
-    /// meanwhile (its error, if any, is then not the peer's).
+    /// Whether a cancel cut connection `index` (an error on it is then not
+    /// the peer's).
+    fn is_cut(&self, index: usize) -> bool {
+        self.slots[index].state().cut
+    }
+
+    /// Worker `index` left its chunk (and the transfer's completion, when it
+    /// was the last); true when a cancel cut its connection meanwhile.
     fn leave(&self, index: usize) -> bool {
         let mut st = self.slots[index].state();
         st.busy = None;
@@ -341,11 +374,13 @@ impl Conn {
         Ok(h)
     }
 
-    fn transfer(&mut self, x: &XferShared, segs: &[Segment]) -> Result<(), ReqError> {
+    /// Move one chunk; Ok(true) once the peer acknowledged it, Ok(false)
+    /// when there was nothing to send.
+    fn transfer(&mut self, x: &XferShared, segs: &[Segment]) -> Result<bool, ReqError> {
         if segs.is_empty() {
             // An empty descriptor list moves nothing: only its notification
             // goes out (as shm and NIXL's notification-only transfers).
-            return Ok(());
+            return Ok(false);
         }
         self.next_id += 1;
         let id = self.next_id;
@@ -364,7 +399,7 @@ impl Conn {
             Op::Write => {
                 // SAFETY: the engine checked every local range against a live
                 // registration and keeps it registered until this transfer is
-                // terminal or cancelled; cancel waits for this chunk.
+                // terminal or cancelled; cancel waits while a worker is inside this chunk.
                 unsafe { tio::write_ranges(&self.sock, &self.head, &self.ranges, None)? };
                 self.response(id)?;
             }
@@ -384,7 +419,7 @@ impl Conn {
                 unsafe { tio::read_ranges(&self.sock, &self.ranges, &x.core.cancelled, None)? };
             }
         }
-        Ok(())
+        Ok(true)
     }
 
     fn notify(&mut self, payload: &[u8]) -> Result<(), ReqError> {
@@ -410,7 +445,8 @@ pub(super) fn run(sock: TcpStream, index: usize, peer: Arc<PeerShared>, jobs: Re
         let x = &job.xfer;
         peer.enter(index, x.core.id);
         // Ok(true): the chunk went to the peer and was answered; Ok(false):
-        // skipped (cancelled or failed before it started).
+        // nothing was sent (skipped: cancelled or failed before it started;
+        // or an empty, notification-only transfer).
         let moved = if !x.core.live() {
             Ok(false)
         } else if peer.dead.load(Ordering::Acquire) {
@@ -421,18 +457,18 @@ pub(super) fn run(sock: TcpStream, index: usize, peer: Arc<PeerShared>, jobs: Re
                 if !x.core.live() {
                     return Ok(false); // failed by another chunk meanwhile: skipped
                 }
-                conn.transfer(x, &x.segments[job.range.clone()]).map(|()| true)
+                conn.transfer(x, &x.segments[job.range.clone()])
             })
         } else {
-            conn.transfer(x, &x.segments[job.range.clone()]).map(|()| true)
+            conn.transfer(x, &x.segments[job.range.clone()])
         };
         // A cancel cut the connection inside the chunk: the transfer is
         // cancelled (nothing is reported), its error is not the peer's.
-        let cut = peer.leave(index);
+        let cut = peer.is_cut(index);
         lost |= cut;
         match moved {
             // A chunk moved: the peer takes bytes again.
-            Ok(true) if !cut => peer.stalled.store(false, Ordering::Release),
+            Ok(true) if !cut => peer.set_stalled(false),
             Ok(_) => {}
             Err(ReqError::Remote(why)) => x.core.fail(why),
             Err(ReqError::Conn(_)) if cut && x.core.cancelled.load(Ordering::Acquire) => {}
@@ -441,26 +477,40 @@ pub(super) fn run(sock: TcpStream, index: usize, peer: Arc<PeerShared>, jobs: Re
                 x.core.fail(peer.failure());
             }
         }
-        if !x.core.chunk_done() {
-            continue;
-        }
         // Last chunk. If every chunk succeeded, the notification goes out
         // on this connection (the peer still alive) before the completion.
-        x.core.complete(&done, || {
-            let Some(payload) = &x.core.notification else { return Ok(()) };
-            if peer.dead.load(Ordering::Acquire) {
-                return Err(peer.failure());
-            }
-            conn.notify(payload).map_err(|e| {
-                let why = match e {
-                    ReqError::Remote(r) => r,
-                    ReqError::Conn(e) => {
-                        peer.kill(TransferFailure::from_io(&e, format!("peer {}", peer.name)));
-                        peer.failure()
-                    }
-                };
-                TransferFailure { detail: format!("notification not delivered: {}", why.detail), ..why }
-            })
-        });
+        // The worker stays inside the transfer meanwhile: a cancel waits for
+        // it, so no notification leaves after cancel returned.
+        if x.core.chunk_done() {
+            finish(&job, &mut conn, index, &peer, &done);
+        }
+        lost |= peer.leave(index);
     }
+}
+
+/// Report transfer `job.xfer`'s completion after its last chunk, sending its
+/// notification first on `conn` (connection `index` of `peer`).
+fn finish(job: &Job, conn: &mut Conn, index: usize, peer: &PeerShared, done: &Sender<Completion>) {
+    let x = &job.xfer;
+    x.core.complete(done, || {
+        let Some(payload) = &x.core.notification else { return Ok(()) };
+        if peer.dead.load(Ordering::Acquire) {
+            return Err(peer.failure());
+        }
+        conn.notify(payload).map_err(|e| {
+            let why = match e {
+                ReqError::Remote(r) => r,
+                // Cut by a cancel of this transfer: not the peer's
+                // fault (the completion is dropped anyway).
+                ReqError::Conn(e) if peer.is_cut(index) && x.core.cancelled.load(Ordering::Acquire) => {
+                    TransferFailure::cancelled(e.to_string())
+                }
+                ReqError::Conn(e) => {
+                    peer.kill(TransferFailure::from_io(&e, format!("peer {}", peer.name)));
+                    peer.failure()
+                }
+            };
+            TransferFailure { detail: format!("notification not delivered: {}", why.detail), ..why }
+        })
+    });
 }
