@@ -10,9 +10,9 @@
 //! transfer's buffers (shm). A backend that knows which workers are inside
 //! a chunk (tcp) uses [`InFlight::mark_cancelled`] and waits for those
 //! alone: its chunks still queued are skipped when reached, touching
-//! nothing, and keep the transfer's state alive until then. What is backend-specific (the peer, the segments,
-//! how chunks are handed out) stays in the backend, next to an embedded
-//! [`XferState`].
+//! nothing, and keep the transfer's state alive until then. What is
+//! backend-specific (the peer, the segments, how chunks are handed out)
+//! stays in the backend, next to an embedded [`XferState`].
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};

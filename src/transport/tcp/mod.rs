@@ -96,8 +96,9 @@ pub const MAX_CONNS_PER_PEER: usize = 64;
 const CONNECT_SLICE: Duration = Duration::from_millis(50);
 /// How long a cancel lets a WRITE's chunk on the wire go on with its peer's
 /// TCP acknowledging no byte before it cuts the connection (at most
-/// `peer_timeout`): a live target, however slow, acknowledges within it;
-/// a stopped one is cut after it.
+/// `peer_timeout`): a live target acknowledges within it, a stopped one is
+/// cut after it (so is a reader too slow to drain its receive buffer in it:
+/// docs/TCP.md, "cancel").
 const CUT_GRACE: Duration = Duration::from_millis(500);
 
 /// Connection info published in the agent metadata (postcard-encoded).
@@ -631,11 +632,11 @@ impl Transport for TcpTransport {
         // writing into local memory at once either way.
         // A WRITE's chunks on the wire are first let end by themselves while
         // the target takes their bytes (its TCP acknowledges more within
-        // each CUT_GRACE, at most peer_timeout in all): a live target, however
-        // slow, then has written its last byte and acknowledged it before
-        // cancel returns (its memory is fenced, as on shm and verbs); only a
-        // chunk stalled that long (a stopped or silent peer) is cut, and the
-        // peer is marked stalled so that the next cancels cut at once.
+        // each CUT_GRACE, at most peer_timeout in all): a live target then
+        // has written its last byte and acknowledged it before cancel
+        // returns (its memory is fenced, as on shm and verbs); only a chunk
+        // stalled that long (a stopped or silent peer) is cut, and the peer
+        // is marked stalled so that the next cancels cut at once for a while.
         let Some(x) = self.inflight.mark_cancelled(xfer) else { return };
         let (peer, id) = (&x.peer, x.core.id);
         if x.core.op == super::Op::Write && !peer.stalled() {

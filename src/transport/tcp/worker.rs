@@ -73,6 +73,11 @@ impl Slot {
 }
 
 impl SlotState {
+    /// Whether the worker is sending a chunk of `xfer` (inside it and not
+    /// still reconnecting).
+    fn sending(&self, xfer: XferId) -> bool {
+        self.busy == Some(xfer.0) && !self.dialing
+    }
     /// Mark the connection cut by a cancel and shut it down (waking the
     /// worker blocked on it).
     fn cut(&mut self) {
@@ -107,6 +112,7 @@ impl PeerShared {
     pub(super) fn set_stalled(&self, stalled: bool) {
         *self.stalled.lock().unwrap_or_else(|p| p.into_inner()) = stalled.then(std::time::Instant::now);
     }
+
     /// Mark the peer dead for `why` and shut every connection down, which
     /// wakes the workers blocked on them.
     pub(super) fn kill(&self, why: TransferFailure) {
@@ -140,10 +146,7 @@ impl PeerShared {
     /// Whether a worker is inside a chunk of transfer `xfer` that may have
     /// sent payload (not one still opening its connection again).
     pub(super) fn busy_with(&self, xfer: XferId) -> bool {
-        self.slots.iter().any(|slot| {
-            let st = slot.state();
-            st.busy == Some(xfer.0) && !st.dialing
-        })
+        self.slots.iter().any(|slot| slot.state().sending(xfer))
     }
 
     /// Whether a worker is inside a chunk of transfer `xfer` at all
@@ -160,7 +163,7 @@ impl PeerShared {
         let mut sum = 0u64;
         for slot in &self.slots {
             let st = slot.state();
-            if st.busy != Some(xfer.0) || st.dialing {
+            if !st.sending(xfer) {
                 continue;
             }
             // SAFETY: an all-zero `tcp_info` is a valid value of this plain
@@ -399,7 +402,8 @@ impl Conn {
             Op::Write => {
                 // SAFETY: the engine checked every local range against a live
                 // registration and keeps it registered until this transfer is
-                // terminal or cancelled; cancel waits while a worker is inside this chunk.
+                // terminal or cancelled; cancel waits while a worker is
+                // inside this chunk.
                 unsafe { tio::write_ranges(&self.sock, &self.head, &self.ranges, None)? };
                 self.response(id)?;
             }
@@ -482,16 +486,15 @@ pub(super) fn run(sock: TcpStream, index: usize, peer: Arc<PeerShared>, jobs: Re
         // The worker stays inside the transfer meanwhile: a cancel waits for
         // it, so no notification leaves after cancel returned.
         if x.core.chunk_done() {
-            finish(&job, &mut conn, index, &peer, &done);
+            finish(x, &mut conn, index, &peer, &done);
         }
         lost |= peer.leave(index);
     }
 }
 
-/// Report transfer `job.xfer`'s completion after its last chunk, sending its
+/// Report transfer `x`'s completion after its last chunk, sending its
 /// notification first on `conn` (connection `index` of `peer`).
-fn finish(job: &Job, conn: &mut Conn, index: usize, peer: &PeerShared, done: &Sender<Completion>) {
-    let x = &job.xfer;
+fn finish(x: &XferShared, conn: &mut Conn, index: usize, peer: &PeerShared, done: &Sender<Completion>) {
     x.core.complete(done, || {
         let Some(payload) = &x.core.notification else { return Ok(()) };
         if peer.dead.load(Ordering::Acquire) {
