@@ -6,20 +6,29 @@ the list of registered buffers) to a peer that names the session
 kvwire's own wire, not Mooncake's: a real Mooncake engine cannot talk to it.
 
 Frames are a 4-byte big-endian length and a payload. On accept the server
-sends ``CHALLENGE`` = ``b"MCKV1" + nonce(16)``. The asker answers with one
-frame ``cmd(1) + proof(32) + body``:
+sends ``CHALLENGE`` = ``b"MCKV2" + nonce(16)``. The asker answers with one
+frame ``cmd(1) + proof(32) + asker_nonce(16)``:
 
 - ``P`` (probe): answered ``b"+ok"``; needs no proof (it reveals nothing).
-- ``M`` (describe): answered ``b"+" + JSON`` with the description, or
-  ``b"-" + reason``. The description carries the agent metadata, and the
-  metadata carries the secret that lets a peer connect to the transport
-  (docs/SECURITY.md), so it is handed out only to
+- ``M`` (describe): answered ``b"+" + seal(32) + JSON`` with the
+  description, or ``b"-" + reason``. The description carries the agent
+  metadata, and the metadata carries the secret that lets a peer connect to
+  the transport (docs/SECURITY.md), so it is handed out only to
 
   * an asker that proves it holds the deployment token
     (``KVWIRE_MOONCAKE_TOKEN``, the same string on every host):
     ``proof = HMAC-SHA256(token, nonce + cmd)``; or
   * without a token, a *local* asker: its TCP socket is in this network
     namespace's ``/proc/net/tcp{,6}`` and is owned by this process's uid.
+
+  The asker, in turn, takes a description only from a server it trusts
+  the same way, since it will write KV data to (or read it from) whatever
+  the description names: ``seal = HMAC-SHA256(token, b"R" + asker_nonce +
+  nonce + JSON)`` proves the token (32 zero bytes without one), or else
+  the server's end of the connection must be owned by the asker's uid in
+  this network namespace (looked up while the connection is open). So a
+  process of another user that binds a dead peer's rpc port, or a host
+  without the token, cannot pose as a session (``RpcUntrusted``).
 
 Everything a peer sends is bounded (a request frame by ``MAX_REQUEST``, a
 reply by ``MAX_FRAME``) and every socket has a timeout. At most
@@ -41,7 +50,9 @@ from kvwire import _net
 
 logger = logging.getLogger("mooncake.kvwire")
 
-MAGIC = b"MCKV1"
+MAGIC = b"MCKV2"
+#: Bytes of each side's nonce.
+NONCE_BYTES = 16
 MAX_FRAME = 64 << 20
 #: Largest request the server reads (bytes): cmd(1) + proof(32); the rest is slack.
 MAX_REQUEST = 1024
@@ -53,6 +64,12 @@ TOKEN_ENV = "KVWIRE_MOONCAKE_TOKEN"
 
 class RpcRefused(Exception):
     """The peer answered, but refused to describe itself (reason in args)."""
+
+
+class RpcUntrusted(Exception):
+    """The server described itself, but is neither a process of this uid
+    in this network namespace nor a holder of the token (reason in args):
+    its description is not used."""
 
 
 def _token():
@@ -71,6 +88,13 @@ def _proof(token, nonce, cmd):
     if token is None:
         return b"\0" * _net.PROOF_BYTES
     return _net.proof(token, nonce, cmd)
+
+
+def _seal(token, asker_nonce, nonce, body):
+    """The server's proof over its answer to one asker (zeros without a token)."""
+    if token is None:
+        return b"\0" * _net.PROOF_BYTES
+    return _net.proof(token, b"R" + asker_nonce + nonce, body)
 
 
 # -- the local-asker rule ------------------------------------------------
@@ -131,14 +155,16 @@ class RpcServer:
     def _handle(self, conn):
         try:
             conn.settimeout(IO_TIMEOUT_S)
-            nonce = os.urandom(16)
+            nonce = os.urandom(NONCE_BYTES)
             send_frame(conn, MAGIC + nonce)
             frame = _net.recv_frame(conn, MAX_REQUEST)
             if len(frame) < 33:
                 return
-            cmd, proof = frame[:1], frame[1:33]
+            cmd, proof, asker_nonce = frame[:1], frame[1:33], frame[33:33 + NONCE_BYTES]
             if cmd == b"P":
                 send_frame(conn, b"+ok")
+            elif cmd == b"M" and len(asker_nonce) != NONCE_BYTES:
+                send_frame(conn, b"-an asker nonce is required (an older kvwire?)")
             elif cmd == b"M":
                 token = self._token
                 if token is not None:
@@ -149,7 +175,8 @@ class RpcServer:
                     why = (f"asker {conn.getpeername()[0]} is not a local process of this user; "
                            f"set the same {TOKEN_ENV} on every host to serve remote peers")
                 if ok:
-                    send_frame(conn, b"+" + self._describe())
+                    body = self._describe()
+                    send_frame(conn, b"+" + _seal(token, asker_nonce, nonce, body) + body)
                 else:
                     logger.warning("mooncake rpc: refused to describe this engine: %s", why)
                     send_frame(conn, b"-" + why.encode())
@@ -195,30 +222,52 @@ class _Within:
 
 def _ask(host, port, cmd, timeout):
     """One exchange with the rpc port at `host:port`, `timeout` seconds in
-    all (connect, challenge, request, answer)."""
+    all (connect, challenge, request, answer). Returns (reply, whether the
+    server's end is a socket of this uid in this network namespace, the
+    server's nonce, this asker's nonce)."""
     deadline = time.monotonic() + timeout
     with socket.create_connection((host, port), timeout=timeout) as raw:
         s = _Within(raw, deadline)
         hello = recv_frame(s)
-        if not hello.startswith(MAGIC) or len(hello) != len(MAGIC) + 16:
-            raise ConnectionError(f"{host}:{port} is not a kvwire Mooncake rpc port")
+        if not hello.startswith(MAGIC) or len(hello) != len(MAGIC) + NONCE_BYTES:
+            raise ConnectionError(f"{host}:{port} is not a kvwire Mooncake rpc port (of this version)")
         nonce = hello[len(MAGIC):]
-        send_frame(s, cmd + _proof(_token() if cmd == b"M" else None, nonce, cmd))
-        return recv_frame(s)
+        ours = False
+        if cmd == b"M":
+            # the server's end: local address = what we dialled, remote = us
+            # (read while the connection is open; it is gone once closed)
+            try:
+                ours = _net.tcp_peer_uid(raw.getpeername(), raw.getsockname()) == os.getuid()
+            except OSError:
+                ours = False
+        mine = os.urandom(NONCE_BYTES)
+        send_frame(s, cmd + _proof(_token() if cmd == b"M" else None, nonce, cmd) + mine)
+        return recv_frame(s), ours, nonce, mine
 
 
 def describe(host, port, timeout=IO_TIMEOUT_S):
     """The peer's description (a dict). Raises OSError/ConnectionError when
-    it cannot be reached, RpcRefused when it refused."""
-    reply = _ask(host, port, b"M", timeout)
+    it cannot be reached, RpcRefused when it refused, RpcUntrusted when the
+    server proved neither the token nor that it runs under this uid here,
+    ValueError when the answer is not a JSON object."""
+    reply, ours, nonce, mine = _ask(host, port, b"M", timeout)
     if reply[:1] != b"+":
         raise RpcRefused(reply[1:].decode(errors="replace"))
-    return json.loads(reply[1:])
+    seal, body = reply[1:1 + _net.PROOF_BYTES], reply[1 + _net.PROOF_BYTES:]
+    token = _token()
+    sealed = token is not None and hmac.compare_digest(seal, _seal(token, mine, nonce, body))
+    if not (sealed or ours):
+        raise RpcUntrusted(f"{host}:{port} is not a local process of this user and did not prove "
+                           f"{TOKEN_ENV}" + ("" if token is not None else " (none is set here)"))
+    desc = json.loads(body)
+    if not isinstance(desc, dict):
+        raise ValueError(f"{host}:{port}: a description must be a JSON object")
+    return desc
 
 
 def probe(host, port, timeout=IO_TIMEOUT_S):
     """True when the peer's rpc port answers a probe."""
     try:
-        return _ask(host, port, b"P", timeout) == b"+ok"
+        return _ask(host, port, b"P", timeout)[0] == b"+ok"
     except (OSError, ValueError, ConnectionError):
         return False

@@ -347,6 +347,22 @@ class _Session:
         self.md = desc.get("md")
 
 
+def _checked(desc):
+    """A peer's description (`_rpc.describe`) checked field by field before
+    anything uses it; returns its agent metadata (bytes). ValueError or
+    TypeError names the first bad field."""
+    for key in ("agent", "instance", "transport", "md"):
+        if not isinstance(desc.get(key), str) or not desc[key]:
+            raise ValueError(f"{key!r} must be a non-empty string")
+    bufs = desc.get("buffers")
+    if not isinstance(bufs, list):
+        raise ValueError("'buffers' must be a list of [address, length]")
+    for b in bufs:
+        if not (isinstance(b, list) and len(b) == 2 and all(type(v) is int and 0 <= v < 1 << 64 for v in b)):
+            raise ValueError(f"'buffers' entry {str(b)[:64]} is not [address, length] (u64)")
+    return base64.b64decode(desc["md"], validate=True)
+
+
 class _Refused(Exception):
     """_submit: the backend refused the post (args: the _Session, why)."""
 
@@ -764,8 +780,8 @@ class TransferEngine:
         if self._etcd is not None:
             try:
                 ep = self._etcd.get(name)
-            except OSError as e:
-                logger.error("session %s: %s", name, e)
+            except (OSError, ValueError, KeyError, TypeError, IndexError) as e:  # unreachable, or a bad record
+                logger.error("session %s: etcd: %s", name, e)
                 return None
             if ep is None:
                 logger.error("session %s: not in etcd", name)
@@ -801,10 +817,18 @@ class TransferEngine:
         except _rpc.RpcRefused as e:
             logger.error("session %s refused to describe itself: %s", name, e)
             return None
+        except _rpc.RpcUntrusted as e:
+            logger.error("session %s: not using its description: %s", name, e)
+            return None
         except (OSError, ValueError, ConnectionError) as e:
             logger.error("session %s unreachable: %s", name, e)
             if drop:
                 self._drop(name)
+            return None
+        try:
+            md = _checked(desc)
+        except (ValueError, TypeError) as e:
+            logger.error("session %s sent a malformed description: %s", name, e)
             return None
         if desc.get("transport") != self._transport:
             logger.error("session %s uses kvwire %s, this engine %s (see the transport rule in "
@@ -819,7 +843,7 @@ class TransferEngine:
                     self._forget(old.agent)  # a restarted peer: new secret, new regions
                 elif old is None and core.is_loaded(new.agent):
                     self._forget(new.agent)  # loaded by an earlier, dropped session
-                core.load(base64.b64decode(desc["md"]))
+                core.load(md)
             except NixlCoreError as e:
                 logger.error("session %s: loading its metadata failed: %s", name, e.args[-1])
                 self._sessions.pop(name, None)

@@ -1053,3 +1053,146 @@ def test_rpc_refuses_another_local_user(transport):
     assert out.stdout.startswith("refused"), out.stdout + out.stderr
     assert "not a local process of this user" in out.stdout
     e.close()
+
+
+# -- the asker takes a description only from a trusted server ---------------
+
+def _fake_rpc_server(answer):
+    """A raw MCKV2 rpc port that answers every describe with `answer`
+    (bytes after the "+", i.e. seal + JSON); returns (port, close)."""
+    import threading
+
+    ls = socket.create_server(("127.0.0.1", 0))
+
+    def serve():
+        while True:
+            try:
+                c, _ = ls.accept()
+            except OSError:
+                return
+            with c:
+                try:
+                    _rpc.send_frame(c, _rpc.MAGIC + os.urandom(_rpc.NONCE_BYTES))
+                    _rpc.recv_frame(c)
+                    _rpc.send_frame(c, b"+" + answer)
+                except OSError:
+                    pass
+
+    threading.Thread(target=serve, daemon=True).start()
+    return ls.getsockname()[1], ls.close
+
+
+def test_describe_checks_the_servers_seal_or_uid(transport, monkeypatch):
+    e = TransferEngine()
+    assert e.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0
+    real = e._describe()
+    port, close = _fake_rpc_server(b"\0" * 32 + real)
+    try:
+        # a server of this uid here: trusted without a token (its seal is zeros)
+        assert _rpc.describe("127.0.0.1", port)["agent"] == e.session_id
+        # the same answer from a server that is not ours (the uid lookup
+        # finds another owner, or none: another host) is refused
+        monkeypatch.setattr(_rpc._net, "tcp_peer_uid", lambda *a: None)
+        with pytest.raises(_rpc.RpcUntrusted, match="not a local process of this user"):
+            _rpc.describe("127.0.0.1", port)
+        monkeypatch.setattr(_rpc._net, "tcp_peer_uid", lambda *a: os.getuid() + 1)
+        with pytest.raises(_rpc.RpcUntrusted):
+            _rpc.describe("127.0.0.1", port)
+        # with a token, a zero (or any forged) seal is refused too ...
+        monkeypatch.setenv("KVWIRE_MOONCAKE_TOKEN", "s3cret")
+        with pytest.raises(_rpc.RpcUntrusted, match="did not prove KVWIRE_MOONCAKE_TOKEN"):
+            _rpc.describe("127.0.0.1", port)
+        # ... and a real engine that holds the token proves it: served and trusted
+        t = TransferEngine()
+        assert t.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0
+        assert _rpc.describe("127.0.0.1", t.get_rpc_port())["agent"] == t.session_id
+        # the transfer path: an untrusted server's session is a code, not an exception
+        x = reg(e, PAGE, fill=3)
+        assert e.transfer_sync_write(f"127.0.0.1:{port}", x.ctypes.data, 4096, PAGE) == -1
+        t.close()
+    finally:
+        close()
+        e.close()
+
+
+@pytest.mark.parametrize("answer", [
+    b"[]", b"not json", b'{"agent": 1}', b'{"agent": "x", "instance": "i", "transport": "%s", "buffers": [[1]],'
+    b' "md": "AAAA"}', b'{"agent": "x", "instance": "i", "transport": "%s", "buffers": [], "md": "!!"}',
+    b'{"agent": "x", "instance": "i", "transport": "%s", "buffers": [[1, -2]], "md": "AAAA"}',
+    b'{"agent": "x", "instance": "i", "transport": "%s", "buffers": [], "md": "AAAA"}',
+])
+def test_malformed_descriptions_are_codes(transport, answer):
+    # a same-uid server (trusted) whose description is malformed: every
+    # call that opens the session returns Mooncake's code, none raises
+    answer = answer.replace(b"%s", transport.encode())
+    e = TransferEngine()
+    assert e.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0
+    port, close = _fake_rpc_server(b"\0" * 32 + answer)
+    try:
+        x = reg(e, PAGE, fill=4)
+        session = f"127.0.0.1:{port}"
+        assert e.transfer_sync_write(session, x.ctypes.data, 4096, PAGE) == -1
+        assert e.batch_transfer_sync_read(session, [x.ctypes.data], [4096], [PAGE]) == -1
+        assert e.transfer_submit_write(session, x.ctypes.data, 4096, PAGE) == 0
+        assert e.get_first_buffer_address(session) == 0
+        assert (x == np.frombuffer(np.random.default_rng(4).bytes(PAGE), dtype=np.uint8)).all()
+    finally:
+        close()
+        e.close()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to serve as another uid")
+def test_another_user_on_a_dead_peers_rpc_port_is_not_a_session(monkeypatch):
+    # b dies; a process of another user runs an engine of its own and
+    # answers on b's rpc port with that engine's description. a must not
+    # take it: no address of the impostor's, and a write to its buffer is
+    # -1 with not a byte landing there (before the asker checked the
+    # server, the write landed). tcp: on shm the kernel already refuses
+    # cross-memory attach to another uid.
+    monkeypatch.setenv("KVWIRE_MOONCAKE_TRANSPORT", "tcp")
+    monkeypatch.delenv("KVWIRE_MOONCAKE_TOKEN", raising=False)
+    monkeypatch.setenv("MC_TRANSFER_TIMEOUT", "5")
+    a, b = TransferEngine(), TransferEngine()
+    for e in (a, b):
+        assert e.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0
+    src, dst = reg(a, PAGE, fill=5), reg(b, PAGE)
+    assert a.transfer_sync_write(b.session_id, src.ctypes.data, dst.ctypes.data, PAGE) == 0
+    port, session = b.get_rpc_port(), b.session_id
+    b.close()
+    a._drop(session)  # a forgets b, as after b's death
+    code = ("import os, sys, time, socket, struct; sys.path[:0] = %r\n"
+            "import numpy as np\n"
+            "from mooncake.engine import TransferEngine\n"
+            "e = TransferEngine(); assert e.initialize('127.0.0.1', 'P2PHANDSHAKE', 'tcp', '') == 0\n"
+            "buf = np.zeros(%d, dtype=np.uint8); assert e.register_memory(buf.ctypes.data, buf.nbytes) == 0\n"
+            "os.setgid(65534); os.setuid(65534)\n"
+            "s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)\n"
+            "s.bind(('0.0.0.0', %d)); s.listen(8)\n"
+            "print(buf.ctypes.data, flush=True)\n"
+            "def frame(c, b): c.sendall(struct.pack('>I', len(b)) + b)\n"
+            "def serve():\n"
+            "    while True:\n"
+            "        c, _ = s.accept()\n"
+            "        try:\n"
+            "            frame(c, %r + os.urandom(16)); c.recv(4096)\n"
+            "            frame(c, b'+' + bytes(32) + e._describe())\n"
+            "        except OSError:\n"
+            "            pass\n"
+            "        c.close()\n"
+            "import threading; threading.Thread(target=serve, daemon=True).start()\n"
+            "sys.stdin.readline(); print(int(buf.any()), flush=True)\n") % (sys.path, PAGE, port, _rpc.MAGIC)
+    imp = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        imp_addr = int(imp.stdout.readline())
+        with pytest.raises(_rpc.RpcUntrusted):
+            _rpc.describe("127.0.0.1", port)
+        assert a.get_first_buffer_address(session) == 0
+        assert a.transfer_sync_write(session, src.ctypes.data, imp_addr, PAGE) == -1
+        assert a.batch_transfer_sync_write(session, [src.ctypes.data], [imp_addr], [PAGE]) == -1
+        imp.stdin.write("\n")
+        imp.stdin.flush()
+        assert imp.stdout.readline().strip() == "0", "a byte reached the impostor's buffer"
+    finally:
+        imp.kill()
+        imp.wait()
+        a.close()
