@@ -25,7 +25,16 @@ refused (no answer; the connection is closed). Who is served:
 - on any other address without a token: nobody.
 
 So the listener never hands the metadata (or takes metadata) to a caller it
-did not authenticate. At most `MAX_PREAUTH` (64) connections that have not
+did not authenticate. The caller authenticates the listener in turn, before it
+sends anything (a SEND carries the caller's own metadata and secret; a FETCH
+answer names where its KV will go): after the listener's nonce it sends a
+16-byte nonce of its own and the listener answers HMAC-SHA256(token, "L" ||
+caller nonce || listener nonce). The caller goes on only when that proves
+its token (a non-empty one) or the listener's end of the connection is a
+socket of the caller's own effective uid in this network namespace; else
+it stops with `ListenerUntrusted` (logged). So another user that binds a
+port where a peer's listener was (or will be) gets no metadata and hands
+out none. At most `MAX_PREAUTH` (64) connections that have not
 been authenticated yet are kept open at once, each served by its own thread
 (a silent caller holds only its own thread, for at most 5 s); a new one
 closes the oldest. The accept loop survives EMFILE, ENFILE, ENOMEM,
@@ -80,6 +89,11 @@ _PER_CONNECTION_ERRNOS = {
 }
 
 
+class ListenerUntrusted(ConnectionError):
+    """The listener proved neither the caller's token nor that it runs under
+    the caller's uid here: nothing was sent to it, nothing taken from it."""
+
+
 def listen_token() -> bytes:
     """The shared token (`KVWIRE_NIXL_LISTEN_TOKEN`), empty when unset."""
     return os.environ.get("KVWIRE_NIXL_LISTEN_TOKEN", "").encode()
@@ -88,10 +102,32 @@ def listen_token() -> bytes:
 _mac = _net.proof
 
 
+def _seal(token: bytes, caller_nonce: bytes, nonce: bytes) -> bytes:
+    """The listener's proof to one caller (see the module docs)."""
+    return _mac(token, b"L" + caller_nonce, nonce)
+
+
 def _request(s, payload: bytes) -> None:
-    """Answer the listener's nonce and send `payload` with its MAC."""
+    """Authenticate the listener on `s`, then send `payload` with its MAC
+    over the listener's nonce. Raises `ListenerUntrusted` (sending nothing)."""
     nonce = _recv_exact(s, NONCE_BYTES)
-    _send(s, _mac(listen_token(), nonce, payload) + payload)
+    # the listener's end: local address = what we dialled, remote = us;
+    # looked up now, while it is open
+    try:
+        ours = _net.tcp_peer_uid(s.getpeername(), s.getsockname()) == os.geteuid()
+    except OSError:
+        ours = False
+    mine = os.urandom(NONCE_BYTES)
+    s.sendall(mine)
+    seal = _recv_exact(s, MAC_BYTES)
+    token = listen_token()
+    if not ((token and hmac.compare_digest(seal, _seal(token, mine, nonce))) or ours):
+        peer = s.getpeername()
+        raise ListenerUntrusted(
+            f"listener {peer[0]}:{peer[1]} is not a process of this user and did not prove "
+            f"KVWIRE_NIXL_LISTEN_TOKEN{'' if token else ' (none is set here)'}: nothing sent to it"
+        )
+    _send(s, _mac(token, nonce, payload) + payload)
 
 
 def send_frame(ip: str, port: int, payload: bytes, timeout: float = 5.0) -> None:
@@ -213,6 +249,8 @@ class MetadataListener:
                     )
             nonce = os.urandom(NONCE_BYTES)
             conn.sendall(nonce)
+            # prove ourselves to the caller (module docs) before it sends
+            conn.sendall(_seal(self._token, _recv_exact(conn, NONCE_BYTES), nonce))
             framed = recv_frame(conn)
             mac, frame = framed[:MAC_BYTES], framed[MAC_BYTES:]
             if not (self._open and uid_ok and hmac.compare_digest(mac, _mac(self._token, nonce, frame))):

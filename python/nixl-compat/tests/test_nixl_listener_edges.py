@@ -31,6 +31,8 @@ class FakeAgent:
 def fetch(port, name=b"target", mac=None):
     with socket.create_connection(("127.0.0.1", port), timeout=5.0) as s:
         nonce = L._recv_exact(s, L.NONCE_BYTES)
+        s.sendall(b"c" * L.NONCE_BYTES)  # the caller's nonce ...
+        L._recv_exact(s, L.MAC_BYTES)  # ... and the listener's seal over it (checked by L._request, not here)
         frame = b"F" + name
         if mac is None:
             mac = L._mac(L.listen_token(), nonce, frame)
@@ -202,3 +204,130 @@ def test_silent_connections_are_capped_and_do_not_block_a_fetch(monkeypatch):
         for s in silent:
             s.close()
         lst.close()
+
+
+# -- the caller authenticates the listener before it sends anything ---------
+
+def fake_listener(seal=b"\0" * 32):
+    """A raw listener of this process that answers the handshake with `seal`
+    and records every byte a caller sends; returns (port, got, close)."""
+    import threading
+
+    ls = socket.create_server(("127.0.0.1", 0))
+    got = []
+
+    def serve():
+        while True:
+            try:
+                c, _ = ls.accept()
+            except OSError:
+                return
+            with c:
+                c.settimeout(2.0)
+                try:
+                    c.sendall(os.urandom(L.NONCE_BYTES))
+                    data = L._recv_exact(c, L.NONCE_BYTES)
+                    c.sendall(seal)
+                    while True:
+                        chunk = c.recv(65536)
+                        if not chunk:
+                            break
+                        data += chunk
+                except OSError:
+                    pass
+                got.append(data)
+
+    threading.Thread(target=serve, daemon=True).start()
+    return ls.getsockname()[1], got, ls.close
+
+
+def test_caller_sends_nothing_to_an_untrusted_listener(monkeypatch):
+    import pytest
+
+    monkeypatch.delenv("KVWIRE_NIXL_LISTEN_TOKEN", raising=False)
+    port, got, close = fake_listener()
+    try:
+        # a listener of this uid here: trusted without a token
+        L.send_frame("127.0.0.1", port, b"S" + b"METADATA-WITH-SECRET")
+        time.sleep(0.2)
+        assert got and b"METADATA-WITH-SECRET" in got[-1]
+        # the same listener seen as another user's (or another host's): nothing sent
+        monkeypatch.setattr(L._net, "tcp_peer_uid", lambda *a: None)
+        with pytest.raises(L.ListenerUntrusted, match="nothing sent"):
+            L.send_frame("127.0.0.1", port, b"S" + b"METADATA-WITH-SECRET")
+        time.sleep(0.2)
+        assert len(got[-1]) == L.NONCE_BYTES, "only the caller's nonce went out"
+        # with a token, a forged (zero) seal is refused too ...
+        monkeypatch.setenv("KVWIRE_NIXL_LISTEN_TOKEN", "s3cret")
+        with pytest.raises(L.ListenerUntrusted):
+            L.send_frame("127.0.0.1", port, b"S" + b"METADATA-WITH-SECRET")
+        # ... and a real listener holding it proves it, whoever owns it
+        agent = FakeAgent()
+        lst = L.MetadataListener(agent, 0)
+        try:
+            L.send_frame("127.0.0.1", lst.port, b"S" + b"PEER-MD")
+            deadline = time.monotonic() + 5
+            while not agent.loaded and time.monotonic() < deadline:
+                time.sleep(0.02)
+            assert agent.loaded == [b"PEER-MD"]
+        finally:
+            lst.close()
+    finally:
+        close()
+
+
+def test_another_user_on_a_listener_port_gets_no_metadata_and_gives_none(monkeypatch, tmp_path):
+    import pytest
+
+    if os.geteuid() != 0:
+        pytest.skip("needs root to run a listener under another uid (CI runs these tests as root)")
+    monkeypatch.delenv("KVWIRE_NIXL_LISTEN_TOKEN", raising=False)
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the impostor: a raw listener under uid 65534 (no kvwire code needed)
+        code = 3
+        try:
+            os.close(r)
+            os.setgroups([])
+            os.setgid(NOBODY)
+            os.setuid(NOBODY)
+            ls = socket.create_server(("127.0.0.1", 0))
+            os.write(w, struct.pack(">H", ls.getsockname()[1]))
+            leaked = False
+            ls.settimeout(10)
+            for _ in range(2):
+                c, _ = ls.accept()
+                with c:
+                    c.settimeout(2.0)
+                    c.sendall(os.urandom(L.NONCE_BYTES))
+                    data = b""
+                    try:
+                        data = c.recv(L.NONCE_BYTES)
+                        c.sendall(b"\0" * L.MAC_BYTES)
+                        while True:
+                            chunk = c.recv(65536)
+                            if not chunk:
+                                break
+                            data += chunk
+                    except OSError:
+                        pass
+                    leaked |= b"SECRET" in data
+                    if c.fileno() >= 0:
+                        try:  # answer a FETCH with metadata of its own choosing
+                            L._send(c, b"IMPOSTOR-MD")
+                        except OSError:
+                            pass
+            code = 1 if leaked else 0
+        finally:
+            os._exit(code)
+    os.close(w)
+    (port,) = struct.unpack(">H", os.read(r, 2))
+    os.close(r)
+    agent = FakeAgent()
+    with pytest.raises(L.ListenerUntrusted):
+        L.send_frame("127.0.0.1", port, b"S" + b"METADATA-WITH-SECRET")
+    L.fetch_metadata(agent, "target", "127.0.0.1", port)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0, "the metadata (and its secret) reached uid 65534"
+    time.sleep(0.2)
+    assert agent.loaded == [], "metadata from uid 65534 was loaded"
