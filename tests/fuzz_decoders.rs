@@ -231,7 +231,10 @@ fn a_live_tcp_target_survives_mutated_frames() {
         s.write_all(&h.encode()).unwrap();
         s.write_all(b"fuzz").unwrap();
         s.write_all(&auth::prove(&info.secret, &n, &wire::proof_context(b"fuzz"))).unwrap();
+        s.write_all(&[0u8; auth::NONCE_BYTES]).unwrap();
         s.read_exact(&mut b).unwrap();
+        let ack = wire::Header::decode(&b).unwrap();
+        s.read_exact(&mut vec![0u8; ack.body_bytes()]).unwrap();
         s.set_read_timeout(Some(Duration::from_millis(50))).unwrap();
         s
     };

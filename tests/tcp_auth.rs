@@ -140,3 +140,89 @@ fn every_transport_draws_its_own_secret() {
     let b = TcpConnectionInfo::decode(&TcpTransport::new("b", &cfg(1000)).unwrap().connection_info()).unwrap();
     assert_ne!(a.secret, b.secret);
 }
+
+/// A process on the target's address (the target died; another user bound
+/// its port) that speaks the wire: it answers every hello with an ack whose
+/// proof is `ack(the real target's secret, name, target nonce, initiator
+/// nonce)` (an impostor cannot use the first argument; the control does),
+/// then counts the bytes the initiator still sends. Returns (connect's
+/// result, bytes received after the acks).
+fn fake_on_the_targets_address(
+    ack: impl Fn(&AgentSecret, &[u8], &auth::Nonce, &auth::Nonce) -> [u8; auth::PROOF_BYTES] + Send + 'static,
+) -> (Result<(), TransportError>, usize) {
+    let (t, _buf, _rkey, info) = target();
+    let real = TcpConnectionInfo::decode(&info).unwrap();
+    drop(t); // the target is gone; its port is free
+    let l = std::net::TcpListener::bind(&real.addr).unwrap();
+    l.set_nonblocking(true).unwrap();
+    let fake = std::thread::spawn(move || {
+        let mut after = 0usize;
+        let until = std::time::Instant::now() + Duration::from_secs(3);
+        while std::time::Instant::now() < until {
+            let Ok((mut s, _)) = l.accept() else {
+                std::thread::sleep(Duration::from_millis(10));
+                continue;
+            };
+            s.set_nonblocking(false).unwrap();
+            s.set_read_timeout(Some(Duration::from_secs(1))).unwrap();
+            let nonce = auth::Nonce::random().unwrap();
+            let ch =
+                wire::Header { kind: wire::Kind::Challenge, count: wire::NONCE_BYTES, id: wire::MAGIC_VERSION, len: 0 };
+            let _ = s.write_all(&ch.encode());
+            let _ = s.write_all(&nonce.0);
+            let mut b = [0u8; wire::HEADER_BYTES];
+            if s.read_exact(&mut b).is_err() {
+                continue;
+            }
+            let h = wire::Header::decode(&b).unwrap();
+            let mut body = vec![0u8; h.body_bytes()];
+            s.read_exact(&mut body).unwrap();
+            let mut theirs = auth::Nonce([0; auth::NONCE_BYTES]);
+            theirs.0.copy_from_slice(&body[body.len() - auth::NONCE_BYTES..]);
+            let a = wire::Header {
+                kind: wire::Kind::HelloAck,
+                count: wire::PROOF_BYTES as u32,
+                id: wire::MAGIC_VERSION,
+                len: 0,
+            };
+            let _ = s.write_all(&a.encode());
+            let _ = s.write_all(&ack(&real.secret, &body[..h.count as usize], &nonce, &theirs));
+            after += rest(&mut s).len();
+        }
+        after
+    });
+    let mut init = TcpTransport::new("init", &cfg(1000)).unwrap();
+    let r = init.connect("target", &info, &[]).map(|_| ());
+    drop(init);
+    (r, fake.join().unwrap())
+}
+
+#[test]
+fn an_impostor_on_the_targets_address_is_refused_before_any_request() {
+    // Without the target's secret the impostor can only guess the ack's
+    // proof (zeros) or prove another secret: connect fails naming it, and
+    // not a byte follows the hello.
+    let other = AgentSecret::random().unwrap();
+    for case in 0..2 {
+        let other = other.clone();
+        let (r, after) = fake_on_the_targets_address(move |_real, name, nonce, theirs| match case {
+            0 => [0u8; auth::PROOF_BYTES],
+            _ => auth::prove(&other, theirs, &wire::ack_context(name, nonce)),
+        });
+        match r {
+            Err(TransportError::Connect { reason, .. }) => assert!(reason.contains("Impostor"), "{reason}"),
+            other => panic!("case {case}: connect to an impostor must fail, got {other:?}"),
+        }
+        assert_eq!(after, 0, "case {case}: the initiator sent {after} bytes to the impostor");
+    }
+}
+
+#[test]
+fn the_fake_target_holding_the_secret_is_accepted() {
+    // The control: the same fake proving the real secret connects, so the
+    // refusals above are the ack's proof check, not a broken fake.
+    let (r, _) = fake_on_the_targets_address(|real, name, nonce, theirs| {
+        auth::prove(real, theirs, &wire::ack_context(name, nonce))
+    });
+    r.expect("a fake holding the secret is accepted");
+}

@@ -198,6 +198,7 @@ fn silent_peer() -> (Vec<u8>, std::thread::JoinHandle<()>) {
     let l = TcpListener::bind("127.0.0.1:0").unwrap();
     let addr = l.local_addr().unwrap().to_string();
     let info = postcard_info(&addr);
+    let secret = TcpConnectionInfo::decode(&info).unwrap().secret;
     let h = std::thread::spawn(move || {
         let mut held = Vec::new();
         for _ in 0..2 {
@@ -209,10 +210,21 @@ fn silent_peer() -> (Vec<u8>, std::thread::JoinHandle<()>) {
             let mut hdr = [0u8; wire::HEADER_BYTES];
             s.read_exact(&mut hdr).unwrap();
             let h = wire::Header::decode(&hdr).unwrap();
-            let mut name = vec![0u8; h.body_bytes()];
-            s.read_exact(&mut name).unwrap();
-            let ack = wire::Header { kind: wire::Kind::HelloAck, count: 0, id: wire::MAGIC_VERSION, len: 0 };
+            let mut body = vec![0u8; h.body_bytes()];
+            s.read_exact(&mut body).unwrap();
+            // an honest but silent target: it proves the secret back (wire v3)
+            let name = &body[..h.count as usize];
+            let mut theirs = Nonce([0; auth::NONCE_BYTES]);
+            theirs.0.copy_from_slice(&body[body.len() - auth::NONCE_BYTES..]);
+            let proof = auth::prove(&secret, &theirs, &wire::ack_context(name, &Nonce([0; auth::NONCE_BYTES])));
+            let ack = wire::Header {
+                kind: wire::Kind::HelloAck,
+                count: wire::PROOF_BYTES as u32,
+                id: wire::MAGIC_VERSION,
+                len: 0,
+            };
             s.write_all(&ack.encode()).unwrap();
+            s.write_all(&proof).unwrap();
             held.push(s);
         }
         std::thread::sleep(Duration::from_secs(4));
@@ -269,9 +281,12 @@ fn hostile_frames_are_refused_and_the_target_keeps_serving() {
         s.write_all(&h.encode()).unwrap();
         s.write_all(b"evil").unwrap();
         s.write_all(&auth::prove(&info.secret, &nonce, &wire::proof_context(b"evil"))).unwrap();
+        s.write_all(&[0u8; auth::NONCE_BYTES]).unwrap();
         let mut ack = [0u8; wire::HEADER_BYTES];
         s.read_exact(&mut ack).unwrap();
-        assert_eq!(wire::Header::decode(&ack).unwrap().kind, wire::Kind::HelloAck);
+        let ack = wire::Header::decode(&ack).unwrap();
+        assert_eq!(ack.kind, wire::Kind::HelloAck);
+        s.read_exact(&mut vec![0u8; ack.body_bytes()]).unwrap();
     };
     let frames: Vec<Vec<u8>> = vec![
         vec![0xff; 24],                                                                             // unknown kind

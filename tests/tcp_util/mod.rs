@@ -26,13 +26,35 @@ pub(crate) fn read_challenge(s: &mut TcpStream) -> Nonce {
     n
 }
 
-/// A hello frame for `name` carrying `proof`.
+/// The initiator nonce the raw clients send in their hellos.
+pub(crate) const CLIENT_NONCE: Nonce = Nonce([0x5a; auth::NONCE_BYTES]);
+
+/// A hello frame for `name` carrying `proof` (and [`CLIENT_NONCE`]).
 pub(crate) fn hello_frame(name: &[u8], proof: &[u8]) -> Vec<u8> {
     let h = wire::Header { kind: wire::Kind::Hello, count: name.len() as u32, id: wire::MAGIC_VERSION, len: 0 };
     let mut f = h.encode().to_vec();
     f.extend_from_slice(name);
     f.extend_from_slice(proof);
+    f.extend_from_slice(&CLIENT_NONCE.0);
     f
+}
+
+/// Read the target's answer to a hello: its header, and for a hello ack
+/// the proof it carries (checked here against `secret` and `nonce`, the
+/// target's challenge, as the transport checks it).
+pub(crate) fn read_hello_answer(s: &mut TcpStream, name: &[u8], secret: &AgentSecret, nonce: &Nonce) -> wire::Header {
+    let mut b = [0u8; wire::HEADER_BYTES];
+    s.read_exact(&mut b).unwrap();
+    let h = wire::Header::decode(&b).unwrap();
+    if h.kind == wire::Kind::HelloAck {
+        let mut proof = vec![0u8; h.body_bytes()];
+        s.read_exact(&mut proof).unwrap();
+        assert!(
+            auth::verify(secret, &CLIENT_NONCE, &wire::ack_context(name, nonce), &proof),
+            "the hello ack proves the target's secret"
+        );
+    }
+    h
 }
 
 /// Connect to the target of `info` and authenticate with `secret` (the
@@ -46,9 +68,7 @@ pub(crate) fn raw_client(info: &[u8], name: &str, secret: Option<&AgentSecret>) 
     let secret = secret.unwrap_or(&info.secret);
     let proof = auth::prove(secret, &nonce, &wire::proof_context(name.as_bytes()));
     s.write_all(&hello_frame(name.as_bytes(), &proof)).unwrap();
-    let mut b = [0u8; wire::HEADER_BYTES];
-    s.read_exact(&mut b).unwrap();
-    let h = wire::Header::decode(&b).unwrap();
+    let h = read_hello_answer(&mut s, name.as_bytes(), &info.secret, &nonce);
     (s, h)
 }
 

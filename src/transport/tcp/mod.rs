@@ -400,7 +400,10 @@ impl Dialer {
     }
 
     /// Make `sock` connection `index`: answer the peer's challenge with a
-    /// proof of its secret and wait for its acknowledgement.
+    /// proof of its secret and wait for its acknowledgement, which must
+    /// prove the same secret back over our own nonce (wire v3): a process
+    /// that took over the peer's address (it died, another user bound the
+    /// port) is refused before any request goes to it.
     pub(super) fn handshake(&self, sock: &TcpStream, index: usize) -> std::io::Result<()> {
         let bad = |what: String| std::io::Error::new(std::io::ErrorKind::InvalidData, what);
         let mut b = [0u8; wire::HEADER_BYTES];
@@ -416,6 +419,7 @@ impl Dialer {
         name.push(0);
         name.extend_from_slice(&self.session.to_le_bytes());
         let name = &name[..];
+        let ours = Nonce::random().map_err(std::io::Error::other)?;
         let h = wire::Header {
             kind: wire::Kind::Hello,
             count: name.len() as u32,
@@ -425,10 +429,23 @@ impl Dialer {
         let mut frame = h.encode().to_vec();
         frame.extend_from_slice(name);
         frame.extend_from_slice(&auth::prove(&self.secret, &nonce, &wire::proof_context(name)));
+        frame.extend_from_slice(&ours.0);
         std::io::Write::write_all(&mut &*sock, &frame)?;
         io::read_exact(sock, &mut b)?;
         match wire::Header::decode(&b) {
-            Ok(a) if a.kind == wire::Kind::HelloAck => Ok(()),
+            Ok(a) if a.kind == wire::Kind::HelloAck => {
+                let mut proof = [0u8; wire::PROOF_BYTES];
+                io::read_exact(sock, &mut proof)?;
+                if auth::verify(&self.secret, &ours, &wire::ack_context(name, &nonce), &proof) {
+                    Ok(())
+                } else {
+                    Err(std::io::Error::new(
+                        std::io::ErrorKind::PermissionDenied,
+                        "refused (Impostor): the target did not prove the agent secret of its metadata \
+                         (another process on its address?); nothing was sent to it",
+                    ))
+                }
+            }
             Ok(a) if a.kind == wire::Kind::Resp => {
                 let mut reason = vec![0u8; a.body_bytes()];
                 io::read_exact(sock, &mut reason)?;

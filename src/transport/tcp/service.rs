@@ -307,7 +307,8 @@ fn handshake(
     };
     let mut body = vec![0u8; hello.body_bytes()];
     tio::read_exact_by(sock, &mut body, &deadline)?;
-    let (name, proof) = body.split_at(hello.count as usize);
+    let (name, rest) = body.split_at(hello.count as usize);
+    let (proof, theirs) = rest.split_at(wire::PROOF_BYTES);
     if !auth::verify(&shared.secret, &nonce, &wire::proof_context(name), proof) {
         let claimed = String::from_utf8_lossy(name);
         tracing::warn!("tcp: refused {from} (says it is agent {claimed:?}): wrong proof of the agent secret");
@@ -315,6 +316,11 @@ fn handshake(
         return Ok(None);
     }
     deadline.restore(sock)?;
+    // Our proof back (wire v3), bound to the initiator's nonce, its hello
+    // and our challenge: it shows we hold the secret of the metadata it used.
+    let mut their_nonce = Nonce([0; auth::NONCE_BYTES]);
+    their_nonce.0.copy_from_slice(theirs);
+    let ack_proof = auth::prove(&shared.secret, &their_nonce, &wire::ack_context(name, &nonce));
     let Some((name, session)) = wire::split_session(name) else {
         tracing::warn!("tcp: refused {from}: malformed session in the hello");
         let _ = respond(sock, 0, Status::Protocol, "malformed session in the hello");
@@ -349,8 +355,10 @@ fn handshake(
             c.agent = Some((agent.clone(), session));
         }
     }
-    let ack = Header { kind: Kind::HelloAck, count: 0, id: wire::MAGIC_VERSION, len: 0 };
-    (&*sock).write_all(&ack.encode())?;
+    let ack = Header { kind: Kind::HelloAck, count: wire::PROOF_BYTES as u32, id: wire::MAGIC_VERSION, len: 0 };
+    let mut frame = ack.encode().to_vec();
+    frame.extend_from_slice(&ack_proof);
+    (&*sock).write_all(&frame)?;
     Ok(Some(agent))
 }
 

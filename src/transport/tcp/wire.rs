@@ -1,13 +1,17 @@
 //! The `tcp` wire format: fixed 24-byte little-endian frame headers, then a
-//! bounded body. Version 2.
+//! bounded body. Version 3.
 //!
 //! ```text
 //! header  = kind:u8 flags:u8 reserved:u16 count:u32 id:u64 len:u64   (24 bytes)
 //! CHALLENGE s→c  first frame of every connection: count = NONCE_BYTES, id = MAGIC_VERSION; body: nonce
 //! HELLO     c→s  count = name bytes (1..=255), id = MAGIC_VERSION, len = connection index;
-//!                body: name, then PROOF_BYTES of `auth::prove(target secret, nonce, proof_context(name))`
-//! HELLO_ACK s→c  id = MAGIC_VERSION (the proof was right; anything else is refused
-//!                with RESP status DENIED and the connection closed)
+//!                body: name, then PROOF_BYTES of `auth::prove(target secret, nonce, proof_context(name))`,
+//!                then NONCE_BYTES of the initiator's own nonce
+//! HELLO_ACK s→c  id = MAGIC_VERSION, count = PROOF_BYTES (the proof was right; anything else is
+//!                refused with RESP status DENIED and the connection closed); body: the
+//!                target's proof `auth::prove(target secret, initiator nonce, ack_context(name, nonce))`,
+//!                checked by the initiator before it sends a request: a process that took
+//!                over the target's address without its secret gets no byte of data
 //! WRITE     c→s  count = segments (1..=MAX_SEGMENTS), id = request id, len = data bytes
 //!                body: count × SegmentDesc (20 bytes), then `len` data bytes
 //! READ      c→s  as WRITE without the data
@@ -25,8 +29,9 @@
 
 /// `b"KVWT"` in the high 32 bits, the protocol version in the low 16.
 pub const MAGIC_VERSION: u64 = (0x4B56_5754u64 << 32) | PROTOCOL_VERSION as u64;
-/// Wire protocol version (2: challenge/response authentication, typed statuses).
-pub const PROTOCOL_VERSION: u16 = 2;
+/// Wire protocol version (2: challenge/response authentication, typed
+/// statuses; 3: the target proves the secret back in its hello ack).
+pub const PROTOCOL_VERSION: u16 = 3;
 /// Size of a frame header (bytes).
 pub const HEADER_BYTES: usize = 24;
 /// Size of one segment descriptor on the wire (bytes).
@@ -72,6 +77,16 @@ pub enum Kind {
 pub fn proof_context(name: &[u8]) -> Vec<u8> {
     let mut c = b"tcp/".to_vec();
     c.extend_from_slice(name);
+    c
+}
+
+/// The context of the target's proof in a hello ack: the hello's name
+/// bytes (name, NUL, session) and the target's own challenge nonce, so an
+/// ack answers one hello on one connection.
+pub fn ack_context(name: &[u8], target_nonce: &crate::transport::auth::Nonce) -> Vec<u8> {
+    let mut c = b"tcp-ack/".to_vec();
+    c.extend_from_slice(name);
+    c.extend_from_slice(&target_nonce.0);
     c
 }
 
@@ -248,7 +263,13 @@ impl Header {
                 if id != MAGIC_VERSION {
                     return Err(WireError::Version(id));
                 }
-                limit("hello-ack count", count as u64, 0)?;
+                if count as usize != PROOF_BYTES {
+                    return Err(WireError::Limit {
+                        what: "hello-ack proof bytes",
+                        value: count as u64,
+                        limit: PROOF_BYTES as u64,
+                    });
+                }
                 limit("hello-ack length", len, 0)?;
             }
             Kind::Write | Kind::Read => {
@@ -285,9 +306,8 @@ impl Header {
     pub fn body_bytes(&self) -> usize {
         match self.kind {
             Kind::Write | Kind::Read => self.count as usize * SEGMENT_DESC_BYTES,
-            Kind::Hello => self.count as usize + PROOF_BYTES,
-            Kind::Notify | Kind::Challenge => self.count as usize,
-            Kind::HelloAck => 0,
+            Kind::Hello => self.count as usize + PROOF_BYTES + NONCE_BYTES as usize,
+            Kind::Notify | Kind::Challenge | Kind::HelloAck => self.count as usize,
             Kind::Resp if self.status() != Status::Ok => self.len as usize,
             Kind::Resp => 0,
         }

@@ -30,7 +30,7 @@ proptest! {
                 Kind::Hello => prop_assert!(h.count >= 1 && h.count <= MAX_NAME_BYTES),
                 Kind::Notify => prop_assert!(h.count <= MAX_NOTIFICATION_BYTES),
                 Kind::Resp => prop_assert!(h.len <= MAX_REQUEST_BYTES),
-                Kind::HelloAck => prop_assert!(h.count == 0 && h.len == 0),
+                Kind::HelloAck => prop_assert!(h.count as usize == PROOF_BYTES && h.len == 0),
                 Kind::Challenge => prop_assert!(h.count == NONCE_BYTES && h.len == 0),
             }
             prop_assert_eq!(Header::decode(&h.encode()), Ok(h));
@@ -97,7 +97,13 @@ fn hostile_headers_are_refused() {
     assert!(h(4, 3, 9, 4096).is_ok());
     assert!(matches!(h(7, 15, MAGIC_VERSION, 0), Err(WireError::Limit { .. })), "short nonce");
     assert!(matches!(h(7, NONCE_BYTES, 1, 0), Err(WireError::Version(1))));
-    assert_eq!(h(1, 4, MAGIC_VERSION, 0).unwrap().body_bytes(), 4 + PROOF_BYTES, "a hello carries its proof");
+    assert_eq!(
+        h(1, 4, MAGIC_VERSION, 0).unwrap().body_bytes(),
+        4 + PROOF_BYTES + NONCE_BYTES as usize,
+        "a hello carries its proof and the initiator's nonce"
+    );
+    assert_eq!(h(2, PROOF_BYTES as u32, MAGIC_VERSION, 0).unwrap().body_bytes(), PROOF_BYTES, "an ack, its proof");
+    assert!(matches!(h(2, 0, MAGIC_VERSION, 0), Err(WireError::Limit { .. })), "an ack without a proof (v2)");
     for (v, st) in [(1, Status::UnknownKey), (2, Status::Protocol), (3, Status::OutOfBounds), (4, Status::Denied)] {
         assert_eq!(h(6, v, 1, 0).unwrap().status(), st, "typed status {v}");
     }
