@@ -39,7 +39,15 @@ fn fd_count() -> usize {
 fn seed_messages() -> Vec<(&'static str, Msg)> {
     vec![
         ("challenge", Msg::Challenge { nonce: Nonce([7; auth::NONCE_BYTES]) }),
-        ("hello", Msg::Hello { agent: "initiator".into(), rkeys: vec![1, 2, 0xffff_ffff], proof: vec![0x5a; 32] }),
+        (
+            "hello",
+            Msg::Hello {
+                agent: "initiator".into(),
+                rkeys: vec![1, 2, 0xffff_ffff],
+                proof: vec![0x5a; 32],
+                nonce: Nonce([9; auth::NONCE_BYTES]),
+            },
+        ),
         ("refused", Msg::Refused { reason: "uid 65534 is not allowed".into() }),
         (
             "region_fd",
@@ -47,7 +55,7 @@ fn seed_messages() -> Vec<(&'static str, Msg)> {
         ),
         ("region_cma", Msg::Region { rkey: 2, addr: 0x7f00_1000_0000, len_bytes: 4096, access: Access::Cma }),
         ("region_unknown", Msg::Region { rkey: 9, addr: 0, len_bytes: 0, access: Access::Unknown }),
-        ("ready", Msg::Ready { pid: 4242 }),
+        ("ready", Msg::Ready { pid: 4242, proof: vec![0x3c; 32] }),
         ("revoke", Msg::Revoke { rkey: 1 }),
         ("revoke_ack", Msg::RevokeAck { rkey: 1 }),
         ("notify", Msg::Notify { payload: b"6f1c2a7e-0d3b-4c55-9a8e-2b1f3c4d5e6f".to_vec() }),
@@ -65,7 +73,7 @@ fn seeds() -> Vec<Vec<u8>> {
 /// What a decoded packet must satisfy.
 fn check_limits(m: &Msg) {
     match m {
-        Msg::Hello { agent, rkeys, proof } => {
+        Msg::Hello { agent, rkeys, proof, .. } => {
             assert!(agent.len() <= MAX_AGENT_NAME && rkeys.len() <= MAX_HELLO_KEYS && proof.len() <= MAX_PACKET)
         }
         Msg::Notify { payload } => assert!(payload.len() <= MAX_NOTIFICATION),
@@ -97,7 +105,7 @@ fn shm_packet_decoding_survives_mutations() {
     assert!(at(MAX_NOTIFICATION).is_ok());
     assert!(at(MAX_NOTIFICATION + 1).is_err(), "a notification over the shared limit is refused");
     let hello = |keys: usize, name: usize| {
-        let m = Msg::Hello { agent: "a".repeat(name), rkeys: vec![1; keys], proof: vec![] };
+        let m = Msg::Hello { agent: "a".repeat(name), rkeys: vec![1; keys], proof: vec![], nonce: Nonce([0; 16]) };
         Msg::decode(&postcard::to_allocvec(&m).unwrap())
     };
     assert!(hello(MAX_HELLO_KEYS, MAX_AGENT_NAME).is_ok());
@@ -182,7 +190,7 @@ fn handshake(info: &ShmInfo, prove: bool, rkey: u32) -> Option<(Channel, Vec<Msg
         return Some((ch, vec![Msg::Challenge { nonce }], 0));
     }
     let proof = auth::prove(&info.secret, &nonce, &wire::proof_context("fuzz")).to_vec();
-    ch.send(&Msg::Hello { agent: "fuzz".into(), rkeys: vec![rkey], proof }, None).ok()?;
+    ch.send(&Msg::Hello { agent: "fuzz".into(), rkeys: vec![rkey], proof, nonce }, None).ok()?;
     let (mut msgs, mut fds) = (Vec::new(), 0);
     while let Ok(Some((m, fd))) = ch.recv() {
         fds += usize::from(fd.is_some());

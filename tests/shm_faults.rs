@@ -11,9 +11,9 @@ use std::time::{Duration, Instant};
 use common::{ChildTarget, Cmd, Reply, fnv, wait};
 use kvwire::HostBuffer;
 use kvwire::engine::{Desc, TransferEngine, TransferHandle, TransferStatus};
-use kvwire::transport::auth::AgentSecret;
+use kvwire::transport::auth::{self, AgentSecret, Nonce};
 use kvwire::transport::shm::ShmTransport;
-use kvwire::transport::shm::wire::{Access, Listener, Msg, ShmInfo};
+use kvwire::transport::shm::wire::{self, Access, Listener, Msg, ShmInfo};
 use kvwire::transport::{
     FailureKind, MemoryKind, Op, RemoteKey, RemoteRegion, Transport, TransportConfig, TransportError, TransportKind,
 };
@@ -151,23 +151,65 @@ fn memfd(len: u64, seal: bool) -> OwnedFd {
 }
 
 /// A fake target that answers one connection with a region of `claim`
-/// bytes backed by `fd`.
+/// bytes backed by `fd`, proving its secret in `Ready` as a real one does.
 fn lying_target(fd: OwnedFd, claim: u64) -> (Vec<u8>, std::thread::JoinHandle<()>) {
-    let name = format!("kvwire-fake-target-{}-{claim}", std::process::id());
+    fake_target(fd, claim, |secret, agent, challenge, theirs| {
+        auth::prove(secret, theirs, &wire::ready_context(agent, challenge)).to_vec()
+    })
+}
+
+/// A fake target (secret `[1; 16]`, the one its info publishes) that
+/// answers one connection with a region of `claim` bytes backed by `fd`
+/// and a `Ready` whose proof is `ready(secret, initiator agent, challenge,
+/// initiator nonce)`.
+fn fake_target(
+    fd: OwnedFd,
+    claim: u64,
+    ready: impl Fn(&AgentSecret, &str, &Nonce, &Nonce) -> Vec<u8> + Send + 'static,
+) -> (Vec<u8>, std::thread::JoinHandle<()>) {
+    static N: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+    let n = N.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let name = format!("kvwire-fake-target-{}-{claim}-{n}", std::process::id());
     let l = Listener::bind(&name).unwrap();
     let boot = std::fs::read_to_string("/proc/sys/kernel/random/boot_id").unwrap().trim().to_string();
-    let info = ShmInfo { boot_id: boot, socket: name, secret: AgentSecret::from_bytes([1; 16]) };
+    let secret = AgentSecret::from_bytes([1; 16]);
+    let info = ShmInfo { boot_id: boot, socket: name, secret: secret.clone() };
     let t = std::thread::spawn(move || {
         let ch = l.accept().unwrap();
         ch.set_timeouts(Duration::from_secs(5)).unwrap();
-        ch.send(&Msg::Challenge { nonce: kvwire::transport::auth::Nonce([0; 16]) }, None).unwrap();
-        let _hello = ch.recv().unwrap();
+        let challenge = Nonce([0; 16]);
+        ch.send(&Msg::Challenge { nonce: challenge }, None).unwrap();
+        let Ok(Some((Msg::Hello { agent, nonce: theirs, .. }, _))) = ch.recv() else { panic!("no hello") };
         let region = Msg::Region { rkey: 1, addr: 1 << 30, len_bytes: claim, access: Access::Fd { offset: 0 } };
         ch.send(&region, Some(fd.as_raw_fd())).unwrap();
-        ch.send(&Msg::Ready { pid: std::process::id() }, None).unwrap();
+        let proof = ready(&secret, &agent, &challenge, &theirs);
+        ch.send(&Msg::Ready { pid: std::process::id(), proof }, None).unwrap();
         let _ = ch.recv(); // until the initiator leaves
     });
     (info.encode(), t)
+}
+
+/// A process that bound a dead target's socket name, without its secret:
+/// it cannot prove the secret in `Ready` (a guess, another secret), so the
+/// initiator refuses the connection before it maps the memfd it was sent
+/// or attaches to the pid it was told; the same fake proving the real
+/// secret (the control) connects.
+#[test]
+fn an_impostor_on_the_targets_socket_is_refused_before_anything_is_used() {
+    let other = AgentSecret::from_bytes([2; 16]);
+    for case in 0..2 {
+        let other = other.clone();
+        let (info, t) = fake_target(memfd(1 << 20, true), 1 << 20, move |_real, agent, challenge, theirs| match case {
+            0 => vec![0; auth::PROOF_BYTES],
+            _ => auth::prove(&other, theirs, &wire::ready_context(agent, challenge)).to_vec(),
+        });
+        let err = connect_to(&info, 1 << 20).unwrap_err();
+        assert!(matches!(err, TransportError::Connect { .. }) && err.to_string().contains("Impostor"), "{err}");
+        t.join().unwrap();
+    }
+    let (info, t) = lying_target(memfd(1 << 20, true), 1 << 20);
+    connect_to(&info, 1 << 20).unwrap();
+    t.join().unwrap();
 }
 
 fn connect_to(info: &[u8], len: u64) -> Result<(), TransportError> {

@@ -58,7 +58,7 @@ fn handshake(ch: &Channel, secret: &AgentSecret, agent: &str, rkeys: &[u32]) -> 
         _ => return out,
     };
     let proof = auth::prove(secret, &nonce, &wire::proof_context(agent)).to_vec();
-    if ch.send(&Msg::Hello { agent: agent.into(), rkeys: rkeys.to_vec(), proof }, None).is_err() {
+    if ch.send(&Msg::Hello { agent: agent.into(), rkeys: rkeys.to_vec(), proof, nonce }, None).is_err() {
         return out;
     }
     while let Ok(Some((m, fd))) = ch.recv() {

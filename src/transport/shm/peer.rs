@@ -22,7 +22,7 @@ use crossbeam_channel::Sender;
 
 use super::copy::{Out, PeerMem, PeerRegion, PeerShared, Pending, XferShared};
 use super::wire::{self, Access, Channel, Msg, Received, ShmInfo};
-use crate::transport::auth;
+use crate::transport::auth::{self, Nonce};
 use crate::transport::{Completion, RemoteRegion, TransferFailure, TransportError};
 
 fn notify_failure(e: &TransportError, peer: &str) -> TransferFailure {
@@ -273,7 +273,8 @@ pub(super) fn handshake(
     };
     let proof = auth::prove(&info.secret, &nonce, &wire::proof_context(agent)).to_vec();
     let rkeys: Vec<u32> = regions.iter().map(|r| r.rkey.0).collect();
-    ch.send(&Msg::Hello { agent: agent.to_string(), rkeys, proof }, None).map_err(fail)?;
+    let ours = Nonce::random()?;
+    ch.send(&Msg::Hello { agent: agent.to_string(), rkeys, proof, nonce: ours }, None).map_err(fail)?;
     let mut table = HashMap::new();
     let mut fds = HashMap::new();
     let mut revoked_early = Vec::new();
@@ -295,7 +296,18 @@ pub(super) fn handshake(
                 }
                 table.insert(rkey, (addr, len_bytes));
             }
-            (Msg::Ready { pid }, _) => break pid as i32,
+            (Msg::Ready { pid, proof }, _) => {
+                // Nothing received so far is used unless the target proves
+                // the secret of the metadata we dialled (module docs).
+                if !auth::verify(&info.secret, &ours, &wire::ready_context(agent, &nonce), &proof) {
+                    return Err(cerr(
+                        "refused (Impostor): the target did not prove the agent secret of its metadata \
+                         (another process on its socket name?); nothing was mapped or sent"
+                            .into(),
+                    ));
+                }
+                break pid as i32;
+            }
             (Msg::Revoke { rkey }, _) => {
                 // Deregistered while we were connecting: never use it.
                 revoked_early.push(rkey);

@@ -223,7 +223,7 @@ fn serve_peer(peer: &AcceptedPeer, shared: &Shared) {
         return;
     }
     let agent = match ch.recv() {
-        Ok(Some((Msg::Hello { agent, rkeys, proof }, _))) => {
+        Ok(Some((Msg::Hello { agent, rkeys, proof, nonce: theirs }, _))) => {
             if !auth::verify(&shared.secret, &nonce, &wire::proof_context(&agent), &proof) {
                 return refuse(ch, &cred, format!("agent {agent:?} did not prove the target's secret"));
             }
@@ -244,7 +244,8 @@ fn serve_peer(peer: &AcceptedPeer, shared: &Shared) {
                 *lock(&peer.ident) = Some((agent.clone(), cred.pid));
             }
             peer.admitted.store(true, Ordering::Release);
-            if let Err(e) = answer_hello(ch, &shared.regions, &rkeys, cred.pid) {
+            let ready = auth::prove(&shared.secret, &theirs, &wire::ready_context(&agent, &nonce)).to_vec();
+            if let Err(e) = answer_hello(ch, &shared.regions, &rkeys, cred.pid, ready) {
                 tracing::warn!("shm: hello from {agent} failed: {e}");
                 return;
             }
@@ -313,6 +314,7 @@ fn answer_hello(
     regions: &RegionTable,
     rkeys: &[u32],
     pid: i32,
+    proof: Vec<u8>,
 ) -> Result<(), crate::transport::TransportError> {
     let mut cma = false;
     for &rkey in rkeys {
@@ -349,7 +351,7 @@ fn answer_hello(
         // Only where cross-memory attach is used, and only for this peer.
         allow_ptracer(pid);
     }
-    ch.send(&Msg::Ready { pid: std::process::id() }, None)
+    ch.send(&Msg::Ready { pid: std::process::id(), proof }, None)
 }
 
 #[cfg(test)]
@@ -418,7 +420,7 @@ mod tests {
         let ch = Channel::connect(&info.socket, Duration::from_secs(5)).unwrap();
         let Ok(Some((Msg::Challenge { nonce }, _))) = ch.recv() else { panic!("no challenge") };
         let proof = auth::prove(&info.secret, &nonce, &wire::proof_context("p")).to_vec();
-        ch.send(&Msg::Hello { agent: "p".into(), rkeys: vec![], proof }, None).unwrap();
+        ch.send(&Msg::Hello { agent: "p".into(), rkeys: vec![], proof, nonce }, None).unwrap();
         assert!(matches!(ch.recv(), Ok(Some((Msg::Ready { .. }, _)))));
         for rkey in 0..1000 {
             ch.send(&Msg::RevokeAck { rkey }, None).unwrap();

@@ -3,8 +3,11 @@
 //!
 //! Handshake: the target checks the connecting process's uid
 //! (`SO_PEERCRED`) and sends a [`Msg::Challenge`]; the initiator answers
-//! [`Msg::Hello`] with the proof of the target's secret; only then does the
-//! target send [`Msg::Region`]s (with their memfds) and [`Msg::Ready`].
+//! [`Msg::Hello`] with the proof of the target's secret and a nonce of its
+//! own; only then does the target send [`Msg::Region`]s (with their memfds)
+//! and [`Msg::Ready`], which proves the secret back over the initiator's
+//! nonce. The initiator maps nothing and uses no pid before that proof, so
+//! a process that bound a dead target's socket name gets no data.
 
 use std::io::IoSlice;
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
@@ -64,6 +67,12 @@ pub fn proof_context(agent: &str) -> Vec<u8> {
     [b"shm:".as_slice(), agent.as_bytes()].concat()
 }
 
+/// The context of [`Msg::Ready`]'s proof: the initiator's agent name and
+/// the target's challenge nonce, so a proof answers one hello.
+pub fn ready_context(agent: &str, challenge: &Nonce) -> Vec<u8> {
+    [b"shm-ready:".as_slice(), agent.as_bytes(), b"\0", &challenge.0].concat()
+}
+
 /// How the target lets the initiator reach one region.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub enum Access {
@@ -97,6 +106,8 @@ pub enum Msg {
         rkeys: Vec<u32>,
         /// HMAC-SHA256 proof of the target's secret.
         proof: Vec<u8>,
+        /// The initiator's own nonce, for the target's proof in [`Msg::Ready`].
+        nonce: Nonce,
     },
     /// Target → initiator: the connection is refused (bad proof, uid not
     /// allowed); the target closes it after this.
@@ -119,6 +130,9 @@ pub enum Msg {
     Ready {
         /// Target process id (for cross-memory attach).
         pid: u32,
+        /// `auth::prove(secret, hello nonce, ready_context(agent, challenge))`:
+        /// the target holds the secret of the metadata the initiator used.
+        proof: Vec<u8>,
     },
     /// Target → initiator: the region with this key was deregistered; any
     /// later access to it must fail (as a destroyed MR's rkey does).
@@ -462,15 +476,15 @@ mod tests {
         let l = Listener::bind(&name).unwrap();
         let c = Channel::connect(&name, Duration::from_secs(2)).unwrap();
         let s = l.accept().unwrap();
-        let hello = Msg::Hello { agent: "a".into(), rkeys: vec![1, 2], proof: vec![3; 32] };
+        let hello = Msg::Hello { agent: "a".into(), rkeys: vec![1, 2], proof: vec![3; 32], nonce: Nonce([4; 16]) };
         c.send(&hello, None).unwrap();
         let (m, fd) = s.recv().unwrap().unwrap();
         assert_eq!(m, hello);
         assert!(fd.is_none());
         let f = std::fs::File::open("/proc/self/exe").unwrap();
-        s.send(&Msg::Ready { pid: 1 }, Some(f.as_raw_fd())).unwrap();
+        s.send(&Msg::Ready { pid: 1, proof: vec![5; 32] }, Some(f.as_raw_fd())).unwrap();
         let (m, fd) = c.recv().unwrap().unwrap();
-        assert_eq!(m, Msg::Ready { pid: 1 });
+        assert_eq!(m, Msg::Ready { pid: 1, proof: vec![5; 32] });
         assert!(fd.is_some());
         drop(s);
         assert!(c.recv().unwrap().is_none());

@@ -8,7 +8,10 @@
 //! connection info before it creates any QP or answers with QP numbers (a
 //! wrong or missing proof is refused and logged); it then creates matching
 //! QPs with posted receives for notifications, brings them to RTS and
-//! answers with its own endpoints.
+//! answers with its own endpoints and its own proof of the secret over the
+//! nonce the hello carried (version 5), which the initiator checks before it
+//! connects a QP: a process that took over a dead target's handshake port
+//! without its secret is refused (`refused (Impostor)`).
 //!
 //! Two rules hold at the listener. A name is held by one session at a
 //! time: while a peer's receive QPs are installed here, a proven hello
@@ -56,8 +59,10 @@ pub(super) const RECVS_PER_QP: u32 = 64;
 /// endpoints carry the responder READ depth (`QpEndpoint::rd_atom`); 3: the
 /// target challenges the initiator ([`Handshake::Challenge`]); 4: the
 /// hello carries the initiator's session, the proof covers it, and a name
-/// held by another session is refused ([`Handshake::NameInUse`]).
-pub(super) const HANDSHAKE_VERSION: u32 = 4;
+/// held by another session is refused ([`Handshake::NameInUse`]); 5: the
+/// hello carries the initiator's nonce and the accept the target's proof
+/// over it ([`accept_context`]).
+pub(super) const HANDSHAKE_VERSION: u32 = 5;
 
 /// How often (ms) a thread blocked on a liveness channel looks at its stop flag.
 pub(super) const WATCH_MS: u64 = 100;
@@ -66,6 +71,15 @@ pub(super) const WATCH_MS: u64 = 100;
 /// name and its session.
 fn auth_context(initiator: &str, session: u64) -> Vec<u8> {
     format!("{initiator}/verbs/{session:016x}").into_bytes()
+}
+
+/// What the target's proof in [`Handshake::Accept`] covers: the
+/// initiator's name and session and the target's own challenge, so an
+/// accept answers one hello.
+fn accept_context(initiator: &str, session: u64, challenge: &Nonce) -> Vec<u8> {
+    let mut c = format!("{initiator}/verbs-accept/{session:016x}/").into_bytes();
+    c.extend_from_slice(&challenge.0);
+    c
 }
 
 /// Handshake messages.
@@ -83,6 +97,10 @@ pub(super) enum Handshake {
         /// its connections; 0 from a version 3 initiator, refused anyway).
         #[serde(default)]
         session: u64,
+        /// The initiator's nonce, for the target's proof in
+        /// [`Handshake::Accept`] (absent before version 5, refused anyway).
+        #[serde(default)]
+        nonce: Option<Nonce>,
     },
     /// Target → initiator, after a hello: prove you know my secret.
     Challenge {
@@ -94,10 +112,14 @@ pub(super) enum Handshake {
         /// HMAC-SHA256 ([`auth::PROOF_BYTES`] bytes).
         proof: Vec<u8>,
     },
-    /// Target → initiator: matching endpoints, same order.
+    /// Target → initiator: matching endpoints, same order, and
+    /// [`auth::prove`]`(secret, hello nonce, accept_context(..))`.
     Accept {
         /// One per QP.
         qps: Vec<QpEndpoint>,
+        /// The target's proof of its secret.
+        #[serde(default)]
+        proof: Vec<u8>,
     },
     /// Target → initiator: refused.
     Refuse {
@@ -296,15 +318,15 @@ fn timed_out(e: &SideChannelError) -> bool {
         if matches!(source.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut))
 }
 
-/// Challenge the initiator `agent` of `session`; true when it proved it
-/// knows our secret.
-fn authenticate<D: Device>(inner: &Inner<D>, ch: &mut SideChannel, agent: &str, session: u64) -> bool {
+/// Challenge the initiator `agent` of `session`; the challenge when it
+/// proved it knows our secret.
+fn authenticate<D: Device>(inner: &Inner<D>, ch: &mut SideChannel, agent: &str, session: u64) -> Option<Nonce> {
     let Ok(nonce) = Nonce::random() else {
         let _ = ch.send(&Handshake::Refuse { reason: "no randomness for a challenge".into() });
-        return false;
+        return None;
     };
     if ch.send(&Handshake::Challenge { nonce }).is_err() {
-        return false;
+        return None;
     }
     let ok = match ch.recv::<Handshake>() {
         Ok(Handshake::Proof { proof }) => auth::verify(&inner.secret, &nonce, &auth_context(agent, session), &proof),
@@ -314,7 +336,7 @@ fn authenticate<D: Device>(inner: &Inner<D>, ch: &mut SideChannel, agent: &str, 
         tracing::warn!("verbs: refusing {agent}: wrong or missing proof of the connection secret");
         let _ = ch.send(&Handshake::Refuse { reason: "authentication failed".into() });
     }
-    ok
+    ok.then_some(nonce)
 }
 
 /// Serve one handshake connection, counted in the pre-auth list (`waiting`,
@@ -322,14 +344,19 @@ fn authenticate<D: Device>(inner: &Inner<D>, ch: &mut SideChannel, agent: &str, 
 /// leaves the list) until it proved the secret.
 fn serve<D: Device>(inner: &Inner<D>, mut ch: SideChannel, waiting: Waiting) {
     let _ = ch.set_read_timeout(Some(inner.config.peer_timeout));
-    let (agent, remote, session) = match ch.recv::<Handshake>() {
+    let (agent, remote, session, theirs) = match ch.recv::<Handshake>() {
         Ok(Handshake::Hello { version, agent, .. }) if version != HANDSHAKE_VERSION => {
             let reason = format!("handshake version {version}, this side speaks {HANDSHAKE_VERSION}");
             tracing::warn!("verbs: refusing {agent}: {reason}");
             let _ = ch.send(&Handshake::Refuse { reason });
             return;
         }
-        Ok(Handshake::Hello { agent, qps, session, .. }) => (agent, qps, session),
+        Ok(Handshake::Hello { agent, nonce: None, .. }) => {
+            tracing::warn!("verbs: refusing {agent}: a version {HANDSHAKE_VERSION} hello without its nonce");
+            let _ = ch.send(&Handshake::Refuse { reason: "hello without the initiator's nonce".into() });
+            return;
+        }
+        Ok(Handshake::Hello { agent, qps, session, nonce: Some(n), .. }) => (agent, qps, session, n),
         Ok(Handshake::Proof { .. }) => {
             tracing::warn!("verbs: refusing a peer that sent a proof before its hello");
             return;
@@ -345,9 +372,9 @@ fn serve<D: Device>(inner: &Inner<D>, mut ch: SideChannel, waiting: Waiting) {
     };
     let proven = authenticate(inner, &mut ch, &agent, session);
     // Closed for a newer connection while it proved: nothing more to say.
-    if !waiting.leave() || !proven {
+    let (true, Some(challenge)) = (waiting.leave(), proven) else {
         return;
-    }
+    };
     drop(waiting);
     if remote.len() > MAX_QPS_PER_HELLO {
         let reason = format!("{} QPs asked for, at most {MAX_QPS_PER_HELLO}", remote.len());
@@ -420,7 +447,8 @@ fn serve<D: Device>(inner: &Inner<D>, mut ch: SideChannel, waiting: Waiting) {
     // Answered only once the engine holds the QPs: the initiator's first
     // notification may complete on our CQ as soon as it has our answer.
     inner.cmds.call::<()>(|done| Cmd::AddRecv { qps: recv, done });
-    if ch.send(&Handshake::Accept { qps: mine }).is_ok() {
+    let proof = auth::prove(&inner.secret, &theirs, &accept_context(&agent, session, &challenge)).to_vec();
+    if ch.send(&Handshake::Accept { qps: mine, proof }).is_ok() {
         // Wait until the initiator goes away (or this transport stops).
         let _ = ch.set_read_timeout(Some(Duration::from_millis(WATCH_MS)));
         while !inner.stopping.load(Ordering::Acquire) {
@@ -457,17 +485,36 @@ pub(super) fn handshake(
     };
     let mut ch = SideChannel::connect(addr, timeout).map_err(|e| e.to_string())?;
     ch.set_read_timeout(Some(timeout)).map_err(|e| e.to_string())?;
-    let hello = Handshake::Hello { version: HANDSHAKE_VERSION, agent: agent.to_string(), qps: local.to_vec(), session };
+    let ours = Nonce::random().map_err(|e| e.to_string())?;
+    let hello = Handshake::Hello {
+        version: HANDSHAKE_VERSION,
+        agent: agent.to_string(),
+        qps: local.to_vec(),
+        session,
+        nonce: Some(ours),
+    };
     ch.send(&hello).map_err(fail)?;
     let mut answer = ch.recv::<Handshake>().map_err(fail)?;
+    let mut challenge = None;
     if let Handshake::Challenge { nonce } = answer {
         let proof = auth::prove(secret, &nonce, &auth_context(agent, session)).to_vec();
         ch.send(&Handshake::Proof { proof }).map_err(fail)?;
+        challenge = Some(nonce);
         answer = ch.recv::<Handshake>().map_err(fail)?;
     }
     match answer {
-        Handshake::Accept { qps } if qps.len() == local.len() => Ok((qps, ch)),
-        Handshake::Accept { qps } => Err(format!("target answered {} QPs for {}", qps.len(), local.len()).into()),
+        // No QP is connected to an answer that does not prove the secret
+        // of the connection info we dialled (another process on its port).
+        Handshake::Accept { proof, .. }
+            if !challenge.is_some_and(|c| auth::verify(secret, &ours, &accept_context(agent, session, &c), &proof)) =>
+        {
+            Err("refused (Impostor): the target did not prove the agent secret of its connection info \
+                 (another process on its handshake port?)"
+                .to_string()
+                .into())
+        }
+        Handshake::Accept { qps, .. } if qps.len() == local.len() => Ok((qps, ch)),
+        Handshake::Accept { qps, .. } => Err(format!("target answered {} QPs for {}", qps.len(), local.len()).into()),
         Handshake::Refuse { reason } => Err(format!("target refused: {reason}").into()),
         Handshake::NameInUse { .. } => Err(HandshakeError::NameInUse),
         other => Err(format!("unexpected {other:?} from the target").into()),
@@ -554,5 +601,67 @@ impl<D: Device> Inner<D> {
             .alloc_slab(RECVS_PER_QP as usize * NOTIF_SLOT_BYTES)
             .map_err(|e| TransportError::Registration(e.to_string()))?;
         Ok((qp, ep, Arc::new(slab)))
+    }
+}
+
+#[cfg(test)]
+mod impostor_tests {
+    use std::net::TcpListener;
+    use std::time::Duration;
+
+    use super::{Handshake, HandshakeError, accept_context, auth_context, handshake};
+    use crate::sidechannel::SideChannel;
+    use crate::transport::auth::{self, AgentSecret};
+    use crate::verbs::QpEndpoint;
+
+    /// A handshake port that answers one hello as a target would, with an
+    /// accept whose proof is `proof(the real secret, agent, session,
+    /// challenge, hello nonce)`; `handshake`'s result against it.
+    fn against(
+        proof: impl Fn(&AgentSecret, &str, u64, &auth::Nonce, &auth::Nonce) -> Vec<u8> + Send + 'static,
+    ) -> Result<(), HandshakeError> {
+        let secret = AgentSecret::random().unwrap();
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = l.local_addr().unwrap().to_string();
+        let real = secret.clone();
+        let fake = std::thread::spawn(move || {
+            let mut ch = SideChannel::accept(&l).unwrap();
+            let Ok(Handshake::Hello { agent, qps, session, nonce: Some(theirs), .. }) = ch.recv::<Handshake>() else {
+                panic!("no v5 hello");
+            };
+            let challenge = auth::Nonce::random().unwrap();
+            ch.send(&Handshake::Challenge { nonce: challenge }).unwrap();
+            let Ok(Handshake::Proof { proof: p }) = ch.recv::<Handshake>() else { panic!("no proof") };
+            // the initiator proved the real secret: a target would serve it
+            assert!(auth::verify(&real, &challenge, &auth_context(&agent, session), &p));
+            let proof = proof(&real, &agent, session, &challenge, &theirs);
+            ch.send(&Handshake::Accept { qps, proof }).unwrap();
+            std::thread::sleep(Duration::from_millis(200));
+        });
+        let local = vec![QpEndpoint { qpn: 7, psn: 1, gid: [0; 16], lid: 1, mtu: 3, rd_atom: 16 }; 2];
+        let r = handshake(&addr, "init", 42, &secret, &local, Duration::from_secs(5)).map(|_| ());
+        fake.join().unwrap();
+        r
+    }
+
+    #[test]
+    fn an_accept_that_does_not_prove_the_secret_connects_no_qp() {
+        let other = AgentSecret::random().unwrap();
+        for case in 0..2 {
+            let other = other.clone();
+            let r = against(move |_real, agent, session, challenge, theirs| match case {
+                0 => vec![0; auth::PROOF_BYTES],
+                _ => auth::prove(&other, theirs, &accept_context(agent, session, challenge)).to_vec(),
+            });
+            match r {
+                Err(e) => assert!(e.to_string().contains("Impostor"), "case {case}: {e}"),
+                Ok(()) => panic!("case {case}: an impostor's accept was taken"),
+            }
+        }
+        // The control: the same fake proving the real secret is accepted.
+        against(|real, agent, session, challenge, theirs| {
+            auth::prove(real, theirs, &accept_context(agent, session, challenge)).to_vec()
+        })
+        .expect("a target holding the secret is accepted");
     }
 }
