@@ -208,6 +208,18 @@ def test_silent_connections_are_capped_and_do_not_block_a_fetch(monkeypatch):
 
 # -- the caller authenticates the listener before it sends anything ---------
 
+def drain(c, data=b""):
+    """`data` and every byte `c` sends until it closes (or times out)."""
+    try:
+        while True:
+            chunk = c.recv(65536)
+            if not chunk:
+                return data
+            data += chunk
+    except OSError:
+        return data
+
+
 def fake_listener(seal=b"\0" * 32):
     """A raw listener of this process that answers the handshake with `seal`
     and records every byte a caller sends; returns (port, got, close)."""
@@ -224,18 +236,14 @@ def fake_listener(seal=b"\0" * 32):
                 return
             with c:
                 c.settimeout(2.0)
+                data = b""
                 try:
                     c.sendall(os.urandom(L.NONCE_BYTES))
                     data = L._recv_exact(c, L.NONCE_BYTES)
                     c.sendall(seal)
-                    while True:
-                        chunk = c.recv(65536)
-                        if not chunk:
-                            break
-                        data += chunk
                 except OSError:
                     pass
-                got.append(data)
+                got.append(drain(c, data))
 
     threading.Thread(target=serve, daemon=True).start()
     return ls.getsockname()[1], got, ls.close
@@ -304,14 +312,9 @@ def test_another_user_on_a_listener_port_gets_no_metadata_and_gives_none(monkeyp
                     try:
                         data = c.recv(L.NONCE_BYTES)
                         c.sendall(b"\0" * L.MAC_BYTES)
-                        while True:
-                            chunk = c.recv(65536)
-                            if not chunk:
-                                break
-                            data += chunk
                     except OSError:
                         pass
-                    leaked |= b"SECRET" in data
+                    leaked |= b"SECRET" in drain(c, data)
                     if c.fileno() >= 0:
                         try:  # answer a FETCH with metadata of its own choosing
                             L._send(c, b"IMPOSTOR-MD")
