@@ -468,7 +468,11 @@ fn verbs_hello_without_a_proof_gets_no_qp_numbers() {
     };
     let qp = r#"{"qpn":1,"psn":1,"lid":0,"gid":[0,0,0,0,0,0,0,0,0,0,0,0,0,0,0,0],"mtu":3,"rd_atom":1}"#;
     // version: HANDSHAKE_VERSION in src/transport/verbs/conn.rs
-    frame(&mut s, &format!(r#"{{"Hello":{{"version":4,"agent":"mallory","session":1,"qps":[{qp}]}}}}"#));
+    let nonce = vec!["7"; 16].join(",");
+    frame(
+        &mut s,
+        &format!(r#"{{"Hello":{{"version":5,"agent":"mallory","session":1,"qps":[{qp}],"nonce":[{nonce}]}}}}"#),
+    );
     let challenge = read(&mut s).expect("a challenge");
     assert!(challenge.contains("Challenge"), "{challenge}");
     frame(&mut s, &format!(r#"{{"Proof":{{"proof":[{}]}}}}"#, vec!["0"; 32].join(",")));

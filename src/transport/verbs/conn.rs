@@ -644,6 +644,25 @@ mod impostor_tests {
         r
     }
 
+    /// The raw hello `tests/verbs_transport.rs` sends in the Soft-RoCE
+    /// guest (`verbs_hello_without_a_proof_gets_no_qp_numbers`) is a
+    /// version-5 hello with its nonce, so the refusal it sees is the proof
+    /// check's, not a parse or version error.
+    #[test]
+    fn the_guest_tests_raw_hello_is_a_current_hello() {
+        let qp = r#"{"qpn":1,"psn":1,"lid":0,"gid":[0,0,0,0,0,0,0,0,0,0,0,0,0,0,0,0],"mtu":3,"rd_atom":1}"#;
+        let nonce = vec!["7"; 16].join(",");
+        let json =
+            format!(r#"{{"Hello":{{"version":5,"agent":"mallory","session":1,"qps":[{qp}],"nonce":[{nonce}]}}}}"#);
+        match serde_json::from_str::<Handshake>(&json).unwrap() {
+            Handshake::Hello { version, nonce: Some(n), .. } => {
+                assert_eq!(version, super::HANDSHAKE_VERSION);
+                assert_eq!(n.0, [7; 16]);
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+
     #[test]
     fn an_accept_that_does_not_prove_the_secret_connects_no_qp() {
         let other = AgentSecret::random().unwrap();
