@@ -334,3 +334,35 @@ fn a_deregister_nobody_confirms_times_out_with_a_timeout_error() {
     }
     assert!(matches!(t.deregister(reg.lkey), Err(TransportError::UnknownLocalKey(_))));
 }
+
+/// A target (or a process on its socket) that answers regions nobody asked
+/// for, each with a memfd, used to make the initiator hold one descriptor
+/// per answer until the handshake's deadline; the first such answer now
+/// fails the connect.
+#[test]
+fn regions_nobody_asked_for_fail_the_connect() {
+    let name = format!("kvwire-fake-target-{}-flood", std::process::id());
+    let l = Listener::bind(&name).unwrap();
+    let boot = std::fs::read_to_string("/proc/sys/kernel/random/boot_id").unwrap().trim().to_string();
+    let info = ShmInfo { boot_id: boot, socket: name, secret: AgentSecret::from_bytes([1; 16]) };
+    let t = std::thread::spawn(move || {
+        let ch = l.accept().unwrap();
+        ch.set_timeouts(Duration::from_secs(5)).unwrap();
+        ch.send(&Msg::Challenge { nonce: Nonce([0; 16]) }, None).unwrap();
+        let _hello = ch.recv().unwrap();
+        let fd = memfd(4096, true);
+        let mut sent = 0;
+        for rkey in 100..200u32 {
+            let region = Msg::Region { rkey, addr: 1 << 30, len_bytes: 4096, access: Access::Fd { offset: 0 } };
+            if ch.send(&region, Some(fd.as_raw_fd())).is_err() {
+                break;
+            }
+            sent += 1;
+        }
+        let _ = ch.recv(); // until the initiator leaves
+        sent
+    });
+    let err = connect_to(&info.encode(), 4096).unwrap_err();
+    assert!(err.to_string().contains("not asked for"), "{err}");
+    t.join().unwrap();
+}

@@ -12,7 +12,7 @@ use std::time::Duration;
 use kvwire::HostBuffer;
 use kvwire::transport::auth::{self, AgentSecret};
 use kvwire::transport::tcp::{TcpConnectionInfo, TcpTransport, wire};
-use kvwire::transport::{Transport, TransportError};
+use kvwire::transport::{Op, PostRequest, RemoteKey, Segment, Transport, TransportError, XferId};
 use tcp_util::*;
 
 const PATTERN: u8 = 0xa5;
@@ -141,88 +141,127 @@ fn every_transport_draws_its_own_secret() {
     assert_ne!(a.secret, b.secret);
 }
 
-/// A process on the target's address (the target died; another user bound
-/// its port) that speaks the wire: it answers every hello with an ack whose
-/// proof is `ack(the real target's secret, name, target nonce, initiator
-/// nonce)` (an impostor cannot use the first argument; the control does),
-/// then counts the bytes the initiator still sends. Returns (connect's
-/// result, bytes received after the acks).
-fn fake_on_the_targets_address(
-    ack: impl Fn(&AgentSecret, &[u8], &auth::Nonce, &auth::Nonce) -> [u8; auth::PROOF_BYTES] + Send + 'static,
-) -> (Result<(), TransportError>, usize) {
-    let (t, _buf, _rkey, info) = target();
-    let real = TcpConnectionInfo::decode(&info).unwrap();
-    drop(t); // the target is gone; its port is free
-    let l = std::net::TcpListener::bind(&real.addr).unwrap();
+/// The proof a fake target puts in its hello ack: `(the real target's
+/// secret, hello name bytes, its challenge, the initiator's nonce)`. An
+/// impostor cannot use the first argument; the control does.
+type AckFn = dyn Fn(&AgentSecret, &[u8], &auth::Nonce, &auth::Nonce) -> [u8; auth::PROOF_BYTES] + Send + Sync;
+type AckProof = Box<AckFn>;
+
+/// A process on `addr` (the target died; another user bound its port) that
+/// speaks the wire for 3 s: it answers every hello with an ack carrying
+/// `ack(..)` (each connection on its own thread, held open), then counts
+/// the bytes the initiator still sends. Joins to (hellos answered, bytes
+/// received after the acks).
+fn spawn_fake(addr: &str, secret: AgentSecret, ack: AckProof) -> std::thread::JoinHandle<(usize, usize)> {
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    let l = std::net::TcpListener::bind(addr).unwrap();
     l.set_nonblocking(true).unwrap();
-    let fake = std::thread::spawn(move || {
-        let mut after = 0usize;
+    let ack: Arc<AckFn> = Arc::from(ack);
+    std::thread::spawn(move || {
+        let (hellos, after) = (Arc::new(AtomicUsize::new(0)), Arc::new(AtomicUsize::new(0)));
         let until = std::time::Instant::now() + Duration::from_secs(3);
+        let mut served = Vec::new();
         while std::time::Instant::now() < until {
             let Ok((mut s, _)) = l.accept() else {
                 std::thread::sleep(Duration::from_millis(10));
                 continue;
             };
-            s.set_nonblocking(false).unwrap();
-            s.set_read_timeout(Some(Duration::from_secs(1))).unwrap();
-            let nonce = auth::Nonce::random().unwrap();
-            let ch =
-                wire::Header { kind: wire::Kind::Challenge, count: wire::NONCE_BYTES, id: wire::MAGIC_VERSION, len: 0 };
-            let _ = s.write_all(&ch.encode());
-            let _ = s.write_all(&nonce.0);
-            let mut b = [0u8; wire::HEADER_BYTES];
-            if s.read_exact(&mut b).is_err() {
-                continue;
-            }
-            let h = wire::Header::decode(&b).unwrap();
-            let mut body = vec![0u8; h.body_bytes()];
-            s.read_exact(&mut body).unwrap();
-            let mut theirs = auth::Nonce([0; auth::NONCE_BYTES]);
-            theirs.0.copy_from_slice(&body[body.len() - auth::NONCE_BYTES..]);
-            let a = wire::Header {
-                kind: wire::Kind::HelloAck,
-                count: wire::PROOF_BYTES as u32,
-                id: wire::MAGIC_VERSION,
-                len: 0,
-            };
-            let _ = s.write_all(&a.encode());
-            let _ = s.write_all(&ack(&real.secret, &body[..h.count as usize], &nonce, &theirs));
-            after += rest(&mut s).len();
+            let (ack, secret, hellos, after) = (ack.clone(), secret.clone(), hellos.clone(), after.clone());
+            let left = until.saturating_duration_since(std::time::Instant::now()).max(Duration::from_millis(10));
+            served.push(std::thread::spawn(move || {
+                s.set_nonblocking(false).unwrap();
+                s.set_read_timeout(Some(left)).unwrap();
+                let nonce = auth::Nonce::random().unwrap();
+                let ch = wire::Header {
+                    kind: wire::Kind::Challenge,
+                    count: wire::NONCE_BYTES,
+                    id: wire::MAGIC_VERSION,
+                    len: 0,
+                };
+                let _ = s.write_all(&ch.encode());
+                let _ = s.write_all(&nonce.0);
+                let mut b = [0u8; wire::HEADER_BYTES];
+                if s.read_exact(&mut b).is_err() {
+                    return;
+                }
+                let h = wire::Header::decode(&b).unwrap();
+                let mut body = vec![0u8; h.body_bytes()];
+                s.read_exact(&mut body).unwrap();
+                hellos.fetch_add(1, Ordering::SeqCst);
+                let mut theirs = auth::Nonce([0; auth::NONCE_BYTES]);
+                theirs.0.copy_from_slice(&body[body.len() - auth::NONCE_BYTES..]);
+                let a = wire::Header {
+                    kind: wire::Kind::HelloAck,
+                    count: wire::PROOF_BYTES as u32,
+                    id: wire::MAGIC_VERSION,
+                    len: 0,
+                };
+                let _ = s.write_all(&a.encode());
+                let _ = s.write_all(&ack(&secret, &body[..h.count as usize], &nonce, &theirs));
+                after.fetch_add(rest(&mut s).len(), Ordering::SeqCst);
+            }));
         }
-        after
-    });
-    let mut init = TcpTransport::new("init", &cfg(1000)).unwrap();
-    let r = init.connect("target", &info, &[]).map(|_| ());
-    drop(init);
-    (r, fake.join().unwrap())
+        for t in served {
+            t.join().unwrap();
+        }
+        (hellos.load(Ordering::SeqCst), after.load(Ordering::SeqCst))
+    })
 }
 
-#[test]
-fn an_impostor_on_the_targets_address_is_refused_before_any_request() {
-    // Without the target's secret the impostor can only guess the ack's
-    // proof (zeros) or prove another secret: connect fails naming it, and
-    // not a byte follows the hello.
+/// Acks an impostor can make without the secret: a guess, another secret's.
+fn impostor_acks() -> Vec<AckProof> {
     let other = AgentSecret::random().unwrap();
-    for case in 0..2 {
-        let other = other.clone();
-        let (r, after) = fake_on_the_targets_address(move |_real, name, nonce, theirs| match case {
-            0 => [0u8; auth::PROOF_BYTES],
-            _ => auth::prove(&other, theirs, &wire::ack_context(name, nonce)),
-        });
-        match r {
-            Err(TransportError::Connect { reason, .. }) => assert!(reason.contains("Impostor"), "{reason}"),
-            other => panic!("case {case}: connect to an impostor must fail, got {other:?}"),
-        }
-        assert_eq!(after, 0, "case {case}: the initiator sent {after} bytes to the impostor");
-    }
+    vec![
+        Box::new(|_, _, _, _| [0u8; auth::PROOF_BYTES]),
+        Box::new(move |_, name, nonce, theirs| auth::prove(&other, theirs, &wire::ack_context(name, nonce))),
+    ]
 }
 
 #[test]
-fn the_fake_target_holding_the_secret_is_accepted() {
-    // The control: the same fake proving the real secret connects, so the
-    // refusals above are the ack's proof check, not a broken fake.
-    let (r, _) = fake_on_the_targets_address(|real, name, nonce, theirs| {
-        auth::prove(real, theirs, &wire::ack_context(name, nonce))
-    });
-    r.expect("a fake holding the secret is accepted");
+fn an_impostor_on_a_dead_targets_address_gets_no_write() {
+    // The target dies; another process binds its port. An initiator that
+    // connects with the target's metadata (as an engine reconnecting to a
+    // peer it still knows) and then writes a page: against an impostor
+    // (cases 0, 1) connect fails naming it and not a byte reaches the fake;
+    // the control (case 2, a fake holding the secret) is connected and
+    // receives the page, so the fake counts what a passing check lets through.
+    let control: AckProof =
+        Box::new(|real, name, nonce, theirs| auth::prove(real, theirs, &wire::ack_context(name, nonce)));
+    for (case, ack) in impostor_acks().into_iter().chain([control]).enumerate() {
+        let (t, buf, rkey, info) = target();
+        let real = TcpConnectionInfo::decode(&info).unwrap();
+        drop(t); // the target is gone; its port is free
+        let fake = spawn_fake(&real.addr, real.secret.clone(), ack);
+        let mut init = TcpTransport::new("init", &cfg(1000)).unwrap();
+        let src = std::sync::Arc::new(HostBuffer::new(1 << 16).unwrap());
+        let l = init.register(src.clone()).unwrap();
+        let connected = init.connect("target", &info, &[]);
+        if let Ok(peer) = &connected {
+            let seg = Segment {
+                local_addr: src.addr(),
+                remote_addr: buf.addr(),
+                len_bytes: 4096,
+                lkey: l.lkey,
+                rkey: RemoteKey(rkey),
+            };
+            let req =
+                PostRequest { xfer: XferId(1), op: Op::Write, peer: *peer, segments: vec![seg], notification: None };
+            init.post(req).unwrap();
+            let _ = completion(&mut init, Duration::from_secs(3)); // the fake never answers
+        }
+        drop(init);
+        let (hellos, after) = fake.join().unwrap();
+        assert!(hellos > 0, "case {case}: the fake was never dialled");
+        if case == 2 {
+            connected.expect("the control fake holds the secret");
+            assert!(after >= 4096, "case {case}: the control fake got {after} bytes");
+        } else {
+            match connected {
+                Err(TransportError::Connect { reason, .. }) => assert!(reason.contains("Impostor"), "{reason}"),
+                other => panic!("case {case}: connect to an impostor must fail, got {:?}", other.map(|_| ())),
+            }
+            assert_eq!(after, 0, "case {case}: {after} bytes went to the impostor");
+        }
+    }
 }

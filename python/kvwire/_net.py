@@ -71,6 +71,15 @@ def _sock_addr(addr):
     return ip, int(addr[1])
 
 
+def addr_bytes(addr):
+    """A socket address tuple as bytes ``b"ip:port"`` (an IPv4-mapped IPv6
+    address as its IPv4 address), for binding a proof to the address a
+    connection was made to: the accepting side passes ``getsockname()``,
+    the connecting side ``getpeername()``."""
+    ip, port = _sock_addr(addr)
+    return f"{ip}:{port}".encode()
+
+
 def tcp_peer_uid(peer, local):
     """The uid owning the other end of an accepted TCP connection in this
     network namespace: the ESTABLISHED entry of /proc/net/tcp or tcp6 whose

@@ -6,7 +6,7 @@ the list of registered buffers) to a peer that names the session
 kvwire's own wire, not Mooncake's: a real Mooncake engine cannot talk to it.
 
 Frames are a 4-byte big-endian length and a payload. On accept the server
-sends ``CHALLENGE`` = ``b"MCKV2" + nonce(16)``. The asker answers with one
+sends ``CHALLENGE`` = ``b"MCKV3" + nonce(16)``. The asker answers with one
 frame ``cmd(1) + proof(32) + asker_nonce(16)``:
 
 - ``P`` (probe): answered ``b"+ok"``; needs no proof (it reveals nothing).
@@ -17,14 +17,18 @@ frame ``cmd(1) + proof(32) + asker_nonce(16)``:
 
   * an asker that proves it holds the deployment token
     (``KVWIRE_MOONCAKE_TOKEN``, the same string on every host):
-    ``proof = HMAC-SHA256(token, nonce + cmd)``; or
+    ``proof = HMAC-SHA256(token, b"A" + nonce + cmd + where)``, `where`
+    being the server's address of the connection (``b"ip:port"``: what the
+    asker dialled, what the server accepted on), so a proof made for one
+    server is refused by another (a relay to a live peer gets nothing); or
   * without a token, a *local* asker: its TCP socket is in this network
     namespace's ``/proc/net/tcp{,6}`` and is owned by this process's uid.
 
   The asker, in turn, takes a description only from a server it trusts
   the same way, since it will write KV data to (or read it from) whatever
   the description names: ``seal = HMAC-SHA256(token, b"R" + asker_nonce +
-  nonce + JSON)`` proves the token (32 zero bytes without one), or else
+  nonce + len(where) + where + JSON)`` proves the token (32 zero bytes
+  without one) and the address the asker dialled, or else
   the server's end of the connection must be owned by the asker's uid in
   this network namespace (looked up while the connection is open). So a
   process of another user that binds a dead peer's rpc port, or a host
@@ -50,7 +54,7 @@ from kvwire import _net
 
 logger = logging.getLogger("mooncake.kvwire")
 
-MAGIC = b"MCKV2"
+MAGIC = b"MCKV3"
 #: Bytes of each side's nonce.
 NONCE_BYTES = 16
 MAX_FRAME = 64 << 20
@@ -84,17 +88,18 @@ def recv_frame(sock):
 send_frame = _net.send_frame
 
 
-def _proof(token, nonce, cmd):
+def _proof(token, nonce, cmd, where):
+    """The asker's proof (zeros without a token), bound to the server address `where`."""
     if token is None:
         return b"\0" * _net.PROOF_BYTES
-    return _net.proof(token, nonce, cmd)
+    return _net.proof(token, b"A" + nonce, cmd + where)
 
 
-def _seal(token, asker_nonce, nonce, body):
-    """The server's proof over its answer to one asker (zeros without a token)."""
+def _seal(token, asker_nonce, nonce, where, body):
+    """The server's proof over its answer to one asker at `where` (zeros without a token)."""
     if token is None:
         return b"\0" * _net.PROOF_BYTES
-    return _net.proof(token, b"R" + asker_nonce + nonce, body)
+    return _net.proof(token, b"R" + asker_nonce + nonce, bytes([len(where)]) + where + body)
 
 
 # -- the local-asker rule ------------------------------------------------
@@ -168,15 +173,18 @@ class RpcServer:
             elif cmd == b"M":
                 token = self._token
                 if token is not None:
-                    ok = hmac.compare_digest(proof, _proof(token, nonce, cmd))
-                    why = f"wrong or missing {TOKEN_ENV} proof"
+                    where = _net.addr_bytes(conn.getsockname())
+                    ok = hmac.compare_digest(proof, _proof(token, nonce, cmd, where))
+                    why = (f"wrong or missing {TOKEN_ENV} proof (or one made for another address than "
+                           f"{where.decode()}: a relay)")
                 else:
                     ok = is_local_same_user(conn)
                     why = (f"asker {conn.getpeername()[0]} is not a local process of this user; "
                            f"set the same {TOKEN_ENV} on every host to serve remote peers")
                 if ok:
                     body = self._describe()
-                    send_frame(conn, b"+" + _seal(token, asker_nonce, nonce, body) + body)
+                    where = _net.addr_bytes(conn.getsockname())
+                    send_frame(conn, b"+" + _seal(token, asker_nonce, nonce, where, body) + body)
                 else:
                     logger.warning("mooncake rpc: refused to describe this engine: %s", why)
                     send_frame(conn, b"-" + why.encode())
@@ -224,7 +232,7 @@ def _ask(host, port, cmd, timeout):
     """One exchange with the rpc port at `host:port`, `timeout` seconds in
     all (connect, challenge, request, answer). Returns (reply, whether the
     server's end is a socket of this uid in this network namespace, the
-    server's nonce, this asker's nonce)."""
+    server's nonce, this asker's nonce, the server address dialled)."""
     deadline = time.monotonic() + timeout
     with socket.create_connection((host, port), timeout=timeout) as raw:
         s = _Within(raw, deadline)
@@ -241,8 +249,9 @@ def _ask(host, port, cmd, timeout):
             except OSError:
                 ours = False
         mine = os.urandom(NONCE_BYTES)
-        send_frame(s, cmd + _proof(_token() if cmd == b"M" else None, nonce, cmd) + mine)
-        return recv_frame(s), ours, nonce, mine
+        where = _net.addr_bytes(raw.getpeername())
+        send_frame(s, cmd + _proof(_token() if cmd == b"M" else None, nonce, cmd, where) + mine)
+        return recv_frame(s), ours, nonce, mine, where
 
 
 def describe(host, port, timeout=IO_TIMEOUT_S):
@@ -250,12 +259,12 @@ def describe(host, port, timeout=IO_TIMEOUT_S):
     it cannot be reached, RpcRefused when it refused, RpcUntrusted when the
     server proved neither the token nor that it runs under this uid here,
     ValueError when the answer is not a JSON object."""
-    reply, ours, nonce, mine = _ask(host, port, b"M", timeout)
+    reply, ours, nonce, mine, where = _ask(host, port, b"M", timeout)
     if reply[:1] != b"+":
         raise RpcRefused(reply[1:].decode(errors="replace"))
     seal, body = reply[1:1 + _net.PROOF_BYTES], reply[1 + _net.PROOF_BYTES:]
     token = _token()
-    sealed = token is not None and hmac.compare_digest(seal, _seal(token, mine, nonce, body))
+    sealed = token is not None and hmac.compare_digest(seal, _seal(token, mine, nonce, where, body))
     if not (sealed or ours):
         raise RpcUntrusted(f"{host}:{port} is not a local process of this user and did not prove "
                            f"{TOKEN_ENV}" + ("" if token is not None else " (none is set here)"))

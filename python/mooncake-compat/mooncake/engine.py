@@ -780,7 +780,7 @@ class TransferEngine:
         if self._etcd is not None:
             try:
                 ep = self._etcd.get(name)
-            except (OSError, ValueError, KeyError, TypeError, IndexError) as e:  # unreachable, or a bad record
+            except Exception as e:  # noqa: BLE001 - unreachable, or any bad record: a code, never raised
                 logger.error("session %s: etcd: %s", name, e)
                 return None
             if ep is None:
@@ -825,9 +825,12 @@ class TransferEngine:
             if drop:
                 self._drop(name)
             return None
+        except Exception as e:  # noqa: BLE001 - e.g. RecursionError from a deeply nested JSON answer
+            logger.error("session %s: unusable answer from its rpc port: %s", name, e)
+            return None
         try:
             md = _checked(desc)
-        except (ValueError, TypeError) as e:
+        except Exception as e:  # noqa: BLE001 - any malformed field: a code, never raised
             logger.error("session %s sent a malformed description: %s", name, e)
             return None
         if desc.get("transport") != self._transport:

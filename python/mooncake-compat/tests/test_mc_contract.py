@@ -1120,6 +1120,7 @@ def test_describe_checks_the_servers_seal_or_uid(transport, monkeypatch):
     b' "md": "AAAA"}', b'{"agent": "x", "instance": "i", "transport": "%s", "buffers": [], "md": "!!"}',
     b'{"agent": "x", "instance": "i", "transport": "%s", "buffers": [[1, -2]], "md": "AAAA"}',
     b'{"agent": "x", "instance": "i", "transport": "%s", "buffers": [], "md": "AAAA"}',
+    b"[" * 200000 + b"]" * 200000,  # RecursionError in json.loads
 ])
 def test_malformed_descriptions_are_codes(transport, answer):
     # a same-uid server (trusted) whose description is malformed: every
@@ -1196,3 +1197,65 @@ def test_another_user_on_a_dead_peers_rpc_port_is_not_a_session(monkeypatch):
         imp.kill()
         imp.wait()
         a.close()
+
+
+def _relay(to_port):
+    """A TCP relay on a port of its own to 127.0.0.1:`to_port` (a process on a
+    dead peer's port passing the exchange to a live peer); returns (port,
+    bytes it saw from the asker, bytes it saw from the live peer, close)."""
+    import threading
+
+    ls = socket.create_server(("127.0.0.1", 0))
+    up, down = bytearray(), bytearray()
+
+    def pump(src, dst, seen):
+        try:
+            while True:
+                b = src.recv(65536)
+                if not b:
+                    break
+                seen += b
+                dst.sendall(b)
+        except OSError:
+            pass
+        for x in (src, dst):
+            try:
+                x.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+    def serve():
+        try:
+            c, _ = ls.accept()
+        except OSError:
+            return
+        r = socket.create_connection(("127.0.0.1", to_port))
+        threading.Thread(target=pump, args=(c, r, up), daemon=True).start()
+        pump(r, c, down)
+
+    threading.Thread(target=serve, daemon=True).start()
+    return ls.getsockname()[1], up, down, ls.close
+
+
+def test_a_relay_to_a_live_peer_gets_no_description(transport, monkeypatch):
+    # With a token, a process on a dead peer's port (another user: the
+    # asker's uid check fails) relays the describe to a live token-holding
+    # peer. The asker's proof is bound to the address it dialled, so the
+    # live peer refuses it and its description (and secret) never crosses
+    # the relay.
+    monkeypatch.setenv("KVWIRE_MOONCAKE_TOKEN", "s3cret")
+    live = TransferEngine()
+    assert live.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0
+    port, up, down, close = _relay(live.get_rpc_port())
+    monkeypatch.setattr(_rpc._net, "tcp_peer_uid", lambda *a: None)  # the relay is not ours
+    try:
+        with pytest.raises(_rpc.RpcRefused, match="relay"):
+            _rpc.describe("127.0.0.1", port)
+        time.sleep(0.2)
+        assert b'"md"' not in bytes(down) and live._instance.encode() not in bytes(down), \
+            "the live peer's description crossed the relay"
+        # direct, the same token is served (the refusal is the address binding)
+        assert _rpc.describe("127.0.0.1", live.get_rpc_port())["agent"] == live.session_id
+    finally:
+        close()
+        live.close()

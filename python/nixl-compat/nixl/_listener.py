@@ -11,7 +11,7 @@ Security (docs/SECURITY.md, issue 27): the metadata holds the agent's
 connection secret, so the listener binds 127.0.0.1 unless
 `KVWIRE_NIXL_LISTEN_ADDR` names another address. Each connection starts
 with a 16-byte nonce from the listener; the caller's frame is preceded by
-HMAC-SHA256(token, nonce || frame), where the token is
+HMAC-SHA256(token, "C" || nonce || frame), where the token is
 `KVWIRE_NIXL_LISTEN_TOKEN` (empty when unset). A frame with a wrong MAC is
 refused (no answer; the connection is closed). Who is served:
 
@@ -29,8 +29,10 @@ did not authenticate. The caller authenticates the listener in turn, before it
 sends anything (a SEND carries the caller's own metadata and secret; a FETCH
 answer names where its KV will go): after the listener's nonce it sends a
 16-byte nonce of its own and the listener answers HMAC-SHA256(token, "L" ||
-caller nonce || listener nonce). The caller goes on only when that proves
-its token (a non-empty one) or the listener's end of the connection is a
+caller nonce || listener nonce || its address of the connection, "ip:port").
+The caller goes on only when that proves its token (a non-empty one) for
+the address it dialled (so another live listener cannot vouch for a dead
+one through a relay) or the listener's end of the connection is a
 socket of the caller's own effective uid in this network namespace; else
 it stops with `ListenerUntrusted` (logged). So another user that binds a
 port where a peer's listener was (or will be) gets no metadata and hands
@@ -102,9 +104,15 @@ def listen_token() -> bytes:
 _mac = _net.proof
 
 
-def _seal(token: bytes, caller_nonce: bytes, nonce: bytes) -> bytes:
-    """The listener's proof to one caller (see the module docs)."""
-    return _mac(token, b"L" + caller_nonce, nonce)
+def _seal(token: bytes, caller_nonce: bytes, nonce: bytes, where: bytes) -> bytes:
+    """The listener's proof to one caller, for the address `where` (module docs)."""
+    return _mac(token, b"L" + caller_nonce + nonce, where)
+
+
+def _caller_mac(token: bytes, nonce: bytes, frame: bytes) -> bytes:
+    """The caller's MAC of `frame` over the listener's nonce ("C": never
+    equal to a listener's seal, "L")."""
+    return _mac(token, b"C" + nonce, frame)
 
 
 def _request(s, payload: bytes) -> None:
@@ -121,13 +129,14 @@ def _request(s, payload: bytes) -> None:
     s.sendall(mine)
     seal = _recv_exact(s, MAC_BYTES)
     token = listen_token()
-    if not ((token and hmac.compare_digest(seal, _seal(token, mine, nonce))) or ours):
+    where = _net.addr_bytes(s.getpeername())
+    if not ((token and hmac.compare_digest(seal, _seal(token, mine, nonce, where))) or ours):
         peer = s.getpeername()
         raise ListenerUntrusted(
             f"listener {peer[0]}:{peer[1]} is not a process of this user and did not prove "
             f"KVWIRE_NIXL_LISTEN_TOKEN{'' if token else ' (none is set here)'}: nothing sent to it"
         )
-    _send(s, _mac(token, nonce, payload) + payload)
+    _send(s, _caller_mac(token, nonce, payload) + payload)
 
 
 def send_frame(ip: str, port: int, payload: bytes, timeout: float = 5.0) -> None:
@@ -250,10 +259,11 @@ class MetadataListener:
             nonce = os.urandom(NONCE_BYTES)
             conn.sendall(nonce)
             # prove ourselves to the caller (module docs) before it sends
-            conn.sendall(_seal(self._token, _recv_exact(conn, NONCE_BYTES), nonce))
+            where = _net.addr_bytes(conn.getsockname())
+            conn.sendall(_seal(self._token, _recv_exact(conn, NONCE_BYTES), nonce, where))
             framed = recv_frame(conn)
             mac, frame = framed[:MAC_BYTES], framed[MAC_BYTES:]
-            if not (self._open and uid_ok and hmac.compare_digest(mac, _mac(self._token, nonce, frame))):
+            if not (self._open and uid_ok and hmac.compare_digest(mac, _caller_mac(self._token, nonce, frame))):
                 logger.warning("metadata listener: refused an unauthenticated request")
                 return
             if not self._pending.take(conn):

@@ -35,7 +35,7 @@ def fetch(port, name=b"target", mac=None):
         L._recv_exact(s, L.MAC_BYTES)  # ... and the listener's seal over it (checked by L._request, not here)
         frame = b"F" + name
         if mac is None:
-            mac = L._mac(L.listen_token(), nonce, frame)
+            mac = L._caller_mac(L.listen_token(), nonce, frame)
         s.sendall(struct.pack(">I", len(mac + frame)) + mac + frame)
         try:
             return L.recv_frame(s)
@@ -334,3 +334,56 @@ def test_another_user_on_a_listener_port_gets_no_metadata_and_gives_none(monkeyp
     assert os.waitstatus_to_exitcode(status) == 0, "the metadata (and its secret) reached uid 65534"
     time.sleep(0.2)
     assert agent.loaded == [], "metadata from uid 65534 was loaded"
+
+
+def test_a_relay_to_a_live_listener_is_refused(monkeypatch):
+    # With a token, a process on a dead peer's listener port (another user:
+    # the caller's uid check fails) relays the handshake to a live listener.
+    # The live listener's seal is bound to its own address, not the one the
+    # caller dialled: the caller stops before its SEND, whose metadata
+    # carries its secret, ever crosses the relay.
+    import threading
+
+    import pytest
+
+    monkeypatch.setenv("KVWIRE_NIXL_LISTEN_TOKEN", "s3cret")
+    live = L.MetadataListener(FakeAgent(), 0)
+    ls = socket.create_server(("127.0.0.1", 0))
+    seen = bytearray()
+
+    def pump(src, dst, record):
+        try:
+            while True:
+                b = src.recv(65536)
+                if not b:
+                    break
+                if record:
+                    seen.extend(b)
+                dst.sendall(b)
+        except OSError:
+            pass
+        for x in (src, dst):
+            try:
+                x.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+    def relay():
+        c, _ = ls.accept()
+        r = socket.create_connection(("127.0.0.1", live.port))
+        threading.Thread(target=pump, args=(r, c, False), daemon=True).start()
+        pump(c, r, True)
+
+    t = threading.Thread(target=relay, daemon=True)
+    t.start()
+    monkeypatch.setattr(L._net, "tcp_peer_uid", lambda *a: None)  # the relay is not ours
+    try:
+        with pytest.raises(L.ListenerUntrusted):
+            L.send_frame("127.0.0.1", ls.getsockname()[1], b"S" + b"METADATA-WITH-SECRET")
+        t.join(5)
+        assert b"SECRET" not in bytes(seen) and len(seen) == L.NONCE_BYTES, bytes(seen)
+        # direct, the same caller is served (the refusal is the address binding)
+        L.send_frame("127.0.0.1", live.port, b"S" + b"PEER-MD")
+    finally:
+        ls.close()
+        live.close()

@@ -274,6 +274,7 @@ pub(super) fn handshake(
     let proof = auth::prove(&info.secret, &nonce, &wire::proof_context(agent)).to_vec();
     let rkeys: Vec<u32> = regions.iter().map(|r| r.rkey.0).collect();
     let ours = Nonce::random()?;
+    let asked: std::collections::HashSet<u32> = rkeys.iter().copied().collect();
     ch.send(&Msg::Hello { agent: agent.to_string(), rkeys, proof, nonce: ours }, None).map_err(fail)?;
     let mut table = HashMap::new();
     let mut fds = HashMap::new();
@@ -281,6 +282,11 @@ pub(super) fn handshake(
     let pid = loop {
         match recv(&ch)? {
             (Msg::Region { rkey, addr, len_bytes, access }, fd) => {
+                // One answer per key asked for: a target cannot make us
+                // hold more descriptors than that (each region's memfd).
+                if !asked.contains(&rkey) {
+                    return Err(cerr(format!("the target answered region {rkey}, which was not asked for")));
+                }
                 if access == Access::Unknown {
                     return Err(cerr(format!("peer has no region with rkey {rkey} (stale metadata?)")));
                 }
@@ -302,7 +308,7 @@ pub(super) fn handshake(
                 if !auth::verify(&info.secret, &ours, &wire::ready_context(agent, &nonce), &proof) {
                     return Err(cerr(
                         "refused (Impostor): the target did not prove the agent secret of its metadata \
-                         (another process on its socket name?); nothing was mapped or sent"
+                         (another process on its socket name?); none of its regions was mapped"
                             .into(),
                     ));
                 }

@@ -442,7 +442,7 @@ impl Dialer {
                     Err(std::io::Error::new(
                         std::io::ErrorKind::PermissionDenied,
                         "refused (Impostor): the target did not prove the agent secret of its metadata \
-                         (another process on its address?); nothing was sent to it",
+                         (another process on its address?); no request was sent to it",
                     ))
                 }
             }
