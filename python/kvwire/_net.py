@@ -7,6 +7,7 @@ extension needed."""
 import hashlib
 import hmac
 import ipaddress
+import os
 import socket
 import struct
 import threading
@@ -71,13 +72,35 @@ def _sock_addr(addr):
     return ip, int(addr[1])
 
 
+def _here():
+    """This host's boot id and this process's network namespace (inode):
+    what both ends of a loopback connection share and no other host or
+    namespace does. Empty parts where /proc cannot be read."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = ""
+    try:
+        ns = os.stat("/proc/self/ns/net").st_ino
+    except OSError:
+        ns = 0
+    return f"@{boot}/{ns}"
+
+
 def addr_bytes(addr):
     """A socket address tuple as bytes ``b"ip:port"`` (an IPv4-mapped IPv6
     address as its IPv4 address), for binding a proof to the address a
     connection was made to: the accepting side passes ``getsockname()``,
-    the connecting side ``getpeername()``."""
+    the connecting side ``getpeername()``. A loopback address names the
+    same port in every namespace and on every host, so it also carries
+    the boot id and network namespace (``b"127.0.0.1:P@boot/netns"``): a
+    proof for one namespace's 127.0.0.1:P does not vouch for another's."""
     ip, port = _sock_addr(addr)
-    return f"{ip}:{port}".encode()
+    text = f"{ip}:{port}"
+    if ip.is_loopback:
+        text += _here()
+    return text.encode()
 
 
 def tcp_peer_uid(peer, local):

@@ -186,7 +186,8 @@ def _split_host_port(name):
 
 
 def _port(text):
-    return int(text) if _digits(text) and 0 < int(text) < 65536 else None
+    # at most 5 digits: int() refuses (raises on) thousands of them
+    return int(text) if _digits(text) and len(text) <= 5 and 0 < int(text) < 65536 else None
 
 
 def _digits(text):
@@ -316,7 +317,7 @@ class _Etcd:
                                              headers={"Content-Type": "application/json"})
                 with urllib.request.urlopen(req, timeout=5) as r:
                     return json.loads(r.read() or b"{}")
-            except (OSError, urllib.error.URLError, ValueError) as e:
+            except Exception as e:  # noqa: BLE001 - unreachable, or any bad answer (RecursionError): OSError below
                 last = e
         raise OSError(f"etcd {self.endpoints}: {last}")
 

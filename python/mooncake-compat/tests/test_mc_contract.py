@@ -1259,3 +1259,34 @@ def test_a_relay_to_a_live_peer_gets_no_description(transport, monkeypatch):
     finally:
         close()
         live.close()
+
+
+def test_a_loopback_address_in_a_proof_names_its_namespace():
+    # 127.0.0.1:P is the same text in every network namespace and on every
+    # host, so a seal for it alone would vouch for another namespace's
+    # 127.0.0.1:P to a relay; the bound address also carries the boot id
+    # and network namespace (other addresses are bound as they are).
+    from kvwire import _net
+
+    here = _net.addr_bytes(("127.0.0.1", 15001))
+    assert here.startswith(b"127.0.0.1:15001@") and here == _net.addr_bytes(("::ffff:127.0.0.1", 15001))
+    assert _net.addr_bytes(("192.0.2.7", 15001)) == b"192.0.2.7:15001"
+    code = "import sys; sys.path[:0] = %r; from kvwire import _net; print(_net.addr_bytes(('127.0.0.1', 15001)))"
+    out = subprocess.run(["unshare", "--net", sys.executable, "-c", code % (sys.path,)], capture_output=True, text=True,
+                         timeout=30)
+    if out.returncode != 0:
+        pytest.skip(f"skipped: cannot make a network namespace here ({out.stderr.strip()[:120]})")
+    other = eval(out.stdout.strip())  # noqa: S307 - our own child's repr of bytes
+    assert other.startswith(b"127.0.0.1:15001@") and other != here
+
+
+def test_an_overlong_port_is_a_code(engines):
+    # int() raises past 4,300 digits: a session (or etcd record) with such a
+    # port is Mooncake's code, never an exception
+    a, _ = engines
+    x = reg(a, PAGE, fill=6)
+    name = "127.0.0.1:" + "1" * 5000
+    assert a.transfer_sync_write(name, x.ctypes.data, 4096, PAGE) == -1
+    assert a.batch_transfer_sync_write(name, [x.ctypes.data], [4096], [PAGE]) == -1
+    assert a.get_first_buffer_address(name) == 0
+    assert a.send_probe(name) == me.ERR_SOCKET
