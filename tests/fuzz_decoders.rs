@@ -17,14 +17,14 @@ use std::path::Path;
 use std::time::Duration;
 
 mod fuzz_util;
+mod tcp_util;
 
 use fuzz_util::{Rng, corpus, iters, mutate};
 use kvwire::HostBuffer;
 use kvwire::engine::metadata::{AgentMetadata, MAX_METADATA_BYTES};
 use kvwire::kv::{KVCacheMemory, KVTransferEngine, KVTransferEngineMetadata, KvError, TransferReqData};
 use kvwire::sidechannel::{MAX_MESSAGE_BYTES, SideChannel, SideChannelError};
-use kvwire::transport::auth::{self, Nonce};
-use kvwire::transport::tcp::{TcpConnectionInfo, TcpTransport, wire};
+use kvwire::transport::tcp::{TcpTransport, wire};
 use kvwire::transport::{RemoteKey, RemoteRegion, Transport, TransportConfig, TransportKind};
 
 fn region(addr: u64, rkey: u32) -> RemoteRegion {
@@ -209,7 +209,7 @@ fn a_live_tcp_target_survives_mutated_frames() {
     // (deregistered below before `buf` drops).
     let view = std::sync::Arc::new(unsafe { kvwire::transport::RawMemory::new(desc) });
     let reg = target.register(view.clone()).unwrap();
-    let info = TcpConnectionInfo::decode(&target.connection_info()).unwrap();
+    let info_bytes = target.connection_info();
     // Seeds aimed at the registered region, so mutants reach the data path.
     let mut seeds = corpus("tcp_frames");
     for (kind, len) in [(wire::Kind::Write, 512u64), (wire::Kind::Read, 512)] {
@@ -221,20 +221,7 @@ fn a_live_tcp_target_survives_mutated_frames() {
         seeds.push(f);
     }
     let connect = || {
-        let mut s = TcpStream::connect(&info.addr).unwrap();
-        s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
-        let mut b = [0u8; wire::HEADER_BYTES];
-        s.read_exact(&mut b).unwrap();
-        let mut n = Nonce([0; auth::NONCE_BYTES]);
-        s.read_exact(&mut n.0).unwrap();
-        let h = wire::Header { kind: wire::Kind::Hello, count: 4, id: wire::MAGIC_VERSION, len: 0 };
-        s.write_all(&h.encode()).unwrap();
-        s.write_all(b"fuzz").unwrap();
-        s.write_all(&auth::prove(&info.secret, &n, &wire::proof_context(b"fuzz"))).unwrap();
-        s.write_all(&[0u8; auth::NONCE_BYTES]).unwrap();
-        s.read_exact(&mut b).unwrap();
-        let ack = wire::Header::decode(&b).unwrap();
-        s.read_exact(&mut vec![0u8; ack.body_bytes()]).unwrap();
+        let s = tcp_util::authed_client(&info_bytes, "fuzz");
         s.set_read_timeout(Some(Duration::from_millis(50))).unwrap();
         s
     };

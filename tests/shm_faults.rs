@@ -13,7 +13,7 @@ use kvwire::HostBuffer;
 use kvwire::engine::{Desc, TransferEngine, TransferHandle, TransferStatus};
 use kvwire::transport::auth::{self, AgentSecret, Nonce};
 use kvwire::transport::shm::ShmTransport;
-use kvwire::transport::shm::wire::{self, Access, Listener, Msg, ShmInfo};
+use kvwire::transport::shm::wire::{self, Access, Channel, Listener, Msg, ShmInfo};
 use kvwire::transport::{
     FailureKind, MemoryKind, Op, RemoteKey, RemoteRegion, Transport, TransportConfig, TransportError, TransportKind,
 };
@@ -158,6 +158,29 @@ fn lying_target(fd: OwnedFd, claim: u64) -> (Vec<u8>, std::thread::JoinHandle<()
     })
 }
 
+/// A fresh abstract socket for a fake target, and the connection info
+/// naming it with the secret `[1; 16]`.
+fn fake_socket() -> (Listener, ShmInfo) {
+    static N: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+    let n = N.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let name = format!("kvwire-fake-target-{}-{n}", std::process::id());
+    let l = Listener::bind(&name).unwrap();
+    let boot = std::fs::read_to_string("/proc/sys/kernel/random/boot_id").unwrap().trim().to_string();
+    (l, ShmInfo { boot_id: boot, socket: name, secret: AgentSecret::from_bytes([1; 16]) })
+}
+
+/// A fake target's side of the handshake up to the hello: accept one
+/// connection, challenge it (nonce zero), read its hello. Returns the
+/// channel, the initiator's agent name, the challenge and its nonce.
+fn fake_hello(l: &Listener) -> (Channel, String, Nonce, Nonce) {
+    let ch = l.accept().unwrap();
+    ch.set_timeouts(Duration::from_secs(5)).unwrap();
+    let challenge = Nonce([0; 16]);
+    ch.send(&Msg::Challenge { nonce: challenge }, None).unwrap();
+    let Ok(Some((Msg::Hello { agent, nonce: theirs, .. }, _))) = ch.recv() else { panic!("no hello") };
+    (ch, agent, challenge, theirs)
+}
+
 /// A fake target (secret `[1; 16]`, the one its info publishes) that
 /// answers one connection with a region of `claim` bytes backed by `fd`
 /// and a `Ready` whose proof is `ready(secret, initiator agent, challenge,
@@ -167,19 +190,10 @@ fn fake_target(
     claim: u64,
     ready: impl Fn(&AgentSecret, &str, &Nonce, &Nonce) -> Vec<u8> + Send + 'static,
 ) -> (Vec<u8>, std::thread::JoinHandle<()>) {
-    static N: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
-    let n = N.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-    let name = format!("kvwire-fake-target-{}-{claim}-{n}", std::process::id());
-    let l = Listener::bind(&name).unwrap();
-    let boot = std::fs::read_to_string("/proc/sys/kernel/random/boot_id").unwrap().trim().to_string();
-    let secret = AgentSecret::from_bytes([1; 16]);
-    let info = ShmInfo { boot_id: boot, socket: name, secret: secret.clone() };
+    let (l, info) = fake_socket();
+    let secret = info.secret.clone();
     let t = std::thread::spawn(move || {
-        let ch = l.accept().unwrap();
-        ch.set_timeouts(Duration::from_secs(5)).unwrap();
-        let challenge = Nonce([0; 16]);
-        ch.send(&Msg::Challenge { nonce: challenge }, None).unwrap();
-        let Ok(Some((Msg::Hello { agent, nonce: theirs, .. }, _))) = ch.recv() else { panic!("no hello") };
+        let (ch, agent, challenge, theirs) = fake_hello(&l);
         let region = Msg::Region { rkey: 1, addr: 1 << 30, len_bytes: claim, access: Access::Fd { offset: 0 } };
         ch.send(&region, Some(fd.as_raw_fd())).unwrap();
         let proof = ready(&secret, &agent, &challenge, &theirs);
@@ -341,26 +355,17 @@ fn a_deregister_nobody_confirms_times_out_with_a_timeout_error() {
 /// fails the connect.
 #[test]
 fn regions_nobody_asked_for_fail_the_connect() {
-    let name = format!("kvwire-fake-target-{}-flood", std::process::id());
-    let l = Listener::bind(&name).unwrap();
-    let boot = std::fs::read_to_string("/proc/sys/kernel/random/boot_id").unwrap().trim().to_string();
-    let info = ShmInfo { boot_id: boot, socket: name, secret: AgentSecret::from_bytes([1; 16]) };
+    let (l, info) = fake_socket();
     let t = std::thread::spawn(move || {
-        let ch = l.accept().unwrap();
-        ch.set_timeouts(Duration::from_secs(5)).unwrap();
-        ch.send(&Msg::Challenge { nonce: Nonce([0; 16]) }, None).unwrap();
-        let _hello = ch.recv().unwrap();
+        let (ch, ..) = fake_hello(&l);
         let fd = memfd(4096, true);
-        let mut sent = 0;
         for rkey in 100..200u32 {
             let region = Msg::Region { rkey, addr: 1 << 30, len_bytes: 4096, access: Access::Fd { offset: 0 } };
             if ch.send(&region, Some(fd.as_raw_fd())).is_err() {
                 break;
             }
-            sent += 1;
         }
         let _ = ch.recv(); // until the initiator leaves
-        sent
     });
     let err = connect_to(&info.encode(), 4096).unwrap_err();
     assert!(err.to_string().contains("not asked for"), "{err}");

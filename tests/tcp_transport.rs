@@ -269,24 +269,13 @@ fn silent_peer_fails_within_the_timeout() {
 #[test]
 fn hostile_frames_are_refused_and_the_target_keeps_serving() {
     let mut p = raw_pair(1000);
-    let info = TcpConnectionInfo::decode(&p.target.connection_info()).unwrap();
-    let addr = info.addr.clone();
+    let info = p.target.connection_info();
+    let addr = TcpConnectionInfo::decode(&info).unwrap().addr;
     // An authenticated client: the frames below test the decoder, not the handshake.
-    let hello = |s: &mut TcpStream| {
-        let mut b = [0u8; wire::HEADER_BYTES];
-        s.read_exact(&mut b).unwrap();
-        let mut nonce = Nonce([0; auth::NONCE_BYTES]);
-        s.read_exact(&mut nonce.0).unwrap();
-        let h = wire::Header { kind: wire::Kind::Hello, count: 4, id: wire::MAGIC_VERSION, len: 0 };
-        s.write_all(&h.encode()).unwrap();
-        s.write_all(b"evil").unwrap();
-        s.write_all(&auth::prove(&info.secret, &nonce, &wire::proof_context(b"evil"))).unwrap();
-        s.write_all(&[0u8; auth::NONCE_BYTES]).unwrap();
-        let mut ack = [0u8; wire::HEADER_BYTES];
-        s.read_exact(&mut ack).unwrap();
-        let ack = wire::Header::decode(&ack).unwrap();
-        assert_eq!(ack.kind, wire::Kind::HelloAck);
-        s.read_exact(&mut vec![0u8; ack.body_bytes()]).unwrap();
+    let authed = || {
+        let s = tcp_util::authed_client(&info, "evil");
+        s.set_read_timeout(Some(Duration::from_secs(3))).unwrap();
+        s
     };
     let frames: Vec<Vec<u8>> = vec![
         vec![0xff; 24],                                                                             // unknown kind
@@ -296,18 +285,14 @@ fn hostile_frames_are_refused_and_the_target_keeps_serving() {
         wire::Header { kind: wire::Kind::Resp, count: 0, id: 1, len: 0 }.encode().to_vec(),         // wrong direction
     ];
     for f in frames {
-        let mut s = TcpStream::connect(&addr).unwrap();
-        s.set_read_timeout(Some(Duration::from_secs(3))).unwrap();
-        hello(&mut s);
+        let mut s = authed();
         s.write_all(&f).unwrap();
         let mut rest = Vec::new();
         let _ = s.read_to_end(&mut rest); // the target answers "protocol" and closes
         assert!(rest.len() <= wire::HEADER_BYTES + wire::MAX_REASON_BYTES as usize);
     }
     // A segment list whose lengths do not add up.
-    let mut s = TcpStream::connect(&addr).unwrap();
-    s.set_read_timeout(Some(Duration::from_secs(3))).unwrap();
-    hello(&mut s);
+    let mut s = authed();
     let mut f = wire::Header { kind: wire::Kind::Write, count: 1, id: 1, len: 10 }.encode().to_vec();
     wire::encode_segments([wire::SegmentDesc { rkey: p.rkey.0, addr: p.dst.addr(), len_bytes: 5 }], &mut f);
     s.write_all(&f).unwrap();

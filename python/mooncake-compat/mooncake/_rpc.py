@@ -172,8 +172,8 @@ class RpcServer:
                 send_frame(conn, b"-an asker nonce is required (an older kvwire?)")
             elif cmd == b"M":
                 token = self._token
+                where = _net.addr_bytes(conn.getsockname())  # what the asker dialled
                 if token is not None:
-                    where = _net.addr_bytes(conn.getsockname())
                     ok = hmac.compare_digest(proof, _proof(token, nonce, cmd, where))
                     why = (f"wrong or missing {TOKEN_ENV} proof (or one made for another address than "
                            f"{where.decode()}: a relay)")
@@ -183,7 +183,6 @@ class RpcServer:
                            f"set the same {TOKEN_ENV} on every host to serve remote peers")
                 if ok:
                     body = self._describe()
-                    where = _net.addr_bytes(conn.getsockname())
                     send_frame(conn, b"+" + _seal(token, asker_nonce, nonce, where, body) + body)
                 else:
                     logger.warning("mooncake rpc: refused to describe this engine: %s", why)
