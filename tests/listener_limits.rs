@@ -180,7 +180,23 @@ fn accept_through_emfile(addr: &str) {
     let _limit = Lowered::to(open_fds() + 32);
     let mut held = exhaust();
     held.pop(); // one descriptor: our end of a connection the listener cannot accept
-    let queued = TcpStream::connect(addr).unwrap();
+    // Another thread of this test process (one a test before this left
+    // ending) may take the freed descriptor for a moment: wait for it, and
+    // free one more only if it keeps it.
+    let mut tries = 0;
+    let queued = loop {
+        match TcpStream::connect(addr) {
+            Ok(c) => break c,
+            Err(e) if e.raw_os_error() == Some(libc::EMFILE) && tries < 100 => {
+                tries += 1;
+                if tries % 20 == 0 {
+                    held.pop();
+                }
+                std::thread::sleep(Duration::from_millis(10));
+            }
+            Err(e) => panic!("connect to {addr} while out of descriptors: {e}"),
+        }
+    };
     std::thread::sleep(Duration::from_millis(300)); // the listener's accept fails with EMFILE meanwhile
     drop(queued);
     drop(held);

@@ -265,3 +265,41 @@ fn an_impostor_on_a_dead_targets_address_gets_no_write() {
         }
     }
 }
+
+/// A FENCE (wire v4) stops only connections of the agent and session that
+/// sends it: another initiator that names every connection index with the
+/// largest generation cuts none of a third party's connections, whose
+/// transfers go on.
+#[test]
+fn a_fence_from_one_initiator_cuts_no_other_initiators_connection() {
+    let (_t, buf, rkey, info) = target();
+    let mut decode = TcpTransport::new("decode", &cfg(2000)).unwrap();
+    let src = std::sync::Arc::new(HostBuffer::new(4096).unwrap());
+    let lkey = decode.register(src.clone()).unwrap().lkey;
+    let peer = decode.connect("target", &info, &[]).unwrap();
+    let write = |t: &mut TcpTransport, id: u64, byte: u8| {
+        src.fill_with(0, 4096, |_| byte);
+        let segments = vec![Segment {
+            local_addr: src.addr(),
+            remote_addr: buf.addr(),
+            len_bytes: 4096,
+            lkey,
+            rkey: RemoteKey(rkey),
+        }];
+        t.post(PostRequest { xfer: XferId(id), op: Op::Write, peer, segments, notification: None }).unwrap();
+        let c = completion(t, Duration::from_secs(5)).expect("the write completes");
+        assert_eq!(c.result, Ok(()), "write {id}");
+        assert!(buf.to_vec(..4096).iter().all(|&b| b == byte), "write {id} landed");
+    };
+    write(&mut decode, 1, 0x33);
+    let mut s = authed_client(&info, "prefill");
+    let n = wire::MAX_FENCE_ENTRIES;
+    let mut f = wire::Header { kind: wire::Kind::Fence, count: n, id: 9, len: 0 }.encode().to_vec();
+    for i in 0..n as u64 {
+        f.extend_from_slice(&wire::hello_slot(i, u64::MAX >> 16).to_le_bytes());
+    }
+    s.write_all(&f).unwrap();
+    let (h, _) = read_resp(&mut s);
+    assert_eq!((h.kind, h.id, h.status()), (wire::Kind::Resp, 9, wire::Status::Ok));
+    write(&mut decode, 2, 0x44);
+}

@@ -26,13 +26,28 @@ struct Proxy {
     /// Bytes per second each direction of each connection carries (0: no
     /// limit).
     rate: Arc<AtomicU64>,
+    /// Connections accepted so far (each numbered in accept order).
+    accepted: Arc<AtomicU64>,
+    /// Connections numbered below this stay frozen whatever `frozen` says.
+    held_below: Arc<AtomicU64>,
 }
 
-fn pump(mut from: TcpStream, mut to: TcpStream, frozen: Arc<AtomicBool>, rate: Arc<AtomicU64>) {
+/// What one direction of one proxied connection obeys.
+#[derive(Clone)]
+struct Wire {
+    frozen: Arc<AtomicBool>,
+    rate: Arc<AtomicU64>,
+    /// This connection's number in accept order.
+    seq: u64,
+    held_below: Arc<AtomicU64>,
+}
+
+fn pump(mut from: TcpStream, mut to: TcpStream, w: Wire) {
     const BUF: u64 = 16 << 10;
+    let Wire { frozen, rate, seq, held_below } = w;
     let mut buf = vec![0u8; BUF as usize];
     loop {
-        while frozen.load(Ordering::Acquire) {
+        while frozen.load(Ordering::Acquire) || seq < held_below.load(Ordering::Acquire) {
             std::thread::sleep(Duration::from_millis(2));
         }
         if let Some(us) = (BUF * 1_000_000).checked_div(rate.load(Ordering::Relaxed)) {
@@ -63,7 +78,9 @@ impl Proxy {
         let accepting = Arc::new(AtomicBool::new(true));
         let frozen = Arc::new(AtomicBool::new(false));
         let rate = Arc::new(AtomicU64::new(0));
-        let (a, f, r) = (accepting.clone(), frozen.clone(), rate.clone());
+        let accepted = Arc::new(AtomicU64::new(0));
+        let held_below = Arc::new(AtomicU64::new(0));
+        let (a, f, r, n, h) = (accepting.clone(), frozen.clone(), rate.clone(), accepted.clone(), held_below.clone());
         std::thread::spawn(move || {
             loop {
                 if !a.load(Ordering::Acquire) {
@@ -75,15 +92,27 @@ impl Proxy {
                         c.set_nonblocking(false).unwrap();
                         let t = TcpStream::connect(&target).unwrap();
                         let (c2, t2) = (c.try_clone().unwrap(), t.try_clone().unwrap());
-                        let (f1, f2, r1, r2) = (f.clone(), f.clone(), r.clone(), r.clone());
-                        std::thread::spawn(move || pump(c, t, f1, r1));
-                        std::thread::spawn(move || pump(t2, c2, f2, r2));
+                        let seq = n.fetch_add(1, Ordering::AcqRel);
+                        let w = Wire { frozen: f.clone(), rate: r.clone(), seq, held_below: h.clone() };
+                        let w2 = w.clone();
+                        std::thread::spawn(move || pump(c, t, w));
+                        std::thread::spawn(move || pump(t2, c2, w2));
                     }
                     Err(_) => std::thread::sleep(Duration::from_millis(2)),
                 }
             }
         });
-        Proxy { addr, accepting, frozen, rate }
+        Proxy { addr, accepting, frozen, rate, accepted, held_below }
+    }
+
+    /// Keep every connection accepted so far frozen (until
+    /// [`Proxy::release_held`]); later ones follow `frozen`.
+    fn hold_existing(&self) {
+        self.held_below.store(self.accepted.load(Ordering::Acquire), Ordering::Release);
+    }
+
+    fn release_held(&self) {
+        self.held_below.store(0, Ordering::Release);
     }
 }
 
@@ -343,6 +372,51 @@ fn releases_one_after_another_to_a_stalled_peer_wait_one_grace() {
     let c = completion(&mut s.init, Duration::from_secs(10)).expect("xfer 20 completes");
     assert_eq!((c.xfer, c.result), (XferId(20), Ok(())));
     assert!(s.dst.eq_at(0, &[0x77; MIB as usize]), "xfer 20's bytes did not land");
+}
+
+/// The bytes of a cancelled WRITE still on their way when cancel returned
+/// (here held by the proxy, as by a stopped target's receive path or a
+/// middlebox) never land after, and over, the bytes of a later WRITE to the
+/// same place: the later transfer's chunks first fence the cut connections
+/// (wire v4 FENCE), and the target takes no more data from them. Without
+/// the fence the held 0x11 bytes land over xfer 20's 0x77 once released.
+#[test]
+fn a_cancelled_writes_late_bytes_never_overwrite_a_later_write() {
+    let mut s = warmed(Duration::from_secs(30), 4);
+    s.proxy.frozen.store(true, Ordering::Release);
+    let r = s.rkey;
+    s.src.fill_with(0, (16 * MIB) as usize, |_| 0x11);
+    for i in 0..4u64 {
+        s.post(10 + i, &[(i * 4 * MIB, 4 * MIB, r)]);
+    }
+    std::thread::sleep(Duration::from_millis(300));
+    for i in 0..4u64 {
+        s.init.cancel(XferId(10 + i));
+    }
+    // The four cut connections stay held, their bytes inside; new ones
+    // flow. One chunk: one redial (the proxy's backlog of 0 makes several
+    // at once slow), whose fence names all four cuts.
+    s.proxy.hold_existing();
+    // What each pump had already read when the wire froze (up to 16 KiB a
+    // connection) landed before cancel returned.
+    let stale =
+        |s: &Setup| s.dst.to_vec((4 * MIB) as usize..(16 * MIB) as usize).iter().filter(|&&b| b == 0x11).count();
+    let landed_before = stale(&s);
+    s.proxy.frozen.store(false, Ordering::Release);
+    s.src.fill_with(0, (4 * MIB) as usize, |_| 0x77);
+    s.post(20, &[(0, 4 * MIB, r)]);
+    let c = completion(&mut s.init, Duration::from_secs(10)).expect("xfer 20 completes");
+    assert_eq!((c.xfer, c.result), (XferId(20), Ok(())));
+    assert!(s.dst.eq_at(0, &[0x77; (4 * MIB) as usize]), "xfer 20's bytes did not land");
+    s.proxy.release_held();
+    std::thread::sleep(Duration::from_millis(1000));
+    assert!(s.dst.eq_at(0, &[0x77; (4 * MIB) as usize]), "late bytes of a cancelled WRITE landed over xfer 20's");
+    let late = stale(&s) - landed_before;
+    assert_eq!(late, 0, "{late} late bytes of the cancelled WRITEs landed after xfer 20");
+    // The peer is whole: another transfer goes through.
+    s.post(21, &[(4 * MIB, MIB, r)]);
+    let c = completion(&mut s.init, Duration::from_secs(10)).expect("xfer 21 completes");
+    assert_eq!((c.xfer, c.result), (XferId(21), Ok(())));
 }
 
 /// Post an 8 MiB WRITE `id` (two 4 MiB chunks) to a target the proxy

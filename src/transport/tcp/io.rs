@@ -156,8 +156,9 @@ pub(super) unsafe fn write_ranges(
 /// `deadline` when one is given.
 ///
 /// When `cancelled` becomes true between two calls, the rest of the bytes
-/// are read into a scratch buffer instead, so the stream stays in step while
-/// local memory is no longer touched. Returns `false` in that case.
+/// are read into a scratch buffer instead (`drain`), so the stream stays in
+/// step while local memory is no longer touched, or not read at all (the
+/// connection is being dropped). Returns `false` in that case.
 ///
 /// # Errors
 /// The socket error; `UnexpectedEof` when the peer closed; `TimedOut` past
@@ -170,6 +171,7 @@ pub(super) unsafe fn read_ranges(
     sock: &TcpStream,
     ranges: &[Range],
     cancelled: &AtomicBool,
+    drain_after_cancel: bool,
     deadline: Option<&Deadline>,
 ) -> io::Result<bool> {
     let mut iov = iovecs(None, ranges);
@@ -177,6 +179,9 @@ pub(super) unsafe fn read_ranges(
     advance(&mut iov, &mut at, 0);
     while at < iov.len() {
         if cancelled.load(Ordering::Acquire) {
+            if !drain_after_cancel {
+                return Ok(false);
+            }
             let rest: u64 = iov[at..].iter().map(|v| v.iov_len as u64).sum();
             drain(sock, rest, deadline)?;
             return Ok(false);

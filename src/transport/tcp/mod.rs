@@ -404,7 +404,11 @@ impl Dialer {
     /// prove the same secret back over our own nonce (wire v3): a process
     /// that took over the peer's address (it died, another user bound the
     /// port) is refused before any request goes to it.
-    pub(super) fn handshake(&self, sock: &TcpStream, index: usize) -> std::io::Result<()> {
+    ///
+    /// `generation` ([`next_generation`]) tells the target which opening of
+    /// connection `index` this is, so that a FENCE can name the ones a
+    /// cancel cut.
+    pub(super) fn handshake(&self, sock: &TcpStream, index: usize, generation: u64) -> std::io::Result<()> {
         let bad = |what: String| std::io::Error::new(std::io::ErrorKind::InvalidData, what);
         let mut b = [0u8; wire::HEADER_BYTES];
         io::read_exact(sock, &mut b)?;
@@ -424,7 +428,7 @@ impl Dialer {
             kind: wire::Kind::Hello,
             count: name.len() as u32,
             id: wire::MAGIC_VERSION,
-            len: index as u64,
+            len: wire::hello_slot(index as u64, generation),
         };
         let mut frame = h.encode().to_vec();
         frame.extend_from_slice(name);
@@ -463,12 +467,22 @@ impl Dialer {
         }
     }
 
-    /// [`Dialer::connect`] then [`Dialer::handshake`].
-    fn open(&self, index: usize) -> std::io::Result<TcpStream> {
+    /// [`Dialer::connect`] then [`Dialer::handshake`]; the connection and
+    /// its generation.
+    fn open(&self, index: usize) -> std::io::Result<(TcpStream, u64)> {
         let sock = self.connect(|| false)?;
-        self.handshake(&sock, index)?;
-        Ok(sock)
+        let generation = next_generation();
+        self.handshake(&sock, index, generation)?;
+        Ok((sock, generation))
     }
+}
+
+/// A new connection generation: one process-wide counter, so a redial's
+/// generation is larger than that of every connection it replaces, also
+/// across a `disconnect` + `connect` of the same name (wire v4 hello, FENCE).
+pub(super) fn next_generation() -> u64 {
+    static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
+    NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
 }
 
 /// Split segments so each chunk stays within [`CHUNK_BYTES`] and
@@ -552,13 +566,13 @@ impl Transport for TcpTransport {
         }
         let slots = socks
             .iter()
-            .map(|s| s.try_clone().map(worker::Slot::new))
+            .map(|(s, generation)| s.try_clone().map(|s| worker::Slot::new(s, *generation)))
             .collect::<Result<Vec<_>, _>>()
             .map_err(|e| TransportError::io("dup", e))?;
         let shared = Arc::new(PeerShared::new(peer_name, slots, dialer));
         let (tx, rx) = crossbeam_channel::unbounded::<Job>();
         let mut workers = Vec::with_capacity(socks.len());
-        for (i, sock) in socks.into_iter().enumerate() {
+        for (i, (sock, _)) in socks.into_iter().enumerate() {
             let (rx, done, peer) = (rx.clone(), self.inflight.sender(), shared.clone());
             let spawned = std::thread::Builder::new()
                 .name(format!("kvwire-tcp-{i}"))

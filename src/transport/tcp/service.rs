@@ -102,9 +102,24 @@ struct Conn {
     id: u64,
     /// Once authenticated: the agent name it proved and its session.
     agent: Option<(String, u64)>,
+    /// Once authenticated: the initiator's (connection index, generation)
+    /// from the hello, which a FENCE names.
+    slot: (u64, u64),
     sock: TcpStream,
     thread: Option<JoinHandle<()>>,
     state: Arc<AtomicU8>,
+    fence: Arc<Fence>,
+}
+
+/// A connection's fence: once `fenced` is set no more of its data reaches
+/// memory (a WRITE stops between two `readv` calls, the rest is dropped
+/// with the connection); `copying` is held while a WRITE reads into
+/// memory, so the fencer, having set the flag and shut the socket down
+/// (waking a blocked `readv`), waits on it for the last `readv` to return.
+#[derive(Default)]
+struct Fence {
+    fenced: AtomicBool,
+    copying: Mutex<()>,
 }
 
 /// The listener and its service threads; dropping it stops them all.
@@ -200,6 +215,7 @@ fn accept_loop(listener: &TcpListener, shared: &Arc<Shared>) {
         next_id += 1;
         let id = next_id;
         let state = Arc::new(AtomicU8::new(PREAUTH));
+        let fence = Arc::new(Fence::default());
         {
             let mut conns = lock_conns(shared);
             let waiting: Vec<usize> =
@@ -213,11 +229,19 @@ fn accept_loop(listener: &TcpListener, shared: &Arc<Shared>) {
                     }
                 }
             }
-            conns.push(Conn { id, agent: None, sock: handle, thread: None, state: state.clone() });
+            conns.push(Conn {
+                id,
+                agent: None,
+                slot: (0, 0),
+                sock: handle,
+                thread: None,
+                state: state.clone(),
+                fence: fence.clone(),
+            });
         }
         let s = shared.clone();
         let spawned = std::thread::Builder::new().name("kvwire-tcp-serve".into()).spawn(move || {
-            if let Err(e) = serve_conn(&stream, &s, from, id, &state) {
+            if let Err(e) = serve_conn(&stream, &s, from, id, &state, &fence) {
                 tracing::debug!("tcp: connection from {from} ended: {e}");
             }
             // `conns` holds a clone: close explicitly so the peer sees it now,
@@ -353,6 +377,7 @@ fn handshake(
         }
         if let Some(c) = conns.iter_mut().find(|c| c.id == id) {
             c.agent = Some((agent.clone(), session));
+            c.slot = wire::split_slot(hello.len);
         }
     }
     let ack = Header { kind: Kind::HelloAck, count: wire::PROOF_BYTES as u32, id: wire::MAGIC_VERSION, len: 0 };
@@ -371,7 +396,14 @@ fn at_eof(sock: &TcpStream) -> bool {
     n == 0 || (n < 0 && !matches!(io::Error::last_os_error().raw_os_error(), Some(libc::EAGAIN | libc::EINTR)))
 }
 
-fn serve_conn(sock: &TcpStream, shared: &Shared, from: SocketAddr, id: u64, state: &AtomicU8) -> io::Result<()> {
+fn serve_conn(
+    sock: &TcpStream,
+    shared: &Shared,
+    from: SocketAddr,
+    id: u64,
+    state: &AtomicU8,
+    fence: &Fence,
+) -> io::Result<()> {
     sock.set_nodelay(true)?;
     sock.set_read_timeout(Some(shared.timeout))?;
     sock.set_write_timeout(Some(shared.timeout))?;
@@ -385,7 +417,7 @@ fn serve_conn(sock: &TcpStream, shared: &Shared, from: SocketAddr, id: u64, stat
     let mut hdr = [0u8; wire::HEADER_BYTES];
     let mut first = [0u8; 1];
     loop {
-        if !wait_request(sock, &mut first, &shared.stopping)? {
+        if !wait_request(sock, &mut first, &shared.stopping)? || fence.fenced.load(Ordering::Acquire) {
             return Ok(());
         }
         hdr[0] = first[0];
@@ -410,13 +442,18 @@ fn serve_conn(sock: &TcpStream, shared: &Shared, from: SocketAddr, id: u64, stat
                     let _ = respond(sock, h.id, Status::Protocol, &e.to_string());
                     return Ok(());
                 }
-                serve_data(sock, shared, &agent, &h, &segs, &mut ranges, &deadline)?;
+                let conn = Served { sock, agent: &agent, fence };
+                serve_data(&conn, shared, &h, &segs, &mut ranges, &deadline)?;
             }
             Kind::Notify => {
                 match shared.notifs.push(Notification { from_agent: agent.clone(), payload: body.clone() }) {
                     Ok(()) => respond(sock, h.id, Status::Ok, "")?,
                     Err(why) => respond(sock, h.id, Status::Overloaded, &why)?,
                 }
+            }
+            Kind::Fence => {
+                fence_cut(shared, id, &body);
+                respond(sock, h.id, Status::Ok, "")?;
             }
             other => {
                 tracing::warn!("tcp: unexpected {other:?} frame from {agent}; dropping the connection");
@@ -425,6 +462,42 @@ fn serve_conn(sock: &TcpStream, shared: &Shared, from: SocketAddr, id: u64, stat
             }
         }
         deadline.restore(sock)?;
+    }
+}
+
+/// A FENCE from the initiator of connection `id`: each entry (index,
+/// generation) names a connection it cut; that connection and the older
+/// ones of the same index, of the same agent and session, take no more
+/// data. Returns once none of them can write into memory any more, so that
+/// a WRITE the initiator sends after the answer cannot be overwritten by
+/// the late bytes of a cancelled one (docs/TCP.md, cancel). Entries that
+/// name no live connection (it ended already) are nothing to do.
+fn fence_cut(shared: &Shared, id: u64, body: &[u8]) {
+    let cut: Vec<(u64, u64)> = body
+        .chunks_exact(wire::FENCE_ENTRY_BYTES)
+        .map(|e| wire::split_slot(u64::from_le_bytes(e.try_into().expect("8 bytes"))))
+        .collect();
+    let fenced: Vec<Arc<Fence>> = {
+        let conns = lock_conns(shared);
+        let Some(me) = conns.iter().find(|c| c.id == id).and_then(|c| c.agent.clone()) else { return };
+        conns
+            .iter()
+            .filter(|c| {
+                c.id != id
+                    && c.agent.as_ref() == Some(&me)
+                    && cut.iter().any(|&(index, generation)| c.slot.0 == index && c.slot.1 <= generation)
+            })
+            .map(|c| {
+                c.fence.fenced.store(true, Ordering::Release);
+                // Wakes its thread if it waits in a read.
+                let _ = c.sock.shutdown(std::net::Shutdown::Both);
+                c.fence.clone()
+            })
+            .collect()
+    };
+    for f in fenced {
+        // The thread's last read into memory (if any) has returned.
+        drop(f.copying.lock().unwrap_or_else(|p| p.into_inner()));
     }
 }
 
@@ -458,15 +531,23 @@ fn check(
     Ok(())
 }
 
+/// The connection a service thread serves: its socket, the agent that
+/// proved itself on it, and its fence.
+struct Served<'a> {
+    sock: &'a TcpStream,
+    agent: &'a str,
+    fence: &'a Fence,
+}
+
 fn serve_data(
-    sock: &TcpStream,
+    conn: &Served<'_>,
     shared: &Shared,
-    agent: &str,
     h: &Header,
     segs: &[SegmentDesc],
     ranges: &mut Vec<Range>,
     deadline: &Deadline,
 ) -> io::Result<()> {
+    let Served { sock, agent, fence } = *conn;
     let mut held = Vec::new();
     let table = shared.regions.read().unwrap_or_else(|p| p.into_inner());
     if let Err((status, why)) = check(&table, segs, ranges, &mut held) {
@@ -483,15 +564,24 @@ fn serve_data(
     let guards: Vec<RwLockReadGuard<'_, ()>> =
         held.iter().map(|(_, r)| r.busy.read().unwrap_or_else(|p| p.into_inner())).collect();
     drop(table);
-    let never = AtomicBool::new(false);
     let r = match h.kind {
         Kind::Write => {
+            let _copying = fence.copying.lock().unwrap_or_else(|p| p.into_inner());
+            if fence.fenced.load(Ordering::Acquire) {
+                return Err(io::Error::new(io::ErrorKind::ConnectionAborted, "fenced by its initiator"));
+            }
             // SAFETY: every range lies inside a registered region (checked
             // above) whose memory its owner keeps alive until deregister,
             // which waits for the `busy` guards we hold. No Rust reference
             // here aliases it; concurrent access by the application follows
             // the one-sided contract (it must not touch a transfer's target).
-            unsafe { tio::read_ranges(sock, ranges, &never, Some(deadline)) }.map(|_| ())
+            // A fence stops it between two `readv` calls; the connection
+            // is then dropped.
+            match unsafe { tio::read_ranges(sock, ranges, &fence.fenced, false, Some(deadline)) } {
+                Ok(true) => Ok(()),
+                Ok(false) => Err(io::Error::new(io::ErrorKind::ConnectionAborted, "fenced by its initiator")),
+                Err(e) => Err(e),
+            }
         }
         _ => {
             let resp = Header { kind: Kind::Resp, count: Status::Ok as u32, id: h.id, len: h.len };

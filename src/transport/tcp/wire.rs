@@ -1,10 +1,11 @@
 //! The `tcp` wire format: fixed 24-byte little-endian frame headers, then a
-//! bounded body. Version 3.
+//! bounded body. Version 4.
 //!
 //! ```text
 //! header  = kind:u8 flags:u8 reserved:u16 count:u32 id:u64 len:u64   (24 bytes)
 //! CHALLENGE s→c  first frame of every connection: count = NONCE_BYTES, id = MAGIC_VERSION; body: nonce
-//! HELLO     c→s  count = name bytes (1..=255), id = MAGIC_VERSION, len = connection index;
+//! HELLO     c→s  count = name bytes (1..=255), id = MAGIC_VERSION,
+//!                len = generation << 16 | connection index (see [`hello_slot`]);
 //!                body: name, then PROOF_BYTES of `auth::prove(target secret, nonce, proof_context(name))`,
 //!                then NONCE_BYTES of the initiator's own nonce
 //! HELLO_ACK s→c  id = MAGIC_VERSION, count = PROOF_BYTES (the proof was right; anything else is
@@ -16,6 +17,10 @@
 //!                body: count × SegmentDesc (20 bytes), then `len` data bytes
 //! READ      c→s  as WRITE without the data
 //! NOTIFY    c→s  count = payload bytes (0..=MAX_NOTIFICATION_BYTES), id = request id; body: payload
+//! FENCE     c→s  count = entries (1..=MAX_FENCE_ENTRIES), id = request id; body: count × u64
+//!                `generation << 16 | connection index`: the initiator cut those connections
+//!                (and the older ones of the same index); the target stops taking data from
+//!                them and answers RESP OK once none can write into its memory any more
 //! RESP      s→c  count = status, id = request id, len = body bytes:
 //!                status OK: READ data (`len` = the request's `len`), else nothing;
 //!                status ≠ OK: a UTF-8 reason of at most MAX_REASON_BYTES
@@ -30,8 +35,9 @@
 /// `b"KVWT"` in the high 32 bits, the protocol version in the low 16.
 pub const MAGIC_VERSION: u64 = (0x4B56_5754u64 << 32) | PROTOCOL_VERSION as u64;
 /// Wire protocol version (2: challenge/response authentication, typed
-/// statuses; 3: the target proves the secret back in its hello ack).
-pub const PROTOCOL_VERSION: u16 = 3;
+/// statuses; 3: the target proves the secret back in its hello ack; 4: a
+/// hello names its connection's generation, and FENCE).
+pub const PROTOCOL_VERSION: u16 = 4;
 /// Size of a frame header (bytes).
 pub const HEADER_BYTES: usize = 24;
 /// Size of one segment descriptor on the wire (bytes).
@@ -51,6 +57,23 @@ pub const PROOF_BYTES: usize = crate::transport::auth::PROOF_BYTES;
 pub const MAX_NAME_BYTES: u32 = 255;
 /// Longest error reason in a response (bytes).
 pub const MAX_REASON_BYTES: u64 = 1024;
+/// Most entries in one FENCE: one per connection of a peer.
+pub const MAX_FENCE_ENTRIES: u32 = super::MAX_CONNS_PER_PEER as u32;
+/// Bytes of one FENCE entry.
+pub const FENCE_ENTRY_BYTES: usize = 8;
+
+/// A hello's `len` (and a FENCE entry): connection `index` (< 2^16) opened
+/// for the `generation`-th time. Generations come from one process-wide
+/// counter, so a redial's is larger than that of every connection it
+/// replaces, even across a `disconnect` + `connect` of the same name.
+pub fn hello_slot(index: u64, generation: u64) -> u64 {
+    generation << 16 | (index & 0xffff)
+}
+
+/// Split a [`hello_slot`] value into (index, generation).
+pub fn split_slot(v: u64) -> (u64, u64) {
+    (v & 0xffff, v >> 16)
+}
 
 /// Frame kinds.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -70,6 +93,9 @@ pub enum Kind {
     Resp = 6,
     /// The target's nonce, first frame of every connection.
     Challenge = 7,
+    /// Connections the initiator cut: the target takes no more data from
+    /// them before it answers.
+    Fence = 8,
 }
 
 /// The context a hello's proof is bound to: the backend and the connecting
@@ -227,6 +253,7 @@ impl Header {
             5 => Kind::Notify,
             6 => Kind::Resp,
             7 => Kind::Challenge,
+            8 => Kind::Fence,
             k => return Err(WireError::UnknownKind(k)),
         };
         if b[1..4] != [0, 0, 0] {
@@ -244,7 +271,7 @@ impl Header {
                     return Err(WireError::Limit { what: "name bytes", value: 0, limit: MAX_NAME_BYTES as u64 });
                 }
                 limit("name bytes", count as u64, (MAX_NAME_BYTES + SESSION_SUFFIX_BYTES) as u64)?;
-                limit("connection index", len, 1 << 16)?;
+                limit("connection index", split_slot(len).0, MAX_FENCE_ENTRIES as u64 - 1)?;
             }
             Kind::Challenge => {
                 if id != MAGIC_VERSION {
@@ -283,6 +310,13 @@ impl Header {
                 limit("notification bytes", count as u64, MAX_NOTIFICATION_BYTES as u64)?;
                 limit("notify length", len, 0)?;
             }
+            Kind::Fence => {
+                if count == 0 {
+                    return Err(WireError::Limit { what: "fence entries", value: 0, limit: MAX_FENCE_ENTRIES as u64 });
+                }
+                limit("fence entries", count as u64, MAX_FENCE_ENTRIES as u64)?;
+                limit("fence length", len, 0)?;
+            }
             Kind::Resp => {
                 let status = Status::from_u32(count).ok_or(WireError::Limit {
                     what: "status",
@@ -308,6 +342,7 @@ impl Header {
             Kind::Write | Kind::Read => self.count as usize * SEGMENT_DESC_BYTES,
             Kind::Hello => self.count as usize + PROOF_BYTES + NONCE_BYTES as usize,
             Kind::Notify | Kind::Challenge | Kind::HelloAck => self.count as usize,
+            Kind::Fence => self.count as usize * FENCE_ENTRY_BYTES,
             Kind::Resp if self.status() != Status::Ok => self.len as usize,
             Kind::Resp => 0,
         }

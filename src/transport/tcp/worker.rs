@@ -40,6 +40,14 @@ pub(super) struct PeerShared {
     /// wait the grace, and a peer that recovered is not taken for stalled
     /// for long.
     stalled: Mutex<Option<std::time::Instant>>,
+    /// Connections a cancel cut that the target has not yet fenced, as
+    /// [`wire::hello_slot`] values (one per index, the latest generation):
+    /// a late byte of a cancelled WRITE on one of them could still land.
+    /// The next live chunk on any connection first sends a FENCE naming
+    /// them ([`PeerShared::fence_cuts`]).
+    unfenced: Mutex<Vec<u64>>,
+    /// `unfenced` is not empty (checked without the lock on every chunk).
+    fence_due: AtomicBool,
 }
 
 /// What the transport knows of one worker's connection: a clone of it (to
@@ -51,6 +59,8 @@ pub(super) struct Slot(Mutex<SlotState>);
 #[derive(Debug)]
 struct SlotState {
     stream: TcpStream,
+    /// The generation `stream` was opened with ([`super::next_generation`]).
+    generation: u64,
     /// Id of the transfer whose chunk the worker is moving (none between
     /// chunks; 0 is a valid id).
     busy: Option<u64>,
@@ -63,8 +73,9 @@ struct SlotState {
 }
 
 impl Slot {
-    pub(super) fn new(stream: TcpStream) -> Self {
-        Self(Mutex::new(SlotState { stream, busy: None, cut: false, dialing: false }))
+    /// Connection `stream`, opened with `generation`.
+    pub(super) fn new(stream: TcpStream, generation: u64) -> Self {
+        Self(Mutex::new(SlotState { stream, generation, busy: None, cut: false, dialing: false }))
     }
 
     fn state(&self) -> std::sync::MutexGuard<'_, SlotState> {
@@ -99,7 +110,44 @@ impl PeerShared {
             slots,
             dialer,
             stalled: Mutex::new(None),
+            unfenced: Mutex::new(Vec::new()),
+            fence_due: AtomicBool::new(false),
         }
+    }
+
+    /// Cut connection `index` (its state `st`, locked by the caller) and
+    /// note it for the next FENCE.
+    fn cut_slot(&self, index: usize, st: &mut SlotState) {
+        st.cut();
+        let entry = wire::hello_slot(index as u64, st.generation);
+        let mut unfenced = self.unfenced.lock().unwrap_or_else(|p| p.into_inner());
+        unfenced.retain(|&e| wire::split_slot(e).0 != index as u64);
+        unfenced.push(entry);
+        self.fence_due.store(true, Ordering::Release);
+    }
+
+    /// Before a live chunk goes out on `conn`: when a cancel cut
+    /// connections of this peer since the last fence, send a FENCE naming
+    /// them and wait for the answer. The target answers once none of them
+    /// can write into its memory any more, so a late byte of a cancelled
+    /// WRITE still on its way (in the target's receive buffer, or held by a
+    /// stopped target or a middlebox) never lands after, and over, a later
+    /// transfer's bytes. Several workers may fence the same cuts at once;
+    /// a fence is idempotent.
+    fn fence_cuts(&self, conn: &mut Conn) -> Result<(), ReqError> {
+        if !self.fence_due.load(Ordering::Acquire) {
+            return Ok(());
+        }
+        let cut = self.unfenced.lock().unwrap_or_else(|p| p.into_inner()).clone();
+        if cut.is_empty() {
+            return Ok(());
+        }
+        conn.fence(&cut)?;
+        let mut unfenced = self.unfenced.lock().unwrap_or_else(|p| p.into_inner());
+        // A connection cut again meanwhile (a newer generation) stays.
+        unfenced.retain(|e| !cut.contains(e));
+        self.fence_due.store(!unfenced.is_empty(), Ordering::Release);
+        Ok(())
     }
 
     /// Whether a cancel's grace found the peer stalled less than
@@ -135,10 +183,10 @@ impl PeerShared {
     /// a live chunk; the peer stays usable and other connections' chunks go
     /// on.
     pub(super) fn cut(&self, xfer: XferId) {
-        for slot in &self.slots {
+        for (index, slot) in self.slots.iter().enumerate() {
             let mut st = slot.state();
             if st.busy == Some(xfer.0) {
-                st.cut();
+                self.cut_slot(index, &mut st);
             }
         }
     }
@@ -259,9 +307,11 @@ impl PeerShared {
             Err(e) if e.kind() == io::ErrorKind::Interrupted => return Err(interrupted()),
             Err(e) => return Err(e),
         };
+        let generation = super::next_generation();
         {
             let mut st = self.slots[index].state();
             st.stream = sock.try_clone()?;
+            st.generation = generation;
             st.cut = false;
         }
         // After publishing: a kill or cancel that came before it is seen
@@ -272,11 +322,11 @@ impl PeerShared {
             if dead() {
                 let _ = sock.shutdown(std::net::Shutdown::Both);
             } else {
-                self.slots[index].state().cut();
+                self.cut_slot(index, &mut self.slots[index].state());
             }
             return Err(interrupted());
         }
-        self.dialer.handshake(&sock, index)?;
+        self.dialer.handshake(&sock, index, generation)?;
         self.slots[index].state().dialing = false;
         Ok(sock)
     }
@@ -420,10 +470,25 @@ impl Conn {
                 // the application does not touch while the READ is in
                 // progress, and `read_ranges` stops writing into them once
                 // `cancelled` is set (cancel waits for this call to return).
-                unsafe { tio::read_ranges(&self.sock, &self.ranges, &x.core.cancelled, None)? };
+                unsafe { tio::read_ranges(&self.sock, &self.ranges, &x.core.cancelled, true, None)? };
             }
         }
         Ok(true)
+    }
+
+    /// Send a FENCE naming the connections `cut` ([`wire::hello_slot`]
+    /// values) and wait for its answer.
+    fn fence(&mut self, cut: &[u64]) -> Result<(), ReqError> {
+        self.next_id += 1;
+        let id = self.next_id;
+        let h = Header { kind: Kind::Fence, count: cut.len() as u32, id, len: 0 };
+        self.head.clear();
+        self.head.extend_from_slice(&h.encode());
+        for e in cut {
+            self.head.extend_from_slice(&e.to_le_bytes());
+        }
+        (&self.sock).write_all(&self.head)?;
+        self.response(id).map(|_| ())
     }
 
     fn notify(&mut self, payload: &[u8]) -> Result<(), ReqError> {
@@ -461,10 +526,11 @@ pub(super) fn run(sock: TcpStream, index: usize, peer: Arc<PeerShared>, jobs: Re
                 if !x.core.live() {
                     return Ok(false); // failed by another chunk meanwhile: skipped
                 }
+                peer.fence_cuts(&mut conn)?;
                 conn.transfer(x, &x.segments[job.range.clone()])
             })
         } else {
-            conn.transfer(x, &x.segments[job.range.clone()])
+            peer.fence_cuts(&mut conn).and_then(|()| conn.transfer(x, &x.segments[job.range.clone()]))
         };
         // A cancel cut the connection inside the chunk: the transfer is
         // cancelled (nothing is reported), its error is not the peer's.

@@ -14,6 +14,7 @@ fn kind_strategy() -> impl Strategy<Value = Kind> {
         Just(Kind::Notify),
         Just(Kind::Resp),
         Just(Kind::Challenge),
+        Just(Kind::Fence),
     ]
 }
 
@@ -32,6 +33,7 @@ proptest! {
                 Kind::Resp => prop_assert!(h.len <= MAX_REQUEST_BYTES),
                 Kind::HelloAck => prop_assert!(h.count as usize == PROOF_BYTES && h.len == 0),
                 Kind::Challenge => prop_assert!(h.count == NONCE_BYTES && h.len == 0),
+                Kind::Fence => prop_assert!(h.count >= 1 && h.count <= MAX_FENCE_ENTRIES && h.len == 0),
             }
             prop_assert_eq!(Header::decode(&h.encode()), Ok(h));
         }
@@ -108,4 +110,14 @@ fn hostile_headers_are_refused() {
         assert_eq!(h(6, v, 1, 0).unwrap().status(), st, "typed status {v}");
     }
     assert!(h(6, Status::MAX + 1, 1, 0).is_err());
+    // v4: a hello's len is generation << 16 | index; the index is bounded
+    // by the connections a peer may have, the generation is free.
+    assert!(h(1, 4, MAGIC_VERSION, hello_slot(63, u64::MAX >> 16)).is_ok());
+    assert!(matches!(h(1, 4, MAGIC_VERSION, hello_slot(64, 1)), Err(WireError::Limit { .. })));
+    assert_eq!(split_slot(hello_slot(5, 1 << 40)), (5, 1 << 40));
+    // A fence names 1..=MAX_FENCE_ENTRIES connections and nothing else.
+    assert_eq!(h(8, 3, 1, 0).unwrap().body_bytes(), 3 * FENCE_ENTRY_BYTES);
+    assert!(matches!(h(8, 0, 1, 0), Err(WireError::Limit { .. })), "an empty fence");
+    assert!(matches!(h(8, MAX_FENCE_ENTRIES + 1, 1, 0), Err(WireError::Limit { .. })));
+    assert!(matches!(h(8, 1, 1, 8), Err(WireError::Limit { .. })), "a fence with data");
 }
