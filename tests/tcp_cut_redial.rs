@@ -125,6 +125,8 @@ struct Setup {
     dst: Arc<HostBuffer>,
     lkey: LocalKey,
     rkey: RemoteKey,
+    /// The target's connection info, its address the proxy's.
+    info: Vec<u8>,
 }
 
 const MIB: u64 = 1 << 20;
@@ -150,8 +152,9 @@ fn setup_with(timeout: Duration, conns: usize) -> Setup {
     let mut info = TcpConnectionInfo::decode(&target.connection_info()).unwrap();
     let proxy = Proxy::start(info.addr.clone());
     info.addr = proxy.addr.clone();
-    let peer = init.connect("target", &info.encode(), &[]).unwrap();
-    Setup { init, _target: target, proxy, peer, src, dst, lkey, rkey }
+    let info = info.encode();
+    let peer = init.connect("target", &info, &[]).unwrap();
+    Setup { init, _target: target, proxy, peer, src, dst, lkey, rkey, info }
 }
 
 impl Setup {
@@ -417,6 +420,40 @@ fn a_cancelled_writes_late_bytes_never_overwrite_a_later_write() {
     s.post(21, &[(4 * MIB, MIB, r)]);
     let c = completion(&mut s.init, Duration::from_secs(10)).expect("xfer 21 completes");
     assert_eq!((c.xfer, c.result), (XferId(21), Ok(())));
+}
+
+/// A `disconnect` while WRITEs are on the wire, then a `connect` to the
+/// same target: the new peer's first chunk fences the connections the old
+/// one left with a request on the way (the fence list belongs to the
+/// target, not to one connect), so their late bytes, held by the proxy
+/// until after the new peer's WRITE to the same offset, never land over it.
+#[test]
+fn a_reconnect_fences_what_the_old_peer_left_on_the_wire() {
+    let mut s = warmed(Duration::from_secs(30), 2);
+    s.proxy.frozen.store(true, Ordering::Release);
+    let r = s.rkey;
+    s.src.fill_with(0, (8 * MIB) as usize, |_| 0x11);
+    s.post(10, &[(0, 4 * MIB, r), (4 * MIB, 4 * MIB, r)]);
+    std::thread::sleep(Duration::from_millis(300));
+    let stale = |s: &Setup| s.dst.to_vec(0..(8 * MIB) as usize).iter().filter(|&&b| b == 0x11).count();
+    s.init.disconnect(s.peer);
+    let c = completion(&mut s.init, Duration::from_secs(5)).expect("the disconnect fails xfer 10");
+    assert_eq!(c.xfer, XferId(10));
+    assert!(c.result.is_err(), "{c:?}");
+    s.proxy.hold_existing();
+    s.proxy.frozen.store(false, Ordering::Release);
+    let landed_before = stale(&s);
+    s.peer = s.init.connect("target", &s.info.clone(), &[]).unwrap();
+    s.src.fill_with(0, (4 * MIB) as usize, |_| 0x77);
+    s.post(20, &[(0, 4 * MIB, r)]);
+    let c = completion(&mut s.init, Duration::from_secs(10)).expect("xfer 20 completes");
+    assert_eq!((c.xfer, c.result), (XferId(20), Ok(())));
+    assert!(s.dst.eq_at(0, &[0x77; (4 * MIB) as usize]), "xfer 20's bytes did not land");
+    s.proxy.release_held();
+    std::thread::sleep(Duration::from_millis(1000));
+    assert!(s.dst.eq_at(0, &[0x77; (4 * MIB) as usize]), "late bytes of the old peer's WRITE landed over xfer 20's");
+    let late = stale(&s) - landed_before.min(stale(&s));
+    assert_eq!(late, 0, "{late} late bytes of the old peer's WRITE landed after xfer 20");
 }
 
 /// Post an 8 MiB WRITE `id` (two 4 MiB chunks) to a target the proxy

@@ -35,7 +35,7 @@ fn random_bytes<const N: usize>() -> Result<[u8; N], TransportError> {
 }
 
 /// A random per-agent secret. Its `Debug` output never shows the bytes.
-#[derive(Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub struct AgentSecret([u8; SECRET_BYTES]);
 
 impl AgentSecret {

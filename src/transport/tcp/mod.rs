@@ -235,7 +235,16 @@ pub struct TcpTransport {
     /// Random, nonzero: sent (covered by the proof) in each hello so that a target lets
     /// only this transport's connections use our name while they live.
     session: u64,
+    /// Per target (its address and secret): connections cut with a request
+    /// on the way and not yet fenced, shared by every connect to it, so a
+    /// `disconnect` + `connect` fences what the old peer cut
+    /// ([`worker::FenceList`]). Pruned at each connect.
+    fences: HashMap<(String, AgentSecret), Arc<worker::FenceList>>,
 }
+
+/// Most targets whose fence lists are kept for a later connect (the
+/// emptied ones and those of connected peers are not counted).
+const MAX_FENCE_TARGETS: usize = 1024;
 
 /// A target refused our hello because our agent name is connected there
 /// under another session (carried inside an `io::Error`).
@@ -313,6 +322,7 @@ impl TcpTransport {
                 getrandom::fill(&mut b).map_err(|e| TransportError::Unsupported(format!("no OS randomness: {e}")))?;
                 u64::from_le_bytes(b).max(1)
             },
+            fences: HashMap::new(),
         })
     }
 
@@ -569,7 +579,8 @@ impl Transport for TcpTransport {
             .map(|(s, generation)| s.try_clone().map(|s| worker::Slot::new(s, *generation)))
             .collect::<Result<Vec<_>, _>>()
             .map_err(|e| TransportError::io("dup", e))?;
-        let shared = Arc::new(PeerShared::new(peer_name, slots, dialer));
+        let fences = self.fence_list(&info.addr, &info.secret);
+        let shared = Arc::new(PeerShared::new(peer_name, slots, dialer, fences));
         let (tx, rx) = crossbeam_channel::unbounded::<Job>();
         let mut workers = Vec::with_capacity(socks.len());
         for (i, (sock, _)) in socks.into_iter().enumerate() {
@@ -683,6 +694,22 @@ impl Transport for TcpTransport {
 }
 
 impl TcpTransport {
+    /// The fence list of the target at `addr` holding `secret`, shared with
+    /// earlier connects to it. Drops lists no peer uses that are empty, and
+    /// past [`MAX_FENCE_TARGETS`] unused ones, oldest target first by
+    /// nothing in particular (a target long gone).
+    fn fence_list(&mut self, addr: &str, secret: &AgentSecret) -> Arc<worker::FenceList> {
+        self.fences.retain(|_, l| Arc::strong_count(l) > 1 || !l.is_empty());
+        if self.fences.len() >= MAX_FENCE_TARGETS {
+            let unused: Vec<_> =
+                self.fences.iter().filter(|(_, l)| Arc::strong_count(l) == 1).map(|(k, _)| k.clone()).collect();
+            for k in unused.into_iter().take(self.fences.len() + 1 - MAX_FENCE_TARGETS) {
+                self.fences.remove(&k);
+            }
+        }
+        self.fences.entry((addr.to_string(), secret.clone())).or_default().clone()
+    }
+
     /// Wait while a worker sends a chunk of WRITE `id` to `peer` and the
     /// peer's TCP keeps acknowledging its bytes (progress at least once per
     /// [`CUT_GRACE`], looked at every millisecond), at most `peer_timeout`

@@ -102,9 +102,9 @@ struct Conn {
     id: u64,
     /// Once authenticated: the agent name it proved and its session.
     agent: Option<(String, u64)>,
-    /// Once authenticated: the initiator's (connection index, generation)
-    /// from the hello, which a FENCE names.
-    slot: (u64, u64),
+    /// Once authenticated: the generation of the connection from the hello,
+    /// which a FENCE names.
+    generation: u64,
     sock: TcpStream,
     thread: Option<JoinHandle<()>>,
     state: Arc<AtomicU8>,
@@ -232,7 +232,7 @@ fn accept_loop(listener: &TcpListener, shared: &Arc<Shared>) {
             conns.push(Conn {
                 id,
                 agent: None,
-                slot: (0, 0),
+                generation: 0,
                 sock: handle,
                 thread: None,
                 state: state.clone(),
@@ -377,7 +377,7 @@ fn handshake(
         }
         if let Some(c) = conns.iter_mut().find(|c| c.id == id) {
             c.agent = Some((agent.clone(), session));
-            c.slot = wire::split_slot(hello.len);
+            c.generation = wire::split_slot(hello.len).1;
         }
     }
     let ack = Header { kind: Kind::HelloAck, count: wire::PROOF_BYTES as u32, id: wire::MAGIC_VERSION, len: 0 };
@@ -446,7 +446,16 @@ fn serve_conn(
                 serve_data(&conn, shared, &h, &segs, &mut ranges, &deadline)?;
             }
             Kind::Notify => {
-                match shared.notifs.push(Notification { from_agent: agent.clone(), payload: body.clone() }) {
+                // As a WRITE's bytes: a fence answered before this point
+                // drops it, one that comes later waits until it is queued.
+                let pushed = {
+                    let _copying = fence.copying.lock().unwrap_or_else(|p| p.into_inner());
+                    if fence.fenced.load(Ordering::Acquire) {
+                        return Ok(());
+                    }
+                    shared.notifs.push(Notification { from_agent: agent.clone(), payload: body.clone() })
+                };
+                match pushed {
                     Ok(()) => respond(sock, h.id, Status::Ok, "")?,
                     Err(why) => respond(sock, h.id, Status::Overloaded, &why)?,
                 }
@@ -465,28 +474,25 @@ fn serve_conn(
     }
 }
 
-/// A FENCE from the initiator of connection `id`: each entry (index,
-/// generation) names a connection it cut; that connection and the older
-/// ones of the same index, of the same agent and session, take no more
-/// data. Returns once none of them can write into memory any more, so that
-/// a WRITE the initiator sends after the answer cannot be overwritten by
-/// the late bytes of a cancelled one (docs/TCP.md, cancel). Entries that
-/// name no live connection (it ended already) are nothing to do.
+/// A FENCE from the initiator of connection `id`: each entry is the
+/// generation of a connection it cut; those connections of the same agent
+/// and session take no more data (WRITE bytes or notifications). Returns
+/// once none of them can write into memory or queue a notification any
+/// more, so that a WRITE the initiator sends after the answer cannot be
+/// overwritten by the late bytes of a cancelled one (docs/TCP.md, cancel).
+/// Entries that name no live connection (it ended already) are nothing to
+/// do.
 fn fence_cut(shared: &Shared, id: u64, body: &[u8]) {
-    let cut: Vec<(u64, u64)> = body
+    let cut: Vec<u64> = body
         .chunks_exact(wire::FENCE_ENTRY_BYTES)
-        .map(|e| wire::split_slot(u64::from_le_bytes(e.try_into().expect("8 bytes"))))
+        .map(|e| u64::from_le_bytes(e.try_into().expect("8 bytes")))
         .collect();
     let fenced: Vec<Arc<Fence>> = {
         let conns = lock_conns(shared);
         let Some(me) = conns.iter().find(|c| c.id == id).and_then(|c| c.agent.clone()) else { return };
         conns
             .iter()
-            .filter(|c| {
-                c.id != id
-                    && c.agent.as_ref() == Some(&me)
-                    && cut.iter().any(|&(index, generation)| c.slot.0 == index && c.slot.1 <= generation)
-            })
+            .filter(|c| c.id != id && c.agent.as_ref() == Some(&me) && cut.contains(&c.generation))
             .map(|c| {
                 c.fence.fenced.store(true, Ordering::Release);
                 // Wakes its thread if it waits in a read.

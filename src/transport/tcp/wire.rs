@@ -18,9 +18,9 @@
 //! READ      c→s  as WRITE without the data
 //! NOTIFY    c→s  count = payload bytes (0..=MAX_NOTIFICATION_BYTES), id = request id; body: payload
 //! FENCE     c→s  count = entries (1..=MAX_FENCE_ENTRIES), id = request id; body: count × u64
-//!                `generation << 16 | connection index`: the initiator cut those connections
-//!                (and the older ones of the same index); the target stops taking data from
-//!                them and answers RESP OK once none can write into its memory any more
+//!                generations: the initiator cut those connections of its agent and session;
+//!                the target stops taking data from them and answers RESP OK once none can
+//!                write into its memory any more
 //! RESP      s→c  count = status, id = request id, len = body bytes:
 //!                status OK: READ data (`len` = the request's `len`), else nothing;
 //!                status ≠ OK: a UTF-8 reason of at most MAX_REASON_BYTES
@@ -57,15 +57,15 @@ pub const PROOF_BYTES: usize = crate::transport::auth::PROOF_BYTES;
 pub const MAX_NAME_BYTES: u32 = 255;
 /// Longest error reason in a response (bytes).
 pub const MAX_REASON_BYTES: u64 = 1024;
-/// Most entries in one FENCE: one per connection of a peer.
-pub const MAX_FENCE_ENTRIES: u32 = super::MAX_CONNS_PER_PEER as u32;
+/// Most entries in one FENCE (connections cut and not yet fenced, over
+/// every connect of one transport to one target).
+pub const MAX_FENCE_ENTRIES: u32 = 256;
 /// Bytes of one FENCE entry.
 pub const FENCE_ENTRY_BYTES: usize = 8;
 
-/// A hello's `len` (and a FENCE entry): connection `index` (< 2^16) opened
-/// for the `generation`-th time. Generations come from one process-wide
-/// counter, so a redial's is larger than that of every connection it
-/// replaces, even across a `disconnect` + `connect` of the same name.
+/// A hello's `len`: connection `index` (< 2^16) opened with `generation`.
+/// Generations come from one process-wide counter: each names one
+/// connection of its session, which is what a FENCE entry names.
 pub fn hello_slot(index: u64, generation: u64) -> u64 {
     generation << 16 | (index & 0xffff)
 }
@@ -271,7 +271,7 @@ impl Header {
                     return Err(WireError::Limit { what: "name bytes", value: 0, limit: MAX_NAME_BYTES as u64 });
                 }
                 limit("name bytes", count as u64, (MAX_NAME_BYTES + SESSION_SUFFIX_BYTES) as u64)?;
-                limit("connection index", split_slot(len).0, MAX_FENCE_ENTRIES as u64 - 1)?;
+                limit("connection index", split_slot(len).0, super::MAX_CONNS_PER_PEER as u64 - 1)?;
             }
             Kind::Challenge => {
                 if id != MAGIC_VERSION {

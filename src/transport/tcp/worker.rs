@@ -40,14 +40,48 @@ pub(super) struct PeerShared {
     /// wait the grace, and a peer that recovered is not taken for stalled
     /// for long.
     stalled: Mutex<Option<std::time::Instant>>,
-    /// Connections a cancel cut that the target has not yet fenced, as
-    /// [`wire::hello_slot`] values (one per index, the latest generation):
-    /// a late byte of a cancelled WRITE on one of them could still land.
-    /// The next live chunk on any connection first sends a FENCE naming
-    /// them ([`PeerShared::fence_cuts`]).
-    unfenced: Mutex<Vec<u64>>,
-    /// `unfenced` is not empty (checked without the lock on every chunk).
-    fence_due: AtomicBool,
+    /// Connections to this target cut while a request may have been on
+    /// the way, not yet fenced; shared with every other `connect` of this
+    /// transport to the same target, so a reconnect fences what an earlier
+    /// one cut. The next live chunk on any connection first sends a FENCE
+    /// naming them ([`PeerShared::fence_cuts`]).
+    fences: Arc<FenceList>,
+}
+
+/// Generations of connections to one target (its address and secret) that
+/// a cancel or a disconnect cut while a request may have been on the way:
+/// a late byte of a cancelled WRITE (or a notification) on one of them
+/// could still reach the target's memory until it fences them.
+#[derive(Debug, Default)]
+pub(super) struct FenceList {
+    generations: Mutex<Vec<u64>>,
+    /// `generations` is not empty (checked without the lock on every chunk).
+    due: AtomicBool,
+}
+
+impl FenceList {
+    fn list(&self) -> std::sync::MutexGuard<'_, Vec<u64>> {
+        self.generations.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Note connection `generation` as cut. At most
+    /// [`wire::MAX_FENCE_ENTRIES`] are kept (one per connection of up to
+    /// four connects at once to the target; past that the oldest goes, with
+    /// a warning).
+    fn add(&self, generation: u64) {
+        let mut list = self.list();
+        if list.len() >= wire::MAX_FENCE_ENTRIES as usize {
+            tracing::warn!("tcp: more cut connections to one target than a fence names; the oldest is not fenced");
+            list.remove(0);
+        }
+        list.push(generation);
+        self.due.store(true, Ordering::Release);
+    }
+
+    /// Whether no connection awaits a fence.
+    pub(super) fn is_empty(&self) -> bool {
+        !self.due.load(Ordering::Acquire)
+    }
 }
 
 /// What the transport knows of one worker's connection: a clone of it (to
@@ -70,12 +104,15 @@ struct SlotState {
     /// The worker is opening the connection again: its chunk has sent no
     /// payload yet, so a cancel need not give it the WRITE grace.
     dialing: bool,
+    /// The worker is fencing cut connections before its chunk: likewise no
+    /// payload of the chunk is on the way yet.
+    fencing: bool,
 }
 
 impl Slot {
     /// Connection `stream`, opened with `generation`.
     pub(super) fn new(stream: TcpStream, generation: u64) -> Self {
-        Self(Mutex::new(SlotState { stream, generation, busy: None, cut: false, dialing: false }))
+        Self(Mutex::new(SlotState { stream, generation, busy: None, cut: false, dialing: false, fencing: false }))
     }
 
     fn state(&self) -> std::sync::MutexGuard<'_, SlotState> {
@@ -87,7 +124,14 @@ impl SlotState {
     /// Whether the worker is sending a chunk of `xfer` (inside it and not
     /// still reconnecting).
     fn sending(&self, xfer: XferId) -> bool {
-        self.busy == Some(xfer.0) && !self.dialing
+        self.busy == Some(xfer.0) && !self.dialing && !self.fencing
+    }
+
+    /// Whether a request of the worker's chunk may be on the way (so the
+    /// connection must be fenced once cut): inside a chunk and past the
+    /// redial and the fence.
+    fn in_request(&self) -> bool {
+        self.busy.is_some() && !self.dialing && !self.fencing
     }
     /// Mark the connection cut by a cancel and shut it down (waking the
     /// worker blocked on it).
@@ -101,8 +145,10 @@ impl SlotState {
 const STALL_TRUSTED: std::time::Duration = std::time::Duration::from_secs(1);
 
 impl PeerShared {
-    /// A peer named `name` over `slots`, redialled with `dialer`.
-    pub(super) fn new(name: &str, slots: Vec<Slot>, dialer: super::Dialer) -> Self {
+    /// A peer named `name` over `slots`, redialled with `dialer`; `fences`
+    /// is the target's list of connections to fence (shared by every
+    /// connect of this transport to it).
+    pub(super) fn new(name: &str, slots: Vec<Slot>, dialer: super::Dialer, fences: Arc<FenceList>) -> Self {
         Self {
             name: name.to_string(),
             dead: AtomicBool::new(false),
@@ -110,20 +156,17 @@ impl PeerShared {
             slots,
             dialer,
             stalled: Mutex::new(None),
-            unfenced: Mutex::new(Vec::new()),
-            fence_due: AtomicBool::new(false),
+            fences,
         }
     }
 
-    /// Cut connection `index` (its state `st`, locked by the caller) and
-    /// note it for the next FENCE.
-    fn cut_slot(&self, index: usize, st: &mut SlotState) {
+    /// Cut a connection (its state `st`, locked by the caller) and, when a
+    /// request may have been on the way, note it for the next FENCE.
+    fn cut_slot(&self, st: &mut SlotState) {
+        if st.in_request() {
+            self.fences.add(st.generation);
+        }
         st.cut();
-        let entry = wire::hello_slot(index as u64, st.generation);
-        let mut unfenced = self.unfenced.lock().unwrap_or_else(|p| p.into_inner());
-        unfenced.retain(|&e| wire::split_slot(e).0 != index as u64);
-        unfenced.push(entry);
-        self.fence_due.store(true, Ordering::Release);
     }
 
     /// Before a live chunk goes out on `conn`: when a cancel cut
@@ -133,20 +176,25 @@ impl PeerShared {
     /// WRITE still on its way (in the target's receive buffer, or held by a
     /// stopped target or a middlebox) never lands after, and over, a later
     /// transfer's bytes. Several workers may fence the same cuts at once;
-    /// a fence is idempotent.
-    fn fence_cuts(&self, conn: &mut Conn) -> Result<(), ReqError> {
-        if !self.fence_due.load(Ordering::Acquire) {
+    /// a fence is idempotent. Worker `index` counts as not yet sending
+    /// meanwhile (a cancel cuts it without the WRITE grace; that cut needs
+    /// no fence).
+    fn fence_cuts(&self, index: usize, conn: &mut Conn) -> Result<(), ReqError> {
+        if self.fences.is_empty() {
             return Ok(());
         }
-        let cut = self.unfenced.lock().unwrap_or_else(|p| p.into_inner()).clone();
+        let cut = self.fences.list().clone();
         if cut.is_empty() {
             return Ok(());
         }
-        conn.fence(&cut)?;
-        let mut unfenced = self.unfenced.lock().unwrap_or_else(|p| p.into_inner());
-        // A connection cut again meanwhile (a newer generation) stays.
-        unfenced.retain(|e| !cut.contains(e));
-        self.fence_due.store(!unfenced.is_empty(), Ordering::Release);
+        self.slots[index].state().fencing = true;
+        let fenced = conn.fence(&cut);
+        self.slots[index].state().fencing = false;
+        fenced?;
+        let mut list = self.fences.list();
+        // Connections cut meanwhile stay.
+        list.retain(|g| !cut.contains(g));
+        self.fences.due.store(!list.is_empty(), Ordering::Release);
         Ok(())
     }
 
@@ -172,7 +220,13 @@ impl PeerShared {
         }
         self.dead.store(true, Ordering::SeqCst);
         for slot in &self.slots {
-            let _ = slot.state().stream.shutdown(std::net::Shutdown::Both);
+            let st = slot.state();
+            // A request on the way (a disconnect mid-transfer): a later
+            // connect to the same target fences it.
+            if st.in_request() && !st.cut {
+                self.fences.add(st.generation);
+            }
+            let _ = st.stream.shutdown(std::net::Shutdown::Both);
         }
     }
 
@@ -183,10 +237,10 @@ impl PeerShared {
     /// a live chunk; the peer stays usable and other connections' chunks go
     /// on.
     pub(super) fn cut(&self, xfer: XferId) {
-        for (index, slot) in self.slots.iter().enumerate() {
+        for slot in &self.slots {
             let mut st = slot.state();
             if st.busy == Some(xfer.0) {
-                self.cut_slot(index, &mut st);
+                self.cut_slot(&mut st);
             }
         }
     }
@@ -279,6 +333,7 @@ impl PeerShared {
         let mut st = self.slots[index].state();
         st.busy = None;
         st.dialing = false;
+        st.fencing = false;
         st.cut
     }
 
@@ -322,7 +377,7 @@ impl PeerShared {
             if dead() {
                 let _ = sock.shutdown(std::net::Shutdown::Both);
             } else {
-                self.cut_slot(index, &mut self.slots[index].state());
+                self.cut_slot(&mut self.slots[index].state());
             }
             return Err(interrupted());
         }
@@ -476,8 +531,8 @@ impl Conn {
         Ok(true)
     }
 
-    /// Send a FENCE naming the connections `cut` ([`wire::hello_slot`]
-    /// values) and wait for its answer.
+    /// Send a FENCE naming the connections `cut` (by generation) and wait
+    /// for its answer.
     fn fence(&mut self, cut: &[u64]) -> Result<(), ReqError> {
         self.next_id += 1;
         let id = self.next_id;
@@ -526,11 +581,11 @@ pub(super) fn run(sock: TcpStream, index: usize, peer: Arc<PeerShared>, jobs: Re
                 if !x.core.live() {
                     return Ok(false); // failed by another chunk meanwhile: skipped
                 }
-                peer.fence_cuts(&mut conn)?;
+                peer.fence_cuts(index, &mut conn)?;
                 conn.transfer(x, &x.segments[job.range.clone()])
             })
         } else {
-            peer.fence_cuts(&mut conn).and_then(|()| conn.transfer(x, &x.segments[job.range.clone()]))
+            peer.fence_cuts(index, &mut conn).and_then(|()| conn.transfer(x, &x.segments[job.range.clone()]))
         };
         // A cancel cut the connection inside the chunk: the transfer is
         // cancelled (nothing is reported), its error is not the peer's.

@@ -115,7 +115,7 @@ fn hostile_headers_are_refused() {
     assert!(h(1, 4, MAGIC_VERSION, hello_slot(63, u64::MAX >> 16)).is_ok());
     assert!(matches!(h(1, 4, MAGIC_VERSION, hello_slot(64, 1)), Err(WireError::Limit { .. })));
     assert_eq!(split_slot(hello_slot(5, 1 << 40)), (5, 1 << 40));
-    // A fence names 1..=MAX_FENCE_ENTRIES connections and nothing else.
+    // A fence names 1..=MAX_FENCE_ENTRIES connections (by generation) and nothing else.
     assert_eq!(h(8, 3, 1, 0).unwrap().body_bytes(), 3 * FENCE_ENTRY_BYTES);
     assert!(matches!(h(8, 0, 1, 0), Err(WireError::Limit { .. })), "an empty fence");
     assert!(matches!(h(8, MAX_FENCE_ENTRIES + 1, 1, 0), Err(WireError::Limit { .. })));
