@@ -235,11 +235,12 @@ pub struct TcpTransport {
     /// Random, nonzero: sent (covered by the proof) in each hello so that a target lets
     /// only this transport's connections use our name while they live.
     session: u64,
-    /// Per target (its address and secret): connections cut with a request
+    /// Per target (its secret, drawn per transport, names it whatever
+    /// address reaches it): connections cut with a request
     /// on the way and not yet fenced, shared by every connect to it, so a
     /// `disconnect` + `connect` fences what the old peer cut
     /// ([`worker::FenceList`]). Pruned at each connect.
-    fences: HashMap<(String, AgentSecret), Arc<worker::FenceList>>,
+    fences: HashMap<AgentSecret, Arc<worker::FenceList>>,
 }
 
 /// Most targets whose fence lists are kept for a later connect (the
@@ -579,7 +580,7 @@ impl Transport for TcpTransport {
             .map(|(s, generation)| s.try_clone().map(|s| worker::Slot::new(s, *generation)))
             .collect::<Result<Vec<_>, _>>()
             .map_err(|e| TransportError::io("dup", e))?;
-        let fences = self.fence_list(&info.addr, &info.secret);
+        let fences = self.fence_list(&info.secret);
         let shared = Arc::new(PeerShared::new(peer_name, slots, dialer, fences));
         let (tx, rx) = crossbeam_channel::unbounded::<Job>();
         let mut workers = Vec::with_capacity(socks.len());
@@ -694,20 +695,24 @@ impl Transport for TcpTransport {
 }
 
 impl TcpTransport {
-    /// The fence list of the target at `addr` holding `secret`, shared with
-    /// earlier connects to it. Drops lists no peer uses that are empty, and
-    /// past [`MAX_FENCE_TARGETS`] unused ones, oldest target first by
-    /// nothing in particular (a target long gone).
-    fn fence_list(&mut self, addr: &str, secret: &AgentSecret) -> Arc<worker::FenceList> {
+    /// The fence list of the target holding `secret`, shared with earlier
+    /// connects to it. Drops lists no peer uses that are empty, and past
+    /// [`MAX_FENCE_TARGETS`] other targets' unused ones, in no particular
+    /// order (targets long gone).
+    fn fence_list(&mut self, secret: &AgentSecret) -> Arc<worker::FenceList> {
         self.fences.retain(|_, l| Arc::strong_count(l) > 1 || !l.is_empty());
         if self.fences.len() >= MAX_FENCE_TARGETS {
-            let unused: Vec<_> =
-                self.fences.iter().filter(|(_, l)| Arc::strong_count(l) == 1).map(|(k, _)| k.clone()).collect();
+            let unused: Vec<_> = self
+                .fences
+                .iter()
+                .filter(|(k, l)| Arc::strong_count(l) == 1 && *k != secret)
+                .map(|(k, _)| k.clone())
+                .collect();
             for k in unused.into_iter().take(self.fences.len() + 1 - MAX_FENCE_TARGETS) {
                 self.fences.remove(&k);
             }
         }
-        self.fences.entry((addr.to_string(), secret.clone())).or_default().clone()
+        self.fences.entry(secret.clone()).or_default().clone()
     }
 
     /// Wait while a worker sends a chunk of WRITE `id` to `peer` and the

@@ -483,7 +483,7 @@ fn serve_conn(
 /// Entries that name no live connection (it ended already) are nothing to
 /// do.
 fn fence_cut(shared: &Shared, id: u64, body: &[u8]) {
-    let cut: Vec<u64> = body
+    let cut: std::collections::HashSet<u64> = body
         .chunks_exact(wire::FENCE_ENTRY_BYTES)
         .map(|e| u64::from_le_bytes(e.try_into().expect("8 bytes")))
         .collect();

@@ -48,7 +48,7 @@ pub(super) struct PeerShared {
     fences: Arc<FenceList>,
 }
 
-/// Generations of connections to one target (its address and secret) that
+/// Generations of connections to one target (named by its secret) that
 /// a cancel or a disconnect cut while a request may have been on the way:
 /// a late byte of a cancelled WRITE (or a notification) on one of them
 /// could still reach the target's memory until it fences them.
@@ -64,12 +64,15 @@ impl FenceList {
         self.generations.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// Note connection `generation` as cut. At most
-    /// [`wire::MAX_FENCE_ENTRIES`] are kept (one per connection of up to
-    /// four connects at once to the target; past that the oldest goes, with
-    /// a warning).
+    /// Note connection `generation` as cut (once: a peer's failure is seen
+    /// by each of its workers). At most [`wire::MAX_FENCE_ENTRIES`] are
+    /// kept (every connection of four connects at once to the target at the
+    /// largest `conns_per_peer`; past that the oldest goes, with a warning).
     fn add(&self, generation: u64) {
         let mut list = self.list();
+        if list.contains(&generation) {
+            return;
+        }
         if list.len() >= wire::MAX_FENCE_ENTRIES as usize {
             tracing::warn!("tcp: more cut connections to one target than a fence names; the oldest is not fenced");
             list.remove(0);
@@ -637,4 +640,32 @@ fn finish(x: &XferShared, conn: &mut Conn, index: usize, peer: &PeerShared, done
             TransferFailure { detail: format!("notification not delivered: {}", why.detail), ..why }
         })
     });
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A peer's failure is seen by each of its workers, which each record
+    /// the busy connections: a generation is noted once, so the cap never
+    /// pushes out a connection still to fence because of repeats.
+    #[test]
+    fn a_fence_list_notes_a_generation_once_and_keeps_the_newest_past_its_cap() {
+        let l = FenceList::default();
+        assert!(l.is_empty());
+        for _ in 0..3 {
+            for g in [7, 8, 9] {
+                l.add(g);
+            }
+        }
+        assert_eq!(*l.list(), vec![7, 8, 9]);
+        assert!(!l.is_empty());
+        for g in 100..100 + u64::from(wire::MAX_FENCE_ENTRIES) {
+            l.add(g);
+        }
+        let list = l.list();
+        assert_eq!(list.len(), wire::MAX_FENCE_ENTRIES as usize);
+        assert_eq!(list[0], 100, "the three oldest went");
+        assert_eq!(list[list.len() - 1], 99 + u64::from(wire::MAX_FENCE_ENTRIES));
+    }
 }
