@@ -377,6 +377,30 @@ fn releases_one_after_another_to_a_stalled_peer_wait_one_grace() {
     assert!(s.dst.eq_at(0, &[0x77; MIB as usize]), "xfer 20's bytes did not land");
 }
 
+/// With the old connections' bytes (0x11, bound for `..stale_end`) held by
+/// the proxy: let new connections flow, run `reconnect`, WRITE 4 MiB of 0x77
+/// at offset 0 as xfer 20 and check it landed; then release the held bytes
+/// and return how many of them landed after it (anywhere in `..stale_end`,
+/// or over xfer 20's bytes, which fails at once).
+fn late_bytes_over_a_later_write(s: &mut Setup, stale_end: u64, reconnect: impl FnOnce(&mut Setup)) -> usize {
+    s.proxy.hold_existing();
+    // What each pump had already read when the wire froze (up to 16 KiB a
+    // connection) landed before, beyond xfer 20's 4 MiB.
+    let stale = |s: &Setup| s.dst.to_vec((4 * MIB) as usize..stale_end as usize).iter().filter(|&&b| b == 0x11).count();
+    let landed_before = stale(s);
+    s.proxy.frozen.store(false, Ordering::Release);
+    reconnect(s);
+    s.src.fill_with(0, (4 * MIB) as usize, |_| 0x77);
+    s.post(20, &[(0, 4 * MIB, s.rkey)]);
+    let c = completion(&mut s.init, Duration::from_secs(10)).expect("xfer 20 completes");
+    assert_eq!((c.xfer, c.result), (XferId(20), Ok(())));
+    assert!(s.dst.eq_at(0, &[0x77; (4 * MIB) as usize]), "xfer 20's bytes did not land");
+    s.proxy.release_held();
+    std::thread::sleep(Duration::from_millis(1000));
+    assert!(s.dst.eq_at(0, &[0x77; (4 * MIB) as usize]), "late bytes of a cut connection landed over xfer 20's");
+    stale(s) - landed_before
+}
+
 /// The bytes of a cancelled WRITE still on their way when cancel returned
 /// (here held by the proxy, as by a stopped target's receive path or a
 /// middlebox) never land after, and over, the bytes of a later WRITE to the
@@ -396,25 +420,10 @@ fn a_cancelled_writes_late_bytes_never_overwrite_a_later_write() {
     for i in 0..4u64 {
         s.init.cancel(XferId(10 + i));
     }
-    // The four cut connections stay held, their bytes inside; new ones
-    // flow. One chunk: one redial (the proxy's backlog of 0 makes several
-    // at once slow), whose fence names all four cuts.
-    s.proxy.hold_existing();
-    // What each pump had already read when the wire froze (up to 16 KiB a
-    // connection) landed before cancel returned.
-    let stale =
-        |s: &Setup| s.dst.to_vec((4 * MIB) as usize..(16 * MIB) as usize).iter().filter(|&&b| b == 0x11).count();
-    let landed_before = stale(&s);
-    s.proxy.frozen.store(false, Ordering::Release);
-    s.src.fill_with(0, (4 * MIB) as usize, |_| 0x77);
-    s.post(20, &[(0, 4 * MIB, r)]);
-    let c = completion(&mut s.init, Duration::from_secs(10)).expect("xfer 20 completes");
-    assert_eq!((c.xfer, c.result), (XferId(20), Ok(())));
-    assert!(s.dst.eq_at(0, &[0x77; (4 * MIB) as usize]), "xfer 20's bytes did not land");
-    s.proxy.release_held();
-    std::thread::sleep(Duration::from_millis(1000));
-    assert!(s.dst.eq_at(0, &[0x77; (4 * MIB) as usize]), "late bytes of a cancelled WRITE landed over xfer 20's");
-    let late = stale(&s) - landed_before;
+    // The four cut connections stay held; xfer 20 is one chunk: one redial
+    // (the proxy's backlog of 0 makes several at once slow), whose fence
+    // names all four cuts.
+    let late = late_bytes_over_a_later_write(&mut s, 16 * MIB, |_| {});
     assert_eq!(late, 0, "{late} late bytes of the cancelled WRITEs landed after xfer 20");
     // The peer is whole: another transfer goes through.
     s.post(21, &[(4 * MIB, MIB, r)]);
@@ -435,24 +444,13 @@ fn a_reconnect_fences_what_the_old_peer_left_on_the_wire() {
     s.src.fill_with(0, (8 * MIB) as usize, |_| 0x11);
     s.post(10, &[(0, 4 * MIB, r), (4 * MIB, 4 * MIB, r)]);
     std::thread::sleep(Duration::from_millis(300));
-    let stale = |s: &Setup| s.dst.to_vec(0..(8 * MIB) as usize).iter().filter(|&&b| b == 0x11).count();
     s.init.disconnect(s.peer);
     let c = completion(&mut s.init, Duration::from_secs(5)).expect("the disconnect fails xfer 10");
     assert_eq!(c.xfer, XferId(10));
     assert!(c.result.is_err(), "{c:?}");
-    s.proxy.hold_existing();
-    s.proxy.frozen.store(false, Ordering::Release);
-    let landed_before = stale(&s);
-    s.peer = s.init.connect("target", &s.info.clone(), &[]).unwrap();
-    s.src.fill_with(0, (4 * MIB) as usize, |_| 0x77);
-    s.post(20, &[(0, 4 * MIB, r)]);
-    let c = completion(&mut s.init, Duration::from_secs(10)).expect("xfer 20 completes");
-    assert_eq!((c.xfer, c.result), (XferId(20), Ok(())));
-    assert!(s.dst.eq_at(0, &[0x77; (4 * MIB) as usize]), "xfer 20's bytes did not land");
-    s.proxy.release_held();
-    std::thread::sleep(Duration::from_millis(1000));
-    assert!(s.dst.eq_at(0, &[0x77; (4 * MIB) as usize]), "late bytes of the old peer's WRITE landed over xfer 20's");
-    let late = stale(&s) - landed_before.min(stale(&s));
+    let late = late_bytes_over_a_later_write(&mut s, 8 * MIB, |s| {
+        s.peer = s.init.connect("target", &s.info.clone(), &[]).unwrap();
+    });
     assert_eq!(late, 0, "{late} late bytes of the old peer's WRITE landed after xfer 20");
 }
 

@@ -537,25 +537,23 @@ impl Conn {
     /// Send a FENCE naming the connections `cut` (by generation) and wait
     /// for its answer.
     fn fence(&mut self, cut: &[u64]) -> Result<(), ReqError> {
-        self.next_id += 1;
-        let id = self.next_id;
-        let h = Header { kind: Kind::Fence, count: cut.len() as u32, id, len: 0 };
-        self.head.clear();
-        self.head.extend_from_slice(&h.encode());
-        for e in cut {
-            self.head.extend_from_slice(&e.to_le_bytes());
-        }
-        (&self.sock).write_all(&self.head)?;
-        self.response(id).map(|_| ())
+        let body: Vec<u8> = cut.iter().flat_map(|g| g.to_le_bytes()).collect();
+        self.control(Kind::Fence, cut.len() as u32, &body)
     }
 
     fn notify(&mut self, payload: &[u8]) -> Result<(), ReqError> {
+        self.control(Kind::Notify, payload.len() as u32, payload)
+    }
+
+    /// Send a request that carries no data (`count` and its `body`) and
+    /// wait for its answer.
+    fn control(&mut self, kind: Kind, count: u32, body: &[u8]) -> Result<(), ReqError> {
         self.next_id += 1;
         let id = self.next_id;
-        let h = Header { kind: Kind::Notify, count: payload.len() as u32, id, len: 0 };
+        let h = Header { kind, count, id, len: 0 };
         self.head.clear();
         self.head.extend_from_slice(&h.encode());
-        self.head.extend_from_slice(payload);
+        self.head.extend_from_slice(body);
         (&self.sock).write_all(&self.head)?;
         self.response(id).map(|_| ())
     }
