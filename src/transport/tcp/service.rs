@@ -122,6 +122,29 @@ struct Fence {
     copying: Mutex<()>,
 }
 
+impl Fence {
+    /// Held while the connection's thread puts a request's bytes into
+    /// memory or its notification into the queue; `None` once fenced.
+    fn enter(&self) -> Option<std::sync::MutexGuard<'_, ()>> {
+        let g = self.copying.lock().unwrap_or_else(|p| p.into_inner());
+        (!self.fenced.load(Ordering::Acquire)).then_some(g)
+    }
+
+    /// Fence the connection over `sock`: no more of its data is taken,
+    /// and its thread, if it waits in a read, is woken. [`Fence::wait_out`]
+    /// then waits for a copy in progress.
+    fn close(&self, sock: &TcpStream) {
+        self.fenced.store(true, Ordering::Release);
+        let _ = sock.shutdown(std::net::Shutdown::Both);
+    }
+
+    /// Return once the thread's last read into memory (or notification
+    /// push) since [`Fence::close`] has ended.
+    fn wait_out(&self) {
+        drop(self.copying.lock().unwrap_or_else(|p| p.into_inner()));
+    }
+}
+
 /// The listener and its service threads; dropping it stops them all.
 pub(super) struct Service {
     listener: Arc<TcpListener>,
@@ -449,10 +472,7 @@ fn serve_conn(
                 // As a WRITE's bytes: a fence answered before this point
                 // drops it, one that comes later waits until it is queued.
                 let pushed = {
-                    let _copying = fence.copying.lock().unwrap_or_else(|p| p.into_inner());
-                    if fence.fenced.load(Ordering::Acquire) {
-                        return Ok(());
-                    }
+                    let Some(_copying) = fence.enter() else { return Ok(()) };
                     shared.notifs.push(Notification { from_agent: agent.clone(), payload: body.clone() })
                 };
                 match pushed {
@@ -494,16 +514,13 @@ fn fence_cut(shared: &Shared, id: u64, body: &[u8]) {
             .iter()
             .filter(|c| c.id != id && c.agent.as_ref() == Some(&me) && cut.contains(&c.generation))
             .map(|c| {
-                c.fence.fenced.store(true, Ordering::Release);
-                // Wakes its thread if it waits in a read.
-                let _ = c.sock.shutdown(std::net::Shutdown::Both);
+                c.fence.close(&c.sock);
                 c.fence.clone()
             })
             .collect()
     };
     for f in fenced {
-        // The thread's last read into memory (if any) has returned.
-        drop(f.copying.lock().unwrap_or_else(|p| p.into_inner()));
+        f.wait_out();
     }
 }
 
@@ -573,16 +590,13 @@ fn serve_data(
     let r = match h.kind {
         Kind::Write => {
             let _copying = fence.copying.lock().unwrap_or_else(|p| p.into_inner());
-            if fence.fenced.load(Ordering::Acquire) {
-                return Err(io::Error::new(io::ErrorKind::ConnectionAborted, "fenced by its initiator"));
-            }
             // SAFETY: every range lies inside a registered region (checked
             // above) whose memory its owner keeps alive until deregister,
             // which waits for the `busy` guards we hold. No Rust reference
             // here aliases it; concurrent access by the application follows
             // the one-sided contract (it must not touch a transfer's target).
-            // A fence stops it between two `readv` calls; the connection
-            // is then dropped.
+            // A fence (`fenced`, looked at before every `readv`, the first
+            // included) stops it; the connection is then dropped.
             match unsafe { tio::read_ranges(sock, ranges, &fence.fenced, false, Some(deadline)) } {
                 Ok(true) => Ok(()),
                 Ok(false) => Err(io::Error::new(io::ErrorKind::ConnectionAborted, "fenced by its initiator")),

@@ -85,6 +85,22 @@ impl FenceList {
     pub(super) fn is_empty(&self) -> bool {
         !self.due.load(Ordering::Acquire)
     }
+
+    /// The generations awaiting a fence, `None` when there are none (one
+    /// atomic load on the way of every chunk).
+    fn pending(&self) -> Option<Vec<u64>> {
+        if self.is_empty() {
+            return None;
+        }
+        Some(self.list().clone()).filter(|l| !l.is_empty())
+    }
+
+    /// The target fenced `cut`; connections cut meanwhile stay.
+    fn fenced(&self, cut: &[u64]) {
+        let mut list = self.list();
+        list.retain(|g| !cut.contains(g));
+        self.due.store(!list.is_empty(), Ordering::Release);
+    }
 }
 
 /// What the transport knows of one worker's connection: a clone of it (to
@@ -183,21 +199,12 @@ impl PeerShared {
     /// meanwhile (a cancel cuts it without the WRITE grace; that cut needs
     /// no fence).
     fn fence_cuts(&self, index: usize, conn: &mut Conn) -> Result<(), ReqError> {
-        if self.fences.is_empty() {
-            return Ok(());
-        }
-        let cut = self.fences.list().clone();
-        if cut.is_empty() {
-            return Ok(());
-        }
+        let Some(cut) = self.fences.pending() else { return Ok(()) };
         self.slots[index].state().fencing = true;
         let fenced = conn.fence(&cut);
         self.slots[index].state().fencing = false;
         fenced?;
-        let mut list = self.fences.list();
-        // Connections cut meanwhile stay.
-        list.retain(|g| !cut.contains(g));
-        self.fences.due.store(!list.is_empty(), Ordering::Release);
+        self.fences.fenced(&cut);
         Ok(())
     }
 
@@ -658,6 +665,15 @@ mod tests {
         }
         assert_eq!(*l.list(), vec![7, 8, 9]);
         assert!(!l.is_empty());
+        // A fence of what was pending leaves what was cut meanwhile.
+        assert_eq!(l.pending(), Some(vec![7, 8, 9]));
+        l.fenced(&[7, 8]);
+        assert_eq!(l.pending(), Some(vec![9]));
+        l.fenced(&[9]);
+        assert!(l.is_empty() && l.pending().is_none());
+        for g in [7, 8, 9] {
+            l.add(g);
+        }
         for g in 100..100 + u64::from(wire::MAX_FENCE_ENTRIES) {
             l.add(g);
         }
