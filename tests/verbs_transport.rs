@@ -471,7 +471,7 @@ fn verbs_hello_without_a_proof_gets_no_qp_numbers() {
     let nonce = vec!["7"; 16].join(",");
     frame(
         &mut s,
-        &format!(r#"{{"Hello":{{"version":5,"agent":"mallory","session":1,"qps":[{qp}],"nonce":[{nonce}]}}}}"#),
+        &format!(r#"{{"Hello":{{"version":6,"agent":"mallory","session":1,"qps":[{qp}],"nonce":[{nonce}]}}}}"#),
     );
     let challenge = read(&mut s).expect("a challenge");
     assert!(challenge.contains("Challenge"), "{challenge}");

@@ -13,6 +13,17 @@
 //! connects a QP: a process that took over a dead target's handshake port
 //! without its secret is refused (`refused (Impostor)`).
 //!
+//! The late-bytes fence (version 6): each hello carries a connection id
+//! (`conn`, per initiator transport) and the ids of that initiator's
+//! earlier connections to this target that closed while their WRITEs may
+//! still be in the fabric (`replaces`: the initiator's [`CutLists`]). Before
+//! it answers, the target moves the receive QPs of those connections of
+//! the *same agent and session* to the error state ([`Served`],
+//! `Cmd::FenceRecv`), where an RC responder drops every request that still
+//! arrives: a flushed WRITE's late packets can no longer land over a
+//! transfer that goes over the new QPs. Ids of other agents or sessions are
+//! ignored.
+//!
 //! Two rules hold at the listener. A name is held by one session at a
 //! time: while a peer's receive QPs are installed here, a proven hello
 //! under its name from another session is refused with
@@ -34,8 +45,8 @@
 
 use std::collections::{HashMap, VecDeque};
 use std::net::TcpListener;
-use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
@@ -61,8 +72,16 @@ pub(super) const RECVS_PER_QP: u32 = 64;
 /// hello carries the initiator's session, the proof covers it, and a name
 /// held by another session is refused ([`Handshake::NameInUse`]); 5: the
 /// hello carries the initiator's nonce and the accept the target's proof
-/// over it ([`accept_context`]).
-pub(super) const HANDSHAKE_VERSION: u32 = 5;
+/// over it ([`accept_context`]); 6: the hello carries its connection id
+/// and the ids it replaces (the late-bytes fence, module docs).
+pub(super) const HANDSHAKE_VERSION: u32 = 6;
+
+/// Most connection ids one hello may name in `replaces` (and the most an
+/// initiator keeps per target, the newest).
+pub(crate) const MAX_REPLACES: usize = 256;
+
+/// Targets an initiator keeps cut lists for ([`CutLists`]).
+const MAX_CUT_TARGETS: usize = 1024;
 
 /// How often (ms) a thread blocked on a liveness channel looks at its stop flag.
 pub(super) const WATCH_MS: u64 = 100;
@@ -101,6 +120,14 @@ pub(super) enum Handshake {
         /// [`Handshake::Accept`] (absent before version 5, refused anyway).
         #[serde(default)]
         nonce: Option<Nonce>,
+        /// This connection's id among the initiator session's (version 6).
+        #[serde(default)]
+        conn: u64,
+        /// Ids of the session's earlier connections to this target whose
+        /// receive QPs the target must fence before it answers (at most
+        /// [`MAX_REPLACES`]; version 6).
+        #[serde(default)]
+        replaces: Vec<u64>,
     },
     /// Target → initiator, after a hello: prove you know my secret.
     Challenge {
@@ -198,6 +225,106 @@ impl Drop for NameHold<'_> {
             *n -= 1;
             if *n == 0 {
                 held.remove(&self.name);
+            }
+        }
+    }
+}
+
+/// Target side: the receive QPs of each connection served now, by the
+/// initiator's agent name and session, for the fence a later hello of the
+/// same agent and session asks for (`replaces`, module docs).
+#[derive(Default)]
+pub(super) struct Served {
+    by: Mutex<ServedMap>,
+}
+
+/// (agent, session) → each connection's id and receive QPs.
+type ServedMap = HashMap<(String, u64), Vec<(u64, Vec<Qpn>)>>;
+
+/// An initiator's open control connection and its id (`Hello::conn`).
+pub(super) struct Control {
+    pub(super) ch: SideChannel,
+    pub(super) conn: u64,
+}
+
+impl Served {
+    fn lock(&self) -> std::sync::MutexGuard<'_, ServedMap> {
+        self.by.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Connection `conn` of `agent`'s `session` has receive QPs `qpns` here.
+    fn add(&self, agent: &str, session: u64, conn: u64, qpns: &[Qpn]) {
+        self.lock().entry((agent.to_string(), session)).or_default().push((conn, qpns.to_vec()));
+    }
+
+    /// That connection's receive QPs were removed (`qpns` as added).
+    fn remove(&self, agent: &str, session: u64, qpns: &[Qpn]) {
+        let mut by = self.lock();
+        let key = (agent.to_string(), session);
+        if let Some(v) = by.get_mut(&key) {
+            v.retain(|(_, q)| q != qpns);
+            if v.is_empty() {
+                by.remove(&key);
+            }
+        }
+    }
+
+    /// The receive QPs of the connections `ids` of `agent`'s `session`.
+    fn named(&self, agent: &str, session: u64, ids: &[u64]) -> Vec<Qpn> {
+        let by = self.lock();
+        let Some(v) = by.get(&(agent.to_string(), session)) else {
+            return Vec::new();
+        };
+        v.iter().filter(|(c, _)| ids.contains(c)).flat_map(|(_, q)| q.iter().copied()).collect()
+    }
+}
+
+/// Initiator side: per target (by its connection secret), the ids of this
+/// transport's connections to it that closed (disconnect, reconnect)
+/// while their WRITEs may still be in the fabric; the next hello to that
+/// target names them (`replaces`) and they are dropped once it was
+/// answered. At most [`MAX_REPLACES`] per target (the newest) and
+/// [`MAX_CUT_TARGETS`] targets. Shared by every connect of the transport,
+/// so a `disconnect` + `connect` fences what the old connection left.
+#[derive(Default)]
+pub(super) struct CutLists {
+    by: Mutex<HashMap<AgentSecret, VecDeque<u64>>>,
+}
+
+impl CutLists {
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<AgentSecret, VecDeque<u64>>> {
+        self.by.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Connection `conn` to `target` closed.
+    fn note(&self, target: &AgentSecret, conn: u64) {
+        let mut by = self.lock();
+        if !by.contains_key(target) && by.len() >= MAX_CUT_TARGETS {
+            // Past the bound an arbitrary other target's list goes: its
+            // next hello fences nothing (the state before version 6).
+            if let Some(k) = by.keys().next().cloned() {
+                by.remove(&k);
+            }
+        }
+        let list = by.entry(target.clone()).or_default();
+        list.push_back(conn);
+        while list.len() > MAX_REPLACES {
+            list.pop_front();
+        }
+    }
+
+    /// The ids the next hello to `target` names.
+    pub(super) fn pending(&self, target: &AgentSecret) -> Vec<u64> {
+        self.lock().get(target).map(|l| l.iter().copied().collect()).unwrap_or_default()
+    }
+
+    /// `target` answered a hello naming `ids`: it fenced them.
+    pub(super) fn fenced(&self, target: &AgentSecret, ids: &[u64]) {
+        let mut by = self.lock();
+        if let Some(list) = by.get_mut(target) {
+            list.retain(|c| !ids.contains(c));
+            if list.is_empty() {
+                by.remove(target);
             }
         }
     }
@@ -344,7 +471,7 @@ fn authenticate<D: Device>(inner: &Inner<D>, ch: &mut SideChannel, agent: &str, 
 /// leaves the list) until it proved the secret.
 fn serve<D: Device>(inner: &Inner<D>, mut ch: SideChannel, waiting: Waiting) {
     let _ = ch.set_read_timeout(Some(inner.config.peer_timeout));
-    let (agent, remote, session, theirs) = match ch.recv::<Handshake>() {
+    let (agent, remote, session, theirs, conn, replaces) = match ch.recv::<Handshake>() {
         Ok(Handshake::Hello { version, agent, .. }) if version != HANDSHAKE_VERSION => {
             let reason = format!("handshake version {version}, this side speaks {HANDSHAKE_VERSION}");
             tracing::warn!("verbs: refusing {agent}: {reason}");
@@ -356,7 +483,9 @@ fn serve<D: Device>(inner: &Inner<D>, mut ch: SideChannel, waiting: Waiting) {
             let _ = ch.send(&Handshake::Refuse { reason: "hello without the initiator's nonce".into() });
             return;
         }
-        Ok(Handshake::Hello { agent, qps, session, nonce: Some(n), .. }) => (agent, qps, session, n),
+        Ok(Handshake::Hello { agent, qps, session, nonce: Some(n), conn, replaces, .. }) => {
+            (agent, qps, session, n, conn, replaces)
+        }
         Ok(Handshake::Proof { .. }) => {
             tracing::warn!("verbs: refusing a peer that sent a proof before its hello");
             return;
@@ -382,6 +511,12 @@ fn serve<D: Device>(inner: &Inner<D>, mut ch: SideChannel, waiting: Waiting) {
         let _ = ch.send(&Handshake::Refuse { reason });
         return;
     }
+    if replaces.len() > MAX_REPLACES {
+        let reason = format!("hello names {} replaced connections (replaces), at most {MAX_REPLACES}", replaces.len());
+        tracing::warn!("verbs: refusing {agent}: {reason}");
+        let _ = ch.send(&Handshake::Refuse { reason });
+        return;
+    }
     // One session holds the name at a time: while this hold lives (until
     // our receive QPs for it are removed), another session's is refused.
     let Some(_name) = inner.names.claim(&agent, session) else {
@@ -389,6 +524,13 @@ fn serve<D: Device>(inner: &Inner<D>, mut ch: SideChannel, waiting: Waiting) {
         let _ = ch.send(&Handshake::NameInUse { name: agent });
         return;
     };
+    // The fence: the session's replaced connections drop whatever still
+    // arrives for them before this one is answered.
+    let fenced = inner.served.named(&agent, session, &replaces);
+    if !fenced.is_empty() {
+        tracing::info!("verbs: {agent}: fencing {} receive QPs of replaced connections", fenced.len());
+        inner.cmds.call::<()>(|done| Cmd::FenceRecv { qpns: fenced, done });
+    }
     let mut qpns = Vec::new();
     let mut mine = Vec::new();
     let mut built = Vec::new();
@@ -447,6 +589,7 @@ fn serve<D: Device>(inner: &Inner<D>, mut ch: SideChannel, waiting: Waiting) {
     // Answered only once the engine holds the QPs: the initiator's first
     // notification may complete on our CQ as soon as it has our answer.
     inner.cmds.call::<()>(|done| Cmd::AddRecv { qps: recv, done });
+    inner.served.add(&agent, session, conn, &qpns);
     let proof = auth::prove(&inner.secret, &theirs, &accept_context(&agent, session, &challenge)).to_vec();
     if ch.send(&Handshake::Accept { qps: mine, proof }).is_ok() {
         // Wait until the initiator goes away (or this transport stops).
@@ -459,23 +602,36 @@ fn serve<D: Device>(inner: &Inner<D>, mut ch: SideChannel, waiting: Waiting) {
             }
         }
     }
-    inner.cmds.send(Cmd::RemoveRecv { qpns, cqes });
+    // Forgotten only once the removal is on its way: a fence that still
+    // finds them orders behind it on the engine's channel.
+    inner.cmds.send(Cmd::RemoveRecv { qpns: qpns.clone(), cqes });
+    inner.served.remove(&agent, session, &qpns);
 }
 
 /// Most QPs one hello may ask for (`qps_per_peer` is at most 64).
 pub(super) const MAX_QPS_PER_HELLO: usize = 64;
+
+/// Who says hello: the initiator's agent name and session, this
+/// connection's id, and the ids it replaces (the fence, module docs).
+#[derive(Clone, Copy)]
+pub(super) struct Caller<'a> {
+    pub(super) agent: &'a str,
+    pub(super) session: u64,
+    pub(super) conn: u64,
+    pub(super) replaces: &'a [u64],
+}
 
 /// Initiator side: hello to `addr` with `local` endpoints, answering the
 /// target's challenge with `secret` (from its connection info); returns the
 /// target's endpoints and the open control connection.
 pub(super) fn handshake(
     addr: &str,
-    agent: &str,
-    session: u64,
+    caller: &Caller<'_>,
     secret: &AgentSecret,
     local: &[QpEndpoint],
     timeout: Duration,
 ) -> Result<(Vec<QpEndpoint>, SideChannel), HandshakeError> {
+    let Caller { agent, session, conn, replaces } = *caller;
     let fail = |e: SideChannelError| {
         if timed_out(&e) {
             HandshakeError::TimedOut(format!("handshake: {e}"))
@@ -492,6 +648,8 @@ pub(super) fn handshake(
         qps: local.to_vec(),
         session,
         nonce: Some(ours),
+        conn,
+        replaces: replaces.to_vec(),
     };
     ch.send(&hello).map_err(fail)?;
     let mut answer = ch.recv::<Handshake>().map_err(fail)?;
@@ -526,22 +684,31 @@ pub(super) fn handshake(
 /// fails that peer's QPs at once ([`Cmd::FailPeer`]) instead of waiting
 /// for the QPs' retries or the progress deadline. Dropping it stops the
 /// watch (within [`WATCH_MS`]) and closes the channel; [`Liveness::join`]
-/// waits for the thread.
+/// waits for the thread. Dropping it also puts its connection on the
+/// target's cut list ([`CutLists`]): the next hello there fences it.
 pub(super) struct Liveness {
     stop: Arc<AtomicBool>,
     thread: Option<JoinHandle<()>>,
+    /// The connection's id, its target, and where the cut is noted.
+    conn: u64,
+    target: AgentSecret,
+    cut: Arc<CutLists>,
 }
 
 impl Liveness {
-    /// Watch `ch` (the control connection of peer `peer`, named `name`).
+    /// Watch `ch`, connection `conn` of peer `peer` (named `name`, proving
+    /// `target`).
     pub(super) fn watch<D: Device>(
         inner: &Arc<Inner<D>>,
         peer: PeerId,
         name: &str,
-        mut ch: SideChannel,
+        control: Control,
+        target: &AgentSecret,
     ) -> Result<Self, String> {
+        let Control { mut ch, conn } = control;
         ch.set_read_timeout(Some(Duration::from_millis(WATCH_MS))).map_err(|e| e.to_string())?;
         let stop = Arc::new(AtomicBool::new(false));
+        let cut = inner.cut.clone();
         let (inner, stop2, name) = (inner.clone(), stop.clone(), name.to_string());
         let thread = std::thread::Builder::new()
             .name("kvwire-verbs-live".into())
@@ -564,7 +731,7 @@ impl Liveness {
                 inner.cmds.send(Cmd::FailPeer { peer, why: f });
             })
             .map_err(|e| e.to_string())?;
-        Ok(Self { stop, thread: Some(thread) })
+        Ok(Self { stop, thread: Some(thread), conn, target: target.clone(), cut })
     }
 
     /// Stop watching and wait for the thread (at most about [`WATCH_MS`]).
@@ -586,6 +753,7 @@ impl Liveness {
 impl Drop for Liveness {
     fn drop(&mut self) {
         self.stop.store(true, Ordering::Release);
+        self.cut.note(&self.target, self.conn);
     }
 }
 
@@ -639,21 +807,22 @@ mod impostor_tests {
             std::thread::sleep(Duration::from_millis(200));
         });
         let local = vec![QpEndpoint { qpn: 7, psn: 1, gid: [0; 16], lid: 1, mtu: 3, rd_atom: 16 }; 2];
-        let r = handshake(&addr, "init", 42, &secret, &local, Duration::from_secs(5)).map(|_| ());
+        let caller = super::Caller { agent: "init", session: 42, conn: 1, replaces: &[] };
+        let r = handshake(&addr, &caller, &secret, &local, Duration::from_secs(5)).map(|_| ());
         fake.join().unwrap();
         r
     }
 
     /// The raw hello `tests/verbs_transport.rs` sends in the Soft-RoCE
     /// guest (`verbs_hello_without_a_proof_gets_no_qp_numbers`) is a
-    /// version-5 hello with its nonce, so the refusal it sees is the proof
+    /// version-6 hello with its nonce, so the refusal it sees is the proof
     /// check's, not a parse or version error.
     #[test]
     fn the_guest_tests_raw_hello_is_a_current_hello() {
         let qp = r#"{"qpn":1,"psn":1,"lid":0,"gid":[0,0,0,0,0,0,0,0,0,0,0,0,0,0,0,0],"mtu":3,"rd_atom":1}"#;
         let nonce = vec!["7"; 16].join(",");
         let json =
-            format!(r#"{{"Hello":{{"version":5,"agent":"mallory","session":1,"qps":[{qp}],"nonce":[{nonce}]}}}}"#);
+            format!(r#"{{"Hello":{{"version":6,"agent":"mallory","session":1,"qps":[{qp}],"nonce":[{nonce}]}}}}"#);
         match serde_json::from_str::<Handshake>(&json).unwrap() {
             Handshake::Hello { version, nonce: Some(n), .. } => {
                 assert_eq!(version, super::HANDSHAKE_VERSION);

@@ -16,6 +16,8 @@
 //! - `Cancel`, `Disconnect`, `Unplug`: the reply channel closes when the NIC
 //!   can no longer touch the buffers involved (QPs drained or destroyed).
 //! - `Query`, `ReserveRecv`: the answer.
+//! - `FenceRecv`: the reply channel closes once those receive QPs are in
+//!   the error state (the target answers the fencing hello only then).
 //! - `AddRecv`: the reply channel closes once the engine holds the receive
 //!   QPs, so the target answers the handshake only then: a notification
 //!   arriving before would find its QP unknown and be lost (the channel
@@ -91,6 +93,10 @@ pub enum Cmd<Q: NicQp> {
     AddRecv { qps: Vec<RecvQp<Q>>, done: Sender<()> },
     /// The initiator left: destroy its receive QPs and give back their CQEs.
     RemoveRecv { qpns: Vec<Qpn>, cqes: u32 },
+    /// A later connection of the same initiator session replaces these
+    /// receive QPs: move them to the error state (the late-bytes fence,
+    /// `conn.rs`); `done` closes once they are.
+    FenceRecv { qpns: Vec<Qpn>, done: Sender<()> },
     /// Cancel nothing, destroy everything, end the progress thread.
     Stop,
 }
@@ -254,6 +260,11 @@ impl<N: Nic> Engine<N> {
                     self.st.remove_recv_qp(q);
                 }
                 self.st.release_recv_cqes(cqes, &limits);
+            }
+            Cmd::FenceRecv { qpns, done: _done } => {
+                for q in qpns {
+                    self.st.fence_recv_qp(q);
+                }
             }
             Cmd::Stop => return false,
         }

@@ -114,7 +114,7 @@ mod wc;
 use std::collections::HashMap;
 use std::net::{SocketAddr, TcpListener};
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
@@ -128,7 +128,6 @@ use super::{
     Completion, LocalKey, MemoryBacking, Notification, PeerId, PostRequest, Registration, RemoteKey, RemoteRegion,
     Transport, TransportConfig, TransportError, TransportKind, XferId,
 };
-use crate::sidechannel::SideChannel;
 use crate::verbs::ffi::IBV_LINK_LAYER_INFINIBAND;
 use crate::verbs::{CompletionQueue, Context, ProtectionDomain, QpOptions, VerbsError};
 use conn::Liveness;
@@ -187,6 +186,12 @@ pub(crate) struct Inner<D: Device> {
     names: conn::Names,
     /// Handshake connections that have not proved the secret (`max_preauth`).
     preauth: Arc<conn::PreAuth>,
+    /// Target side: receive QPs per served connection (the fence).
+    served: conn::Served,
+    /// Initiator side: the next connection id (per transport).
+    next_conn: AtomicU64,
+    /// Initiator side: per target, the connections to fence (`replaces`).
+    cut: Arc<conn::CutLists>,
 }
 
 struct Peer {
@@ -468,6 +473,9 @@ impl<D: Device> VerbsTransport<D> {
             session,
             names: conn::Names::default(),
             preauth: Arc::new(conn::PreAuth::new(s.max_preauth)),
+            served: conn::Served::default(),
+            next_conn: AtomicU64::new(1),
+            cut: Arc::default(),
         });
         let i2 = inner.clone();
         let threads = vec![
@@ -499,7 +507,7 @@ impl<D: Device> VerbsTransport<D> {
         addr: &str,
         secret: &AgentSecret,
         n: u32,
-    ) -> Result<(Vec<D::Qp>, SideChannel), conn::HandshakeError> {
+    ) -> Result<(Vec<D::Qp>, conn::Control), conn::HandshakeError> {
         reconnect::open_qps(&self.inner, &self.agent, addr, secret, n, self.max_send_wr)
     }
 
@@ -619,7 +627,7 @@ impl<D: Device> Transport for VerbsTransport<D> {
         let (done, live): (Vec<_>, Vec<_>) = self.retired.drain(..).partition(|t| t.is_finished());
         self.retired = live;
         done.into_iter().for_each(|t| drop(t.join()));
-        let (qps, ch) = self.open_qps(&info.addr, &info.secret, self.qps_per_peer).map_err(|e| match e {
+        let (qps, control) = self.open_qps(&info.addr, &info.secret, self.qps_per_peer).map_err(|e| match e {
             conn::HandshakeError::NameInUse => {
                 TransportError::NameInUse { peer: peer_name.to_string(), name: self.agent.clone() }
             }
@@ -630,7 +638,7 @@ impl<D: Device> Transport for VerbsTransport<D> {
         })?;
         let id = self.next_peer;
         self.next_peer += 1;
-        let live = Liveness::watch(&self.inner, PeerId(id), peer_name, ch).map_err(cerr)?;
+        let live = Liveness::watch(&self.inner, PeerId(id), peer_name, control, &info.secret).map_err(cerr)?;
         let link = Arc::new(PeerLink::default());
         let name = peer_name.to_string();
         self.core.handle.send(Cmd::Install { peer: PeerId(id), name, qps, slab: Some(slab), link: Some(link.clone()) });

@@ -20,7 +20,6 @@ use super::Inner;
 use super::conn::{self, Liveness};
 use super::device::Device;
 use super::engine::{Cmd, PeerHealth};
-use crate::sidechannel::SideChannel;
 use crate::transport::PeerId;
 use crate::transport::auth::AgentSecret;
 
@@ -150,19 +149,21 @@ fn attempt<D: Device>(
     // Closing the old control connection tells the target to drop its QPs
     // (and give back their receive completions) before the new hello.
     *retired = old.and_then(Liveness::retire);
-    let (qps, ch) = open_qps(inner, &dial.agent, &dial.addr, &dial.secret, dial.qps, dial.max_send_wr)
+    let (qps, control) = open_qps(inner, &dial.agent, &dial.addr, &dial.secret, dial.qps, dial.max_send_wr)
         .map_err(|e| e.to_string())?;
     if stopped() {
         return Err("the peer was disconnected".into());
     }
-    let live = Liveness::watch(inner, peer, &dial.name, ch)?;
+    let live = Liveness::watch(inner, peer, &dial.name, control, &dial.secret)?;
     tracing::info!("verbs: reconnected to {}", dial.name);
     inner.cmds.send(Cmd::Install { peer, name: dial.name.clone(), qps, slab: None, link: None });
     Ok(Some(live))
 }
 
 /// Create `n` send QPs of depth `max_send_wr`, handshake with `addr` as
-/// `agent` (proving `secret`), bring them to RTS.
+/// `agent` (proving `secret`, naming the connections to it that closed:
+/// the fence, `conn.rs`), bring them to RTS; the QPs, the control
+/// connection and its id.
 pub(super) fn open_qps<D: Device>(
     inner: &Inner<D>,
     agent: &str,
@@ -170,7 +171,7 @@ pub(super) fn open_qps<D: Device>(
     secret: &AgentSecret,
     n: u32,
     max_send_wr: u32,
-) -> Result<(Vec<D::Qp>, SideChannel), conn::HandshakeError> {
+) -> Result<(Vec<D::Qp>, conn::Control), conn::HandshakeError> {
     let o = &inner.qp_options;
     let mut qps = Vec::new();
     let mut eps = Vec::new();
@@ -179,9 +180,14 @@ pub(super) fn open_qps<D: Device>(
         eps.push(inner.nic.endpoint(&qp, o).map_err(|e| e.to_string())?);
         qps.push(qp);
     }
-    let (remote, ch) = conn::handshake(addr, agent, inner.session, secret, &eps, inner.config.peer_timeout)?;
+    let id = inner.next_conn.fetch_add(1, Ordering::Relaxed);
+    let replaces = inner.cut.pending(secret);
+    let caller = conn::Caller { agent, session: inner.session, conn: id, replaces: &replaces };
+    let (remote, ch) = conn::handshake(addr, &caller, secret, &eps, inner.config.peer_timeout)?;
+    // Answered: the target fenced what the hello named.
+    inner.cut.fenced(secret, &replaces);
     for ((qp, l), r) in qps.iter().zip(&eps).zip(&remote) {
         inner.nic.connect(qp, l, r, o).map_err(|e| e.to_string())?;
     }
-    Ok((qps, ch))
+    Ok((qps, conn::Control { ch, conn: id }))
 }

@@ -14,7 +14,8 @@
 //! ordering is checkable) or, for memory registered with
 //! [`SimFabric::register_host`] (the verbs transport over the simulator,
 //! `VerbsTransport::on_sim`), the real bytes of this process's memory,
-//! rkey/bounds checks (`IBV_WC_REM_ACCESS_ERR`),
+//! rkey/bounds checks (`IBV_WC_REM_ACCESS_ERR`), a responder in error
+//! answering nothing (as a vanished one),
 //! SENDs consuming posted receives (`IBV_WC_RNR_RETRY_EXC_ERR` when none
 //! is posted, or waiting for one on a QP that retries RNR forever:
 //! [`SimFabric::set_rnr_forever`]), error state with `IBV_WC_WR_FLUSH_ERR` for every WR after
@@ -40,6 +41,19 @@
 //! steps, so a progress thread drives the fabric by itself; with
 //! [`World::events`] the NIC has a completion channel ([`Nic::wait_event`](super::nic::Nic::wait_event)
 //! blocks on the wake fd, or returns at once when the CQ has entries).
+//!
+//! A held wire ([`SimFabric::hold_wire`]): what the QPs of a device send
+//! from then on stays in the fabric (a link or PFC stall), never
+//! completing, until [`SimFabric::release_wire`] delivers it. A WRITE's
+//! bytes are taken from local memory when it goes on the wire and land
+//! only at the responder QP it was sent to, if that QP is still the same
+//! incarnation (a recreated QP number has another PSN) and not in error,
+//! and the rkey and range still check: as an RC responder executes a late
+//! but in-sequence packet, and drops it in the error state. A held READ or
+//! SEND is lost with the wire. The requester flushes its held WRs when its
+//! QP goes to error, as a real one does while its packets are still out;
+//! one still held at the release completes as sent (its retries are not
+//! modelled: release after the requester let go, as the tests do).
 //!
 //! Not modelled: timing (steps are the clock), partial WRs.
 
@@ -120,6 +134,16 @@ struct Started {
     status: WcStatus,
 }
 
+/// A WRITE on a held wire: where it lands if it ever does, and its bytes.
+struct HeldWrite {
+    to: u32,
+    /// The responder QP's incarnation ([`SimQpState::incarnation`]) when sent.
+    incarnation: u64,
+    rkey: u32,
+    addr: u64,
+    data: Vec<u8>,
+}
+
 /// How [`World::complete`] finds a WR's status.
 #[derive(Clone, Copy)]
 enum Outcome {
@@ -149,6 +173,11 @@ struct SimQpState {
     /// (retries forever) instead of failing `IBV_WC_RNR_RETRY_EXC_ERR`
     /// ([`SimFabric::set_rnr_forever`]).
     rnr_forever: bool,
+    /// Incarnation of this QP number (a recreated number is another QP,
+    /// as its new PSN makes it on a real fabric).
+    incarnation: u64,
+    /// Its requests stay on the wire ([`SimFabric::hold_wire`]).
+    hold: bool,
 }
 
 /// The fabric's whole state (behind [`SimFabric`]'s lock: the simulated
@@ -187,6 +216,10 @@ pub struct World {
     pub posted_wrs: u64,
     /// Most WRs one `post_send` queued.
     pub max_chain: u64,
+    /// Incarnations given to QPs so far.
+    next_incarnation: u64,
+    /// WRITEs held on the wire, oldest first ([`SimFabric::hold_wire`]).
+    wire: Vec<HeldWrite>,
 }
 
 /// READ depth of QPs connected with [`SimFabric::connect`].
@@ -221,6 +254,8 @@ impl SimFabric {
             post_sends: 0,
             posted_wrs: 0,
             max_chain: 0,
+            next_incarnation: 0,
+            wire: Vec::new(),
         })))
     }
 
@@ -355,6 +390,46 @@ impl SimFabric {
         self.world().dead.insert(dev);
     }
 
+    /// Hold the wire of every QP device `dev` has now: what they send from
+    /// here on stays in the fabric until [`release_wire`](Self::release_wire)
+    /// (see the module docs). QPs created later are not held.
+    pub fn hold_wire(&self, dev: u32) {
+        for q in self.world().qps.values_mut().filter(|q| q.dev == dev) {
+            q.hold = true;
+        }
+    }
+
+    /// WRITEs on a held wire now.
+    pub fn on_wire(&self) -> usize {
+        self.world().wire.len()
+    }
+
+    /// Deliver what the held wires carry, oldest first, and stop holding:
+    /// `(landed, dropped)` WRITEs. One lands where a responder would execute
+    /// it: its QP still the same incarnation, not in error, on a live
+    /// device, its rkey and range valid.
+    pub fn release_wire(&self) -> (usize, usize) {
+        let mut w = self.world();
+        for q in w.qps.values_mut() {
+            q.hold = false;
+        }
+        let (mut landed, mut dropped) = (0, 0);
+        for h in std::mem::take(&mut w.wire) {
+            let dev = match w.qps.get(&h.to) {
+                Some(q) if q.incarnation == h.incarnation && !q.error && !w.dead.contains(&q.dev) => q.dev,
+                _ => {
+                    dropped += 1;
+                    continue;
+                }
+            };
+            match w.check(dev, h.rkey, h.addr, h.data.len()) {
+                Some(off) if w.regions.get_mut(&h.rkey).is_some_and(|r| r.store(off, &h.data)) => landed += 1,
+                _ => dropped += 1,
+            }
+        }
+        (landed, dropped)
+    }
+
     /// Execute one WR of a QP picked at random among those with work; false
     /// when no QP can make progress.
     pub fn step(&self) -> bool {
@@ -432,13 +507,17 @@ impl World {
         true
     }
 
-    /// A QP whose head WR can never complete (peer gone with infinite
-    /// retries, or a SEND with no receive posted and infinite RNR retries).
+    /// A QP whose head WR can never complete (peer gone or in error with
+    /// infinite retries, or a SEND with no receive posted and infinite RNR retries).
     fn stuck(&self, q: &SimQpState) -> bool {
+        if q.hold && !q.error {
+            // Everything it issues stays on the wire; nothing completes.
+            return q.sq.is_empty();
+        }
         if q.error || !q.fail_next.is_empty() {
             return false;
         }
-        let peer = q.peer.and_then(|p| self.qps.get(&p).filter(|_| !self.dead.contains(&self.qps[&p].dev)));
+        let peer = q.peer.and_then(|p| self.qps.get(&p).filter(|pq| !pq.error && !self.dead.contains(&pq.dev)));
         match peer {
             None => self.infinite_retry,
             Some(p) => {
@@ -450,6 +529,10 @@ impl World {
     }
 
     fn exec(&mut self, qpn: u32) {
+        if self.qps[&qpn].hold && !self.qps[&qpn].error {
+            self.onto_wire(qpn);
+            return;
+        }
         let q = &self.qps[&qpn];
         let head = q.sq.front().copied();
         let reads_waiting = q.started.iter().filter(|s| s.waiting).count();
@@ -498,6 +581,25 @@ impl World {
         }
     }
 
+    /// Issue the head WR of held QP `qpn` onto the wire: a WRITE's bytes
+    /// (read from local memory now) wait there for
+    /// [`SimFabric::release_wire`]; the WR completes only by a flush.
+    fn onto_wire(&mut self, qpn: u32) {
+        let q = self.qps.get_mut(&qpn).expect("live QP");
+        let w = q.sq.pop_front().expect("has work");
+        let (dev, peer) = (q.dev, q.peer);
+        q.started.push_back(Started { w, waiting: false, status: WcStatus::Success });
+        if w.opcode == IBV_WR_RDMA_READ || w.opcode == IBV_WR_SEND {
+            return;
+        }
+        let len = w.len_bytes as usize;
+        let data = self.check(dev, w.lkey, w.local_addr, len).and_then(|off| self.regions[&w.lkey].load(off, len));
+        let to = peer.and_then(|p| self.qps.get(&p).map(|pq| (p, pq.incarnation)));
+        if let (Some(data), Some((to, incarnation))) = (data, to) {
+            self.wire.push(HeldWrite { to, incarnation, rkey: w.rkey, addr: w.remote_addr, data });
+        }
+    }
+
     /// True when the peer of `q` has no receive posted.
     fn no_receive(&self, q: &SimQpState) -> bool {
         q.peer.and_then(|p| self.qps.get(&p)).is_none_or(|p| p.rq.is_empty())
@@ -537,12 +639,14 @@ impl World {
     }
 
     /// Where `w` (from QP `qpn`) touches memory: (peer QP, local offset,
-    /// remote offset of an RDMA WR), or the status it fails with (peer gone,
-    /// bad local key or range, bad remote key or range).
+    /// remote offset of an RDMA WR), or the status it fails with (peer gone
+    /// or in error, bad local key or range, bad remote key or range).
     fn resolve(&self, qpn: u32, w: &WrView) -> Result<(u32, usize, Option<usize>), WcStatus> {
         let q = &self.qps[&qpn];
         let len = w.len_bytes as usize;
-        let peer = q.peer.filter(|p| self.qps.get(p).is_some_and(|pq| !self.dead.contains(&pq.dev)));
+        // A responder gone, dead or in error answers nothing: the requester
+        // retries until it gives up.
+        let peer = q.peer.filter(|p| self.qps.get(p).is_some_and(|pq| !pq.error && !self.dead.contains(&pq.dev)));
         let peer = peer.ok_or(WcStatus::RetryExcErr)?;
         let loff = self.check(q.dev, w.lkey, w.local_addr, len).ok_or(WcStatus::LocProtErr)?;
         if w.opcode == IBV_WR_SEND {

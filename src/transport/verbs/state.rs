@@ -596,6 +596,20 @@ impl<Q: NicQp> State<Q> {
         self.holding.retain(|q| *q != qpn);
     }
 
+    /// Move receive QP `qpn` to the error state: an RC responder drops
+    /// every request that still arrives for it (a replaced connection's
+    /// late WRITE packets: the fence, `conn.rs`). Its posted receives
+    /// flush (their CQEs are within its reservation, ignored by
+    /// `on_recv`); it stays until [`remove_recv_qp`](Self::remove_recv_qp),
+    /// which still delivers what it held.
+    pub fn fence_recv_qp(&mut self, qpn: Qpn) {
+        if let Some(r) = self.recv_qps.get(&qpn)
+            && let Err(e) = r.qp.set_error()
+        {
+            tracing::warn!("verbs: fencing the receive QP {} of {}: {e}", qpn.0, r.agent);
+        }
+    }
+
     /// True while a receive QP holds notifications in its slots.
     #[cfg(test)]
     pub fn holds_back(&self) -> bool {

@@ -422,6 +422,7 @@ fn a_read_depth_of_one_still_fails_and_flushes_like_any_other_depth() {
 
 mod coalesce;
 mod engine;
+mod fence;
 mod prop;
 
 #[test]

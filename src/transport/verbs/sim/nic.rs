@@ -258,7 +258,10 @@ impl Nic for SimNic {
             rq: VecDeque::new(),
             fail_next: VecDeque::new(),
             rnr_forever: false,
+            incarnation: w.next_incarnation,
+            hold: false,
         };
+        w.next_incarnation += 1;
         w.qps.insert(qpn, st);
         Ok(SimQp { fabric: self.fabric.clone(), qpn, slabs: Vec::new() })
     }

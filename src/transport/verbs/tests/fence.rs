@@ -1,0 +1,206 @@
+//! The verbs side of the late-bytes fence (handshake v6, docs/VERBS.md):
+//! a WRITE whose packets a stalled fabric held past its flush never lands
+//! over a later transfer to the same target, over the real handshake on
+//! the simulated NIC ([`SimFabric::hold_wire`]).
+
+use std::io::{Read, Write};
+use std::net::{Shutdown, TcpListener, TcpStream};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+use crate::HostBuffer;
+use crate::transport::verbs::sim::{SimFabric, SimNic};
+use crate::transport::verbs::{VerbsInfo, VerbsTransport, conn};
+use crate::transport::{
+    Completion, MemoryBacking, Op, PeerId, PostRequest, RemoteRegion, Segment, Transport, TransportConfig, XferId,
+};
+use crate::verbs::QpEndpoint;
+
+/// A TCP relay in front of a target's handshake port. While `hold_close`
+/// is set, an initiator's close does not reach the target: the target's
+/// side of that connection stays open (a FIN held in a stalled fabric, as
+/// the data packets are), so its receive QPs stay in RTS.
+struct Relay {
+    addr: String,
+    hold_close: Arc<AtomicBool>,
+}
+
+impl Relay {
+    fn start(target: String) -> Self {
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = l.local_addr().unwrap().to_string();
+        let hold_close = Arc::new(AtomicBool::new(false));
+        let hold = hold_close.clone();
+        std::thread::spawn(move || {
+            for c in l.incoming() {
+                let Ok(c) = c else { continue };
+                let t = TcpStream::connect(&target).unwrap();
+                let (c2, t2) = (c.try_clone().unwrap(), t.try_clone().unwrap());
+                let hold = hold.clone();
+                std::thread::spawn(move || pump(c, t, Some(hold)));
+                std::thread::spawn(move || pump(t2, c2, None));
+            }
+        });
+        Relay { addr, hold_close }
+    }
+}
+
+/// Copy `from` → `to`; at `from`'s end, wait while `hold` is set before
+/// passing the close on.
+fn pump(mut from: TcpStream, mut to: TcpStream, hold: Option<Arc<AtomicBool>>) {
+    let mut buf = vec![0u8; 16 << 10];
+    while let Ok(n @ 1..) = from.read(&mut buf) {
+        if to.write_all(&buf[..n]).is_err() {
+            break;
+        }
+    }
+    while hold.as_ref().is_some_and(|h| h.load(Ordering::Acquire)) {
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let _ = to.shutdown(Shutdown::Write);
+}
+
+fn config(peer_timeout_ms: u64) -> TransportConfig {
+    TransportConfig { peer_timeout: Duration::from_millis(peer_timeout_ms), ..Default::default() }
+}
+
+fn filled(len: usize, byte: u8) -> Arc<HostBuffer> {
+    let b = Arc::new(HostBuffer::new(len).unwrap());
+    b.fill_with(0, len, |_| byte);
+    b
+}
+
+fn completion(t: &mut VerbsTransport<SimNic>, x: u64) -> Completion {
+    let mut out = Vec::new();
+    let t0 = Instant::now();
+    loop {
+        t.wait(&mut out, Duration::from_millis(10));
+        if let Some(c) = out.iter().find(|c| c.xfer == XferId(x)) {
+            return c.clone();
+        }
+        assert!(t0.elapsed() < Duration::from_secs(30), "no completion of xfer {x}: {out:?}");
+    }
+}
+
+const LEN: usize = 64 << 10;
+
+/// Initiator `i` connected to target `t` through a relay; the target's
+/// buffer (zeroes), and the initiator's two sources (`0xAA`, `0xBB`).
+struct Setup {
+    fabric: SimFabric,
+    i: VerbsTransport<SimNic>,
+    t: VerbsTransport<SimNic>,
+    relay: Relay,
+    peer: PeerId,
+    dst: Arc<HostBuffer>,
+    segs: [Segment; 2],
+    _src: [Arc<HostBuffer>; 2],
+}
+
+fn setup(seed: u64) -> Setup {
+    let fabric = SimFabric::new(seed);
+    fabric.world().auto_step = 64;
+    let mut t = VerbsTransport::on_sim("t", &config(30_000), &fabric).unwrap();
+    let mut i = VerbsTransport::on_sim("i", &config(300), &fabric).unwrap();
+    let dst = filled(LEN, 0);
+    let treg = t.register(dst.clone()).unwrap();
+    let d = dst.desc();
+    let region = RemoteRegion { addr: d.addr, len_bytes: d.len_bytes, rkey: treg.rkey, kind: d.kind, device_id: 0 };
+    let src = [filled(LEN, 0xAA), filled(LEN, 0xBB)];
+    let segs = src.clone().map(|s| {
+        let lkey = i.register(s.clone()).unwrap().lkey;
+        Segment { local_addr: s.addr(), lkey, remote_addr: d.addr, rkey: treg.rkey, len_bytes: LEN as u64 }
+    });
+    let real: VerbsInfo = postcard::from_bytes(&t.connection_info()).unwrap();
+    let relay = Relay::start(real.addr.clone());
+    let info = postcard::to_allocvec(&VerbsInfo { addr: relay.addr.clone(), secret: real.secret }).unwrap();
+    let peer = i.connect("t", &info, &[region]).unwrap();
+    Setup { fabric, i, t, relay, peer, dst, segs, _src: src }
+}
+
+fn write(s: &mut Setup, x: u64, seg: Segment) {
+    s.i.post(PostRequest { xfer: XferId(x), op: Op::Write, peer: s.peer, segments: vec![seg], notification: None })
+        .unwrap();
+}
+
+/// The first WRITE goes on a held wire and the initiator gives up on it
+/// (`cut`: a cancel, which flushes its QP after `peer_timeout`, or a
+/// `disconnect` + `connect`); the target never saw the old control
+/// connection close. A second WRITE to the same bytes then completes over
+/// new QPs, and the fabric delivers what it held: `(landed, dropped)`, and
+/// whether the second WRITE's bytes are still there.
+fn late_bytes_after(s: &mut Setup, cut: impl FnOnce(&mut Setup)) -> ((usize, usize), bool) {
+    s.relay.hold_close.store(true, Ordering::Release);
+    let dev = s.i.inner.nic.dev();
+    s.fabric.hold_wire(dev);
+    let (first, second) = (s.segs[0], s.segs[1]);
+    write(s, 1, first);
+    let t0 = Instant::now();
+    while s.fabric.on_wire() == 0 {
+        assert!(t0.elapsed() < Duration::from_secs(10), "the first WRITE never went on the wire");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    cut(s);
+    write(s, 2, second);
+    assert!(completion(&mut s.i, 2).result.is_ok(), "the second WRITE completes over new QPs");
+    assert!(s.dst.to_vec(..).iter().all(|&b| b == 0xBB), "the second WRITE landed");
+    let delivered = s.fabric.release_wire();
+    let intact = s.dst.to_vec(..).iter().all(|&b| b == 0xBB);
+    s.relay.hold_close.store(false, Ordering::Release);
+    (delivered, intact)
+}
+
+#[test]
+fn a_cancelled_writes_held_packets_never_land_over_a_later_write() {
+    let mut s = setup(41);
+    let (delivered, intact) = late_bytes_after(&mut s, |s| s.i.cancel(XferId(1)));
+    assert_eq!(delivered.0, 0, "late bytes landed: {delivered:?}");
+    assert!(delivered.1 > 0, "nothing was on the wire: the test tested nothing");
+    assert!(intact, "the cancelled WRITE's bytes overwrote the later one");
+}
+
+#[test]
+fn a_reconnect_fences_what_the_old_connection_left_on_the_wire() {
+    let mut s = setup(42);
+    let (delivered, intact) = late_bytes_after(&mut s, |s| {
+        let info = s.t.connection_info();
+        let real: VerbsInfo = postcard::from_bytes(&info).unwrap();
+        let via = postcard::to_allocvec(&VerbsInfo { addr: s.relay.addr.clone(), secret: real.secret }).unwrap();
+        let d = s.dst.desc();
+        let region =
+            RemoteRegion { addr: d.addr, len_bytes: d.len_bytes, rkey: s.segs[1].rkey, kind: d.kind, device_id: 0 };
+        s.i.disconnect(s.peer);
+        s.peer = s.i.connect("t", &via, &[region]).unwrap();
+    });
+    assert_eq!(delivered.0, 0, "late bytes landed: {delivered:?}");
+    assert!(delivered.1 > 0, "nothing was on the wire: the test tested nothing");
+    assert!(intact, "the old connection's WRITE overwrote the later one");
+}
+
+/// A hello naming connection ids (`replaces`) fences only connections of
+/// its own agent and session: another initiator that proves the secret
+/// and names every id cuts nothing of `i`'s.
+#[test]
+fn a_hello_from_another_initiator_fences_none_of_this_ones_connections() {
+    let mut s = setup(43);
+    let real: VerbsInfo = postcard::from_bytes(&s.t.connection_info()).unwrap();
+    let nic = s.fabric.new_device(64);
+    let qp = crate::transport::verbs::nic::Nic::create_qp(&nic, 4, 1).unwrap();
+    let ep: QpEndpoint = crate::transport::verbs::device::Device::endpoint(&nic, &qp, &s.i.inner.qp_options).unwrap();
+    let every: Vec<u64> = (0..conn::MAX_REPLACES as u64).collect();
+    let caller = conn::Caller { agent: "mallory", session: 7, conn: 1, replaces: &every };
+    let r = conn::handshake(&real.addr, &caller, &real.secret, &[ep], Duration::from_secs(5));
+    let (_, _ch) = r.map_err(|e| e.to_string()).expect("a proven hello is served");
+    let seg = s.segs[1];
+    write(&mut s, 1, seg);
+    assert!(completion(&mut s.i, 1).result.is_ok(), "the other initiator's fence cut this one's QPs");
+    assert!(s.dst.to_vec(..).iter().all(|&b| b == 0xBB));
+    // Over the bound: refused, naming why.
+    let over: Vec<u64> = (0..=conn::MAX_REPLACES as u64).collect();
+    let caller = conn::Caller { agent: "mallory", session: 7, conn: 2, replaces: &over };
+    let Err(e) = conn::handshake(&real.addr, &caller, &real.secret, &[ep], Duration::from_secs(5)) else {
+        panic!("a hello naming {} ids was served", over.len());
+    };
+    assert!(e.to_string().contains("replaces"), "{e}");
+}
