@@ -21,7 +21,7 @@ export SOFTROCE_TIMEOUT=${SOFTROCE_TIMEOUT:-900}
 stage=$(mktemp -d "${TMPDIR:-/tmp}/kvwire-softroce.XXXXXX")
 trap 'rm -rf "$stage"' EXIT
 # Only the verbs test binaries (cargo also lists the kvwire binary).
-cargo test -p kvwire --no-run --message-format=json --test verbs_transport --test verbs_layer --test verbs_kv --test verbs_edge \
+cargo test -p kvwire --no-run --message-format=json --test verbs_transport --test verbs_layer --test verbs_kv --test verbs_edge --test verbs_fence \
   --test transport_contract |
   sed -n 's/.*"executable":"\([^"]*\/\(verbs_\|transport_contract\)[^"]*\)".*/\1/p' | sort -u > "$stage/.list"
 # The kvwire command (crate kvwire-cli) for the replay below.

@@ -448,10 +448,14 @@ fn a_reconnect_fences_what_the_old_peer_left_on_the_wire() {
     let c = completion(&mut s.init, Duration::from_secs(5)).expect("the disconnect fails xfer 10");
     assert_eq!(c.xfer, XferId(10));
     assert!(c.result.is_err(), "{c:?}");
+    let fenced = || kvwire::metrics::link("tcp", "tcp").map_or(0, |c| c.fenced.load(Ordering::Relaxed));
+    let before = fenced();
     let late = late_bytes_over_a_later_write(&mut s, 8 * MIB, |s| {
         s.peer = s.init.connect("target", &s.info.clone(), &[]).unwrap();
     });
     assert_eq!(late, 0, "{late} late bytes of the old peer's WRITE landed after xfer 20");
+    // The target counted what it fenced (other tests here may add to it).
+    assert!(fenced() > before, "kvwire_fenced_connections_total did not move");
 }
 
 /// Post an 8 MiB WRITE `id` (two 4 MiB chunks) to a target the proxy

@@ -18,6 +18,7 @@
 //! | `kvwire_peer_disconnects_total` | counter | `transport`, `nic` | peers found dead |
 //! | `kvwire_transfer_stalls_total` | counter | `transport`, `nic` | transfers failed because the peer made no progress within the timeout |
 //! | `kvwire_doorbells_total` / `kvwire_work_requests_total` | counter | `transport`, `nic` | verbs: `ibv_post_send` calls (one doorbell each) / the work requests they chained (the ratio is WRs per doorbell, ≤ `max_batch`); 0 on shm and tcp |
+//! | `kvwire_fenced_connections_total` | counter | `transport`, `nic` | target side: connections cut by the late-bytes fence (a later connection of the same initiator session named them: tcp wire v4, verbs handshake v6); 0 on shm |
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -49,6 +50,10 @@ pub struct LinkCounters {
     /// doorbells` is the mean chain length, at most the transport's
     /// `max_batch`, 64 by default).
     pub work_requests: AtomicU64,
+    /// Target side: connections cut by the late-bytes fence (a later
+    /// connection of the same initiator session named them: tcp wire v4
+    /// `FENCE`, verbs handshake v6 `replaces`); 0 on shm.
+    pub fenced: AtomicU64,
 }
 
 impl LinkCounters {
@@ -199,6 +204,11 @@ pub(super) fn render(a: &AgentState, fams: &mut super::Families) {
                 "kvwire_work_requests_total",
                 "Work requests queued by those calls (verbs; 0 elsewhere).",
                 &c.work_requests,
+            ),
+            (
+                "kvwire_fenced_connections_total",
+                "Connections cut by the late-bytes fence (target side; tcp and verbs).",
+                &c.fenced,
             ),
         ] {
             fams.add(name, "counter", help, format!("{name}{{{l}}} {}", v.load(Relaxed)));

@@ -304,6 +304,8 @@ impl TcpTransport {
             notifs.clone(),
             config.peer_timeout,
             max_preauth,
+            crate::metrics::global()
+                .link_counters(&TransportKind::Tcp.to_string(), &config.nic_label(TransportKind::Tcp)),
         )?;
         Ok(Self {
             agent: agent.to_string(),

@@ -85,6 +85,8 @@ struct Shared {
     /// Most connections that have not yet proved the secret (the oldest is
     /// dropped to admit a new one).
     max_preauth: usize,
+    /// This transport's counters (`fenced` counted here).
+    counters: Arc<crate::metrics::LinkCounters>,
 }
 
 /// [`Conn::state`]: waiting for the hello's proof.
@@ -164,6 +166,7 @@ impl Service {
         notifs: NotifQueue,
         timeout: Duration,
         max_preauth: usize,
+        counters: Arc<crate::metrics::LinkCounters>,
     ) -> Result<Self, TransportError> {
         let listener = Arc::new(listener);
         let shared = Arc::new(Shared {
@@ -174,6 +177,7 @@ impl Service {
             timeout,
             conns: Mutex::new(Vec::new()),
             max_preauth: max_preauth.max(1),
+            counters,
         });
         let accept = {
             let (l, s) = (listener.clone(), shared.clone());
@@ -519,6 +523,7 @@ fn fence_cut(shared: &Shared, id: u64, body: &[u8]) {
             })
             .collect()
     };
+    shared.counters.fenced.fetch_add(fenced.len() as u64, std::sync::atomic::Ordering::Relaxed);
     for f in fenced {
         f.wait_out();
     }

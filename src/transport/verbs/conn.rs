@@ -269,13 +269,15 @@ impl Served {
         }
     }
 
-    /// The receive QPs of the connections `ids` of `agent`'s `session`.
-    fn named(&self, agent: &str, session: u64, ids: &[u64]) -> Vec<Qpn> {
+    /// The receive QPs of the connections `ids` of `agent`'s `session`,
+    /// and how many connections they are.
+    fn named(&self, agent: &str, session: u64, ids: &[u64]) -> (Vec<Qpn>, u64) {
         let by = self.lock();
         let Some(v) = by.get(&(agent.to_string(), session)) else {
-            return Vec::new();
+            return (Vec::new(), 0);
         };
-        v.iter().filter(|(c, _)| ids.contains(c)).flat_map(|(_, q)| q.iter().copied()).collect()
+        let conns: Vec<&Vec<Qpn>> = v.iter().filter(|(c, _)| ids.contains(c)).map(|(_, q)| q).collect();
+        (conns.iter().flat_map(|q| q.iter().copied()).collect(), conns.len() as u64)
     }
 }
 
@@ -526,10 +528,11 @@ fn serve<D: Device>(inner: &Inner<D>, mut ch: SideChannel, waiting: Waiting) {
     };
     // The fence: the session's replaced connections drop whatever still
     // arrives for them before this one is answered.
-    let fenced = inner.served.named(&agent, session, &replaces);
-    if !fenced.is_empty() {
-        tracing::info!("verbs: {agent}: fencing {} receive QPs of replaced connections", fenced.len());
+    let (fenced, conns) = inner.served.named(&agent, session, &replaces);
+    if conns > 0 {
+        tracing::info!("verbs: {agent}: fencing {conns} replaced connections ({} receive QPs)", fenced.len());
         inner.cmds.call::<()>(|done| Cmd::FenceRecv { qpns: fenced, done });
+        inner.counters.fenced.fetch_add(conns, Ordering::Relaxed);
     }
     let mut qpns = Vec::new();
     let mut mine = Vec::new();

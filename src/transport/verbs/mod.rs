@@ -192,6 +192,8 @@ pub(crate) struct Inner<D: Device> {
     next_conn: AtomicU64,
     /// Initiator side: per target, the connections to fence (`replaces`).
     cut: Arc<conn::CutLists>,
+    /// This (transport, device)'s counters (`fenced` counted here).
+    counters: Arc<crate::metrics::LinkCounters>,
 }
 
 struct Peer {
@@ -456,10 +458,11 @@ impl<D: Device> VerbsTransport<D> {
         let (peer_timeout, progress_timeout) = (config.peer_timeout, s.progress_timeout);
         let counters = crate::metrics::global()
             .link_counters(&TransportKind::Verbs.to_string(), &config.nic_label(TransportKind::Verbs));
+        let c2 = counters.clone();
         let core = Core::start(s.nic.clone(), s.num_cqe, s.limits, |e| {
             e.progress_timeout = progress_timeout;
             e.peer_timeout = peer_timeout;
-            e.st.count_posts_into(counters);
+            e.st.count_posts_into(c2);
         })
         .map_err(|e| TransportError::io("spawn(verbs progress)", e))?;
         let inner = Arc::new(Inner {
@@ -476,6 +479,7 @@ impl<D: Device> VerbsTransport<D> {
             served: conn::Served::default(),
             next_conn: AtomicU64::new(1),
             cut: Arc::default(),
+            counters,
         });
         let i2 = inner.clone();
         let threads = vec![

@@ -703,5 +703,7 @@ impl World {
 }
 
 mod nic;
+mod relay;
 mod transport;
 pub use nic::{SimMr, SimNic, SimQp, SimSlab};
+pub use relay::HandshakeRelay;

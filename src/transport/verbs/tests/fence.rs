@@ -3,66 +3,30 @@
 //! over a later transfer to the same target, over the real handshake on
 //! the simulated NIC ([`SimFabric::hold_wire`]).
 
-use std::io::{Read, Write};
-use std::net::{Shutdown, TcpListener, TcpStream};
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use crate::HostBuffer;
-use crate::transport::verbs::sim::{SimFabric, SimNic};
+use crate::transport::verbs::sim::{HandshakeRelay, SimFabric, SimNic};
 use crate::transport::verbs::{VerbsInfo, VerbsTransport, conn};
 use crate::transport::{
     Completion, MemoryBacking, Op, PeerId, PostRequest, RemoteRegion, Segment, Transport, TransportConfig, XferId,
 };
 use crate::verbs::QpEndpoint;
 
-/// A TCP relay in front of a target's handshake port. While `hold_close`
-/// is set, an initiator's close does not reach the target: the target's
-/// side of that connection stays open (a FIN held in a stalled fabric, as
-/// the data packets are), so its receive QPs stay in RTS.
-struct Relay {
-    addr: String,
-    hold_close: Arc<AtomicBool>,
-}
-
-impl Relay {
-    fn start(target: String) -> Self {
-        let l = TcpListener::bind("127.0.0.1:0").unwrap();
-        let addr = l.local_addr().unwrap().to_string();
-        let hold_close = Arc::new(AtomicBool::new(false));
-        let hold = hold_close.clone();
-        std::thread::spawn(move || {
-            for c in l.incoming() {
-                let Ok(c) = c else { continue };
-                let t = TcpStream::connect(&target).unwrap();
-                let (c2, t2) = (c.try_clone().unwrap(), t.try_clone().unwrap());
-                let hold = hold.clone();
-                std::thread::spawn(move || pump(c, t, Some(hold)));
-                std::thread::spawn(move || pump(t2, c2, None));
-            }
-        });
-        Relay { addr, hold_close }
+/// `device` only names the metrics' `nic` label on the simulated NIC.
+fn config(peer_timeout_ms: u64, device: &str) -> TransportConfig {
+    TransportConfig {
+        peer_timeout: Duration::from_millis(peer_timeout_ms),
+        options: vec![("device".into(), device.into())],
+        ..Default::default()
     }
 }
 
-/// Copy `from` → `to`; at `from`'s end, wait while `hold` is set before
-/// passing the close on.
-fn pump(mut from: TcpStream, mut to: TcpStream, hold: Option<Arc<AtomicBool>>) {
-    let mut buf = vec![0u8; 16 << 10];
-    while let Ok(n @ 1..) = from.read(&mut buf) {
-        if to.write_all(&buf[..n]).is_err() {
-            break;
-        }
-    }
-    while hold.as_ref().is_some_and(|h| h.load(Ordering::Acquire)) {
-        std::thread::sleep(Duration::from_millis(5));
-    }
-    let _ = to.shutdown(Shutdown::Write);
-}
-
-fn config(peer_timeout_ms: u64) -> TransportConfig {
-    TransportConfig { peer_timeout: Duration::from_millis(peer_timeout_ms), ..Default::default() }
+/// Connections the target on `device` fenced so far.
+fn fenced(device: &str) -> u64 {
+    crate::metrics::link("verbs", device).map_or(0, |c| c.fenced.load(Ordering::Relaxed))
 }
 
 fn filled(len: usize, byte: u8) -> Arc<HostBuffer> {
@@ -91,7 +55,11 @@ struct Setup {
     fabric: SimFabric,
     i: VerbsTransport<SimNic>,
     t: VerbsTransport<SimNic>,
-    relay: Relay,
+    relay: HandshakeRelay,
+    /// The target's connection info naming the relay.
+    via: Vec<u8>,
+    /// The target's device label (unique per test).
+    label: String,
     peer: PeerId,
     dst: Arc<HostBuffer>,
     segs: [Segment; 2],
@@ -101,8 +69,9 @@ struct Setup {
 fn setup(seed: u64) -> Setup {
     let fabric = SimFabric::new(seed);
     fabric.world().auto_step = 64;
-    let mut t = VerbsTransport::on_sim("t", &config(30_000), &fabric).unwrap();
-    let mut i = VerbsTransport::on_sim("i", &config(300), &fabric).unwrap();
+    let label = format!("sim-fence-{seed}");
+    let mut t = VerbsTransport::on_sim("t", &config(30_000, &label), &fabric).unwrap();
+    let mut i = VerbsTransport::on_sim("i", &config(300, "sim-fence-i"), &fabric).unwrap();
     let dst = filled(LEN, 0);
     let treg = t.register(dst.clone()).unwrap();
     let d = dst.desc();
@@ -112,11 +81,9 @@ fn setup(seed: u64) -> Setup {
         let lkey = i.register(s.clone()).unwrap().lkey;
         Segment { local_addr: s.addr(), lkey, remote_addr: d.addr, rkey: treg.rkey, len_bytes: LEN as u64 }
     });
-    let real: VerbsInfo = postcard::from_bytes(&t.connection_info()).unwrap();
-    let relay = Relay::start(real.addr.clone());
-    let info = postcard::to_allocvec(&VerbsInfo { addr: relay.addr.clone(), secret: real.secret }).unwrap();
-    let peer = i.connect("t", &info, &[region]).unwrap();
-    Setup { fabric, i, t, relay, peer, dst, segs, _src: src }
+    let (relay, via) = HandshakeRelay::start(&t.connection_info()).unwrap();
+    let peer = i.connect("t", &via, &[region]).unwrap();
+    Setup { fabric, i, t, relay, via, label, peer, dst, segs, _src: src }
 }
 
 fn write(s: &mut Setup, x: u64, seg: Segment) {
@@ -131,7 +98,7 @@ fn write(s: &mut Setup, x: u64, seg: Segment) {
 /// new QPs, and the fabric delivers what it held: `(landed, dropped)`, and
 /// whether the second WRITE's bytes are still there.
 fn late_bytes_after(s: &mut Setup, cut: impl FnOnce(&mut Setup)) -> ((usize, usize), bool) {
-    s.relay.hold_close.store(true, Ordering::Release);
+    s.relay.hold_close(true);
     let dev = s.i.inner.nic.dev();
     s.fabric.hold_wire(dev);
     let (first, second) = (s.segs[0], s.segs[1]);
@@ -147,7 +114,7 @@ fn late_bytes_after(s: &mut Setup, cut: impl FnOnce(&mut Setup)) -> ((usize, usi
     assert!(s.dst.to_vec(..).iter().all(|&b| b == 0xBB), "the second WRITE landed");
     let delivered = s.fabric.release_wire();
     let intact = s.dst.to_vec(..).iter().all(|&b| b == 0xBB);
-    s.relay.hold_close.store(false, Ordering::Release);
+    s.relay.hold_close(false);
     (delivered, intact)
 }
 
@@ -158,24 +125,23 @@ fn a_cancelled_writes_held_packets_never_land_over_a_later_write() {
     assert_eq!(delivered.0, 0, "late bytes landed: {delivered:?}");
     assert!(delivered.1 > 0, "nothing was on the wire: the test tested nothing");
     assert!(intact, "the cancelled WRITE's bytes overwrote the later one");
+    assert_eq!(fenced(&s.label), 1, "one connection fenced");
 }
 
 #[test]
 fn a_reconnect_fences_what_the_old_connection_left_on_the_wire() {
     let mut s = setup(42);
     let (delivered, intact) = late_bytes_after(&mut s, |s| {
-        let info = s.t.connection_info();
-        let real: VerbsInfo = postcard::from_bytes(&info).unwrap();
-        let via = postcard::to_allocvec(&VerbsInfo { addr: s.relay.addr.clone(), secret: real.secret }).unwrap();
         let d = s.dst.desc();
         let region =
             RemoteRegion { addr: d.addr, len_bytes: d.len_bytes, rkey: s.segs[1].rkey, kind: d.kind, device_id: 0 };
         s.i.disconnect(s.peer);
-        s.peer = s.i.connect("t", &via, &[region]).unwrap();
+        s.peer = s.i.connect("t", &s.via, &[region]).unwrap();
     });
     assert_eq!(delivered.0, 0, "late bytes landed: {delivered:?}");
     assert!(delivered.1 > 0, "nothing was on the wire: the test tested nothing");
     assert!(intact, "the old connection's WRITE overwrote the later one");
+    assert_eq!(fenced(&s.label), 1, "one connection fenced");
 }
 
 /// A hello naming connection ids (`replaces`) fences only connections of
@@ -196,6 +162,7 @@ fn a_hello_from_another_initiator_fences_none_of_this_ones_connections() {
     write(&mut s, 1, seg);
     assert!(completion(&mut s.i, 1).result.is_ok(), "the other initiator's fence cut this one's QPs");
     assert!(s.dst.to_vec(..).iter().all(|&b| b == 0xBB));
+    assert_eq!(fenced(&s.label), 0, "nothing fenced");
     // Over the bound: refused, naming why.
     let over: Vec<u64> = (0..=conn::MAX_REPLACES as u64).collect();
     let caller = conn::Caller { agent: "mallory", session: 7, conn: 2, replaces: &over };
