@@ -56,6 +56,7 @@ use super::Inner;
 use super::device::Device;
 use super::engine::Cmd;
 use super::nic::{Nic, NicQp};
+use super::progress::Handle;
 use super::state::{NOTIF_SLOT_BYTES, NotifCredit, Qpn, RECV_BIT, RecvQp};
 use crate::sidechannel::{SideChannel, SideChannelError};
 use crate::transport::auth::{self, AgentSecret, Nonce};
@@ -124,9 +125,10 @@ pub(super) enum Handshake {
         #[serde(default)]
         conn: u64,
         /// Ids of the session's earlier connections to this target whose
-        /// receive QPs the target must fence before it answers (at most
-        /// [`MAX_REPLACES`]; version 6).
-        #[serde(default)]
+        /// receive QPs the target must fence before it answers (version 6).
+        /// More than [`MAX_REPLACES`] fail the parse, before anything is
+        /// allocated for them: the hello is dropped.
+        #[serde(default, deserialize_with = "at_most_max_replaces")]
         replaces: Vec<u64>,
     },
     /// Target → initiator, after a hello: prove you know my secret.
@@ -159,6 +161,29 @@ pub(super) enum Handshake {
         /// The agent name claimed.
         name: String,
     },
+}
+
+/// `Hello::replaces`, refusing more than [`MAX_REPLACES`] ids while
+/// parsing (the hello is parsed before its proof).
+fn at_most_max_replaces<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Vec<u64>, D::Error> {
+    struct Ids;
+    impl<'de> serde::de::Visitor<'de> for Ids {
+        type Value = Vec<u64>;
+        fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            write!(f, "at most {MAX_REPLACES} connection ids")
+        }
+        fn visit_seq<A: serde::de::SeqAccess<'de>>(self, mut seq: A) -> Result<Vec<u64>, A::Error> {
+            let mut ids = Vec::new();
+            while let Some(id) = seq.next_element::<u64>()? {
+                if ids.len() == MAX_REPLACES {
+                    return Err(serde::de::Error::invalid_length(MAX_REPLACES + 1, &self));
+                }
+                ids.push(id);
+            }
+            Ok(ids)
+        }
+    }
+    d.deserialize_seq(Ids)
 }
 
 /// Why the initiator's handshake failed.
@@ -232,14 +257,27 @@ impl Drop for NameHold<'_> {
 
 /// Target side: the receive QPs of each connection served now, by the
 /// initiator's agent name and session, for the fence a later hello of the
-/// same agent and session asks for (`replaces`, module docs).
+/// same agent and session asks for (`replaces`, module docs). A fence's
+/// lookup and its `FenceRecv`, and a removal's `RemoveRecv` and its
+/// forgetting, each happen under the one lock: a fence that finds a
+/// connection reaches the engine before that connection's removal, so
+/// before any QP that reuses its numbers exists.
 #[derive(Default)]
 pub(super) struct Served {
     by: Mutex<ServedMap>,
 }
 
-/// (agent, session) → each connection's id and receive QPs.
-type ServedMap = HashMap<(String, u64), Vec<(u64, Vec<Qpn>)>>;
+/// (agent, session) → its connections served now.
+type ServedMap = HashMap<(String, u64), Vec<ServedConn>>;
+
+/// One connection served now: its id (`Hello::conn`), its receive QPs, and
+/// whether they were fenced already (a retried hello fences and counts
+/// them once).
+struct ServedConn {
+    conn: u64,
+    qpns: Vec<Qpn>,
+    fenced: bool,
+}
 
 /// An initiator's open control connection and its id (`Hello::conn`).
 pub(super) struct Control {
@@ -254,36 +292,56 @@ impl Served {
 
     /// Connection `conn` of `agent`'s `session` has receive QPs `qpns` here.
     fn add(&self, agent: &str, session: u64, conn: u64, qpns: &[Qpn]) {
-        self.lock().entry((agent.to_string(), session)).or_default().push((conn, qpns.to_vec()));
+        let c = ServedConn { conn, qpns: qpns.to_vec(), fenced: false };
+        self.lock().entry((agent.to_string(), session)).or_default().push(c);
     }
 
-    /// That connection's receive QPs were removed (`qpns` as added).
-    fn remove(&self, agent: &str, session: u64, qpns: &[Qpn]) {
+    /// Connection `conn` (receive QPs `qpns`, holding `cqes` CQEs) ended:
+    /// have the engine remove its QPs and forget it.
+    fn remove<Q: NicQp>(&self, cmds: &Handle<Q>, (agent, session): (&str, u64), conn: u64, qpns: Vec<Qpn>, cqes: u32) {
         let mut by = self.lock();
         let key = (agent.to_string(), session);
         if let Some(v) = by.get_mut(&key) {
-            v.retain(|(_, q)| q != qpns);
+            v.retain(|c| (c.conn, &c.qpns) != (conn, &qpns));
             if v.is_empty() {
                 by.remove(&key);
             }
         }
+        cmds.send(Cmd::RemoveRecv { qpns, cqes });
     }
 
-    /// The receive QPs of the connections `ids` of `agent`'s `session`,
-    /// and how many connections they are.
-    fn named(&self, agent: &str, session: u64, ids: &[u64]) -> (Vec<Qpn>, u64) {
-        let by = self.lock();
-        let Some(v) = by.get(&(agent.to_string(), session)) else {
-            return (Vec::new(), 0);
+    /// Have the engine fence the receive QPs of the connections `ids` of
+    /// `agent`'s `session`; how many connections, and the channel that
+    /// closes once the engine did (none when there were none).
+    fn fence<Q: NicQp>(
+        &self,
+        cmds: &Handle<Q>,
+        (agent, session): (&str, u64),
+        ids: &[u64],
+    ) -> (u64, Option<crossbeam_channel::Receiver<()>>) {
+        let mut by = self.lock();
+        let Some(v) = by.get_mut(&(agent.to_string(), session)) else {
+            return (0, None);
         };
-        let conns: Vec<&Vec<Qpn>> = v.iter().filter(|(c, _)| ids.contains(c)).map(|(_, q)| q).collect();
-        (conns.iter().flat_map(|q| q.iter().copied()).collect(), conns.len() as u64)
+        let (mut qpns, mut conns) = (Vec::new(), 0);
+        for c in v.iter_mut().filter(|c| !c.fenced && ids.contains(&c.conn)) {
+            c.fenced = true;
+            qpns.extend_from_slice(&c.qpns);
+            conns += 1;
+        }
+        if conns == 0 {
+            return (0, None);
+        }
+        let (done, rx) = crossbeam_channel::bounded(1);
+        cmds.send(Cmd::FenceRecv { qpns, done });
+        (conns, Some(rx))
     }
 }
 
 /// Initiator side: per target (by its connection secret), the ids of this
-/// transport's connections to it that closed (disconnect, reconnect)
-/// while their WRITEs may still be in the fabric; the next hello to that
+/// transport's connections to it that it cut (a reconnect, once the old QPs
+/// are destroyed; a `disconnect`, also one that lands while a reconnect
+/// runs) while their WRITEs may still be in the fabric; the next hello to that
 /// target names them (`replaces`) and they are dropped once it was
 /// answered. At most [`MAX_REPLACES`] per target (the newest) and
 /// [`MAX_CUT_TARGETS`] targets. Shared by every connect of the transport,
@@ -298,9 +356,13 @@ impl CutLists {
         self.by.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// Connection `conn` to `target` closed.
-    fn note(&self, target: &AgentSecret, conn: u64) {
+    /// Connection `conn` to `target` was cut (its QPs destroyed or about to
+    /// be, on purpose); noted once.
+    pub(super) fn note(&self, target: &AgentSecret, conn: u64) {
         let mut by = self.lock();
+        if by.get(target).is_some_and(|l| l.contains(&conn)) {
+            return;
+        }
         if !by.contains_key(target) && by.len() >= MAX_CUT_TARGETS {
             // Past the bound an arbitrary other target's list goes: its
             // next hello fences nothing (the state before version 6).
@@ -513,12 +575,6 @@ fn serve<D: Device>(inner: &Inner<D>, mut ch: SideChannel, waiting: Waiting) {
         let _ = ch.send(&Handshake::Refuse { reason });
         return;
     }
-    if replaces.len() > MAX_REPLACES {
-        let reason = format!("hello names {} replaced connections (replaces), at most {MAX_REPLACES}", replaces.len());
-        tracing::warn!("verbs: refusing {agent}: {reason}");
-        let _ = ch.send(&Handshake::Refuse { reason });
-        return;
-    }
     // One session holds the name at a time: while this hold lives (until
     // our receive QPs for it are removed), another session's is refused.
     let Some(_name) = inner.names.claim(&agent, session) else {
@@ -528,10 +584,9 @@ fn serve<D: Device>(inner: &Inner<D>, mut ch: SideChannel, waiting: Waiting) {
     };
     // The fence: the session's replaced connections drop whatever still
     // arrives for them before this one is answered.
-    let (fenced, conns) = inner.served.named(&agent, session, &replaces);
-    if conns > 0 {
-        tracing::info!("verbs: {agent}: fencing {conns} replaced connections ({} receive QPs)", fenced.len());
-        inner.cmds.call::<()>(|done| Cmd::FenceRecv { qpns: fenced, done });
+    if let (conns, Some(done)) = inner.served.fence(&inner.cmds, (&agent, session), &replaces) {
+        tracing::info!("verbs: {agent}: fencing {conns} replaced connection(s)");
+        let _ = done.recv();
         inner.counters.fenced.fetch_add(conns, Ordering::Relaxed);
     }
     let mut qpns = Vec::new();
@@ -580,14 +635,16 @@ fn serve<D: Device>(inner: &Inner<D>, mut ch: SideChannel, waiting: Waiting) {
     // that the engine holds its receives back and its SENDs wait (RNR).
     let credit = Arc::new(NotifCredit::new(inner.notif_bounds.count, inner.notif_bounds.bytes));
     for (mut qp, slab) in built {
+        let mut posted = 0;
         for slot in 0..RECVS_PER_QP {
             let (wr_id, len) = (RECV_BIT | u64::from(slot), NOTIF_SLOT_BYTES as u32);
-            if let Err(e) = qp.post_recv(wr_id, &slab, slot as usize * NOTIF_SLOT_BYTES, len) {
-                tracing::warn!("verbs: post_recv for {agent}: {e}");
+            match qp.post_recv(wr_id, &slab, slot as usize * NOTIF_SLOT_BYTES, len) {
+                Ok(()) => posted += 1,
+                Err(e) => tracing::warn!("verbs: post_recv for {agent}: {e}"),
             }
         }
         qpns.push(Qpn(qp.qp_num()));
-        recv.push(RecvQp::new(qp, agent.clone(), slab, credit.clone()));
+        recv.push(RecvQp::new(qp, agent.clone(), slab, credit.clone(), posted));
     }
     // Answered only once the engine holds the QPs: the initiator's first
     // notification may complete on our CQ as soon as it has our answer.
@@ -605,10 +662,7 @@ fn serve<D: Device>(inner: &Inner<D>, mut ch: SideChannel, waiting: Waiting) {
             }
         }
     }
-    // Forgotten only once the removal is on its way: a fence that still
-    // finds them orders behind it on the engine's channel.
-    inner.cmds.send(Cmd::RemoveRecv { qpns: qpns.clone(), cqes });
-    inner.served.remove(&agent, session, &qpns);
+    inner.served.remove(&inner.cmds, (&agent, session), conn, qpns, cqes);
 }
 
 /// Most QPs one hello may ask for (`qps_per_peer` is at most 64).
@@ -687,31 +741,22 @@ pub(super) fn handshake(
 /// fails that peer's QPs at once ([`Cmd::FailPeer`]) instead of waiting
 /// for the QPs' retries or the progress deadline. Dropping it stops the
 /// watch (within [`WATCH_MS`]) and closes the channel; [`Liveness::join`]
-/// waits for the thread. Dropping it also puts its connection on the
-/// target's cut list ([`CutLists`]): the next hello there fences it.
+/// waits for the thread.
 pub(super) struct Liveness {
     stop: Arc<AtomicBool>,
     thread: Option<JoinHandle<()>>,
-    /// The connection's id, its target, and where the cut is noted.
-    conn: u64,
-    target: AgentSecret,
-    cut: Arc<CutLists>,
 }
 
 impl Liveness {
-    /// Watch `ch`, connection `conn` of peer `peer` (named `name`, proving
-    /// `target`).
+    /// Watch `ch` (the control connection of peer `peer`, named `name`).
     pub(super) fn watch<D: Device>(
         inner: &Arc<Inner<D>>,
         peer: PeerId,
         name: &str,
-        control: Control,
-        target: &AgentSecret,
+        mut ch: SideChannel,
     ) -> Result<Self, String> {
-        let Control { mut ch, conn } = control;
         ch.set_read_timeout(Some(Duration::from_millis(WATCH_MS))).map_err(|e| e.to_string())?;
         let stop = Arc::new(AtomicBool::new(false));
-        let cut = inner.cut.clone();
         let (inner, stop2, name) = (inner.clone(), stop.clone(), name.to_string());
         let thread = std::thread::Builder::new()
             .name("kvwire-verbs-live".into())
@@ -734,7 +779,7 @@ impl Liveness {
                 inner.cmds.send(Cmd::FailPeer { peer, why: f });
             })
             .map_err(|e| e.to_string())?;
-        Ok(Self { stop, thread: Some(thread), conn, target: target.clone(), cut })
+        Ok(Self { stop, thread: Some(thread) })
     }
 
     /// Stop watching and wait for the thread (at most about [`WATCH_MS`]).
@@ -756,7 +801,6 @@ impl Liveness {
 impl Drop for Liveness {
     fn drop(&mut self) {
         self.stop.store(true, Ordering::Release);
-        self.cut.note(&self.target, self.conn);
     }
 }
 
@@ -833,6 +877,30 @@ mod impostor_tests {
             }
             other => panic!("{other:?}"),
         }
+    }
+
+    /// `replaces` past [`super::MAX_REPLACES`] fails the parse itself (the
+    /// hello is parsed before its proof: nothing is allocated for more).
+    #[test]
+    fn a_hello_naming_more_than_max_replaces_does_not_parse() {
+        let hello = |n: usize| {
+            let ids: Vec<String> = (0..n).map(|i| i.to_string()).collect();
+            let nonce = vec!["7"; 16].join(",");
+            format!(
+                r#"{{"Hello":{{"version":6,"agent":"a","session":1,"qps":[],"nonce":[{nonce}],"conn":9,"replaces":[{}]}}}}"#,
+                ids.join(",")
+            )
+        };
+        match serde_json::from_str::<Handshake>(&hello(super::MAX_REPLACES)).unwrap() {
+            Handshake::Hello { conn: 9, replaces, .. } => assert_eq!(replaces.len(), super::MAX_REPLACES),
+            other => panic!("{other:?}"),
+        }
+        let e = serde_json::from_str::<Handshake>(&hello(super::MAX_REPLACES + 1)).unwrap_err();
+        assert!(e.to_string().contains("at most 256 connection ids"), "{e}");
+        // A version 5 hello (no `conn`, no `replaces`) still parses (and is
+        // refused by version).
+        let v5 = r#"{"Hello":{"version":5,"agent":"a","session":1,"qps":[]}}"#;
+        assert!(matches!(serde_json::from_str::<Handshake>(v5).unwrap(), Handshake::Hello { version: 5, .. }));
     }
 
     #[test]

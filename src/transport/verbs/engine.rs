@@ -256,10 +256,9 @@ impl<N: Nic> Engine<N> {
                 }
             }
             Cmd::RemoveRecv { qpns, cqes } => {
-                for q in qpns {
-                    self.st.remove_recv_qp(q);
-                }
-                self.st.release_recv_cqes(cqes, &limits);
+                let share = cqes.checked_div(qpns.len() as u32).unwrap_or(0);
+                let kept: u32 = qpns.into_iter().map(|q| self.st.remove_recv_qp(q, share)).sum();
+                self.st.release_recv_cqes(cqes - kept, &limits);
             }
             Cmd::FenceRecv { qpns, done: _done } => {
                 for q in qpns {

@@ -212,6 +212,9 @@ struct Peer {
     keys: keys::RemoteKeys,
     /// The reconnect in progress, on its own thread (`reconnect.rs`).
     redial: Option<Reconnect>,
+    /// Its current connection id (a reconnect replaces it): noted as cut
+    /// on `disconnect` (the late-bytes fence, `conn.rs`).
+    conn: Arc<AtomicU64>,
 }
 
 /// The RDMA backend. See the module docs.
@@ -548,6 +551,7 @@ impl<D: Device> VerbsTransport<D> {
             secret: p.secret.clone(),
             qps: self.qps_per_peer,
             max_send_wr: self.max_send_wr,
+            conn: p.conn.clone(),
         };
         match Reconnect::start(&self.inner, dial, p.live.take()) {
             Ok(r) => {
@@ -642,7 +646,8 @@ impl<D: Device> Transport for VerbsTransport<D> {
         })?;
         let id = self.next_peer;
         self.next_peer += 1;
-        let live = Liveness::watch(&self.inner, PeerId(id), peer_name, control, &info.secret).map_err(cerr)?;
+        let conn = Arc::new(AtomicU64::new(control.conn));
+        let live = Liveness::watch(&self.inner, PeerId(id), peer_name, control.ch).map_err(cerr)?;
         let link = Arc::new(PeerLink::default());
         let name = peer_name.to_string();
         self.core.handle.send(Cmd::Install { peer: PeerId(id), name, qps, slab: Some(slab), link: Some(link.clone()) });
@@ -654,6 +659,7 @@ impl<D: Device> Transport for VerbsTransport<D> {
             live: Some(live),
             keys: keys::RemoteKeys::new(regions),
             redial: None,
+            conn,
         };
         self.peers.insert(id, peer);
         Ok(PeerId(id))
@@ -671,6 +677,10 @@ impl<D: Device> Transport for VerbsTransport<D> {
             r.abandon();
             self.redials.push(r);
         }
+        // The connection carrying its WRITEs now (after the abandon: a
+        // reconnect that already has its new connection stored its id, one
+        // that has not installs nothing) is fenced by the next hello.
+        self.inner.cut.note(&p.secret, p.conn.load(Ordering::SeqCst));
         // Returns once the engine destroyed the peer's QPs.
         self.core.handle.call::<()>(|done| Cmd::Disconnect { peer, done });
     }

@@ -12,7 +12,7 @@
 //! posts with `PeerDied` naming it; the next post starts another attempt.
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
@@ -37,6 +37,10 @@ pub(super) struct Dial {
     /// QPs to open, and the send queue depth of each.
     pub(super) qps: u32,
     pub(super) max_send_wr: u32,
+    /// The peer's current connection id, shared with its `Peer`: noted as
+    /// cut once the old QPs are gone, replaced by the new connection's
+    /// before it carries anything (the late-bytes fence, `conn.rs`).
+    pub(super) conn: Arc<AtomicU64>,
 }
 
 /// What a finished reconnect leaves to its owner.
@@ -96,7 +100,10 @@ impl Reconnect {
     /// Ask the thread to give up (its peer was disconnected): it stops at
     /// its next step; [`finish`](Self::finish) still joins it.
     pub(super) fn abandon(&self) {
-        self.stop.store(true, Ordering::Release);
+        // SeqCst, paired with `attempt`'s store of the new id before its
+        // `stopped` check: either this side reads the new id or that side
+        // sees the stop and installs nothing.
+        self.stop.store(true, Ordering::SeqCst);
     }
 }
 
@@ -123,7 +130,7 @@ fn attempt<D: Device>(
     let peer = dial.peer;
     let budget = inner.config.peer_timeout + Duration::from_secs(10);
     let deadline = Instant::now() + budget;
-    let stopped = || stop.load(Ordering::Acquire) || inner.stopping.load(Ordering::Acquire);
+    let stopped = || stop.load(Ordering::SeqCst) || inner.stopping.load(Ordering::Acquire);
     let gone = PeerHealth { busy: false, broken: true, free_slots: 0 };
     loop {
         if stopped() {
@@ -146,15 +153,19 @@ fn attempt<D: Device>(
         std::thread::sleep(Duration::from_millis(1));
     }
     inner.cmds.call::<()>(|done| Cmd::Unplug { peer, done });
+    // Its flushed WRITEs may still be in the fabric: the next hello to the
+    // target has it fence that connection.
+    inner.cut.note(&dial.secret, dial.conn.load(Ordering::SeqCst));
     // Closing the old control connection tells the target to drop its QPs
     // (and give back their receive completions) before the new hello.
     *retired = old.and_then(Liveness::retire);
     let (qps, control) = open_qps(inner, &dial.agent, &dial.addr, &dial.secret, dial.qps, dial.max_send_wr)
         .map_err(|e| e.to_string())?;
+    dial.conn.store(control.conn, Ordering::SeqCst);
     if stopped() {
         return Err("the peer was disconnected".into());
     }
-    let live = Liveness::watch(inner, peer, &dial.name, control, &dial.secret)?;
+    let live = Liveness::watch(inner, peer, &dial.name, control.ch)?;
     tracing::info!("verbs: reconnected to {}", dial.name);
     inner.cmds.send(Cmd::Install { peer, name: dial.name.clone(), qps, slab: None, link: None });
     Ok(Some(live))

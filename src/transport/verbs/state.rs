@@ -172,12 +172,23 @@ pub struct RecvQp<Q: NicQp> {
     /// ([`State::release_held`]); with no receive posted, the peer's next
     /// SEND waits at its NIC (RNR, retried forever).
     held: VecDeque<(u64, u32)>,
+    /// Receives posted whose completion has not been polled: each comes
+    /// back as one CQE (a notification, or a flush once the QP is in error).
+    posted: u32,
+    /// Moved to the error state by the fence ([`State::fence_recv_qp`]):
+    /// nothing is reposted; its posted receives come back flushed.
+    fenced: bool,
+    /// Removed while fenced receives were still to come back: the CQEs of
+    /// its reservation to give back once they all did (then it is
+    /// destroyed).
+    draining: Option<u32>,
 }
 
 impl<Q: NicQp> RecvQp<Q> {
-    /// A receive QP of the peer whose notifications `credit` counts.
-    pub fn new(qp: Q, agent: String, slab: Arc<Q::Slab>, credit: Arc<NotifCredit>) -> Self {
-        Self { qp, agent, slab, credit, held: VecDeque::new() }
+    /// A receive QP of the peer whose notifications `credit` counts, with
+    /// `posted` receives posted.
+    pub fn new(qp: Q, agent: String, slab: Arc<Q::Slab>, credit: Arc<NotifCredit>, posted: u32) -> Self {
+        Self { qp, agent, slab, credit, held: VecDeque::new(), posted, fenced: false, draining: None }
     }
 
     /// Notifications held in its slots (the peer at its bound).
@@ -199,9 +210,12 @@ impl<Q: NicQp> RecvQp<Q> {
         if notifs.send(HeldNotification { n, credit: self.credit.clone() }).is_err() {
             self.credit.give(len as usize);
         }
-        if repost && let Err(e) = self.qp.post_recv(wr_id, &self.slab, slot * NOTIF_SLOT_BYTES, NOTIF_SLOT_BYTES as u32)
-        {
-            tracing::warn!("verbs: cannot repost a receive for {}: {e}", self.agent);
+        if !repost || self.fenced {
+            return;
+        }
+        match self.qp.post_recv(wr_id, &self.slab, slot * NOTIF_SLOT_BYTES, NOTIF_SLOT_BYTES as u32) {
+            Ok(()) => self.posted += 1,
+            Err(e) => tracing::warn!("verbs: cannot repost a receive for {}: {e}", self.agent),
         }
     }
 }
@@ -583,30 +597,42 @@ impl<Q: NicQp> State<Q> {
         self.recv_qps.insert(Qpn(r.qp.qp_num()), r);
     }
 
-    /// Destroy receive QP `qpn` (its CQEs are released by the caller). The
-    /// notifications it still held in its slots (its peer was at its bound)
-    /// are delivered now, over the bound: their sender saw them succeed.
-    pub fn remove_recv_qp(&mut self, qpn: Qpn) {
-        if let Some(mut r) = self.recv_qps.remove(&qpn) {
+    /// Destroy receive QP `qpn`, whose reservation holds `share` CQEs; how
+    /// many of them the caller must not give back yet. The notifications it
+    /// still held in its slots (its peer was at its bound) are delivered
+    /// now, over the bound: their sender saw them succeed. A fenced QP whose
+    /// flushed receives have not all come back is destroyed only once they
+    /// did, and gives its `share` back then ([`on_recv`](Self::on_recv)):
+    /// until then they may still be written to the CQ.
+    pub fn remove_recv_qp(&mut self, qpn: Qpn, share: u32) -> u32 {
+        let mut kept = 0;
+        if let Some(r) = self.recv_qps.get_mut(&qpn) {
             while let Some((wr_id, len)) = r.held.pop_front() {
                 r.credit.force_take(len);
                 r.deliver(&self.notifs, wr_id, len, false);
             }
+            if r.fenced && r.posted > 0 {
+                r.draining = Some(share);
+                kept = share;
+            } else {
+                self.recv_qps.remove(&qpn);
+            }
         }
         self.holding.retain(|q| *q != qpn);
+        kept
     }
 
     /// Move receive QP `qpn` to the error state: an RC responder drops
     /// every request that still arrives for it (a replaced connection's
-    /// late WRITE packets: the fence, `conn.rs`). Its posted receives
-    /// flush (their CQEs are within its reservation, ignored by
-    /// `on_recv`); it stays until [`remove_recv_qp`](Self::remove_recv_qp),
-    /// which still delivers what it held.
+    /// late WRITE packets: the fence, `conn.rs`). Its posted receives come
+    /// back flushed (within its reservation, which
+    /// [`remove_recv_qp`](Self::remove_recv_qp) keeps until they did) and
+    /// are not reposted; notifications it holds are still delivered.
     pub fn fence_recv_qp(&mut self, qpn: Qpn) {
-        if let Some(r) = self.recv_qps.get(&qpn)
-            && let Err(e) = r.qp.set_error()
-        {
-            tracing::warn!("verbs: fencing the receive QP {} of {}: {e}", qpn.0, r.agent);
+        let Some(r) = self.recv_qps.get_mut(&qpn) else { return };
+        match r.qp.set_error() {
+            Ok(()) => r.fenced = true,
+            Err(e) => tracing::warn!("verbs: fencing the receive QP {} of {}: {e}", qpn.0, r.agent),
         }
     }
 
@@ -1032,7 +1058,7 @@ impl<Q: NicQp> State<Q> {
         // Receive wr_ids carry RECV_BIT; the opcode is not defined on error
         // completions (a flushed SEND may show a stale receive opcode).
         if wc.wr_id & RECV_BIT != 0 {
-            self.on_recv(wc);
+            self.on_recv(wc, limits);
             return;
         }
         let qpn = Qpn(wc.qp_num);
@@ -1126,11 +1152,27 @@ impl<Q: NicQp> State<Q> {
     /// under its bound (one atomic add on the peer's credit) and its receive
     /// reposted; otherwise held in its slot, the receive not reposted, until
     /// [`release_held`](Self::release_held).
-    fn on_recv(&mut self, wc: &WorkCompletion) {
+    fn on_recv(&mut self, wc: &WorkCompletion, limits: &PostLimits) {
         let qpn = Qpn(wc.qp_num);
         let Some(r) = self.recv_qps.get_mut(&qpn) else {
             return;
         };
+        r.posted = r.posted.saturating_sub(1);
+        if let Some(share) = r.draining {
+            // Removed, fenced: each CQE is a flush (or a notification from
+            // before the fence, delivered). The last one gives the
+            // reservation back and destroys it.
+            if wc.wc_status() == Some(WcStatus::Success) {
+                let len = wc.byte_len.min(NOTIF_SLOT_BYTES as u32);
+                r.credit.force_take(len);
+                r.deliver(&self.notifs, wc.wr_id, len, false);
+            }
+            if r.posted == 0 {
+                self.recv_qps.remove(&qpn);
+                self.release_recv_cqes(share, limits);
+            }
+            return;
+        }
         if wc.wc_status() != Some(WcStatus::Success) {
             if wc.wc_status() != Some(WcStatus::WrFlushErr) {
                 tracing::warn!("verbs: receive from {} failed: {}", r.agent, wc.status_name());

@@ -182,6 +182,14 @@ impl NicQp for SimQp {
         }
         let mut w = self.fabric.world();
         let q = w.qps.get_mut(&self.qpn).ok_or_else(|| einval("ibv_post_recv (destroyed QP)"))?;
+        if q.error {
+            // Posted in the error state: flushed at once.
+            let dev = q.dev;
+            let wc =
+                WorkCompletion { wr_id, status: WcStatus::WrFlushErr.raw(), qp_num: self.qpn, ..Default::default() };
+            w.push_cqe(dev, wc);
+            return Ok(());
+        }
         q.rq.push_back((wr_id, slab.key, offset, len_bytes));
         Ok(())
     }

@@ -15,6 +15,9 @@ use crate::transport::{
 };
 use crate::verbs::QpEndpoint;
 
+use super::sim_harness::{Opts, Pair};
+use crate::transport::verbs::conn::RECVS_PER_QP;
+
 /// `device` only names the metrics' `nic` label on the simulated NIC.
 fn config(peer_timeout_ms: u64, device: &str) -> TransportConfig {
     TransportConfig {
@@ -86,6 +89,13 @@ fn setup(seed: u64) -> Setup {
     Setup { fabric, i, t, relay, via, label, peer, dst, segs, _src: src }
 }
 
+impl Setup {
+    /// Set every byte of the target's buffer to `b`.
+    fn fill(&self, b: u8) {
+        self.dst.fill_with(0, LEN, |_| b);
+    }
+}
+
 fn write(s: &mut Setup, x: u64, seg: Segment) {
     s.i.post(PostRequest { xfer: XferId(x), op: Op::Write, peer: s.peer, segments: vec![seg], notification: None })
         .unwrap();
@@ -97,20 +107,20 @@ fn write(s: &mut Setup, x: u64, seg: Segment) {
 /// connection close. A second WRITE to the same bytes then completes over
 /// new QPs, and the fabric delivers what it held: `(landed, dropped)`, and
 /// whether the second WRITE's bytes are still there.
-fn late_bytes_after(s: &mut Setup, cut: impl FnOnce(&mut Setup)) -> ((usize, usize), bool) {
+fn late_bytes_after(s: &mut Setup, x: u64, cut: impl FnOnce(&mut Setup, u64)) -> ((usize, usize), bool) {
     s.relay.hold_close(true);
     let dev = s.i.inner.nic.dev();
     s.fabric.hold_wire(dev);
     let (first, second) = (s.segs[0], s.segs[1]);
-    write(s, 1, first);
+    write(s, x, first);
     let t0 = Instant::now();
     while s.fabric.on_wire() == 0 {
         assert!(t0.elapsed() < Duration::from_secs(10), "the first WRITE never went on the wire");
         std::thread::sleep(Duration::from_millis(1));
     }
-    cut(s);
-    write(s, 2, second);
-    assert!(completion(&mut s.i, 2).result.is_ok(), "the second WRITE completes over new QPs");
+    cut(s, x);
+    write(s, x + 1, second);
+    assert!(completion(&mut s.i, x + 1).result.is_ok(), "the second WRITE completes over new QPs");
     assert!(s.dst.to_vec(..).iter().all(|&b| b == 0xBB), "the second WRITE landed");
     let delivered = s.fabric.release_wire();
     let intact = s.dst.to_vec(..).iter().all(|&b| b == 0xBB);
@@ -121,7 +131,7 @@ fn late_bytes_after(s: &mut Setup, cut: impl FnOnce(&mut Setup)) -> ((usize, usi
 #[test]
 fn a_cancelled_writes_held_packets_never_land_over_a_later_write() {
     let mut s = setup(41);
-    let (delivered, intact) = late_bytes_after(&mut s, |s| s.i.cancel(XferId(1)));
+    let (delivered, intact) = late_bytes_after(&mut s, 1, |s, x| s.i.cancel(XferId(x)));
     assert_eq!(delivered.0, 0, "late bytes landed: {delivered:?}");
     assert!(delivered.1 > 0, "nothing was on the wire: the test tested nothing");
     assert!(intact, "the cancelled WRITE's bytes overwrote the later one");
@@ -131,17 +141,57 @@ fn a_cancelled_writes_held_packets_never_land_over_a_later_write() {
 #[test]
 fn a_reconnect_fences_what_the_old_connection_left_on_the_wire() {
     let mut s = setup(42);
-    let (delivered, intact) = late_bytes_after(&mut s, |s| {
-        let d = s.dst.desc();
-        let region =
-            RemoteRegion { addr: d.addr, len_bytes: d.len_bytes, rkey: s.segs[1].rkey, kind: d.kind, device_id: 0 };
-        s.i.disconnect(s.peer);
-        s.peer = s.i.connect("t", &s.via, &[region]).unwrap();
-    });
+    let (delivered, intact) = late_bytes_after(&mut s, 1, reconnect);
     assert_eq!(delivered.0, 0, "late bytes landed: {delivered:?}");
     assert!(delivered.1 > 0, "nothing was on the wire: the test tested nothing");
     assert!(intact, "the old connection's WRITE overwrote the later one");
     assert_eq!(fenced(&s.label), 1, "one connection fenced");
+}
+
+/// `disconnect` + `connect` of the peer.
+fn reconnect(s: &mut Setup, _: u64) {
+    let d = s.dst.desc();
+    let region =
+        RemoteRegion { addr: d.addr, len_bytes: d.len_bytes, rkey: s.segs[1].rkey, kind: d.kind, device_id: 0 };
+    s.i.disconnect(s.peer);
+    s.peer = s.i.connect("t", &s.via, &[region]).unwrap();
+}
+
+/// The connection a reconnect made (after a cancel) is the one a later
+/// `disconnect` fences: the peer's connection id follows its reconnects.
+#[test]
+fn a_disconnect_after_a_reconnect_fences_the_connection_the_reconnect_made() {
+    let mut s = setup(44);
+    let (delivered, intact) = late_bytes_after(&mut s, 1, |s, x| s.i.cancel(XferId(x)));
+    assert!(delivered.0 == 0 && delivered.1 > 0 && intact, "{delivered:?}");
+    s.fill(0);
+    let (delivered, intact) = late_bytes_after(&mut s, 3, reconnect);
+    assert_eq!(delivered.0, 0, "late bytes of the reconnected connection landed: {delivered:?}");
+    assert!(delivered.1 > 0, "nothing was on the wire: the test tested nothing");
+    assert!(intact, "the reconnected connection's WRITE overwrote the later one");
+    assert_eq!(fenced(&s.label), 2, "both connections fenced");
+}
+
+/// A fenced receive QP keeps its CQE reservation until its flushed
+/// receives came back: removed before, it is destroyed (and gives the
+/// CQEs back) only once they were polled, so the CQ never holds more than
+/// was reserved.
+#[test]
+fn a_fenced_receive_qp_keeps_its_reservation_until_its_flushes_came_back() {
+    let mut p = Pair::new(45, Opts::default());
+    let q = p.t.st.recv_qpns()[0];
+    let reserved = p.t.st.cq().recv_reserved();
+    assert_eq!(reserved, RECVS_PER_QP);
+    p.t.st.fence_recv_qp(q);
+    // The flushes are in the CQ, not yet polled.
+    let kept = p.t.st.remove_recv_qp(q, RECVS_PER_QP);
+    p.t.st.release_recv_cqes(RECVS_PER_QP - kept, &p.limits);
+    assert_eq!(kept, RECVS_PER_QP, "its reservation was given back with its flushes still to come");
+    assert_eq!(p.t.st.recv_qpns(), vec![q], "destroyed before its flushes came back");
+    p.drain_cqs();
+    assert_eq!(p.t.st.cq().recv_reserved(), 0);
+    assert!(p.t.st.recv_qpns().is_empty());
+    p.invariants();
 }
 
 /// A hello naming connection ids (`replaces`) fences only connections of
@@ -163,11 +213,11 @@ fn a_hello_from_another_initiator_fences_none_of_this_ones_connections() {
     assert!(completion(&mut s.i, 1).result.is_ok(), "the other initiator's fence cut this one's QPs");
     assert!(s.dst.to_vec(..).iter().all(|&b| b == 0xBB));
     assert_eq!(fenced(&s.label), 0, "nothing fenced");
-    // Over the bound: refused, naming why.
+    // Over the bound: the hello does not parse (before its proof) and is
+    // dropped; nothing is served.
     let over: Vec<u64> = (0..=conn::MAX_REPLACES as u64).collect();
     let caller = conn::Caller { agent: "mallory", session: 7, conn: 2, replaces: &over };
-    let Err(e) = conn::handshake(&real.addr, &caller, &real.secret, &[ep], Duration::from_secs(5)) else {
+    if conn::handshake(&real.addr, &caller, &real.secret, &[ep], Duration::from_secs(5)).is_ok() {
         panic!("a hello naming {} ids was served", over.len());
-    };
-    assert!(e.to_string().contains("replaces"), "{e}");
+    }
 }

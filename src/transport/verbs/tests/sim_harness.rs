@@ -189,8 +189,8 @@ impl Pair {
         }
         let recv: Vec<Qpn> = self.t.st.recv_qpns();
         for q in recv {
-            self.t.st.remove_recv_qp(q);
-            self.t.st.release_recv_cqes(RECVS_PER_QP, &self.limits);
+            let kept = self.t.st.remove_recv_qp(q, RECVS_PER_QP);
+            self.t.st.release_recv_cqes(RECVS_PER_QP - kept, &self.limits);
         }
         self.qpns = connect(&self.fabric, &mut self.i, &mut self.t, self.peer, self.opts, self.now);
     }
@@ -462,7 +462,7 @@ fn connect(fabric: &SimFabric, i: &mut Side, t: &mut Side, peer: PeerId, opts: O
             let off = slot as usize * NOTIF_SLOT_BYTES;
             tq.post_recv(RECV_BIT | u64::from(slot), &slab, off, NOTIF_SLOT_BYTES as u32).unwrap();
         }
-        t.st.add_recv_qp(RecvQp::new(tq, "initiator".into(), slab, credit.clone()));
+        t.st.add_recv_qp(RecvQp::new(tq, "initiator".into(), slab, credit.clone(), RECVS_PER_QP));
         qpns.push(iq.qp_num());
         i.st.set_now(now);
         i.st.add_send_qp(iq, peer);
