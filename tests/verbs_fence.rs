@@ -21,23 +21,9 @@ use std::time::{Duration, Instant};
 use kvwire::HostBuffer;
 use kvwire::transport::verbs::sim::HandshakeRelay;
 use kvwire::transport::{
-    self, Completion, MemoryBacking, Notification, Op, PeerId, PostRequest, RemoteRegion, Segment, Transport,
-    TransportKind, XferId,
+    self, MemoryBacking, Notification, Op, PeerId, PostRequest, RemoteRegion, Segment, Transport, TransportKind, XferId,
 };
-use verbs_util::{WAIT, config};
-
-fn completion(t: &mut Box<dyn Transport>, x: XferId) -> Completion {
-    let t0 = Instant::now();
-    let mut out = Vec::new();
-    loop {
-        t.poll(&mut out);
-        if let Some(c) = out.iter().find(|c| c.xfer == x) {
-            return c.clone();
-        }
-        assert!(t0.elapsed() < WAIT, "no completion for {x:?}");
-        std::thread::sleep(Duration::from_micros(200));
-    }
-}
+use verbs_util::{WAIT, config, wait_completion};
 
 /// WRITE `seg` with notification `note` as `x`; Ok, and the target got
 /// exactly that notification.
@@ -46,7 +32,7 @@ fn write_notified(i: &mut Box<dyn Transport>, t: &mut Box<dyn Transport>, peer: 
     let req =
         PostRequest { xfer: XferId(x), op: Op::Write, peer, segments: vec![seg], notification: Some(note.clone()) };
     i.post(req).unwrap();
-    assert_eq!(completion(i, XferId(x)).result, Ok(()), "xfer {x}");
+    assert_eq!(wait_completion(i, XferId(x)).result, Ok(()), "xfer {x}");
     let mut n: Vec<Notification> = Vec::new();
     let t0 = Instant::now();
     while n.is_empty() && t0.elapsed() < WAIT {

@@ -18,8 +18,8 @@ use std::time::{Duration, Instant};
 use kvwire::HostBuffer;
 use kvwire::engine::{AgentMetadata, Desc, TransferEngine, TransferStatus};
 use kvwire::transport::{
-    self, Completion, FailureKind, FailureSource, LocalKey, MemoryBacking, Notification, Op, PostRequest,
-    RemoteAccessKind, RemoteKey, RemoteRegion, Segment, TransportConfig, TransportKind, XferId,
+    self, FailureKind, FailureSource, LocalKey, MemoryBacking, Notification, Op, PostRequest, RemoteAccessKind,
+    RemoteKey, RemoteRegion, Segment, TransportConfig, TransportKind, XferId,
 };
 
 fn engine(name: &str, device: &str) -> TransferEngine {
@@ -185,18 +185,7 @@ fn verbs_thousand_scattered_pages_byte_exact() {
     }
 }
 
-fn wait_completion(t: &mut Box<dyn transport::Transport>, x: XferId) -> Completion {
-    let t0 = Instant::now();
-    let mut out = Vec::new();
-    loop {
-        t.poll(&mut out);
-        if let Some(c) = out.iter().find(|c| c.xfer == x) {
-            return c.clone();
-        }
-        assert!(t0.elapsed() < WAIT, "no completion for {x:?}");
-        std::thread::sleep(Duration::from_micros(200));
-    }
-}
+use verbs_util::wait_completion;
 
 #[test]
 #[ignore = "needs an RDMA device (Soft-RoCE guest: scripts/softroce-tests.sh)"]

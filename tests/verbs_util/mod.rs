@@ -34,6 +34,23 @@ pub(crate) fn wait(e: &mut TransferEngine, h: TransferHandle) -> TransferStatus 
     s
 }
 
+/// Poll bare transport `t` until transfer `x` completed (at most [`WAIT`]).
+pub(crate) fn wait_completion(
+    t: &mut Box<dyn kvwire::transport::Transport>,
+    x: kvwire::transport::XferId,
+) -> kvwire::transport::Completion {
+    let t0 = Instant::now();
+    let mut out = Vec::new();
+    loop {
+        t.poll(&mut out);
+        if let Some(c) = out.iter().find(|c| c.xfer == x) {
+            return c.clone();
+        }
+        assert!(t0.elapsed() < WAIT, "no completion for {x:?}");
+        std::thread::sleep(Duration::from_micros(200));
+    }
+}
+
 /// `(target device, initiator device)` (Soft-RoCE: rxe0, rxe1) or the reason to skip.
 pub(crate) fn devices() -> Result<(String, String), String> {
     if let Ok(devs) = std::env::var("SOFTROCE_DEVS") {

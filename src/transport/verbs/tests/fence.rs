@@ -131,21 +131,24 @@ fn late_bytes_after(s: &mut Setup, x: u64, cut: impl FnOnce(&mut Setup, u64)) ->
 #[test]
 fn a_cancelled_writes_held_packets_never_land_over_a_later_write() {
     let mut s = setup(41);
-    let (delivered, intact) = late_bytes_after(&mut s, 1, |s, x| s.i.cancel(XferId(x)));
+    let r = late_bytes_after(&mut s, 1, |s, x| s.i.cancel(XferId(x)));
+    none_landed(&s, r, 1);
+}
+
+/// Nothing of what the wire held landed (and something was on it), and
+/// the target fenced `fences` connections in all.
+fn none_landed(s: &Setup, (delivered, intact): ((usize, usize), bool), fences: u64) {
     assert_eq!(delivered.0, 0, "late bytes landed: {delivered:?}");
     assert!(delivered.1 > 0, "nothing was on the wire: the test tested nothing");
-    assert!(intact, "the cancelled WRITE's bytes overwrote the later one");
-    assert_eq!(fenced(&s.label), 1, "one connection fenced");
+    assert!(intact, "the cut connection's WRITE overwrote the later one");
+    assert_eq!(fenced(&s.label), fences, "connections fenced");
 }
 
 #[test]
 fn a_reconnect_fences_what_the_old_connection_left_on_the_wire() {
     let mut s = setup(42);
-    let (delivered, intact) = late_bytes_after(&mut s, 1, reconnect);
-    assert_eq!(delivered.0, 0, "late bytes landed: {delivered:?}");
-    assert!(delivered.1 > 0, "nothing was on the wire: the test tested nothing");
-    assert!(intact, "the old connection's WRITE overwrote the later one");
-    assert_eq!(fenced(&s.label), 1, "one connection fenced");
+    let r = late_bytes_after(&mut s, 1, reconnect);
+    none_landed(&s, r, 1);
 }
 
 /// `disconnect` + `connect` of the peer.
@@ -162,14 +165,11 @@ fn reconnect(s: &mut Setup, _: u64) {
 #[test]
 fn a_disconnect_after_a_reconnect_fences_the_connection_the_reconnect_made() {
     let mut s = setup(44);
-    let (delivered, intact) = late_bytes_after(&mut s, 1, |s, x| s.i.cancel(XferId(x)));
-    assert!(delivered.0 == 0 && delivered.1 > 0 && intact, "{delivered:?}");
+    let r = late_bytes_after(&mut s, 1, |s, x| s.i.cancel(XferId(x)));
+    none_landed(&s, r, 1);
     s.fill(0);
-    let (delivered, intact) = late_bytes_after(&mut s, 3, reconnect);
-    assert_eq!(delivered.0, 0, "late bytes of the reconnected connection landed: {delivered:?}");
-    assert!(delivered.1 > 0, "nothing was on the wire: the test tested nothing");
-    assert!(intact, "the reconnected connection's WRITE overwrote the later one");
-    assert_eq!(fenced(&s.label), 2, "both connections fenced");
+    let r = late_bytes_after(&mut s, 3, reconnect);
+    none_landed(&s, r, 2);
 }
 
 /// A fenced receive QP keeps its CQE reservation until its flushed
