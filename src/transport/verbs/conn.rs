@@ -235,6 +235,12 @@ impl Names {
         }
         Some(NameHold { names: self, name: name.to_string() })
     }
+
+    /// Connections served now under `name`.
+    #[cfg(test)]
+    pub(super) fn connections(&self, name: &str) -> usize {
+        self.held.lock().unwrap_or_else(|p| p.into_inner()).get(name).map_or(0, |&(_, n)| n)
+    }
 }
 
 /// One connection's hold on its agent name; released on drop.
@@ -270,13 +276,16 @@ pub(super) struct Served {
 /// (agent, session) → its connections served now.
 type ServedMap = HashMap<(String, u64), Vec<ServedConn>>;
 
-/// One connection served now: its id (`Hello::conn`), its receive QPs, and
+/// One connection served now: its id (`Hello::conn`), its receive QPs,
 /// whether they were fenced already (a retried hello fences and counts
-/// them once).
+/// them once), and a handle to its control socket (a fence shuts it, so
+/// its thread removes the QPs and gives their CQEs back at once, also when
+/// the initiator's close is held in the network).
 struct ServedConn {
     conn: u64,
     qpns: Vec<Qpn>,
     fenced: bool,
+    control: Option<SideChannel>,
 }
 
 /// An initiator's open control connection and its id (`Hello::conn`).
@@ -290,9 +299,10 @@ impl Served {
         self.by.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// Connection `conn` of `agent`'s `session` has receive QPs `qpns` here.
-    fn add(&self, agent: &str, session: u64, conn: u64, qpns: &[Qpn]) {
-        let c = ServedConn { conn, qpns: qpns.to_vec(), fenced: false };
+    /// Connection `conn` of `agent`'s `session` has receive QPs `qpns` here
+    /// (`control`: a handle to its control socket).
+    fn add(&self, agent: &str, session: u64, conn: u64, qpns: &[Qpn], control: Option<SideChannel>) {
+        let c = ServedConn { conn, qpns: qpns.to_vec(), fenced: false, control };
         self.lock().entry((agent.to_string(), session)).or_default().push(c);
     }
 
@@ -311,14 +321,15 @@ impl Served {
     }
 
     /// Have the engine fence the receive QPs of the connections `ids` of
-    /// `agent`'s `session`; how many connections, and the channel that
-    /// closes once the engine did (none when there were none).
+    /// `agent`'s `session` and shut their control sockets; how many
+    /// connections, and the channel on which the engine answers whether
+    /// every QP is in error now (none when there were none).
     fn fence<Q: NicQp>(
         &self,
         cmds: &Handle<Q>,
         (agent, session): (&str, u64),
         ids: &[u64],
-    ) -> (u64, Option<crossbeam_channel::Receiver<()>>) {
+    ) -> (u64, Option<crossbeam_channel::Receiver<bool>>) {
         let mut by = self.lock();
         let Some(v) = by.get_mut(&(agent.to_string(), session)) else {
             return (0, None);
@@ -328,6 +339,9 @@ impl Served {
             c.fenced = true;
             qpns.extend_from_slice(&c.qpns);
             conns += 1;
+            if let Some(s) = &c.control {
+                s.shutdown();
+            }
         }
         if conns == 0 {
             return (0, None);
@@ -335,6 +349,13 @@ impl Served {
         let (done, rx) = crossbeam_channel::bounded(1);
         cmds.send(Cmd::FenceRecv { qpns, done });
         (conns, Some(rx))
+    }
+
+    /// The fence of `ids` failed: a later hello naming them tries again.
+    fn unfence(&self, (agent, session): (&str, u64), ids: &[u64]) {
+        if let Some(v) = self.lock().get_mut(&(agent.to_string(), session)) {
+            v.iter_mut().filter(|c| ids.contains(&c.conn)).for_each(|c| c.fenced = false);
+        }
     }
 }
 
@@ -586,7 +607,15 @@ fn serve<D: Device>(inner: &Inner<D>, mut ch: SideChannel, waiting: Waiting) {
     // arrives for them before this one is answered.
     if let (conns, Some(done)) = inner.served.fence(&inner.cmds, (&agent, session), &replaces) {
         tracing::info!("verbs: {agent}: fencing {conns} replaced connection(s)");
-        let _ = done.recv();
+        if done.recv() != Ok(true) {
+            // Not answered: the initiator keeps the ids and names them
+            // again (their QPs are gone once their threads saw the close).
+            inner.served.unfence((&agent, session), &replaces);
+            let reason = "cannot move the replaced connections' receive QPs to the error state".to_string();
+            tracing::warn!("verbs: refusing {agent}: {reason}");
+            let _ = ch.send(&Handshake::Refuse { reason });
+            return;
+        }
         inner.counters.fenced.fetch_add(conns, Ordering::Relaxed);
     }
     let mut qpns = Vec::new();
@@ -649,7 +678,7 @@ fn serve<D: Device>(inner: &Inner<D>, mut ch: SideChannel, waiting: Waiting) {
     // Answered only once the engine holds the QPs: the initiator's first
     // notification may complete on our CQ as soon as it has our answer.
     inner.cmds.call::<()>(|done| Cmd::AddRecv { qps: recv, done });
-    inner.served.add(&agent, session, conn, &qpns);
+    inner.served.add(&agent, session, conn, &qpns, ch.try_clone().ok());
     let proof = auth::prove(&inner.secret, &theirs, &accept_context(&agent, session, &challenge)).to_vec();
     if ch.send(&Handshake::Accept { qps: mine, proof }).is_ok() {
         // Wait until the initiator goes away (or this transport stops).

@@ -16,8 +16,8 @@
 //! - `Cancel`, `Disconnect`, `Unplug`: the reply channel closes when the NIC
 //!   can no longer touch the buffers involved (QPs drained or destroyed).
 //! - `Query`, `ReserveRecv`: the answer.
-//! - `FenceRecv`: the reply channel closes once those receive QPs are in
-//!   the error state (the target answers the fencing hello only then).
+//! - `FenceRecv`: whether those receive QPs are in the error state now
+//!   (the target answers the fencing hello only then).
 //! - `AddRecv`: the reply channel closes once the engine holds the receive
 //!   QPs, so the target answers the handshake only then: a notification
 //!   arriving before would find its QP unknown and be lost (the channel
@@ -95,8 +95,8 @@ pub enum Cmd<Q: NicQp> {
     RemoveRecv { qpns: Vec<Qpn>, cqes: u32 },
     /// A later connection of the same initiator session replaces these
     /// receive QPs: move them to the error state (the late-bytes fence,
-    /// `conn.rs`); `done` closes once they are.
-    FenceRecv { qpns: Vec<Qpn>, done: Sender<()> },
+    /// `conn.rs`); `done` gets whether every one is (or is gone).
+    FenceRecv { qpns: Vec<Qpn>, done: Sender<bool> },
     /// Cancel nothing, destroy everything, end the progress thread.
     Stop,
 }
@@ -260,10 +260,11 @@ impl<N: Nic> Engine<N> {
                 let kept: u32 = qpns.into_iter().map(|q| self.st.remove_recv_qp(q, share)).sum();
                 self.st.release_recv_cqes(cqes - kept, &limits);
             }
-            Cmd::FenceRecv { qpns, done: _done } => {
-                for q in qpns {
-                    self.st.fence_recv_qp(q);
-                }
+            Cmd::FenceRecv { qpns, done } => {
+                // Every QP is tried, whatever an earlier one answered.
+                let failed = qpns.into_iter().filter(|&q| !self.st.fence_recv_qp(q)).count();
+                let all = failed == 0;
+                let _ = done.send(all);
             }
             Cmd::Stop => return false,
         }

@@ -635,6 +635,12 @@ impl<D: Device> Transport for VerbsTransport<D> {
         let (done, live): (Vec<_>, Vec<_>) = self.retired.drain(..).partition(|t| t.is_finished());
         self.retired = live;
         done.into_iter().for_each(|t| drop(t.join()));
+        // A peer of ours to the same target whose QPs failed and were not
+        // recovered since may have WRITEs still in the fabric: this hello
+        // fences its connection too (the late-bytes fence, `conn.rs`).
+        for p in self.peers.values().filter(|p| p.secret == info.secret && p.link.broken.load(Ordering::Acquire)) {
+            self.inner.cut.note(&p.secret, p.conn.load(Ordering::SeqCst));
+        }
         let (qps, control) = self.open_qps(&info.addr, &info.secret, self.qps_per_peer).map_err(|e| match e {
             conn::HandshakeError::NameInUse => {
                 TransportError::NameInUse { peer: peer_name.to_string(), name: self.agent.clone() }

@@ -606,7 +606,7 @@ impl<Q: NicQp> State<Q> {
     /// until then they may still be written to the CQ.
     pub fn remove_recv_qp(&mut self, qpn: Qpn, share: u32) -> u32 {
         let mut kept = 0;
-        if let Some(r) = self.recv_qps.get_mut(&qpn) {
+        if let Some(r) = self.recv_qps.get_mut(&qpn).filter(|r| r.draining.is_none()) {
             while let Some((wr_id, len)) = r.held.pop_front() {
                 r.credit.force_take(len);
                 r.deliver(&self.notifs, wr_id, len, false);
@@ -627,13 +627,30 @@ impl<Q: NicQp> State<Q> {
     /// late WRITE packets: the fence, `conn.rs`). Its posted receives come
     /// back flushed (within its reservation, which
     /// [`remove_recv_qp`](Self::remove_recv_qp) keeps until they did) and
-    /// are not reposted; notifications it holds are still delivered.
-    pub fn fence_recv_qp(&mut self, qpn: Qpn) {
-        let Some(r) = self.recv_qps.get_mut(&qpn) else { return };
-        match r.qp.set_error() {
-            Ok(()) => r.fenced = true,
-            Err(e) => tracing::warn!("verbs: fencing the receive QP {} of {}: {e}", qpn.0, r.agent),
+    /// are not reposted; notifications it holds are still delivered. False
+    /// when the QP could not be moved to error (a QP that is gone already
+    /// is fenced: nothing lands through it).
+    pub fn fence_recv_qp(&mut self, qpn: Qpn) -> bool {
+        let Some(r) = self.recv_qps.get_mut(&qpn) else { return true };
+        if r.fenced {
+            return true;
         }
+        match r.qp.set_error() {
+            Ok(()) => {
+                r.fenced = true;
+                true
+            }
+            Err(e) => {
+                tracing::warn!("verbs: fencing the receive QP {} of {}: {e}", qpn.0, r.agent);
+                false
+            }
+        }
+    }
+
+    /// True while receive QP `qpn` waits for its flushes after its removal.
+    #[cfg(test)]
+    pub fn draining(&self, qpn: Qpn) -> bool {
+        self.recv_qps.get(&qpn).is_some_and(|r| r.draining.is_some())
     }
 
     /// True while a receive QP holds notifications in its slots.

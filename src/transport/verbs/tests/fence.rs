@@ -63,6 +63,8 @@ struct Setup {
     via: Vec<u8>,
     /// The target's device label (unique per test).
     label: String,
+    /// Connections of `i` the target should serve once fenced ones left.
+    live: usize,
     peer: PeerId,
     dst: Arc<HostBuffer>,
     segs: [Segment; 2],
@@ -86,7 +88,7 @@ fn setup(seed: u64) -> Setup {
     });
     let (relay, via) = HandshakeRelay::start(&t.connection_info()).unwrap();
     let peer = i.connect("t", &via, &[region]).unwrap();
-    Setup { fabric, i, t, relay, via, label, peer, dst, segs, _src: src }
+    Setup { fabric, i, t, relay, via, label, live: 1, peer, dst, segs, _src: src }
 }
 
 impl Setup {
@@ -122,6 +124,14 @@ fn late_bytes_after(s: &mut Setup, x: u64, cut: impl FnOnce(&mut Setup, u64)) ->
     write(s, x + 1, second);
     assert!(completion(&mut s.i, x + 1).result.is_ok(), "the second WRITE completes over new QPs");
     assert!(s.dst.to_vec(..).iter().all(|&b| b == 0xBB), "the second WRITE landed");
+    // The fence shut the replaced control connection on the target's side:
+    // its thread gave the QPs and the name hold back, though the
+    // initiator's close is still held.
+    let t0 = Instant::now();
+    while s.t.inner.names.connections("i") > s.live {
+        assert!(t0.elapsed() < Duration::from_secs(10), "the fenced connection is still served");
+        std::thread::sleep(Duration::from_millis(5));
+    }
     let delivered = s.fabric.release_wire();
     let intact = s.dst.to_vec(..).iter().all(|&b| b == 0xBB);
     s.relay.hold_close(false);
@@ -170,6 +180,24 @@ fn a_disconnect_after_a_reconnect_fences_the_connection_the_reconnect_made() {
     s.fill(0);
     let r = late_bytes_after(&mut s, 3, reconnect);
     none_landed(&s, r, 2);
+}
+
+/// A `connect` to a target that one of the transport's peers reached over
+/// QPs that failed since (and were never recovered) fences that peer's
+/// connection: its flushed WRITE cannot land over a transfer of the new
+/// peer.
+#[test]
+fn a_new_connect_fences_a_broken_peers_connection_to_the_same_target() {
+    let mut s = setup(46);
+    let r = late_bytes_after(&mut s, 1, |s, x| {
+        s.i.cancel(XferId(x));
+        let d = s.dst.desc();
+        let region =
+            RemoteRegion { addr: d.addr, len_bytes: d.len_bytes, rkey: s.segs[1].rkey, kind: d.kind, device_id: 0 };
+        // The broken peer stays (its QPs in error); a second one connects.
+        s.peer = s.i.connect("t", &s.via, &[region]).unwrap();
+    });
+    none_landed(&s, r, 1);
 }
 
 /// A fenced receive QP keeps its CQE reservation until its flushed

@@ -187,7 +187,7 @@ impl Pair {
         for q in self.qpns.clone() {
             self.i.st.remove_peer_qp(Qpn(q), self.peer, &self.limits);
         }
-        let recv: Vec<Qpn> = self.t.st.recv_qpns();
+        let recv: Vec<Qpn> = self.t.st.recv_qpns().into_iter().filter(|&q| !self.t.st.draining(q)).collect();
         for q in recv {
             let kept = self.t.st.remove_recv_qp(q, RECVS_PER_QP);
             self.t.st.release_recv_cqes(RECVS_PER_QP - kept, &self.limits);
