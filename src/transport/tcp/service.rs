@@ -134,10 +134,11 @@ impl Fence {
 
     /// Fence the connection over `sock`: no more of its data is taken,
     /// and its thread, if it waits in a read, is woken. [`Fence::wait_out`]
-    /// then waits for a copy in progress.
-    fn close(&self, sock: &TcpStream) {
-        self.fenced.store(true, Ordering::Release);
+    /// then waits for a copy in progress. False when it was fenced already.
+    fn close(&self, sock: &TcpStream) -> bool {
+        let first = !self.fenced.swap(true, Ordering::AcqRel);
         let _ = sock.shutdown(std::net::Shutdown::Both);
+        first
     }
 
     /// Return once the thread's last read into memory (or notification
@@ -511,6 +512,7 @@ fn fence_cut(shared: &Shared, id: u64, body: &[u8]) {
         .chunks_exact(wire::FENCE_ENTRY_BYTES)
         .map(|e| u64::from_le_bytes(e.try_into().expect("8 bytes")))
         .collect();
+    let mut first = 0;
     let fenced: Vec<Arc<Fence>> = {
         let conns = lock_conns(shared);
         let Some(me) = conns.iter().find(|c| c.id == id).and_then(|c| c.agent.clone()) else { return };
@@ -518,12 +520,13 @@ fn fence_cut(shared: &Shared, id: u64, body: &[u8]) {
             .iter()
             .filter(|c| c.id != id && c.agent.as_ref() == Some(&me) && cut.contains(&c.generation))
             .map(|c| {
-                c.fence.close(&c.sock);
+                first += u64::from(c.fence.close(&c.sock));
                 c.fence.clone()
             })
             .collect()
     };
-    shared.counters.fenced.fetch_add(fenced.len() as u64, std::sync::atomic::Ordering::Relaxed);
+    // Each connection counted once (a repeated FENCE names it again).
+    shared.counters.fenced.fetch_add(first, std::sync::atomic::Ordering::Relaxed);
     for f in fenced {
         f.wait_out();
     }
