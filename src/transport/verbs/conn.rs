@@ -288,12 +288,6 @@ struct ServedConn {
     control: Option<SideChannel>,
 }
 
-/// An initiator's open control connection and its id (`Hello::conn`).
-pub(super) struct Control {
-    pub(super) ch: SideChannel,
-    pub(super) conn: u64,
-}
-
 impl Served {
     fn lock(&self) -> std::sync::MutexGuard<'_, ServedMap> {
         self.by.lock().unwrap_or_else(|p| p.into_inner())
@@ -696,6 +690,12 @@ fn serve<D: Device>(inner: &Inner<D>, mut ch: SideChannel, waiting: Waiting) {
 
 /// Most QPs one hello may ask for (`qps_per_peer` is at most 64).
 pub(super) const MAX_QPS_PER_HELLO: usize = 64;
+
+/// An initiator's open control connection and its id (`Hello::conn`).
+pub(super) struct Control {
+    pub(super) ch: SideChannel,
+    pub(super) conn: u64,
+}
 
 /// Who says hello: the initiator's agent name and session, this
 /// connection's id, and the ids it replaces (the fence, module docs).

@@ -415,8 +415,8 @@ impl SimFabric {
         }
         let (mut landed, mut dropped) = (0, 0);
         for h in std::mem::take(&mut w.wire) {
-            let dev = match w.qps.get(&h.to) {
-                Some(q) if q.incarnation == h.incarnation && !q.error && !w.dead.contains(&q.dev) => q.dev,
+            let dev = match w.responder(h.to) {
+                Some(q) if q.incarnation == h.incarnation => q.dev,
                 _ => {
                     dropped += 1;
                     continue;
@@ -517,8 +517,7 @@ impl World {
         if q.error || !q.fail_next.is_empty() {
             return false;
         }
-        let peer = q.peer.and_then(|p| self.qps.get(&p).filter(|pq| !pq.error && !self.dead.contains(&pq.dev)));
-        match peer {
+        match q.peer.and_then(|p| self.responder(p)) {
             None => self.infinite_retry,
             Some(p) => {
                 (self.infinite_retry || q.rnr_forever)
@@ -600,6 +599,12 @@ impl World {
         }
     }
 
+    /// QP `qpn` when it answers requests: it exists, is not in error, and
+    /// its device is alive.
+    fn responder(&self, qpn: u32) -> Option<&SimQpState> {
+        self.qps.get(&qpn).filter(|q| !q.error && !self.dead.contains(&q.dev))
+    }
+
     /// True when the peer of `q` has no receive posted.
     fn no_receive(&self, q: &SimQpState) -> bool {
         q.peer.and_then(|p| self.qps.get(&p)).is_none_or(|p| p.rq.is_empty())
@@ -646,8 +651,7 @@ impl World {
         let len = w.len_bytes as usize;
         // A responder gone, dead or in error answers nothing: the requester
         // retries until it gives up.
-        let peer = q.peer.filter(|p| self.qps.get(p).is_some_and(|pq| !pq.error && !self.dead.contains(&pq.dev)));
-        let peer = peer.ok_or(WcStatus::RetryExcErr)?;
+        let peer = q.peer.filter(|&p| self.responder(p).is_some()).ok_or(WcStatus::RetryExcErr)?;
         let loff = self.check(q.dev, w.lkey, w.local_addr, len).ok_or(WcStatus::LocProtErr)?;
         if w.opcode == IBV_WR_SEND {
             return Ok((peer, loff, None));

@@ -196,6 +196,14 @@ impl<Q: NicQp> RecvQp<Q> {
         self.held.len()
     }
 
+    /// Deliver the notification of receive `wr_id` (`len` bytes) of a QP
+    /// going away, over its peer's bound (the sender saw it succeed), and
+    /// repost nothing.
+    fn deliver_over_bound(&mut self, notifs: &Sender<HeldNotification>, wr_id: u64, len: u32) {
+        self.credit.force_take(len);
+        self.deliver(notifs, wr_id, len, false);
+    }
+
     /// Deliver the notification of receive `wr_id` (`len` bytes, counted in
     /// the credit already) and, with `repost`, post the receive again.
     fn deliver(&mut self, notifs: &Sender<HeldNotification>, wr_id: u64, len: u32, repost: bool) {
@@ -608,8 +616,7 @@ impl<Q: NicQp> State<Q> {
         let mut kept = 0;
         if let Some(r) = self.recv_qps.get_mut(&qpn).filter(|r| r.draining.is_none()) {
             while let Some((wr_id, len)) = r.held.pop_front() {
-                r.credit.force_take(len);
-                r.deliver(&self.notifs, wr_id, len, false);
+                r.deliver_over_bound(&self.notifs, wr_id, len);
             }
             if r.fenced && r.posted > 0 {
                 r.draining = Some(share);
@@ -1180,9 +1187,7 @@ impl<Q: NicQp> State<Q> {
             // before the fence, delivered). The last one gives the
             // reservation back and destroys it.
             if wc.wc_status() == Some(WcStatus::Success) {
-                let len = wc.byte_len.min(NOTIF_SLOT_BYTES as u32);
-                r.credit.force_take(len);
-                r.deliver(&self.notifs, wc.wr_id, len, false);
+                r.deliver_over_bound(&self.notifs, wc.wr_id, wc.byte_len.min(NOTIF_SLOT_BYTES as u32));
             }
             if r.posted == 0 {
                 self.recv_qps.remove(&qpn);

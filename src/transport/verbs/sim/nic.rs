@@ -185,9 +185,7 @@ impl NicQp for SimQp {
         if q.error {
             // Posted in the error state: flushed at once.
             let dev = q.dev;
-            let wc =
-                WorkCompletion { wr_id, status: WcStatus::WrFlushErr.raw(), qp_num: self.qpn, ..Default::default() };
-            w.push_cqe(dev, wc);
+            w.push_cqe(dev, self.flushed_recv(wr_id));
             return Ok(());
         }
         q.rq.push_back((wr_id, slab.key, offset, len_bytes));
@@ -203,11 +201,16 @@ impl NicQp for SimQp {
         let dev = q.dev;
         let flushed: Vec<u64> = q.rq.drain(..).map(|r| r.0).collect();
         for wr_id in flushed {
-            let wc =
-                WorkCompletion { wr_id, status: WcStatus::WrFlushErr.raw(), qp_num: self.qpn, ..Default::default() };
-            w.push_cqe(dev, wc);
+            w.push_cqe(dev, self.flushed_recv(wr_id));
         }
         Ok(())
+    }
+}
+
+impl SimQp {
+    /// The completion of receive `wr_id` flushed by the error state.
+    fn flushed_recv(&self, wr_id: u64) -> WorkCompletion {
+        WorkCompletion { wr_id, status: WcStatus::WrFlushErr.raw(), qp_num: self.qpn, ..Default::default() }
     }
 }
 
