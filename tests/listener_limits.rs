@@ -99,15 +99,7 @@ fn shm_and_tcp_listeners_survive_emfile() {
     let info = target.connection_info();
     let socket = ShmInfo::decode(&info).unwrap().socket;
     let mut init = ShmTransport::new("init", &cfg(2000)).unwrap();
-    {
-        let _limit = Lowered::to(open_fds() + 32);
-        let mut held = exhaust();
-        held.pop(); // one descriptor: our end of a connection the target cannot accept
-        let queued = Channel::connect(&socket, Duration::from_secs(2)).unwrap();
-        std::thread::sleep(Duration::from_millis(300)); // the target's accept fails with EMFILE meanwhile
-        drop(queued);
-        drop(held);
-    }
+    queue_through_emfile(&socket, || Channel::connect(&socket, Duration::from_secs(2)), pause);
     let t0 = Instant::now();
     init.connect("target", &info, &[reg]).expect("shm: a new peer connects once descriptors are free");
     assert!(t0.elapsed() < Duration::from_secs(2), "shm: took {:?}", t0.elapsed());
@@ -118,15 +110,7 @@ fn shm_and_tcp_listeners_survive_emfile() {
     region(&mut target, &buf);
     let addr = TcpConnectionInfo::decode(&info).unwrap().addr;
     let mut init = TcpTransport::new("init", &cfg(2000)).unwrap();
-    {
-        let _limit = Lowered::to(open_fds() + 32);
-        let mut held = exhaust();
-        held.pop();
-        let queued = TcpStream::connect(&addr).unwrap();
-        std::thread::sleep(Duration::from_millis(300));
-        drop(queued);
-        drop(held);
-    }
+    accept_through_emfile(&addr);
     let t0 = Instant::now();
     init.connect("target", &info, &[]).expect("tcp: a new peer connects once descriptors are free");
     assert!(t0.elapsed() < Duration::from_secs(2), "tcp: took {:?}", t0.elapsed());
@@ -138,21 +122,18 @@ fn side_channel_listener_survives_emfile() {
     let _serial = RLIMIT.lock().unwrap_or_else(|p| p.into_inner());
     let mut l = SideListener::bind("127.0.0.1:0").unwrap();
     let addr = l.local_addr().to_string();
-    {
-        let _limit = Lowered::to(open_fds() + 32);
-        let mut held = exhaust();
-        held.pop(); // one descriptor: our end of a connection the listener cannot accept
-        let queued = TcpStream::connect(&addr).unwrap();
-        std::thread::sleep(Duration::from_millis(100));
-        // accept fails with EMFILE: the listener backs off and stays up
-        // (it used to return the error and end `bench --listen` /
-        // `replay --role decode`).
-        for _ in 0..3 {
-            assert!(l.try_accept().expect("EMFILE must not end the listener").is_none());
-        }
-        drop(queued);
-        drop(held);
-    }
+    queue_through_emfile(
+        &addr,
+        || TcpStream::connect(&addr),
+        || {
+            // accept fails with EMFILE: the listener backs off and stays up
+            // (it used to return the error and end `bench --listen` /
+            // `replay --role decode`).
+            for _ in 0..3 {
+                assert!(l.try_accept().expect("EMFILE must not end the listener").is_none());
+            }
+        },
+    );
     let mut peer = SideChannel::connect(&addr, Duration::from_secs(2)).unwrap();
     peer.send(&"hello").unwrap();
     let t0 = Instant::now();
@@ -177,29 +158,51 @@ fn side_channel_listener_survives_emfile() {
 /// so that the listener's `accept` fails with `EMFILE` for a while, then
 /// free them.
 fn accept_through_emfile(addr: &str) {
+    queue_through_emfile(addr, || TcpStream::connect(addr), pause);
+}
+
+/// While the listener's `accept` fails with `EMFILE`.
+fn pause() {
+    std::thread::sleep(Duration::from_millis(300));
+}
+
+/// Queue a connection (`connect`) to `to` while this process is out of
+/// descriptors, run `while_queued` (the listener's `accept` fails with
+/// `EMFILE` meanwhile), then free them.
+fn queue_through_emfile<C, E: std::fmt::Display>(
+    to: &str,
+    connect: impl Fn() -> Result<C, E>,
+    while_queued: impl FnOnce(),
+) {
     let _limit = Lowered::to(open_fds() + 32);
     let mut held = exhaust();
     held.pop(); // one descriptor: our end of a connection the listener cannot accept
-    // Another thread of this test process (one a test before this left
-    // ending) may take the freed descriptor for a moment: wait for it, and
-    // free one more only if it keeps it.
+    // Another thread of this test process (a transport's worker, or one a
+    // test before this left ending) may take the freed descriptor for a
+    // moment: wait for it, and free one more only if it keeps it.
     let mut tries = 0;
     let queued = loop {
-        match TcpStream::connect(addr) {
+        match connect() {
             Ok(c) => break c,
-            Err(e) if e.raw_os_error() == Some(libc::EMFILE) && tries < 100 => {
+            Err(e) if is_emfile(&e.to_string()) && tries < 100 => {
                 tries += 1;
                 if tries % 20 == 0 {
                     held.pop();
                 }
                 std::thread::sleep(Duration::from_millis(10));
             }
-            Err(e) => panic!("connect to {addr} while out of descriptors: {e}"),
+            Err(e) => panic!("connect to {to} while out of descriptors: {e}"),
         }
     };
-    std::thread::sleep(Duration::from_millis(300)); // the listener's accept fails with EMFILE meanwhile
+    while_queued();
     drop(queued);
     drop(held);
+}
+
+/// `EMFILE` as std (`Too many open files (os error 24)`) and nix (`EMFILE:
+/// Too many open files`) print it.
+fn is_emfile(error: &str) -> bool {
+    error.contains("os error 24") || error.contains("EMFILE")
 }
 
 #[test]
