@@ -953,3 +953,71 @@ mod impostor_tests {
         .expect("a target holding the secret is accepted");
     }
 }
+
+#[cfg(test)]
+mod cut_list_tests {
+    use super::{CutLists, MAX_CUT_TARGETS, MAX_REPLACES};
+    use crate::transport::auth::AgentSecret;
+
+    fn target(n: u32) -> AgentSecret {
+        let mut b = [0u8; crate::transport::auth::SECRET_BYTES];
+        b[..4].copy_from_slice(&n.to_le_bytes());
+        AgentSecret::from_bytes(b)
+    }
+
+    #[test]
+    fn an_id_is_noted_once_and_leaves_when_fenced() {
+        let cut = CutLists::default();
+        let (a, b) = (target(1), target(2));
+        cut.note(&a, 7);
+        cut.note(&a, 9);
+        cut.note(&a, 7);
+        cut.note(&b, 7);
+        assert_eq!(cut.pending(&a), [7, 9]);
+        assert_eq!(cut.pending(&b), [7]);
+        // a hello naming 7 was answered by `a`: `b`'s 7 stays
+        cut.fenced(&a, &[7]);
+        assert_eq!(cut.pending(&a), [9]);
+        assert_eq!(cut.pending(&b), [7]);
+        // ids the list does not hold, and an unknown target: nothing moves
+        cut.fenced(&a, &[100]);
+        cut.fenced(&target(3), &[9]);
+        assert_eq!(cut.pending(&a), [9]);
+        cut.fenced(&a, &[9]);
+        assert!(cut.pending(&a).is_empty());
+        assert!(!cut.lock().contains_key(&a), "an empty list is dropped");
+    }
+
+    #[test]
+    fn a_target_keeps_its_newest_max_replaces_ids() {
+        let cut = CutLists::default();
+        let a = target(1);
+        let n = MAX_REPLACES as u64 + 44;
+        for id in 0..n {
+            cut.note(&a, id);
+        }
+        let pending = cut.pending(&a);
+        assert_eq!(pending.len(), MAX_REPLACES);
+        assert_eq!(pending, (44..n).collect::<Vec<_>>(), "the oldest go first");
+        // an id noted again while still listed does not move or repeat
+        cut.note(&a, n - 1);
+        assert_eq!(cut.pending(&a), (44..n).collect::<Vec<_>>());
+    }
+
+    #[test]
+    fn at_most_max_cut_targets_lists_are_kept() {
+        let cut = CutLists::default();
+        for t in 0..MAX_CUT_TARGETS as u32 + 10 {
+            cut.note(&target(t), u64::from(t));
+            assert!(cut.lock().len() <= MAX_CUT_TARGETS);
+        }
+        assert_eq!(cut.lock().len(), MAX_CUT_TARGETS);
+        // the target noted last is always kept, with its id
+        let last = MAX_CUT_TARGETS as u32 + 9;
+        assert_eq!(cut.pending(&target(last)), [u64::from(last)]);
+        // a target already listed adds to its list without evicting another
+        cut.note(&target(last), 1);
+        assert_eq!(cut.lock().len(), MAX_CUT_TARGETS);
+        assert_eq!(cut.pending(&target(last)), [u64::from(last), 1]);
+    }
+}
