@@ -43,6 +43,7 @@ import time
 import urllib.error
 import urllib.request
 import uuid
+import weakref
 
 import numpy as np
 
@@ -442,6 +443,18 @@ def _size_t(length, call):
     return n
 
 
+def _weak_describe(engine):
+    """`engine` (a weak reference)'s ``_describe``, for its rpc server."""
+
+    def describe():
+        e = engine()
+        if e is None:
+            raise RuntimeError("engine dropped")
+        return e._describe()
+
+    return describe
+
+
 class TransferEngine:
     """Mooncake's ``TransferEngine`` over kvwire (see the module docs)."""
 
@@ -530,7 +543,10 @@ class TransferEngine:
             logger.error("initialize: kvwire %s transport: %s", transport, e)
             return -1
         self._transport = transport
-        self._server = _rpc.RpcServer(sock, self._describe)
+        # The rpc threads hold the engine weakly: an engine its owner drops
+        # without close() is torn down by __del__ (as Mooncake's destructor
+        # does), never kept alive and remotely writable by its own server.
+        self._server = _rpc.RpcServer(sock, _weak_describe(weakref.ref(self)))
         if self._etcd is not None:
             try:
                 self._etcd.put(self.session_id, f"{ip or host}:{rpc_port}")
@@ -598,16 +614,20 @@ class TransferEngine:
 
     def close(self):
         """Stop serving and drop the kvwire engine (kvwire extension; Mooncake
-        frees on destruction)."""
+        frees on destruction, as this engine's ``__del__`` does). Its
+        registrations and sessions go with it: a later ``initialize`` starts
+        from none."""
         with self._lock:
             self._teardown()  # the core, and the managed memory it holds, go with it
             self._managed.clear()
+            self._regs.clear()
+            self._starts.clear()
+            self._sessions.clear()
 
     def __del__(self):
         try:
-            if self._server is not None:
-                self._server.close()
-        except Exception:  # noqa: BLE001
+            self.close()
+        except Exception:  # noqa: BLE001 - at interpreter exit modules may be gone
             pass
 
     # -- this engine's description, served on the rpc port ---------------
@@ -739,9 +759,10 @@ class TransferEngine:
             if addr not in self._managed:
                 logger.error("free_managed_buffer: %#x was not allocated here", addr)
                 return ERR_INVALID_ARGUMENT
-            rc = self.unregister_memory(addr)
-            if rc != 0:
-                return rc
+            if addr in self._regs:  # the caller may have unregistered it already
+                rc = self.unregister_memory(addr)
+                if rc != 0:
+                    return rc
             del self._managed[addr]
             try:
                 self._core.free_host(addr)
@@ -841,6 +862,9 @@ class TransferEngine:
             return None
         new = _Session(name, where[0], where[1], desc)
         with self._lock:
+            if self._core is not core:
+                logger.error("session %s: the engine was closed meanwhile", name)
+                return None
             old = self._sessions.get(name)
             try:
                 if old is not None and old.instance != new.instance:
@@ -856,8 +880,11 @@ class TransferEngine:
         return new
 
     def _forget(self, agent):
+        core = self._core
+        if core is None:
+            return  # closed: the core and its peers are gone already
         try:
-            self._core.forget(agent)
+            core.forget(agent)
         except NixlCoreError:
             pass
 
@@ -973,7 +1000,7 @@ class TransferEngine:
         try:
             self._core.check(s.agent, _rows(peers[keep], lens[keep]), 2)
             return True
-        except NixlCoreError:
+        except (NixlCoreError, AttributeError):  # AttributeError: closed meanwhile
             return False
 
     def _release(self, rid):

@@ -254,6 +254,62 @@ def test_managed_buffers_and_bytes(transport):
     e.close()
 
 
+def test_free_managed_buffer_after_unregister_memory_frees_it(transport):
+    e = TransferEngine()
+    assert e.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0
+    p = e.allocate_managed_buffer(1 << 20)
+    assert p != 0
+    assert e.unregister_memory(p) == 0
+    # it used to answer -3 (unregistering again) and keep the memory for good
+    assert e.free_managed_buffer(p, 1 << 20) == 0
+    assert p not in e._managed
+    assert e.free_managed_buffer(p, 1 << 20) < 0, "freed once"
+    e.close()
+
+
+def test_close_then_initialize_starts_from_no_registrations(transport):
+    a, b = TransferEngine(), TransferEngine()
+    for e in (a, b):
+        assert e.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0
+    src, dst = reg(a, PAGE, fill=7), reg(b, PAGE)
+    assert a.transfer_sync_write(b.session_id, src.ctypes.data, dst.ctypes.data, PAGE) == 0
+    a.close()
+    assert a.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0
+    # the old registrations and sessions went with the old core: the same
+    # buffer registers again (it answered -7), and transfers from it move
+    assert a.get_first_buffer_address(a.session_id) == 0
+    assert a.register_memory(src.ctypes.data, PAGE) == 0
+    dst[:] = 0
+    assert a.transfer_sync_write(b.session_id, src.ctypes.data, dst.ctypes.data, PAGE) == 0
+    assert bytes(dst) == bytes(src)
+    a.close()
+    b.close()
+
+
+def test_an_engine_dropped_without_close_is_torn_down(transport):
+    """Mooncake has no close(): its destructor frees the engine. An engine
+    its owner drops must not stay alive (its rpc server held it) and
+    writable by peers in memory the owner may free."""
+    import gc
+    import weakref
+
+    a, b = TransferEngine(), TransferEngine()
+    assert a.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0
+    assert b.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0
+    src, dst = reg(a, PAGE, fill=8), reg(b, PAGE)
+    assert a.transfer_sync_write(b.session_id, src.ctypes.data, dst.ctypes.data, PAGE) == 0
+    session, port, gone = b.session_id, b.get_rpc_port(), weakref.ref(b)
+    dst[:] = 0
+    del b
+    gc.collect()
+    assert gone() is None, "the dropped engine is still referenced"
+    with pytest.raises(OSError):
+        socket.create_connection(("127.0.0.1", port), timeout=2).close()
+    assert a.transfer_sync_write(session, src.ctypes.data, dst.ctypes.data, PAGE) < 0
+    assert not dst.any(), "a write reached a dropped engine's registration"
+    a.close()
+
+
 def test_bytes_helpers_refuse_negative_lengths_and_non_bytes_sources(transport):
     # A negative length was memmove'd as a huge size_t (SIGSEGV) and read
     # up to the next NUL; an int source was taken as that many zero bytes.

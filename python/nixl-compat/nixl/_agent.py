@@ -18,6 +18,7 @@ already set per process); else kvwire's default (the first device).
 
 import glob
 import os
+import weakref
 
 import numpy as np
 
@@ -166,7 +167,10 @@ class nixlAgent:
         self._next_backend = 0
         self._listener = None
         if self.config.useListenThread:
-            self._listener = MetadataListener(self, int(self.config.listenPort))
+            # Held weakly by the listener's threads: an agent its owner drops
+            # is freed (and its listener closed by __del__), as NIXL's
+            # destructor does, never kept alive and loaded by its listener.
+            self._listener = MetadataListener(weakref.proxy(self), int(self.config.listenPort))
 
     # -- plugins and backends --
     def getAvailPlugins(self):

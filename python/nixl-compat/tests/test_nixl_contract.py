@@ -362,6 +362,23 @@ def test_metadata_listener_send_fetch_invalidate(backend, caplog):
     assert sum(f"127.0.0.1:{port}" in r.getMessage() for r in caplog.records) == 2
 
 
+def test_an_agent_dropped_with_its_listener_is_freed(backend):
+    """NIXL frees an agent on destruction; its metadata listener held ours
+    alive (serving, loadable, its memory registered) after the owner
+    dropped it."""
+    import gc
+    import weakref
+
+    target = agent(backend, enable_listen_thread=True, listen_port=0)
+    port = target.agent._listener.port
+    gone = weakref.ref(target.agent)
+    del target
+    gc.collect()
+    assert gone() is None, "the dropped agent is still referenced"
+    with pytest.raises(OSError):
+        socket.create_connection(("127.0.0.1", port), timeout=2).close()
+
+
 def test_utils_buffers():
     a, b = U.malloc_passthru(256), U.malloc_passthru(256)
     U.ba_buf(a, 256)
