@@ -362,7 +362,7 @@ def test_metadata_listener_send_fetch_invalidate(backend, caplog):
     assert sum(f"127.0.0.1:{port}" in r.getMessage() for r in caplog.records) == 2
 
 
-def test_an_agent_dropped_with_its_listener_is_freed(backend):
+def test_metadata_listener_of_a_dropped_agent_lets_it_be_freed(backend):
     """NIXL frees an agent on destruction; its metadata listener held ours
     alive (serving, loadable, its memory registered) after the owner
     dropped it."""
