@@ -891,8 +891,8 @@ class TransferEngine:
     def _drop(self, name):
         with self._lock:
             s = self._sessions.pop(name, None)
-            if s is not None and self._core is not None:
-                self._forget(s.agent)
+            if s is not None:
+                self._forget(s.agent)  # nothing to forget once closed
 
     # -- transfers --------------------------------------------------------
     def _submit(self, target, op, buffers, peer_addrs, lengths, notify=None):
