@@ -30,7 +30,9 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use kvwire::HostBuffer;
-use kvwire::engine::{Desc, EngineError, TransferEngine, TransferStatus};
+use kvwire::engine::{AgentMetadata, Desc, EngineError, LoadOutcome, LoadStep, TransferEngine, TransferStatus};
+use kvwire::transport::shm::wire::ShmInfo;
+use kvwire::transport::tcp::TcpConnectionInfo;
 use kvwire::transport::verbs::VerbsTransport;
 use kvwire::transport::verbs::sim::{SimFabric, SimNic};
 use kvwire::transport::{
@@ -51,15 +53,19 @@ enum Backend {
 /// NIC moves only when stepped).
 const SIM_STEPS_PER_POLL: u32 = 64;
 
+/// The peer timeout of the simulated pairs.
+const SIM_PEER_TIMEOUT: Duration = Duration::from_secs(2);
+
 /// Two verbs transports on one new simulated fabric, seeded by the test.
 fn sim_transports(
     test: &str,
     extra: &[(&str, &str)],
+    peer_timeout: Duration,
 ) -> (String, String, VerbsTransport<SimNic>, VerbsTransport<SimNic>) {
     let seed = test.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| (h ^ u64::from(b)).wrapping_mul(0x100_0000_01b3));
     let fabric = SimFabric::new(seed);
     fabric.world().auto_step = SIM_STEPS_PER_POLL;
-    let mut c = TransportConfig { peer_timeout: Duration::from_secs(2), ..Default::default() };
+    let mut c = TransportConfig { peer_timeout, ..Default::default() };
     for (k, v) in extra {
         c.options.push((k.to_string(), v.to_string()));
     }
@@ -72,14 +78,28 @@ fn sim_transports(
 
 /// Engines `a` (initiator) and `b` (target) of `backend`, or why not.
 fn pair(backend: Backend, test: &str, extra: &[(&str, &str)]) -> Option<(TransferEngine, TransferEngine)> {
+    pair_timing_out(backend, test, extra, None)
+}
+
+/// [`pair`] with `peer_timeout` on both sides instead of the backend's
+/// default for these tests.
+fn pair_timing_out(
+    backend: Backend,
+    test: &str,
+    extra: &[(&str, &str)],
+    peer_timeout: Option<Duration>,
+) -> Option<(TransferEngine, TransferEngine)> {
     if let Backend::VerbsSim = backend {
-        let (an, bn, a, b) = sim_transports(test, extra);
+        let (an, bn, a, b) = sim_transports(test, extra, peer_timeout.unwrap_or(SIM_PEER_TIMEOUT));
         return Some((
             TransferEngine::with_transport(&an, Box::new(a)),
             TransferEngine::with_transport(&bn, Box::new(b)),
         ));
     }
-    let (kind, ca, cb, tag) = configs(backend, test, extra)?;
+    let (kind, mut ca, mut cb, tag) = configs(backend, test, extra)?;
+    if let Some(t) = peer_timeout {
+        (ca.peer_timeout, cb.peer_timeout) = (t, t);
+    }
     let a = TransferEngine::new(&format!("a-{tag}"), kind, &ca).unwrap();
     let b = TransferEngine::new(&format!("b-{tag}"), kind, &cb).unwrap();
     Some((a, b))
@@ -97,7 +117,7 @@ fn raw_pair(backend: Backend, test: &str) -> Option<RawPair> {
 /// [`raw_pair`] with `extra` options on both sides.
 fn raw_pair_with(backend: Backend, test: &str, extra: &[(&str, &str)]) -> Option<RawPair> {
     if let Backend::VerbsSim = backend {
-        let (_, bn, a, b) = sim_transports(test, extra);
+        let (_, bn, a, b) = sim_transports(test, extra, SIM_PEER_TIMEOUT);
         return Some((Box::new(a), Box::new(b), bn));
     }
     let (kind, ca, cb, tag) = configs(backend, test, extra)?;
@@ -828,6 +848,132 @@ fn a_completion_signal_wakes_a_waiter_and_takes_nothing(be: Backend) {
     assert!(!sig.wait(Duration::from_millis(20)), "{be:?}: a completion was left on the channel");
 }
 
+/// A peer's connection info with its data address moved to a black hole:
+/// a listener that takes connections into its backlog and never accepts
+/// them, so a handshake with it waits until the hole closes (dropping it
+/// resets what waits) or the dialler's `peer_timeout` ends.
+enum BlackHole {
+    Tcp(#[allow(dead_code)] std::net::TcpListener),
+    Shm(#[allow(dead_code)] kvwire::transport::shm::wire::Listener),
+}
+
+/// `meta` (a live peer's) under `name`, its data address a [`BlackHole`]:
+/// the peer Mooncake users meet when a process answers its rpc port but
+/// its NIC path is gone.
+fn silent_twin(be: Backend, meta: &AgentMetadata, name: &str) -> (AgentMetadata, BlackHole) {
+    let mut twin = meta.clone();
+    twin.name = name.to_string();
+    let hole = match be {
+        Backend::Shm => {
+            let socket = format!("kvwire-black-hole-{name}-{}", std::process::id());
+            let hole = kvwire::transport::shm::wire::Listener::bind(&socket).unwrap();
+            let mut info = ShmInfo::decode(&meta.connection_info).unwrap();
+            info.socket = socket;
+            twin.connection_info = info.encode();
+            BlackHole::Shm(hole)
+        }
+        Backend::Tcp => {
+            let hole = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+            let mut info = TcpConnectionInfo::decode(&meta.connection_info).unwrap();
+            info.addr = hole.local_addr().unwrap().to_string();
+            twin.connection_info = info.encode();
+            BlackHole::Tcp(hole)
+        }
+        Backend::Verbs | Backend::VerbsSim => {
+            // Verbs connection info: the listener's address (a postcard
+            // string), then the secret.
+            let hole = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+            let (_, secret) = postcard::take_from_bytes::<String>(&meta.connection_info).unwrap();
+            let mut info = postcard::to_allocvec(&hole.local_addr().unwrap().to_string()).unwrap();
+            info.extend_from_slice(secret);
+            twin.connection_info = info;
+            BlackHole::Tcp(hole)
+        }
+    };
+    (twin, hole)
+}
+
+/// One peer that never answers its handshake holds only the caller that
+/// dials it: the handshake ([`PendingLoad::dial`]) runs without the engine,
+/// which meanwhile connects a live peer, moves bytes to it and registers
+/// memory (issue 25: the `mooncake` package's first transfer to a session
+/// whose data port was silent held every other call for the timeout). When
+/// the hole closes, the dial fails and nothing of the silent peer is kept.
+fn a_silent_peer_holds_only_its_own_dial(be: Backend) {
+    let Some((mut a, mut b)) = pair_timing_out(be, "silent", &[], Some(Duration::from_secs(120))) else { return };
+    let (src, dst) = (buf(1 << 16, 7), Arc::new(HostBuffer::new(1 << 16).unwrap()));
+    a.register(src.clone()).unwrap();
+    b.register(dst.clone()).unwrap();
+    let (silent, hole) = silent_twin(be, &b.metadata(), "silent");
+    let LoadStep::Dial(pending) = a.begin_load(&silent).unwrap() else { panic!("{be:?}: a new agent needs a dial") };
+    assert_eq!(pending.name(), "silent");
+    let dialing = std::thread::spawn(move || pending.dial().map(drop));
+    assert_eq!(a.load_remote(&b.metadata()).unwrap(), LoadOutcome::Connected, "{be:?}");
+    let h = a
+        .post(Op::Write, &[Desc::new(src.addr(), 1 << 16)], b.name(), &[Desc::new(dst.addr(), 1 << 16)], None)
+        .unwrap();
+    assert_eq!(wait(&mut a, h), TransferStatus::Done, "{be:?}");
+    a.release(h).unwrap();
+    assert_eq!(dst.to_vec(..), src.to_vec(..), "{be:?}");
+    let more = a.register(buf(4096, 8)).unwrap();
+    a.deregister(more).unwrap();
+    assert!(!dialing.is_finished(), "{be:?}: the silent peer answered nothing, so its dial still waits");
+    assert!(!a.is_remote_loaded("silent"), "{be:?}");
+    drop(hole);
+    let e = dialing.join().unwrap().unwrap_err();
+    assert!(
+        matches!(
+            e,
+            EngineError::Transport(TransportError::Connect { .. } | TransportError::Timeout { op: "connect", .. })
+        ),
+        "{be:?}: {e}"
+    );
+    assert!(!a.is_remote_loaded("silent"), "{be:?}: a failed dial keeps nothing");
+}
+
+/// Two dials of one agent may both finish (two threads met it first at
+/// once): the first installs its connection, the second is dropped as
+/// `Unchanged`, and dropping it leaves the first connection working. A
+/// later dial with newer regions installs as `Updated`, and a transfer into
+/// the new region lands.
+fn a_second_dial_of_one_agent_is_dropped_and_the_first_works(be: Backend) {
+    let Some((mut a, mut b)) = pair(be, "twodials", &[]) else { return };
+    let (src, dst) = (buf(1 << 16, 9), Arc::new(HostBuffer::new(1 << 16).unwrap()));
+    a.register(src.clone()).unwrap();
+    b.register(dst.clone()).unwrap();
+    let meta = b.metadata();
+    let dial = |a: &mut TransferEngine, meta: &AgentMetadata| match a.begin_load(meta).unwrap() {
+        LoadStep::Dial(p) => p.dial().unwrap(),
+        LoadStep::Done(o) => panic!("{be:?}: expected a dial, got {o:?}"),
+    };
+    let (first, second) = (dial(&mut a, &meta), dial(&mut a, &meta));
+    assert_eq!(a.finish_load(first).unwrap(), LoadOutcome::Connected, "{be:?}");
+    assert_eq!(a.finish_load(second).unwrap(), LoadOutcome::Unchanged, "{be:?}");
+    assert!(matches!(a.begin_load(&meta).unwrap(), LoadStep::Done(LoadOutcome::Unchanged)), "{be:?}");
+    let bn = b.name().to_string();
+    let h = a
+        .post(
+            Op::Write,
+            &[Desc::new(src.addr(), 1 << 16)],
+            &bn,
+            &[Desc::new(dst.addr(), 1 << 16)],
+            Some(b"one".to_vec()),
+        )
+        .unwrap();
+    assert_eq!(wait(&mut a, h), TransferStatus::Done, "{be:?}");
+    a.release(h).unwrap();
+    assert_eq!(dst.to_vec(..), src.to_vec(..), "{be:?}");
+    assert_eq!(notifs(&mut b, a.name(), 1), vec![b"one".to_vec()], "{be:?}");
+    let extra = Arc::new(HostBuffer::new(1 << 16).unwrap());
+    b.register(extra.clone()).unwrap();
+    let newer = dial(&mut a, &b.metadata());
+    assert_eq!(a.finish_load(newer).unwrap(), LoadOutcome::Updated, "{be:?}");
+    let h =
+        a.post(Op::Write, &[Desc::new(src.addr(), 1 << 16)], &bn, &[Desc::new(extra.addr(), 1 << 16)], None).unwrap();
+    assert_eq!(wait(&mut a, h), TransferStatus::Done, "{be:?}");
+    assert_eq!(extra.to_vec(..), src.to_vec(..), "{be:?}");
+}
+
 macro_rules! contract {
     ($($rule:ident),* $(,)?) => {
         mod shm { $(#[test] fn $rule() { super::$rule(super::Backend::Shm) })* }
@@ -854,4 +1000,6 @@ contract!(
     overlapping_registrations_are_accepted,
     a_target_that_takes_nothing_holds_its_bound_and_loses_none,
     a_completion_signal_wakes_a_waiter_and_takes_nothing,
+    a_silent_peer_holds_only_its_own_dial,
+    a_second_dial_of_one_agent_is_dropped_and_the_first_works,
 );

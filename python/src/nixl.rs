@@ -15,7 +15,8 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use kvwire::engine::{
-    AgentMetadata, Desc, EngineError, FailureCause, RegistrationHandle, TransferEngine, TransferHandle, TransferStatus,
+    AgentMetadata, Desc, EngineError, FailureCause, LoadStep, RegistrationHandle, TransferEngine, TransferHandle,
+    TransferStatus,
 };
 use kvwire::transport::{
     MemoryDesc, MemoryKind, Op, RawMemory, Segment, TransportConfig, TransportError, TransportKind,
@@ -203,6 +204,9 @@ pub struct PyNixlCore {
     /// The transport's completion channel, for `wait` to sleep on without
     /// the lock.
     signal: Option<kvwire::transport::CompletionSignal>,
+    /// One lock per agent being loaded now (`load` dials one agent at a
+    /// time, outside the core's lock); an entry leaves with its last loader.
+    dials: Mutex<HashMap<String, Arc<Mutex<()>>>>,
 }
 
 /// Empty `notifs` answers in a row per yield of the caller's core (see
@@ -226,6 +230,23 @@ const WAIT_NAP: Duration = Duration::from_micros(200);
 impl PyNixlCore {
     fn run<T: Send>(&self, py: Python<'_>, f: impl FnOnce(&mut Core) -> PyResult<T> + Send) -> PyResult<T> {
         crate::gil::without_gil(py, || f(&mut *self.lock()?))
+    }
+
+    /// [`TransferEngine::load_remote`] in its three steps, the handshake
+    /// without the core's lock.
+    fn load_one(&self, meta: &AgentMetadata) -> PyResult<()> {
+        let step = self.lock()?.engine.begin_load(meta).map_err(engine_err)?;
+        let LoadStep::Dial(pending) = step else {
+            return Ok(());
+        };
+        let dialed = pending.dial().map_err(engine_err)?;
+        self.lock()?.engine.finish_load(dialed).map_err(engine_err)?;
+        Ok(())
+    }
+
+    /// The per-agent load locks (`load`).
+    fn dial_locks(&self) -> std::sync::MutexGuard<'_, HashMap<String, Arc<Mutex<()>>>> {
+        self.dials.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
     /// The core, locked (call with the GIL released, as `run` does).
@@ -351,6 +372,7 @@ impl PyNixlCore {
             busy_polls: Default::default(),
             empty_polls: Default::default(),
             signal,
+            dials: Default::default(),
         })
     }
 
@@ -474,12 +496,26 @@ impl PyNixlCore {
         Ok(PyBytes::new(py, &md))
     }
 
-    /// Load a peer's metadata (connect, or update a known peer); returns its name.
+    /// Load a peer's metadata (connect, or update a known peer); returns its
+    /// name. The handshake with a new peer runs outside the core's lock, so
+    /// a peer slow to answer (up to the transport's peer timeout) holds up
+    /// only the callers loading that same peer, never the transfers,
+    /// registrations and loads of others.
     fn load(&self, py: Python<'_>, md: &[u8]) -> PyResult<String> {
         let meta = AgentMetadata::from_bytes(md).map_err(|e| err(status::INVALID_PARAM, e.to_string()))?;
-        self.run(py, |c| {
-            c.engine.load_remote(&meta).map_err(engine_err)?;
-            Ok(meta.name.clone())
+        crate::gil::without_gil(py, || {
+            let slot = self.dial_locks().entry(meta.name.clone()).or_default().clone();
+            let loaded = {
+                let _one = slot.lock().unwrap_or_else(|p| p.into_inner());
+                self.load_one(&meta)
+            };
+            let mut dials = self.dial_locks();
+            // Ours and the map's: nobody else waits on this agent's lock
+            // (others take it only under the map's lock).
+            if Arc::strong_count(&slot) == 2 {
+                dials.remove(&meta.name);
+            }
+            loaded.map(|()| meta.name.clone())
         })
     }
 

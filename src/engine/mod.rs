@@ -32,7 +32,7 @@ pub use desc::Desc;
 use desc::{LocalSpan, build_segments};
 pub use error::{EngineError, MetadataError};
 pub use metadata::AgentMetadata;
-pub use peers::LoadOutcome;
+pub use peers::{DialedLoad, LoadOutcome, LoadStep, PendingLoad};
 pub use telemetry::{FailureCause, XferTelemetry};
 
 use crate::transport::{
@@ -360,11 +360,21 @@ impl TransferEngine {
     /// [`EngineError::Transport`] (connection refused, other host for `shm`).
     pub fn connect(&mut self, meta: &AgentMetadata) -> Result<(), EngineError> {
         meta.validate()?;
-        if meta.name == self.name {
-            return Err(EngineError::SelfConnect(meta.name.clone()));
-        }
         if self.remotes.get(&meta.name).is_some_and(|r| r.dead.is_none()) {
             return Err(EngineError::AlreadyConnected(meta.name.clone()));
+        }
+        self.check_connectable(meta)?;
+        let peer = self.transport.connect(&meta.name, &meta.connection_info, &meta.regions)?;
+        // A dead peer of that name is replaced (its transport peer was
+        // disconnected when it was found dead).
+        self.remotes.insert(meta.name.clone(), RemoteAgent { peer, meta: meta.clone(), dead: None });
+        Ok(())
+    }
+
+    /// `meta` names another agent on this engine's transport.
+    fn check_connectable(&self, meta: &AgentMetadata) -> Result<(), EngineError> {
+        if meta.name == self.name {
+            return Err(EngineError::SelfConnect(meta.name.clone()));
         }
         if meta.transport != self.transport.kind() {
             return Err(EngineError::TransportMismatch {
@@ -373,10 +383,6 @@ impl TransferEngine {
                 remote: meta.transport.to_string(),
             });
         }
-        let peer = self.transport.connect(&meta.name, &meta.connection_info, &meta.regions)?;
-        // A dead peer of that name is replaced (its transport peer was
-        // disconnected when it was found dead).
-        self.remotes.insert(meta.name.clone(), RemoteAgent { peer, meta: meta.clone(), dead: None });
         Ok(())
     }
 

@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 use super::desc::{check_local_descs, check_remote_descs};
 use super::metadata::MAX_NAME_BYTES;
 use super::{AgentMetadata, Desc, EngineError, RemoteAgent, TransferEngine, TransferStatus, XferId};
-use crate::transport::{Op, PeerId, TransferFailure, TransportError};
+use crate::transport::{Dial, Dialed, Op, PeerId, TransferFailure, TransportError};
 
 /// Largest standalone notification payload (bytes): the smallest limit of
 /// the transports (tcp's `MAX_NOTIFICATION_BYTES`, 64 KiB).
@@ -32,6 +32,49 @@ pub enum LoadOutcome {
     Updated,
     /// A known agent, nothing new (same regions, or an older generation).
     Unchanged,
+}
+
+/// What [`TransferEngine::begin_load`] found.
+#[derive(Debug)]
+#[must_use = "a dial does nothing until it is run and finished"]
+pub enum LoadStep {
+    /// Nothing to connect: the outcome (always [`LoadOutcome::Unchanged`]).
+    Done(LoadOutcome),
+    /// A connection is needed: run [`PendingLoad::dial`], then
+    /// [`TransferEngine::finish_load`].
+    Dial(PendingLoad),
+}
+
+/// A load waiting for its handshake, which runs without the engine.
+#[derive(Debug)]
+pub struct PendingLoad {
+    meta: AgentMetadata,
+    dial: Dial,
+}
+
+impl PendingLoad {
+    /// The agent being loaded.
+    pub fn name(&self) -> &str {
+        &self.meta.name
+    }
+
+    /// Run the handshake on this thread (at most the transport's
+    /// `peer_timeout`).
+    ///
+    /// # Errors
+    /// [`EngineError::Transport`]: `Connect`, `NameInUse`, `Timeout` (with
+    /// `op` `"connect"`); nothing is kept, a retry may succeed.
+    pub fn dial(self) -> Result<DialedLoad, EngineError> {
+        Ok(DialedLoad { dialed: self.dial.run()?, meta: self.meta })
+    }
+}
+
+/// A load whose handshake finished, for [`TransferEngine::finish_load`].
+/// Dropping it closes the connection.
+#[derive(Debug)]
+pub struct DialedLoad {
+    meta: AgentMetadata,
+    dialed: Dialed,
 }
 
 /// A standalone notification waiting for earlier transfers to its agent.
@@ -64,35 +107,90 @@ impl TransferEngine {
     /// the old connection; new posts use the new regions. Metadata of an
     /// older generation than the one loaded is ignored.
     ///
+    /// This is [`TransferEngine::begin_load`], [`PendingLoad::dial`] and
+    /// [`TransferEngine::finish_load`] in one call, so the engine is held
+    /// while the peer answers its handshake; callers that share the engine
+    /// behind a lock use the three steps and dial outside the lock.
+    ///
     /// # Errors
     /// [`EngineError::MetadataConflict`] when the known agent's connection
     /// info or transport changed (NIXL's `NIXL_ERR_NOT_ALLOWED`: remove it
     /// first); as [`TransferEngine::connect`] otherwise.
     pub fn load_remote(&mut self, meta: &AgentMetadata) -> Result<LoadOutcome, EngineError> {
+        match self.begin_load(meta)? {
+            LoadStep::Done(outcome) => Ok(outcome),
+            LoadStep::Dial(pending) => self.finish_load(pending.dial()?),
+        }
+    }
+
+    /// The first step of [`TransferEngine::load_remote`]: check `meta`
+    /// against what is loaded and, when a connection is needed, return the
+    /// handshake to run without the engine ([`LoadStep::Dial`]). Nothing
+    /// changes in the engine.
+    ///
+    /// Two dials of the same agent may both succeed; the second to finish
+    /// is then dropped by [`TransferEngine::finish_load`] (its connection
+    /// closes) unless it brings newer regions. Callers that dial from
+    /// several threads dial one agent at a time to spare that work.
+    ///
+    /// # Errors
+    /// As [`TransferEngine::load_remote`], less the handshake's own errors
+    /// (those come from [`PendingLoad::dial`]).
+    pub fn begin_load(&mut self, meta: &AgentMetadata) -> Result<LoadStep, EngineError> {
         meta.validate()?;
-        let Some(known) = self.remotes.get(&meta.name) else {
-            self.connect(meta)?;
+        if self.load_plan(meta)? == LoadOutcome::Unchanged {
+            return Ok(LoadStep::Done(LoadOutcome::Unchanged));
+        }
+        let dial = self.transport.dial(&meta.name, &meta.connection_info, &meta.regions)?;
+        Ok(LoadStep::Dial(PendingLoad { meta: meta.clone(), dial }))
+    }
+
+    /// The last step of [`TransferEngine::load_remote`]: install the
+    /// connection of a [`DialedLoad`]. What is loaded is checked again, as
+    /// it may have changed while the handshake ran: when another load of the
+    /// agent finished first with the same or newer regions, this one's
+    /// connection is closed and the answer is [`LoadOutcome::Unchanged`].
+    ///
+    /// # Errors
+    /// [`EngineError::MetadataConflict`] when the agent was loaded meanwhile
+    /// with other connection info; [`EngineError::Transport`]
+    /// (`Unsupported`) when `dialed` comes from another engine; as
+    /// [`TransferEngine::connect`] otherwise. Nothing is kept.
+    pub fn finish_load(&mut self, dialed: DialedLoad) -> Result<LoadOutcome, EngineError> {
+        let DialedLoad { meta, dialed } = dialed;
+        let outcome = self.load_plan(&meta)?;
+        if outcome == LoadOutcome::Unchanged {
+            return Ok(outcome);
+        }
+        let peer = self.transport.install(dialed)?;
+        // A dead peer of that name is replaced (its transport peer was
+        // disconnected when it was found dead); a live one's connection
+        // retires once its transfers end.
+        if let Some(old) = self.remotes.insert(meta.name.clone(), RemoteAgent { peer, meta, dead: None })
+            && old.dead.is_none()
+        {
+            self.retired.push(old.peer);
+        }
+        self.disconnect_idle_retired();
+        Ok(outcome)
+    }
+
+    /// What loading `meta` would do now: `Connected` for a new agent or one
+    /// found dead (a restarted peer under a dead one's name, or the dead
+    /// one's metadata again: connect afresh, as NIXL reconnects on
+    /// `loadRemoteMD` after the disconnect), `Updated` for newer regions of
+    /// a live one, `Unchanged` otherwise.
+    fn load_plan(&self, meta: &AgentMetadata) -> Result<LoadOutcome, EngineError> {
+        let Some(known) = self.remotes.get(&meta.name).filter(|r| r.dead.is_none()) else {
+            self.check_connectable(meta)?;
             return Ok(LoadOutcome::Connected);
         };
-        if known.dead.is_some() {
-            // A restarted peer under a dead one's name (or the dead one's
-            // metadata again): connect afresh, as NIXL reconnects on
-            // `loadRemoteMD` after the disconnect.
-            self.connect(meta)?;
-            return Ok(LoadOutcome::Connected);
-        }
         if known.meta.connection_info != meta.connection_info || known.meta.transport != meta.transport {
             return Err(EngineError::MetadataConflict(meta.name.clone()));
         }
         if meta.generation < known.meta.generation || known.meta.regions == meta.regions {
             return Ok(LoadOutcome::Unchanged);
         }
-        let peer = self.transport.connect(&meta.name, &meta.connection_info, &meta.regions)?;
-        if let Some(old) = self.remotes.insert(meta.name.clone(), RemoteAgent { peer, meta: meta.clone(), dead: None })
-        {
-            self.retired.push(old.peer);
-        }
-        self.disconnect_idle_retired();
         Ok(LoadOutcome::Updated)
     }
 

@@ -106,6 +106,46 @@ fn reloading_a_known_agent_updates_regions_and_refuses_changed_connection_info(k
     assert_eq!(a.load_remote(&b.metadata()).unwrap(), LoadOutcome::Connected);
 }
 
+fn a_load_in_three_steps_is_checked_again_when_it_finishes(kind: TransportKind) {
+    let (mut a, ab) = agent("a", kind, 1 << 16);
+    let (b, bb) = agent("b", kind, 1 << 16);
+    // Two dials of one agent: the first to finish connects, the second is
+    // dropped (its connection closes) and the first one's connection works.
+    let LoadStep::Dial(first) = a.begin_load(&b.metadata()).unwrap() else { panic!("{kind}: new agent must dial") };
+    let LoadStep::Dial(second) = a.begin_load(&b.metadata()).unwrap() else { panic!("{kind}: still not loaded") };
+    assert_eq!(first.name(), "b");
+    let (first, second) = (first.dial().unwrap(), second.dial().unwrap());
+    assert!(!a.is_remote_loaded("b"), "{kind}: a dial alone loads nothing");
+    assert_eq!(a.finish_load(first).unwrap(), LoadOutcome::Connected, "{kind}");
+    assert_eq!(a.finish_load(second).unwrap(), LoadOutcome::Unchanged, "{kind}");
+    ab.fill_with(0, 4096, |_| 0xa5);
+    let h = a.post(Op::Write, &[Desc::new(ab.addr(), 4096)], "b", &[Desc::new(bb.addr(), 4096)], None).unwrap();
+    assert_eq!(wait(&mut a, h), TransferStatus::Done, "{kind}");
+    assert!(bb.to_vec(..4096).iter().all(|&x| x == 0xa5), "{kind}");
+    a.release(h).unwrap();
+    // Loaded meanwhile under other connection info: refused, nothing kept.
+    let (c, _cb) = agent("c", kind, 4096);
+    let mut moved = c.metadata();
+    moved.name = "b".into();
+    a.disconnect("b").unwrap();
+    let LoadStep::Dial(stale) = a.begin_load(&moved).unwrap() else { panic!("{kind}: removed agent must dial") };
+    let stale = stale.dial().unwrap();
+    assert_eq!(a.load_remote(&b.metadata()).unwrap(), LoadOutcome::Connected, "{kind}");
+    assert!(matches!(a.finish_load(stale), Err(EngineError::MetadataConflict(n)) if n == "b"), "{kind}");
+    let h = a.post(Op::Write, &[Desc::new(ab.addr(), 4096)], "b", &[Desc::new(bb.addr(), 4096)], None).unwrap();
+    assert_eq!(wait(&mut a, h), TransferStatus::Done, "{kind}: the first load still stands");
+    a.release(h).unwrap();
+    // A dial made by another engine is refused by this one's transport.
+    let (mut a2, _a2b) = agent("a2", kind, 4096);
+    let LoadStep::Dial(foreign) = a.begin_load(&c.metadata()).unwrap() else { panic!("{kind}: c is new") };
+    let foreign = foreign.dial().unwrap();
+    assert!(
+        matches!(a2.finish_load(foreign), Err(EngineError::Transport(TransportError::Unsupported(_)))),
+        "{kind}: a foreign dial must be refused"
+    );
+    assert!(!a2.is_remote_loaded("c"), "{kind}");
+}
+
 fn descriptors_are_checked_without_posting(kind: TransportKind) {
     let ((a, ab), (b, bb)) = pair(kind, 1 << 16);
     let base = ab.addr();
@@ -321,6 +361,7 @@ macro_rules! per_transport {
 per_transport!(
     standalone_notification_is_binary_safe_and_follows_earlier_data,
     reloading_a_known_agent_updates_regions_and_refuses_changed_connection_info,
+    a_load_in_three_steps_is_checked_again_when_it_finishes,
     descriptors_are_checked_without_posting,
     telemetry_counts_user_descriptors_and_never_reports_zero_durations,
     a_dead_peer_fails_fast_and_stays_known_until_removed,

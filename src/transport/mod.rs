@@ -504,7 +504,9 @@ pub trait Transport: Send {
     /// to reach this agent; published in the agent metadata.
     fn connection_info(&self) -> Vec<u8>;
 
-    /// Connect to a peer agent from its connection info and registered regions.
+    /// Connect to a peer agent from its connection info and registered
+    /// regions: [`Transport::dial`], run the [`Dial`] here, then
+    /// [`Transport::install`].
     ///
     /// # Errors
     /// [`TransportError::BadConnectionInfo`], [`TransportError::Connect`]
@@ -513,7 +515,37 @@ pub trait Transport: Send {
     /// `"connect"` when the target did not answer the handshake within
     /// `peer_timeout` (nothing is kept; a retry may succeed),
     /// [`TransportError::Unsupported`] (e.g. `shm` to another host).
-    fn connect(&mut self, peer_name: &str, info: &[u8], regions: &[RemoteRegion]) -> Result<PeerId, TransportError>;
+    fn connect(&mut self, peer_name: &str, info: &[u8], regions: &[RemoteRegion]) -> Result<PeerId, TransportError> {
+        let dialed = self.dial(peer_name, info, regions)?.run()?;
+        self.install(dialed)
+    }
+
+    /// The first half of [`Transport::connect`]: decode `info` and return
+    /// the handshake as a [`Dial`], which runs without the transport. A
+    /// caller that guards the transport with a lock runs the dial outside
+    /// it, so that a peer slow to answer (up to `peer_timeout`) holds up
+    /// nobody but the caller dialling it; NIXL's `loadRemoteMD` and
+    /// Mooncake's first transfer to a segment connect the same way, on the
+    /// caller's thread. Nothing is kept when the dial is dropped.
+    ///
+    /// # Errors
+    /// [`TransportError::BadConnectionInfo`], [`TransportError::Connect`]
+    /// (e.g. another wire version), [`TransportError::Unsupported`] (e.g.
+    /// `shm` to another host); the handshake's own errors come from
+    /// [`Dial::run`], as listed on [`Transport::connect`].
+    fn dial(&mut self, peer_name: &str, info: &[u8], regions: &[RemoteRegion]) -> Result<Dial, TransportError>;
+
+    /// The second half of [`Transport::connect`]: add the connection of a
+    /// finished [`Dial`] as a peer. Cheap: it spawns the peer's threads and
+    /// never waits for the network.
+    ///
+    /// # Errors
+    /// [`TransportError::Unsupported`] when `dialed` was dialled by another
+    /// transport (it is dropped, which closes its connection);
+    /// [`TransportError::Io`] when a thread of the peer cannot be spawned,
+    /// or [`TransportError::Registration`] when its buffers cannot be made;
+    /// nothing is kept.
+    fn install(&mut self, dialed: Dialed) -> Result<PeerId, TransportError>;
 
     /// Drop a peer. In-flight transfers to it must already be cancelled.
     fn disconnect(&mut self, peer: PeerId);
@@ -571,6 +603,89 @@ pub trait Transport: Send {
     fn spare_segments(&mut self) -> Option<Vec<Segment>> {
         None
     }
+}
+
+/// A connection handshake to run without the transport that made it
+/// ([`Transport::dial`]); it blocks for at most the transport's
+/// `peer_timeout`.
+#[must_use = "a dial does nothing until it is run"]
+pub struct Dial {
+    peer: String,
+    run: Box<dyn FnOnce() -> Result<Dialed, TransportError> + Send>,
+}
+
+impl Dial {
+    /// A dial of `peer` that runs `handshake` (for backends).
+    pub(crate) fn new(peer: &str, handshake: impl FnOnce() -> Result<Dialed, TransportError> + Send + 'static) -> Self {
+        Self { peer: peer.to_string(), run: Box::new(handshake) }
+    }
+
+    /// The peer agent this dial connects to.
+    pub fn peer_name(&self) -> &str {
+        &self.peer
+    }
+
+    /// Run the handshake on this thread.
+    ///
+    /// # Errors
+    /// As [`Transport::connect`]: [`TransportError::Connect`],
+    /// [`TransportError::NameInUse`], [`TransportError::Timeout`]; nothing
+    /// is kept.
+    pub fn run(self) -> Result<Dialed, TransportError> {
+        (self.run)()
+    }
+}
+
+impl std::fmt::Debug for Dial {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Dial").field("peer", &self.peer).finish_non_exhaustive()
+    }
+}
+
+/// A finished handshake waiting for [`Transport::install`] on the transport
+/// that dialled it. Dropping it closes the connection (it carried nothing
+/// but the handshake).
+pub struct Dialed {
+    /// The dialling transport (a per-transport token).
+    owner: u64,
+    peer: String,
+    conn: Box<dyn std::any::Any + Send>,
+}
+
+impl Dialed {
+    pub(crate) fn new<C: Send + 'static>(owner: u64, peer: &str, conn: C) -> Self {
+        Self { owner, peer: peer.to_string(), conn: Box::new(conn) }
+    }
+
+    /// The peer agent this connection reaches.
+    pub fn peer_name(&self) -> &str {
+        &self.peer
+    }
+
+    /// The connection, when `owner` dialled it as a `C`; otherwise
+    /// [`TransportError::Unsupported`] (dropping it closes the connection).
+    pub(crate) fn take<C: Send + 'static>(self, owner: u64) -> Result<(String, C), TransportError> {
+        let peer = self.peer;
+        if self.owner == owner
+            && let Ok(c) = self.conn.downcast::<C>()
+        {
+            return Ok((peer, *c));
+        }
+        Err(TransportError::Unsupported(format!("the connection to {peer} was dialled by another transport")))
+    }
+}
+
+impl std::fmt::Debug for Dialed {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Dialed").field("peer", &self.peer).finish_non_exhaustive()
+    }
+}
+
+/// A token naming one transport instance in [`Dialed`]: process-wide
+/// unique, never 0.
+pub(crate) fn next_owner() -> u64 {
+    static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
+    NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
 }
 
 /// The local side of a post, checked in software as an HCA checks a

@@ -48,8 +48,8 @@ use super::auth::AgentSecret;
 use super::inflight::{InFlight, XferState};
 use super::options::OptionSet;
 use super::{
-    Completion, LocalKey, MemoryBacking, Notification, PeerId, PostRequest, Registration, RemoteKey, RemoteRegion,
-    Segment, Transport, TransportConfig, TransportError, TransportKind, XferId,
+    Completion, Dial, Dialed, LocalKey, MemoryBacking, Notification, PeerId, PostRequest, Registration, RemoteKey,
+    RemoteRegion, Segment, Transport, TransportConfig, TransportError, TransportKind, XferId,
 };
 
 /// Bytes of work per copy job: large enough that queueing costs nothing,
@@ -109,6 +109,8 @@ pub struct ShmTransport {
     inflight: InFlight<XferShared>,
     pool: CopyPool,
     spare: Arc<SpareSegments>,
+    /// This transport in the connections it dials ([`Dialed`]).
+    owner: u64,
 }
 
 static SOCKET_SEQ: AtomicUsize = AtomicUsize::new(0);
@@ -209,6 +211,7 @@ impl ShmTransport {
             next_peer: 1,
             secret,
             allow_cma,
+            owner: super::next_owner(),
             inflight: InFlight::default(),
             pool: CopyPool::new(config.copy_threads).map_err(|e| TransportError::io("spawn", e))?,
             spare: Arc::default(),
@@ -395,20 +398,31 @@ impl Transport for ShmTransport {
         ShmInfo { boot_id: boot_id(), socket: self.socket_name.clone(), secret: (*self.secret).clone() }.encode()
     }
 
-    /// Connect: prove the target's secret (from `info`), receive its regions
+    /// Dial: prove the target's secret (from `info`), receive its regions
     /// and map the memfds (after checking their size and seals). The whole
     /// handshake is bounded by `peer_timeout`.
-    fn connect(&mut self, peer_name: &str, info: &[u8], regions: &[RemoteRegion]) -> Result<PeerId, TransportError> {
+    fn dial(&mut self, peer_name: &str, info: &[u8], regions: &[RemoteRegion]) -> Result<Dial, TransportError> {
         let info = ShmInfo::decode(info)?;
         if info.boot_id != boot_id() {
             return Err(TransportError::Unsupported(format!(
                 "peer {peer_name} runs on another host; the shm transport is same-host only (use verbs or tcp)"
             )));
         }
-        let (channel, peer_regions) =
-            peer::handshake(&self.agent, peer_name, &info, regions, self.config.peer_timeout)?;
+        let (owner, agent, peer, timeout) =
+            (self.owner, self.agent.clone(), peer_name.to_string(), self.config.peer_timeout);
+        let regions = regions.to_vec();
+        Ok(Dial::new(peer_name, move || {
+            let dialed = peer::handshake(&agent, &peer, &info, &regions, timeout)?;
+            Ok(Dialed::new(owner, &peer, dialed))
+        }))
+    }
+
+    /// Install: the peer's monitor thread starts.
+    fn install(&mut self, dialed: Dialed) -> Result<PeerId, TransportError> {
+        let (name, (channel, peer_regions)) =
+            dialed.take::<(wire::Channel, HashMap<u32, copy::PeerRegion>)>(self.owner)?;
         let shared = Arc::new(PeerShared {
-            name: peer_name.to_string(),
+            name,
             channel,
             regions: peer_regions,
             dead: AtomicBool::new(false),

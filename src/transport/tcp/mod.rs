@@ -58,8 +58,8 @@ use worker::{Job, PeerShared, XferShared};
 use super::auth::{self, AgentSecret, Nonce};
 use super::inflight::{InFlight, XferState};
 use super::{
-    Completion, LocalKey, MAX_NOTIFICATION_BYTES, MemoryBacking, MemoryKind, Notification, OptionSet, PeerId,
-    PostRequest, Registration, RemoteKey, RemoteRegion, Segment, TransferFailure, Transport, TransportConfig,
+    Completion, Dial, Dialed, LocalKey, MAX_NOTIFICATION_BYTES, MemoryBacking, MemoryKind, Notification, OptionSet,
+    PeerId, PostRequest, Registration, RemoteKey, RemoteRegion, Segment, TransferFailure, Transport, TransportConfig,
     TransportError, TransportKind, XferId,
 };
 
@@ -241,6 +241,8 @@ pub struct TcpTransport {
     /// `disconnect` + `connect` fences what the old peer cut
     /// ([`worker::FenceList`]). Pruned at each connect.
     fences: HashMap<AgentSecret, Arc<worker::FenceList>>,
+    /// This transport in the connections it dials ([`Dialed`]).
+    owner: u64,
 }
 
 /// Most targets whose fence lists are kept for a later connect (the
@@ -326,6 +328,7 @@ impl TcpTransport {
                 u64::from_le_bytes(b).max(1)
             },
             fences: HashMap::new(),
+            owner: super::next_owner(),
         })
     }
 
@@ -542,48 +545,54 @@ impl Transport for TcpTransport {
             .encode()
     }
 
-    fn connect(&mut self, peer_name: &str, info: &[u8], _regions: &[RemoteRegion]) -> Result<PeerId, TransportError> {
+    /// Dial: resolve the peer's address and open `conns_per_peer`
+    /// connections, each with its proven hello (bounded by `peer_timeout`).
+    fn dial(&mut self, peer_name: &str, info: &[u8], _regions: &[RemoteRegion]) -> Result<Dial, TransportError> {
         let info = TcpConnectionInfo::decode(info)?;
-        let cerr = |reason: String| TransportError::Connect { peer: peer_name.to_string(), reason };
+        let cerr = |peer: &str, reason: String| TransportError::Connect { peer: peer.to_string(), reason };
         if info.version != wire::PROTOCOL_VERSION {
-            return Err(cerr(format!(
-                "peer speaks tcp wire version {}, we speak {}",
-                info.version,
-                wire::PROTOCOL_VERSION
-            )));
+            return Err(cerr(
+                peer_name,
+                format!("peer speaks tcp wire version {}, we speak {}", info.version, wire::PROTOCOL_VERSION),
+            ));
         }
-        let addr = info
-            .addr
-            .to_socket_addrs()
-            .map_err(|e| TransportError::BadConnectionInfo(format!("{}: {e}", info.addr)))?
-            .next()
-            .ok_or_else(|| TransportError::BadConnectionInfo(format!("{} resolves to nothing", info.addr)))?;
-        let dialer = Dialer {
-            agent: self.agent.clone(),
-            session: self.session,
-            timeout: self.config.peer_timeout,
-            addr,
-            secret: info.secret.clone(),
-        };
-        let mut socks = Vec::with_capacity(self.conns_per_peer);
-        for i in 0..self.conns_per_peer {
-            socks.push(dialer.open(i).map_err(|e| {
-                if e.get_ref().is_some_and(|r| r.is::<NameInUse>()) {
-                    TransportError::NameInUse { peer: peer_name.to_string(), name: self.agent.clone() }
-                } else if TransportError::is_timeout_io(&e) {
-                    TransportError::connect_timeout(peer_name, self.config.peer_timeout, format!("{addr}: {e}"))
-                } else {
-                    cerr(format!("{addr}: {e}"))
-                }
-            })?);
-        }
+        let (owner, agent, session, conns) = (self.owner, self.agent.clone(), self.session, self.conns_per_peer);
+        let timeout = self.config.peer_timeout;
+        let peer = peer_name.to_string();
+        Ok(Dial::new(peer_name, move || {
+            let addr = info
+                .addr
+                .to_socket_addrs()
+                .map_err(|e| TransportError::BadConnectionInfo(format!("{}: {e}", info.addr)))?
+                .next()
+                .ok_or_else(|| TransportError::BadConnectionInfo(format!("{} resolves to nothing", info.addr)))?;
+            let dialer = Dialer { agent, session, timeout, addr, secret: info.secret.clone() };
+            let mut socks = Vec::with_capacity(conns);
+            for i in 0..conns {
+                socks.push(dialer.open(i).map_err(|e| {
+                    if e.get_ref().is_some_and(|r| r.is::<NameInUse>()) {
+                        TransportError::NameInUse { peer: peer.clone(), name: dialer.agent.clone() }
+                    } else if TransportError::is_timeout_io(&e) {
+                        TransportError::connect_timeout(&peer, timeout, format!("{addr}: {e}"))
+                    } else {
+                        cerr(&peer, format!("{addr}: {e}"))
+                    }
+                })?);
+            }
+            Ok(Dialed::new(owner, &peer, (dialer, socks)))
+        }))
+    }
+
+    /// Install: the peer's worker threads start, one per connection.
+    fn install(&mut self, dialed: Dialed) -> Result<PeerId, TransportError> {
+        let (peer_name, (dialer, socks)) = dialed.take::<(Dialer, Vec<(TcpStream, u64)>)>(self.owner)?;
         let slots = socks
             .iter()
             .map(|(s, generation)| s.try_clone().map(|s| worker::Slot::new(s, *generation)))
             .collect::<Result<Vec<_>, _>>()
             .map_err(|e| TransportError::io("dup", e))?;
-        let fences = self.fence_list(&info.secret);
-        let shared = Arc::new(PeerShared::new(peer_name, slots, dialer, fences));
+        let fences = self.fence_list(&dialer.secret);
+        let shared = Arc::new(PeerShared::new(&peer_name, slots, dialer, fences));
         let (tx, rx) = crossbeam_channel::unbounded::<Job>();
         let mut workers = Vec::with_capacity(socks.len());
         for (i, (sock, _)) in socks.into_iter().enumerate() {

@@ -125,8 +125,8 @@ use super::auth::AgentSecret;
 use super::notify::NotifBounds;
 use super::options::OptionSet;
 use super::{
-    Completion, LocalKey, MemoryBacking, Notification, PeerId, PostRequest, Registration, RemoteKey, RemoteRegion,
-    Transport, TransportConfig, TransportError, TransportKind, XferId,
+    Completion, Dial, Dialed, LocalKey, MemoryBacking, Notification, PeerId, PostRequest, Registration, RemoteKey,
+    RemoteRegion, Transport, TransportConfig, TransportError, TransportKind, XferId,
 };
 use crate::verbs::ffi::IBV_LINK_LAYER_INFINIBAND;
 use crate::verbs::{CompletionQueue, Context, ProtectionDomain, QpOptions, VerbsError};
@@ -247,6 +247,18 @@ pub struct VerbsTransport<D: Device = RealNic> {
     core: Core<D::Qp>,
     /// Drained from `core.done` by `cancel` and not yet polled.
     done_held: Vec<Completion>,
+    /// This transport in the connections it dials ([`Dialed`]).
+    owner: u64,
+}
+
+/// A verbs connection dialled and not yet installed: its QPs are in RTS,
+/// nothing was posted on them.
+struct VerbsDialed<D: Device> {
+    info: VerbsInfo,
+    keys: keys::RemoteKeys,
+    slab: D::Slab,
+    qps: Vec<D::Qp>,
+    control: conn::Control,
 }
 
 /// The options given to the backend, parsed and range-checked without
@@ -505,17 +517,8 @@ impl<D: Device> VerbsTransport<D> {
             redials: Vec::new(),
             core,
             done_held: Vec::new(),
+            owner: super::next_owner(),
         })
-    }
-
-    /// Create `n` send QPs, handshake with `addr`, bring them to RTS.
-    fn open_qps(
-        &self,
-        addr: &str,
-        secret: &AgentSecret,
-        n: u32,
-    ) -> Result<(Vec<D::Qp>, conn::Control), conn::HandshakeError> {
-        reconnect::open_qps(&self.inner, &self.agent, addr, secret, n, self.max_send_wr)
     }
 
     /// Reset and reconnect a peer whose QP hit an error, without waiting
@@ -622,15 +625,12 @@ impl<D: Device> Transport for VerbsTransport<D> {
         postcard::to_allocvec(&info).expect("plain data encodes")
     }
 
-    fn connect(&mut self, peer_name: &str, info: &[u8], regions: &[RemoteRegion]) -> Result<PeerId, TransportError> {
+    /// Dial: create `qps_per_peer` send QPs and the peer's notification
+    /// slab, handshake over the target's listener (bounded by
+    /// `peer_timeout`) and bring the QPs to RTS.
+    fn dial(&mut self, peer_name: &str, info: &[u8], regions: &[RemoteRegion]) -> Result<Dial, TransportError> {
         let info: VerbsInfo =
             postcard::from_bytes(info).map_err(|e| TransportError::BadConnectionInfo(e.to_string()))?;
-        let cerr = |reason: String| TransportError::Connect { peer: peer_name.to_string(), reason };
-        let slab = self
-            .inner
-            .nic
-            .alloc_slab(NOTIF_SLOTS as usize * NOTIF_SLOT_BYTES)
-            .map_err(|e| TransportError::Registration(e.to_string()))?;
         self.reap_redials(false);
         let (done, live): (Vec<_>, Vec<_>) = self.retired.drain(..).partition(|t| t.is_finished());
         self.retired = live;
@@ -641,32 +641,48 @@ impl<D: Device> Transport for VerbsTransport<D> {
         for p in self.peers.values().filter(|p| p.secret == info.secret && p.link.broken.load(Ordering::Acquire)) {
             self.inner.cut.note(&p.secret, p.conn.load(Ordering::SeqCst));
         }
-        let (qps, control) = self.open_qps(&info.addr, &info.secret, self.qps_per_peer).map_err(|e| match e {
-            conn::HandshakeError::NameInUse => {
-                TransportError::NameInUse { peer: peer_name.to_string(), name: self.agent.clone() }
-            }
-            conn::HandshakeError::TimedOut(why) => {
-                TransportError::connect_timeout(peer_name, self.inner.config.peer_timeout, why)
-            }
-            conn::HandshakeError::Failed(why) => cerr(why),
-        })?;
+        let (owner, inner, agent, peer) = (self.owner, self.inner.clone(), self.agent.clone(), peer_name.to_string());
+        let (n, max_send_wr) = (self.qps_per_peer, self.max_send_wr);
+        let keys = keys::RemoteKeys::new(regions);
+        Ok(Dial::new(peer_name, move || {
+            let slab = inner
+                .nic
+                .alloc_slab(NOTIF_SLOTS as usize * NOTIF_SLOT_BYTES)
+                .map_err(|e| TransportError::Registration(e.to_string()))?;
+            let (qps, control) = reconnect::open_qps(&inner, &agent, &info.addr, &info.secret, n, max_send_wr)
+                .map_err(|e| match e {
+                    conn::HandshakeError::NameInUse => {
+                        TransportError::NameInUse { peer: peer.clone(), name: agent.clone() }
+                    }
+                    conn::HandshakeError::TimedOut(why) => {
+                        TransportError::connect_timeout(&peer, inner.config.peer_timeout, why)
+                    }
+                    conn::HandshakeError::Failed(reason) => TransportError::Connect { peer: peer.clone(), reason },
+                })?;
+            Ok(Dialed::new(owner, &peer, VerbsDialed::<D> { info, keys, slab, qps, control }))
+        }))
+    }
+
+    /// Install: the peer's liveness watch starts and the engine takes its
+    /// QPs.
+    fn install(&mut self, dialed: Dialed) -> Result<PeerId, TransportError> {
+        let (name, VerbsDialed { info, keys, slab, qps, control }) = dialed.take::<VerbsDialed<D>>(self.owner)?;
         let id = self.next_peer;
         self.next_peer += 1;
         let conn = Arc::new(AtomicU64::new(control.conn));
-        let live = Liveness::watch(&self.inner, PeerId(id), peer_name, control.ch).map_err(cerr)?;
+        let live = Liveness::watch(&self.inner, PeerId(id), &name, control.ch)
+            .map_err(|reason| TransportError::Connect { peer: name.clone(), reason })?;
         let link = Arc::new(PeerLink::default());
-        let name = peer_name.to_string();
-        self.core.handle.send(Cmd::Install { peer: PeerId(id), name, qps, slab: Some(slab), link: Some(link.clone()) });
-        let peer = Peer {
-            name: peer_name.to_string(),
-            addr: info.addr,
-            secret: info.secret,
-            link,
-            live: Some(live),
-            keys: keys::RemoteKeys::new(regions),
-            redial: None,
-            conn,
-        };
+        let peer = PeerId(id);
+        self.core.handle.send(Cmd::Install {
+            peer,
+            name: name.clone(),
+            qps,
+            slab: Some(slab),
+            link: Some(link.clone()),
+        });
+        let peer =
+            Peer { name, addr: info.addr, secret: info.secret, link, live: Some(live), keys, redial: None, conn };
         self.peers.insert(id, peer);
         Ok(PeerId(id))
     }
