@@ -28,6 +28,7 @@ import array
 import base64
 import bisect
 import collections
+import contextlib
 import ctypes
 import enum
 import glob
@@ -467,6 +468,7 @@ class TransferEngine:
         self._starts = []  # the keys of _regs, sorted (overlap checks)
         self._managed = {}  # addr -> length (memory from the core's alloc_host)
         self._sessions = {}  # session id -> _Session
+        self._load_locks = {}  # session id -> [lock, users] (_loading)
         self._batches = {}  # id -> _Batch
         self._finished = collections.OrderedDict()  # freed id -> final answer, the last _FINISHED_KEPT
         self._next_batch = 0
@@ -861,23 +863,51 @@ class TransferEngine:
                          self._transport)
             return None
         new = _Session(name, where[0], where[1], desc)
-        with self._lock:
-            if self._core is not core:
-                logger.error("session %s: the engine was closed meanwhile", name)
-                return None
-            old = self._sessions.get(name)
+        # One load of a session at a time; the engine lock is held only to
+        # decide and to record, never while the peer answers its handshake
+        # (the core dials without its own lock too), so a peer whose data
+        # port is silent holds the callers of its own session only.
+        with self._loading(name):
+            with self._lock:
+                if self._core is not core:
+                    logger.error("session %s: the engine was closed meanwhile", name)
+                    return None
+                old = self._sessions.get(name)
+                try:
+                    if old is not None and old.instance != new.instance:
+                        self._forget(old.agent)  # a restarted peer: new secret, new regions
+                    elif old is None and core.is_loaded(new.agent):
+                        self._forget(new.agent)  # loaded by an earlier, dropped session
+                except NixlCoreError:
+                    pass  # closed meanwhile: the load below says so
             try:
-                if old is not None and old.instance != new.instance:
-                    self._forget(old.agent)  # a restarted peer: new secret, new regions
-                elif old is None and core.is_loaded(new.agent):
-                    self._forget(new.agent)  # loaded by an earlier, dropped session
                 core.load(md)
             except NixlCoreError as e:
                 logger.error("session %s: loading its metadata failed: %s", name, e.args[-1])
-                self._sessions.pop(name, None)
+                with self._lock:
+                    self._sessions.pop(name, None)
                 return None
-            self._sessions[name] = new
+            with self._lock:
+                if self._core is not core:
+                    logger.error("session %s: the engine was closed meanwhile", name)
+                    return None
+                self._sessions[name] = new
         return new
+
+    @contextlib.contextmanager
+    def _loading(self, name):
+        """Hold session `name`'s load lock (one per name, kept while used)."""
+        with self._lock:
+            entry = self._load_locks.setdefault(name, [threading.Lock(), 0])
+            entry[1] += 1
+        try:
+            with entry[0]:
+                yield
+        finally:
+            with self._lock:
+                entry[1] -= 1
+                if entry[1] == 0:
+                    del self._load_locks[name]
 
     def _forget(self, agent):
         core = self._core

@@ -1346,3 +1346,60 @@ def test_an_overlong_port_is_a_code(engines):
     assert a.batch_transfer_sync_write(name, [x.ctypes.data], [4096], [PAGE]) == -1
     assert a.get_first_buffer_address(name) == 0
     assert a.send_probe(name) == me.ERR_SOCKET
+
+
+def test_a_silent_peer_holds_only_its_own_session(monkeypatch):
+    # A peer whose rpc port answers but whose data port never does (a hung
+    # or overloaded prefill): the first transfer to it waits for its
+    # handshake (at most MC_TRANSFER_TIMEOUT) and fails; meanwhile every
+    # other call of the engine — first contact with a healthy peer,
+    # registration, probes — goes on. Before, the handshake ran under the
+    # engine's lock and held them all.
+    import select
+    import threading
+
+    monkeypatch.setenv("KVWIRE_MOONCAKE_TRANSPORT", "tcp")
+    monkeypatch.delenv("MC_FORCE_TCP", raising=False)
+    monkeypatch.setenv("MC_TRANSFER_TIMEOUT", "5")
+    hole = socket.socket()
+    hole.bind(("127.0.0.1", 0))
+    hole.listen(16)  # the kernel completes connections; nobody ever accepts or answers
+    real = me.NixlCore
+
+    def advertising_the_hole(name, transport, threads, timeout_ms, options):
+        return real(name, transport, threads, timeout_ms,
+                    options + [("advertise", f"127.0.0.1:{hole.getsockname()[1]}")])
+
+    engines = []
+    try:
+        for silent in (False, True, False):
+            if silent:
+                monkeypatch.setattr(me, "NixlCore", advertising_the_hole)
+            e = TransferEngine()
+            engines.append(e)
+            assert e.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0
+            monkeypatch.setattr(me, "NixlCore", real)
+        a, c, b = engines
+        src, bdst, cdst = reg(a, PAGE, fill=23), reg(b, PAGE), reg(c, PAGE)
+        rc = {}
+        t = threading.Thread(target=lambda: rc.setdefault("silent", a.transfer_sync_write(
+            c.session_id, src.ctypes.data, cdst.ctypes.data, PAGE)))
+        t.start()
+        assert select.select([hole], [], [], 10)[0], "the silent peer was never dialled"
+        assert t.is_alive()
+        # All of this while the dial to the silent peer is pending:
+        assert a.transfer_sync_write(b.session_id, src.ctypes.data, bdst.ctypes.data, PAGE) == 0
+        assert (bdst == src).all()
+        more = reg(a, PAGE)
+        assert a.send_probe(b.session_id) == 0
+        assert a.batch_transfer_sync_read(b.session_id, [more.ctypes.data], [bdst.ctypes.data], [PAGE]) == 0
+        assert (more == src).all()
+        assert a.unregister_memory(more.ctypes.data) == 0
+        assert t.is_alive(), "the calls above waited for the silent peer's handshake"
+        t.join(30)
+        assert not t.is_alive() and rc["silent"] == -1
+        assert (cdst == 0).all()
+    finally:
+        for e in engines:
+            e.close()
+        hole.close()

@@ -389,3 +389,53 @@ def test_utils_buffers():
         U.verify_transfer(a, b, 256)
     U.free_passthru(a)
     U.free_passthru(b)
+
+
+def test_a_silent_peer_holds_only_its_own_add_remote_agent(backend):
+    # A peer whose metadata names a data port that never answers (a hung
+    # prefill): add_remote_agent of it waits for the handshake (at most
+    # peer_timeout_ms) and raises; meanwhile the agent loads and writes to a
+    # healthy peer from another thread. The handshake runs without the GIL
+    # and without the agent's core lock.
+    import select
+    import threading
+
+    if backend != "KVWIRE_TCP":
+        pytest.skip("the silent peer is made with kvwire tcp's advertise option")
+    hole = socket.socket()
+    hole.bind(("127.0.0.1", 0))
+    hole.listen(16)  # connections complete in the kernel; nobody accepts or answers
+
+    def make(**params):
+        x = nixl_agent(str(uuid.uuid4()), nixl_agent_config(backends=[]))
+        x.create_backend(backend, {"peer_timeout_ms": "4000", **params})
+        return x
+
+    try:
+        a, b = make(), make()
+        c = make(**{"kvwire.advertise": f"127.0.0.1:{hole.getsockname()[1]}"})
+        out = {}
+
+        def load_silent():
+            try:
+                out["name"] = a.add_remote_agent(c.get_agent_metadata())
+            except Exception as e:  # noqa: BLE001 - the class is checked below
+                out["error"] = e
+
+        t = threading.Thread(target=load_silent)
+        t.start()
+        assert select.select([hole], [], [], 10)[0], "the silent peer was never dialled"
+        src, dst, _, _ = buffers(a, b, 64 * KIB, seed=9)
+        assert a.add_remote_agent(b.get_agent_metadata()) == b.name.encode()
+        local = a.get_xfer_descs([(src.ctypes.data, src.nbytes, 0)], "DRAM")
+        remote = a.get_xfer_descs([(dst.ctypes.data, dst.nbytes, 0)], "DRAM")
+        h = a.initialize_xfer("WRITE", local, remote, b.name)
+        assert a.transfer(h) in ("DONE", "PROC")
+        assert wait(a, h) == "DONE" and (dst == src).all()
+        a.release_xfer_handle(h)
+        assert t.is_alive(), "the healthy peer's load and write waited for the silent one's handshake"
+        t.join(30)
+        assert not t.is_alive() and isinstance(out.get("error"), RuntimeError), out
+        assert not a.check_remote_metadata(c.name)
+    finally:
+        hole.close()
