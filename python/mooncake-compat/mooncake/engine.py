@@ -867,19 +867,27 @@ class TransferEngine:
         # decide and to record, never while the peer answers its handshake
         # (the core dials without its own lock too), so a peer whose data
         # port is silent holds the callers of its own session only.
-        with self._loading(name):
+        # One peer may be reached under several session names (host names
+        # or addresses of one machine): they share its kvwire agent, which
+        # is loaded once and forgotten only for another instance of it.
+        with self._loading(new.agent):
             with self._lock:
                 if self._core is not core:
                     logger.error("session %s: the engine was closed meanwhile", name)
                     return None
                 old = self._sessions.get(name)
-                try:
-                    if old is not None and old.instance != new.instance:
-                        self._forget(old.agent)  # a restarted peer: new secret, new regions
-                    elif old is None and core.is_loaded(new.agent):
-                        self._forget(new.agent)  # loaded by an earlier, dropped session
-                except NixlCoreError:
-                    pass  # closed meanwhile: the load below says so
+                if old is not None and old.agent != new.agent:
+                    self._sessions.pop(name)  # another engine answers under this name now
+                    self._forget_unused(old.agent)
+                same = [n for n, x in self._sessions.items() if x.agent == new.agent]
+                if not any(self._sessions[n].instance == new.instance for n in same) and (
+                        same or core.is_loaded(new.agent)):
+                    # A restarted peer (new secret, new regions), or one
+                    # loaded by an earlier, dropped session: connect afresh;
+                    # names that knew the old instance fetch the new one.
+                    for n in same:
+                        del self._sessions[n]
+                    self._forget(new.agent)
             try:
                 core.load(md)
             except NixlCoreError as e:
@@ -918,11 +926,16 @@ class TransferEngine:
         except NixlCoreError:
             pass
 
+    def _forget_unused(self, agent):
+        """Forget `agent` unless another open session reaches it."""
+        if not any(x.agent == agent for x in self._sessions.values()):
+            self._forget(agent)
+
     def _drop(self, name):
         with self._lock:
             s = self._sessions.pop(name, None)
             if s is not None:
-                self._forget(s.agent)  # nothing to forget once closed
+                self._forget_unused(s.agent)  # nothing to forget once closed
 
     # -- transfers --------------------------------------------------------
     def _submit(self, target, op, buffers, peer_addrs, lengths, notify=None):
@@ -960,10 +973,20 @@ class TransferEngine:
         s = self._session(target)
         if s is None:
             return None, None, 0
-        if not lists and not len(bufs):
+        notif = _pack_notify(notify.name, notify.msg) if notify is not None else None
+        nothing = (notif is not None and not any(lengths)) if lists else not len(bufs)
+        if nothing:
+            # Nothing to move. A notification still goes, after the earlier
+            # transfers to the peer, as Mooncake sends it once the (empty)
+            # batch completes (TransferEngine::getBatchTransferStatus).
+            if notif is not None:
+                try:
+                    core.notify(s.agent, notif)
+                except NixlCoreError as e:
+                    logger.error("notification to %s: %s", target, e.args[-1])
+                    return None, None, 0
             return 0, s, 0
         opname = "WRITE" if op == TransferOpcode.Write else "READ"
-        notif = _pack_notify(notify.name, notify.msg) if notify is not None else None
         indexed = refreshed = False  # each retry at most once
         while True:
             try:

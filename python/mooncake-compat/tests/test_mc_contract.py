@@ -615,6 +615,26 @@ def test_notifications(engines):
         time.sleep(0.01)
     assert sorted((n.name, n.msg) for n in got) == [("req-7", "kv done"), ("req-8", "aux")]
     assert b.get_notifies() == []
+    # Nothing to move: the notification still goes (Mooncake sends it when
+    # the empty batch completes), in every argument form.
+    assert a.transfer_sync(b.session_id, src.ctypes.data, dst.ctypes.data, 0, TransferOpcode.Write,
+                           TransferNotify("req-9", "empty")) == 0
+    assert a.batch_transfer_sync(b.session_id, [], [], [], TransferOpcode.Read, TransferNotify("req-10", "")) == 0
+    assert a.batch_transfer_sync(b.session_id, np.array([src.ctypes.data], np.uint64),
+                                 np.array([dst.ctypes.data], np.uint64), np.array([0], np.int64),
+                                 TransferOpcode.Write, TransferNotify("req-11", "arrays")) == 0
+    got, deadline = [], time.monotonic() + 5
+    while len(got) < 3 and time.monotonic() < deadline:
+        got += b.get_notifies()
+        time.sleep(0.01)
+    assert [(n.name, n.msg) for n in got] == [("req-9", "empty"), ("req-10", ""), ("req-11", "arrays")]
+    # Past kvwire's 64 KiB notification limit: -1, no bytes moved, nothing delivered.
+    dst[:] = 0
+    for n in (PAGE, 0):
+        assert a.transfer_sync(b.session_id, src.ctypes.data, dst.ctypes.data, n, TransferOpcode.Write,
+                               TransferNotify("big", "x" * (64 << 10))) == -1
+    time.sleep(0.2)
+    assert (dst == 0).all() and b.get_notifies() == []
     # strings, as Mooncake's std::string fields (None is a TypeError there too)
     with pytest.raises(TypeError):
         TransferNotify(None, None)
@@ -1403,3 +1423,28 @@ def test_a_silent_peer_holds_only_its_own_session(monkeypatch):
         for e in engines:
             e.close()
         hole.close()
+
+
+def test_one_peer_under_two_names_shares_its_agent(engines):
+    # SGLang names a peer by the host it was told; one machine may be told
+    # as 127.0.0.1 and as localhost. The second name's first contact must
+    # not reconnect the agent under transfers in flight under the first.
+    a, b = engines
+    n = 64 << 20
+    src, dst, scratch = reg(a, n, fill=41), reg(b, n), reg(a, PAGE)
+    alias = f"localhost:{b.session_id.rsplit(':', 1)[1]}"
+    assert a.send_probe(b.session_id) == 0
+    for round_ in range(3):
+        dst[:] = 0
+        bid = a.batch_transfer_async_write(b.session_id, [src.ctypes.data], [dst.ctypes.data], [n])
+        assert bid != 0
+        assert a.transfer_sync_read(alias, scratch.ctypes.data, dst.ctypes.data, PAGE) == 0
+        assert a.get_batch_transfer_status([bid]) == 0, f"round {round_}: the write under the first name failed"
+        assert (dst == src).all()
+        if round_ == 0:
+            assert alias in a._sessions and b.session_id in a._sessions
+            a._sessions.pop(alias)  # the next round's alias contact loads again
+    # A dead alias (its rpc port unreachable) is dropped without the agent.
+    assert a.transfer_sync_write(alias, scratch.ctypes.data, dst.ctypes.data, PAGE) == 0
+    a._drop(alias)
+    assert a.transfer_sync_write(b.session_id, src.ctypes.data, dst.ctypes.data, PAGE) == 0
