@@ -370,6 +370,19 @@ class _Refused(Exception):
     """_submit: the backend refused the post (args: the _Session, why)."""
 
 
+class _LoadSlot:
+    """One agent's loads (TransferEngine._loading): the lock that runs them
+    one at a time, how many callers hold or wait for it, and the last failed
+    load (count, the peer instance it was of, why)."""
+
+    __slots__ = ("lock", "users", "failures", "failed_instance", "why")
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.users = self.failures = 0
+        self.failed_instance = self.why = None
+
+
 class _Batch:
     """An async batch: its request, deadline, session name, the _Session it
     was posted with, and whether it was posted again (`TransferEngine._retry`)."""
@@ -387,6 +400,7 @@ class _Batch:
 
 
 _NOTIFY_MAGIC = b"MCKVN1"
+_STALE = object()  # TransferEngine._open: the description fetched may be of a dead instance
 
 
 def _pack_notify(name, msg):
@@ -410,6 +424,15 @@ def _opcode(opcode):
     except (TypeError, ValueError):
         logger.error("unknown opcode %r (TransferOpcode.Read or .Write)", opcode)
         return None
+
+
+def _all_zero(lengths):
+    """Whether every length (an int or anything with `__index__`) is 0;
+    False for anything else (the transfer path then refuses it)."""
+    try:
+        return all(operator.index(n) == 0 for n in lengths)
+    except TypeError:
+        return False
 
 
 def _ints(x, code):
@@ -468,7 +491,9 @@ class TransferEngine:
         self._starts = []  # the keys of _regs, sorted (overlap checks)
         self._managed = {}  # addr -> length (memory from the core's alloc_host)
         self._sessions = {}  # session id -> _Session
-        self._load_locks = {}  # session id -> [lock, users] (_loading)
+        self._load_locks = {}  # agent -> _LoadSlot (_loading)
+        self._load_seq = 0  # sessions recorded so far (_open)
+        self._agent_seq = {}  # agent -> _load_seq when a session of it was last recorded
         self._batches = {}  # id -> _Batch
         self._finished = collections.OrderedDict()  # freed id -> final answer, the last _FINISHED_KEPT
         self._next_batch = 0
@@ -625,6 +650,7 @@ class TransferEngine:
             self._regs.clear()
             self._starts.clear()
             self._sessions.clear()
+            self._agent_seq.clear()
 
     def __del__(self):
         try:
@@ -833,6 +859,20 @@ class TransferEngine:
             s = self._sessions.get(name)
             if s is not None and not refresh:
                 return s
+        for _ in range(2):
+            seen = self._load_seq
+            fetched = self._fetch(name, rpc_timeout, drop)
+            if fetched is None:
+                return None
+            new = self._open(core, name, seen, *fetched)
+            if new is not _STALE:
+                return new
+        logger.error("session %s: its peer restarted twice while this engine loaded it", name)
+        return None
+
+    def _fetch(self, name, rpc_timeout, drop):
+        """(new _Session, agent metadata) of session `name` from its rpc
+        port, or None (logged)."""
         where = self._locate(name)
         if where is None:
             return None
@@ -862,15 +902,27 @@ class TransferEngine:
                          "docs/MOONCAKE.md; KVWIRE_MOONCAKE_TRANSPORT sets both)", name, desc.get("transport"),
                          self._transport)
             return None
-        new = _Session(name, where[0], where[1], desc)
-        # One load of a session at a time; the engine lock is held only to
+        return _Session(name, where[0], where[1], desc), md
+
+    def _open(self, core, name, seen, new, md):
+        """Load `new` (a session fetched when the load count was `seen`) into
+        the core and record it; returns it, None (logged), or _STALE when
+        another instance of its peer was loaded after the fetch began (the
+        peer restarted meanwhile: `new` may describe the dead one)."""
+        # One load of a peer at a time; the engine lock is held only to
         # decide and to record, never while the peer answers its handshake
         # (the core dials without its own lock too), so a peer whose data
         # port is silent holds the callers of its own session only.
         # One peer may be reached under several session names (host names
         # or addresses of one machine): they share its kvwire agent, which
         # is loaded once and forgotten only for another instance of it.
-        with self._loading(new.agent):
+        with self._loading(new.agent) as (slot, failures):
+            if slot.failures != failures and slot.failed_instance == new.instance:
+                # Callers queued behind a failed load of the same instance
+                # take its answer instead of waiting a timeout each.
+                logger.error("session %s: loading its metadata failed in another call just now: %s", name,
+                             slot.why)
+                return None
             with self._lock:
                 if self._core is not core:
                     logger.error("session %s: the engine was closed meanwhile", name)
@@ -880,18 +932,23 @@ class TransferEngine:
                     self._sessions.pop(name)  # another engine answers under this name now
                     self._forget_unused(old.agent)
                 same = [n for n, x in self._sessions.items() if x.agent == new.agent]
-                if not any(self._sessions[n].instance == new.instance for n in same) and (
-                        same or core.is_loaded(new.agent)):
-                    # A restarted peer (new secret, new regions), or one
-                    # loaded by an earlier, dropped session: connect afresh;
-                    # names that knew the old instance fetch the new one.
-                    for n in same:
-                        del self._sessions[n]
-                    self._forget(new.agent)
+                if not any(self._sessions[n].instance == new.instance for n in same):
+                    if same and self._agent_seq.get(new.agent, 0) > seen:
+                        return _STALE  # another instance was loaded after this fetch began
+                    if same or core.is_loaded(new.agent):
+                        # A restarted peer (new secret, new regions), or one
+                        # loaded by an earlier, dropped session: connect
+                        # afresh; names that knew the old instance fetch the
+                        # new one.
+                        for n in same:
+                            del self._sessions[n]
+                        self._forget(new.agent)
             try:
                 core.load(md)
             except NixlCoreError as e:
                 logger.error("session %s: loading its metadata failed: %s", name, e.args[-1])
+                slot.failures += 1
+                slot.failed_instance, slot.why = new.instance, e.args[-1]
                 with self._lock:
                     self._sessions.pop(name, None)
                 return None
@@ -900,22 +957,28 @@ class TransferEngine:
                     logger.error("session %s: the engine was closed meanwhile", name)
                     return None
                 self._sessions[name] = new
+                self._load_seq += 1
+                self._agent_seq[new.agent] = self._load_seq
         return new
 
     @contextlib.contextmanager
-    def _loading(self, name):
-        """Hold session `name`'s load lock (one per name, kept while used)."""
+    def _loading(self, agent):
+        """Hold `agent`'s load slot (one per agent, kept while used); yields
+        (the slot, its failure count when this caller began to wait)."""
         with self._lock:
-            entry = self._load_locks.setdefault(name, [threading.Lock(), 0])
-            entry[1] += 1
+            slot = self._load_locks.get(agent)
+            if slot is None:
+                slot = self._load_locks[agent] = _LoadSlot()
+            slot.users += 1
+            failures = slot.failures
         try:
-            with entry[0]:
-                yield
+            with slot.lock:
+                yield slot, failures
         finally:
             with self._lock:
-                entry[1] -= 1
-                if entry[1] == 0:
-                    del self._load_locks[name]
+                slot.users -= 1
+                if slot.users == 0:
+                    del self._load_locks[agent]
 
     def _forget(self, agent):
         core = self._core
@@ -931,11 +994,18 @@ class TransferEngine:
         if not any(x.agent == agent for x in self._sessions.values()):
             self._forget(agent)
 
-    def _drop(self, name):
+    def _drop(self, name, used=None):
+        """Forget session `name` (and its agent, unless another name reaches
+        it), after a failure on it; with `used` (the _Session the failed
+        request went out on), only while `name` still means that session: a
+        request of a dead instance that fails after the session reconnected
+        to the restarted peer leaves the new connection alone."""
         with self._lock:
-            s = self._sessions.pop(name, None)
-            if s is not None:
-                self._forget_unused(s.agent)  # nothing to forget once closed
+            s = self._sessions.get(name)
+            if s is None or (used is not None and s is not used):
+                return
+            del self._sessions[name]
+            self._forget_unused(s.agent)  # nothing to forget once closed
 
     # -- transfers --------------------------------------------------------
     def _submit(self, target, op, buffers, peer_addrs, lengths, notify=None):
@@ -974,7 +1044,7 @@ class TransferEngine:
         if s is None:
             return None, None, 0
         notif = _pack_notify(notify.name, notify.msg) if notify is not None else None
-        nothing = (notif is not None and not any(lengths)) if lists else not len(bufs)
+        nothing = (notif is not None and _all_zero(lengths)) if lists else not len(bufs)
         if nothing:
             # Nothing to move. A notification still goes, after the earlier
             # transfers to the peer, as Mooncake sends it once the (empty)
@@ -984,6 +1054,8 @@ class TransferEngine:
                     core.notify(s.agent, notif)
                 except NixlCoreError as e:
                     logger.error("notification to %s: %s", target, e.args[-1])
+                    if e.args[0] == _REMOTE_DISCONNECT or "unknown agent" in e.args[-1].lower():
+                        self._drop(target, s)  # the next call loads the peer again
                     return None, None, 0
             return 0, s, 0
         opname = "WRITE" if op == TransferOpcode.Write else "READ"
@@ -1031,7 +1103,7 @@ class TransferEngine:
                     raise _Refused(s, msg)  # at post (shm copies in the call)
                 logger.error("transfer to %s: %s", target, msg)
                 if status == _REMOTE_DISCONNECT or "unknown agent" in msg.lower():
-                    self._drop(target)
+                    self._drop(target, s)
                 return None, None, 0
         try:
             core.post(rid)
@@ -1041,7 +1113,7 @@ class TransferEngine:
                 raise _Refused(s, e.args[-1]) from None
             logger.error("transfer to %s: %s", target, e.args[-1])
             if e.args[0] == _REMOTE_DISCONNECT:
-                self._drop(target)
+                self._drop(target, s)
             return None, None, 0
         return rid, s, total
 
@@ -1062,7 +1134,7 @@ class TransferEngine:
         except (NixlCoreError, AttributeError):
             pass
 
-    def _poll(self, rid, target, wait_s=None):
+    def _poll(self, rid, target, wait_s=None, used=None):
         """(1, None) done, (0, None) running, (-1, why) failed, or
         (_REFUSED, why): the target refused it (the request is kept, for the
         caller to post again or release); released after 1 and -1. With
@@ -1075,7 +1147,7 @@ class TransferEngine:
                 return _REFUSED, e.args[-1]
             self._release(rid)
             if e.args[0] == _REMOTE_DISCONNECT:
-                self._drop(target)
+                self._drop(target, used)
             return -1, e.args[-1]
         except AttributeError:  # closed meanwhile
             return -1, "engine closed"
@@ -1088,14 +1160,14 @@ class TransferEngine:
         # Mooncake: MC_TRANSFER_TIMEOUT + 1 s per GiB, from the call
         return (time.monotonic() if start is None else start) + self._timeout + total / 1e9
 
-    def _wait(self, rid, target, deadline):
+    def _wait(self, rid, target, deadline, used=None):
         """(0, None) done, (-1, why) failed or timed out (the request
         cancelled and released), or (_REFUSED, why) as `_poll`."""
         # Mooncake's sync calls block inside the engine; so does this: the
         # core sleeps on the transport's completion channel, in slices of at
         # most 0.1 s so that signals (Ctrl-C) are handled meanwhile.
         while True:
-            r, why = self._poll(rid, target, max(0.0, min(deadline - time.monotonic(), _WAIT_SLICE_S)))
+            r, why = self._poll(rid, target, max(0.0, min(deadline - time.monotonic(), _WAIT_SLICE_S)), used)
             if r != 0:
                 return (0, None) if r == 1 else (r, why)
             if time.monotonic() > deadline:
@@ -1159,16 +1231,22 @@ class TransferEngine:
         # we fetched its description (its keys changed) is posted once more
         # with the new one, within the same deadline. Both ops move the same
         # bytes again, so a part moved before the refusal is harmless.
-        target, start = str(target), time.monotonic()
+        target = str(target)
+        if self._core is not None and self._session(target) is None:
+            return -1
+        # As Mooncake's transferSync, the clock starts once the session is
+        # open: a first contact's handshake is not taken from the transfer's
+        # MC_TRANSFER_TIMEOUT.
+        start = time.monotonic()
         rid, s, total = self._post_once_more(target, op, buffers, peer_addrs, lengths, notify, start)
         if rid is None:
             return -1
         if rid == 0:
             return 0
         deadline = self._deadline(total, start)
-        r, why = self._wait(rid, target, deadline)
+        r, why = self._wait(rid, target, deadline, s)
         if r == _REFUSED and self._repost(rid, target, s, deadline):
-            r, why = self._wait(rid, target, deadline)
+            r, why = self._wait(rid, target, deadline, s)
             if r == _REFUSED:
                 self._release(rid)
         return 0 if r == 0 else self._failed(target, why)
@@ -1198,7 +1276,10 @@ class TransferEngine:
                           notify)
 
     def _async(self, target, op, buffers, peer_addrs, lengths):
-        target, start = str(target), time.monotonic()
+        target = str(target)
+        if self._core is not None and self._session(target) is None:
+            return 0  # Mooncake's failure id
+        start = time.monotonic()  # once the session is open, as _sync
         rid, s, total = self._post_once_more(target, op, buffers, peer_addrs, lengths, None, start)
         if rid is None:
             return 0  # Mooncake's failure id
@@ -1263,7 +1344,7 @@ class TransferEngine:
             if b.rid == 0:
                 r, why = 1, None
             else:
-                r, why = self._poll(b.rid, b.session)
+                r, why = self._poll(b.rid, b.session, used=b.used)
                 if r < 0 and self._retry(b, r):
                     return 0
             if r == 0 and time.monotonic() > b.deadline:
@@ -1309,7 +1390,7 @@ class TransferEngine:
                         r, why = 0, None
                     else:
                         while True:
-                            r, why = self._wait(b.rid, b.session, b.deadline)
+                            r, why = self._wait(b.rid, b.session, b.deadline, b.used)
                             if r == 0 or not self._retry(b, r):
                                 break
                         b.result = 1 if r == 0 else -1

@@ -628,6 +628,10 @@ def test_notifications(engines):
         got += b.get_notifies()
         time.sleep(0.01)
     assert [(n.name, n.msg) for n in got] == [("req-9", "empty"), ("req-10", ""), ("req-11", "arrays")]
+    # Lengths that are not all integers 0 are refused, never read as "nothing to move".
+    for bad in ([None], [0.0], [np.array([PAGE])]):
+        assert a.batch_transfer_sync(b.session_id, [src.ctypes.data], [dst.ctypes.data], bad, TransferOpcode.Write,
+                                     TransferNotify("bad", "x")) == -1
     # Past kvwire's 64 KiB notification limit: -1, no bytes moved, nothing delivered.
     dst[:] = 0
     for n in (PAGE, 0):
@@ -1401,12 +1405,39 @@ def test_a_silent_peer_holds_only_its_own_session(monkeypatch):
             monkeypatch.setattr(me, "NixlCore", real)
         a, c, b = engines
         src, bdst, cdst = reg(a, PAGE, fill=23), reg(b, PAGE), reg(c, PAGE)
+
+        class CountingLoads:
+            def __init__(self, core):
+                self.core, self.loads = core, 0
+
+            def load(self, md):
+                self.loads += threading.current_thread().name.startswith("silent")
+                return self.core.load(md)
+
+            def __getattr__(self, attr):
+                return getattr(self.core, attr)
+
+        a._core = counting = CountingLoads(a._core)
         rc = {}
-        t = threading.Thread(target=lambda: rc.setdefault("silent", a.transfer_sync_write(
-            c.session_id, src.ctypes.data, cdst.ctypes.data, PAGE)))
+
+        def silent_write(name):
+            rc[threading.current_thread().name] = a.transfer_sync_write(name, src.ctypes.data, cdst.ctypes.data,
+                                                                          PAGE)
+
+        t = threading.Thread(target=silent_write, args=(c.session_id,), name="silent-0")
         t.start()
         assert select.select([hole], [], [], 10)[0], "the silent peer was never dialled"
         assert t.is_alive()
+        # Two more callers of the same peer (one under another name) queue
+        # behind that dial and take its failure: one dial, not three in a row.
+        alias = f"localhost:{c.session_id.rsplit(':', 1)[1]}"
+        queued = [threading.Thread(target=silent_write, args=(n,), name=f"silent-{i}")
+                  for i, n in enumerate((c.session_id, alias), 1)]
+        for q in queued:
+            q.start()
+        while sum(s.users for s in a._load_locks.values()) < 3:
+            assert t.is_alive(), "the first dial ended before the others queued"
+            time.sleep(0.01)
         # All of this while the dial to the silent peer is pending:
         assert a.transfer_sync_write(b.session_id, src.ctypes.data, bdst.ctypes.data, PAGE) == 0
         assert (bdst == src).all()
@@ -1416,8 +1447,11 @@ def test_a_silent_peer_holds_only_its_own_session(monkeypatch):
         assert (more == src).all()
         assert a.unregister_memory(more.ctypes.data) == 0
         assert t.is_alive(), "the calls above waited for the silent peer's handshake"
-        t.join(30)
-        assert not t.is_alive() and rc["silent"] == -1
+        for x in [t, *queued]:
+            x.join(30)
+            assert not x.is_alive()
+        assert set(rc.values()) == {-1} and len(rc) == 3, rc
+        assert counting.loads == 1, f"{counting.loads} dials of the silent peer"
         assert (cdst == 0).all()
     finally:
         for e in engines:
@@ -1448,3 +1482,123 @@ def test_one_peer_under_two_names_shares_its_agent(engines):
     assert a.transfer_sync_write(alias, scratch.ctypes.data, dst.ctypes.data, PAGE) == 0
     a._drop(alias)
     assert a.transfer_sync_write(b.session_id, src.ctypes.data, dst.ctypes.data, PAGE) == 0
+
+
+def restarted(engine, monkeypatch):
+    """Close `engine` and start a new one on its rpc port (the same session
+    name, another instance): a peer restarted in place."""
+    port = engine.session_id.rsplit(":", 1)[1]
+    engine.close()
+    monkeypatch.setenv("MC_MIN_RPC_PORT", port)
+    monkeypatch.setenv("MC_MAX_RPC_PORT", port)
+    e = TransferEngine()
+    assert e.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0
+    assert e.session_id == engine.session_id
+    return e
+
+
+def test_late_failures_of_a_dead_instance_leave_its_restart_alone(engines, monkeypatch):
+    # A batch in flight when the peer died, checked only after the session
+    # reconnected to the restarted peer, must not unload the new connection
+    # (it used to: every transfer in flight to the restart failed).
+    a, b = engines
+    n = 256 << 20  # still in flight when the peer closes
+    src, dst = reg(a, n, fill=43), reg(b, n)
+    name = b.session_id
+    assert a.transfer_sync_write(name, src.ctypes.data, dst.ctypes.data, PAGE) == 0
+    half = n // 2
+    seen, old = (a.batch_transfer_async_write(name, [src.ctypes.data + o], [dst.ctypes.data + o], [half])
+                 for o in (0, half))
+    assert seen != 0 and old != 0
+    b2 = restarted(b, monkeypatch)
+    try:
+        dst2 = reg(b2, n)
+        # One failure is seen before the restart is reached: it drops the
+        # session it went out on (the dead one's), and the dead peer is known.
+        while (r := a.transfer_check_status(seen)) == 0:
+            time.sleep(0.01)
+        assert r == -1
+        # The first transfers may still meet the dead instance (-1); one
+        # of them finds it dead and the next one loads the restart.
+        for _ in range(20):
+            if a.transfer_sync_write(name, src.ctypes.data, dst2.ctypes.data, PAGE) == 0:
+                break
+            time.sleep(0.05)
+        else:
+            pytest.fail("the restarted peer was never reached")
+        new = a.batch_transfer_async_write(name, [src.ctypes.data], [dst2.ctypes.data], [n])
+        assert new != 0
+        assert a.transfer_check_status(old) == -1  # cut by the close, checked only now
+        assert a.get_batch_transfer_status([new]) == 0, "the old batch's failure unloaded the restarted peer"
+        assert (dst2 == src).all()
+    finally:
+        b2.close()
+
+
+def test_notify_only_calls_reach_a_restarted_peer(engines, monkeypatch):
+    # Calls that move nothing but a notification find a dead session and
+    # load the restart as data transfers do (they used to return -1 for
+    # ever, until a data transfer dropped the dead session).
+    a, b = engines
+    src, dst = reg(a, PAGE), reg(b, PAGE)
+    name = b.session_id
+    assert a.transfer_sync(name, src.ctypes.data, dst.ctypes.data, 0, TransferOpcode.Write,
+                           TransferNotify("r", "before")) == 0
+    b2 = restarted(b, monkeypatch)
+    try:
+        got = []
+        for i in range(20):  # a notification sent before the death is seen may be lost: send again
+            if a.transfer_sync(name, src.ctypes.data, 0, 0, TransferOpcode.Write, TransferNotify("r", str(i))) == 0:
+                deadline = time.monotonic() + 1
+                while not got and time.monotonic() < deadline:
+                    got += b2.get_notifies()
+                    time.sleep(0.01)
+                if got:
+                    break
+            time.sleep(0.05)
+        assert got and got[0].name == "r", "no notification reached the restarted peer"
+    finally:
+        b2.close()
+
+
+def test_a_description_of_a_dead_instance_does_not_unload_its_restart(engines, monkeypatch):
+    # A caller that fetched the peer's description before the peer restarted
+    # and loads it after another call loaded the restart (under another name
+    # of the same peer) fetches again instead of unloading the live
+    # connection and the transfers in flight on it.
+    import threading
+
+    a, b = engines
+    n = 128 << 20
+    src, dst = reg(a, n, fill=47), reg(b, PAGE)
+    name, alias = b.session_id, f"localhost:{b.session_id.rsplit(':', 1)[1]}"
+    real, held, go = _rpc.describe, threading.Event(), threading.Event()
+
+    def describe(*args, **kw):
+        d = real(*args, **kw)
+        if threading.current_thread().name == "stale" and not go.is_set():
+            held.set()
+            go.wait(30)
+        return d
+
+    monkeypatch.setattr(_rpc, "describe", describe)
+    rc = {}
+    t = threading.Thread(name="stale", target=lambda: rc.setdefault(
+        "stale", a.transfer_sync_write(name, src.ctypes.data, dst.ctypes.data, PAGE)))
+    t.start()
+    assert held.wait(10)  # it holds the old instance's description
+    b2 = restarted(b, monkeypatch)
+    try:
+        dst2 = reg(b2, n)
+        assert a.transfer_sync_write(alias, src.ctypes.data, dst2.ctypes.data, PAGE) == 0
+        bid = a.batch_transfer_async_write(alias, [src.ctypes.data], [dst2.ctypes.data], [n])
+        go.set()
+        t.join(30)
+        # Its own write names the dead instance's buffer: refused, after it
+        # loaded the restart's description.
+        assert rc["stale"] == -1
+        assert a.get_batch_transfer_status([bid]) == 0, "the stale description unloaded the restarted peer"
+        assert (dst2 == src).all()
+        assert {name, alias} <= set(a._sessions)
+    finally:
+        b2.close()
