@@ -204,9 +204,20 @@ pub struct PyNixlCore {
     /// The transport's completion channel, for `wait` to sleep on without
     /// the lock.
     signal: Option<kvwire::transport::CompletionSignal>,
-    /// One lock per agent being loaded now (`load` dials one agent at a
+    /// One slot per agent being loaded now (`load` dials one agent at a
     /// time, outside the core's lock); an entry leaves with its last loader.
-    dials: Mutex<HashMap<String, Arc<Mutex<()>>>>,
+    dials: Mutex<HashMap<String, Arc<DialSlot>>>,
+}
+
+/// One agent's loads (`PyNixlCore::load`): run one at a time; callers
+/// queued behind a failed load of the same metadata take its answer.
+#[derive(Default)]
+struct DialSlot {
+    lock: Mutex<()>,
+    /// Loads of this agent that failed so far.
+    failures: std::sync::atomic::AtomicU64,
+    /// The last failure: the metadata it loaded, its status and message.
+    failed: Mutex<Option<(Vec<u8>, i32, String)>>,
 }
 
 /// Empty `notifs` answers in a row per yield of the caller's core (see
@@ -234,18 +245,21 @@ impl PyNixlCore {
 
     /// [`TransferEngine::load_remote`] in its three steps, the handshake
     /// without the core's lock.
-    fn load_one(&self, meta: &AgentMetadata) -> PyResult<()> {
-        let step = self.lock()?.engine.begin_load(meta).map_err(engine_err)?;
+    /// Errors: (NIXL status, message).
+    fn load_one(&self, meta: &AgentMetadata) -> Result<(), (i32, String)> {
+        let failed = |e: EngineError| (engine_code(&e), e.to_string());
+        let poisoned = |_| (status::BACKEND, "NIXL core poisoned by a panic".to_string());
+        let step = self.inner.lock().map_err(poisoned)?.engine.begin_load(meta).map_err(failed)?;
         let LoadStep::Dial(pending) = step else {
             return Ok(());
         };
-        let dialed = pending.dial().map_err(engine_err)?;
-        self.lock()?.engine.finish_load(dialed).map_err(engine_err)?;
+        let dialed = pending.dial().map_err(failed)?;
+        self.inner.lock().map_err(poisoned)?.engine.finish_load(dialed).map_err(failed)?;
         Ok(())
     }
 
-    /// The per-agent load locks (`load`).
-    fn dial_locks(&self) -> std::sync::MutexGuard<'_, HashMap<String, Arc<Mutex<()>>>> {
+    /// The per-agent load slots (`load`).
+    fn dial_locks(&self) -> std::sync::MutexGuard<'_, HashMap<String, Arc<DialSlot>>> {
         self.dials.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
@@ -506,8 +520,23 @@ impl PyNixlCore {
         crate::gil::without_gil(py, || {
             let slot = self.dial_locks().entry(meta.name.clone()).or_default().clone();
             let loaded = {
-                let _one = slot.lock().unwrap_or_else(|p| p.into_inner());
-                self.load_one(&meta)
+                let failures = slot.failures.load(std::sync::atomic::Ordering::Acquire);
+                let _one = slot.lock.lock().unwrap_or_else(|p| p.into_inner());
+                let failed = slot.failed.lock().unwrap_or_else(|p| p.into_inner()).clone();
+                match failed {
+                    // A load of the same metadata failed while this one
+                    // waited: take its answer rather than dial again.
+                    Some((same, code, msg))
+                        if slot.failures.load(std::sync::atomic::Ordering::Acquire) != failures && same == md =>
+                    {
+                        Err((code, msg))
+                    }
+                    _ => self.load_one(&meta).inspect_err(|(code, msg)| {
+                        *slot.failed.lock().unwrap_or_else(|p| p.into_inner()) =
+                            Some((md.to_vec(), *code, msg.clone()));
+                        slot.failures.fetch_add(1, std::sync::atomic::Ordering::Release);
+                    }),
+                }
             };
             let mut dials = self.dial_locks();
             // Ours and the map's: nobody else waits on this agent's lock
@@ -515,7 +544,7 @@ impl PyNixlCore {
             if Arc::strong_count(&slot) == 2 {
                 dials.remove(&meta.name);
             }
-            loaded.map(|()| meta.name.clone())
+            loaded.map(|()| meta.name.clone()).map_err(|(code, msg)| err(code, msg))
         })
     }
 

@@ -416,15 +416,21 @@ def test_a_silent_peer_holds_only_its_own_add_remote_agent(backend):
         c = make(**{"kvwire.advertise": f"127.0.0.1:{hole.getsockname()[1]}"})
         out = {}
 
-        def load_silent():
+        def load_silent(i):
             try:
-                out["name"] = a.add_remote_agent(c.get_agent_metadata())
+                out[i] = a.add_remote_agent(c.get_agent_metadata())
             except Exception as e:  # noqa: BLE001 - the class is checked below
-                out["error"] = e
+                out[i] = e
 
-        t = threading.Thread(target=load_silent)
+        t = threading.Thread(target=load_silent, args=(0,))
         t.start()
         assert select.select([hole], [], [], 10)[0], "the silent peer was never dialled"
+        # Two more loads of it queue behind that dial and take its answer
+        # (the same error, naming the same local port): one dial, not three
+        # in a row.
+        queued = [threading.Thread(target=load_silent, args=(i,)) for i in (1, 2)]
+        for q in queued:
+            q.start()
         src, dst, _, _ = buffers(a, b, 64 * KIB, seed=9)
         assert a.add_remote_agent(b.get_agent_metadata()) == b.name.encode()
         local = a.get_xfer_descs([(src.ctypes.data, src.nbytes, 0)], "DRAM")
@@ -434,8 +440,20 @@ def test_a_silent_peer_holds_only_its_own_add_remote_agent(backend):
         assert wait(a, h) == "DONE" and (dst == src).all()
         a.release_xfer_handle(h)
         assert t.is_alive(), "the healthy peer's load and write waited for the silent one's handshake"
-        t.join(30)
-        assert not t.is_alive() and isinstance(out.get("error"), RuntimeError), out
+        for x in [t, *queued]:
+            x.join(30)
+            assert not x.is_alive()
+        assert all(isinstance(e, RuntimeError) for e in out.values()) and len(out) == 3, out
+        assert len({str(e) for e in out.values()}) == 1, out
+        hole.setblocking(False)  # each dial left one connection in the hole's queue
+        dials = 0
+        while True:
+            try:
+                hole.accept()[0].close()
+                dials += 1
+            except BlockingIOError:
+                break
+        assert dials == 1, f"{dials} dials of the silent peer"
         assert not a.check_remote_metadata(c.name)
     finally:
         hole.close()
