@@ -802,8 +802,13 @@ class TransferEngine:
         if segment_name in self._names:
             with self._lock:
                 return next(iter(self._regs), 0)
-        s = self._session(segment_name, refresh=True)
-        return s.buffers[0][0] if s is not None and s.buffers else 0
+        if self._core is None:
+            return 0
+        # The peer's description only, as Mooncake reads the segment's
+        # metadata: no data connection (a peer whose data port is silent
+        # answers at once).
+        fetched = self._fetch(str(segment_name), 5.0, drop=False)
+        return fetched[0].buffers[0][0] if fetched is not None and fetched[0].buffers else 0
 
     @staticmethod
     def write_bytes_to_buffer(dest_address, src_ptr, length):

@@ -1438,7 +1438,9 @@ def test_a_silent_peer_holds_only_its_own_session(monkeypatch):
         while sum(s.users for s in a._load_locks.values()) < 3:
             assert t.is_alive(), "the first dial ended before the others queued"
             time.sleep(0.01)
-        # All of this while the dial to the silent peer is pending:
+        # All of this while the dial to the silent peer is pending (its
+        # first buffer is in its description: no dial needed):
+        assert a.get_first_buffer_address(c.session_id) == cdst.ctypes.data
         assert a.transfer_sync_write(b.session_id, src.ctypes.data, bdst.ctypes.data, PAGE) == 0
         assert (bdst == src).all()
         more = reg(a, PAGE)
