@@ -531,11 +531,17 @@ impl PyNixlCore {
                     {
                         Err((code, msg))
                     }
-                    _ => self.load_one(&meta).inspect_err(|(code, msg)| {
+                    _ => {
+                        let loaded = self.load_one(&meta);
+                        // A success clears the failure: callers queued
+                        // behind it dial for themselves.
                         *slot.failed.lock().unwrap_or_else(|p| p.into_inner()) =
-                            Some((md.to_vec(), *code, msg.clone()));
-                        slot.failures.fetch_add(1, std::sync::atomic::Ordering::Release);
-                    }),
+                            loaded.as_ref().err().map(|(code, msg)| (md.to_vec(), *code, msg.clone()));
+                        if loaded.is_err() {
+                            slot.failures.fetch_add(1, std::sync::atomic::Ordering::Release);
+                        }
+                        loaded
+                    }
                 }
             };
             let mut dials = self.dial_locks();

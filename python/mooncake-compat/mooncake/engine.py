@@ -339,10 +339,11 @@ class _Etcd:
 
 
 class _Session:
-    __slots__ = ("name", "host", "port", "agent", "instance", "buffers", "transport", "md")
+    __slots__ = ("name", "host", "port", "agent", "instance", "buffers", "transport", "md", "seq")
 
     def __init__(self, name, host, port, desc):
         self.name, self.host, self.port = name, host, port
+        self.seq = 0  # TransferEngine._load_seq when recorded
         self.agent = desc["agent"]
         self.instance = desc["instance"]
         self.buffers = [tuple(b) for b in desc["buffers"]]
@@ -530,6 +531,7 @@ class TransferEngine:
             logger.error("initialize: this engine is already initialized")
             return -1
         self._etcd = None  # from a failed earlier attempt
+        self._instance = uuid.uuid4().hex  # each initialize is a new instance to peers (new core, new secret)
         host, port = _split_host_port(local_hostname)
         if not host:
             logger.error("initialize: empty local_hostname")
@@ -651,6 +653,7 @@ class TransferEngine:
             self._starts.clear()
             self._sessions.clear()
             self._agent_seq.clear()
+            self._load_locks = {}  # loads of the closed core end on their own slots
 
     def __del__(self):
         try:
@@ -922,24 +925,30 @@ class TransferEngine:
         # or addresses of one machine): they share its kvwire agent, which
         # is loaded once and forgotten only for another instance of it.
         with self._loading(new.agent) as (slot, failures):
-            if slot.failures != failures and slot.failed_instance == new.instance:
-                # Callers queued behind a failed load of the same instance
-                # take its answer instead of waiting a timeout each.
-                logger.error("session %s: loading its metadata failed in another call just now: %s", name,
-                             slot.why)
-                return None
             with self._lock:
                 if self._core is not core:
                     logger.error("session %s: the engine was closed meanwhile", name)
                     return None
                 old = self._sessions.get(name)
+                same = [n for n, x in self._sessions.items() if x.agent == new.agent]
+                current = any(self._sessions[n].instance == new.instance for n in same)
+                # Another instance recorded after this fetch began, under
+                # this name or (same agent) another: the peer restarted
+                # meanwhile and `new` may describe the dead one.
+                if (old is not None and old.instance != new.instance and old.seq > seen) or (
+                        not current and same and self._agent_seq.get(new.agent, 0) > seen):
+                    return _STALE
+                if slot.failures != failures and slot.failed_instance == new.instance:
+                    # Callers queued behind a failed load of the same
+                    # instance take its answer instead of a timeout each.
+                    logger.error("session %s: loading its metadata failed in another call just now: %s", name,
+                                 slot.why)
+                    return None
                 if old is not None and old.agent != new.agent:
                     self._sessions.pop(name)  # another engine answers under this name now
                     self._forget_unused(old.agent)
-                same = [n for n, x in self._sessions.items() if x.agent == new.agent]
-                if not any(self._sessions[n].instance == new.instance for n in same):
-                    if same and self._agent_seq.get(new.agent, 0) > seen:
-                        return _STALE  # another instance was loaded after this fetch began
+                    same = [n for n, x in self._sessions.items() if x.agent == new.agent]
+                if not current:
                     if same or core.is_loaded(new.agent):
                         # A restarted peer (new secret, new regions), or one
                         # loaded by an earlier, dropped session: connect
@@ -961,9 +970,9 @@ class TransferEngine:
                 if self._core is not core:
                     logger.error("session %s: the engine was closed meanwhile", name)
                     return None
-                self._sessions[name] = new
                 self._load_seq += 1
-                self._agent_seq[new.agent] = self._load_seq
+                new.seq = self._agent_seq[new.agent] = self._load_seq
+                self._sessions[name] = new
         return new
 
     @contextlib.contextmanager
@@ -982,7 +991,7 @@ class TransferEngine:
         finally:
             with self._lock:
                 slot.users -= 1
-                if slot.users == 0:
+                if slot.users == 0 and self._load_locks.get(agent) is slot:
                     del self._load_locks[agent]
 
     def _forget(self, agent):
@@ -995,8 +1004,9 @@ class TransferEngine:
             pass
 
     def _forget_unused(self, agent):
-        """Forget `agent` unless another open session reaches it."""
-        if not any(x.agent == agent for x in self._sessions.values()):
+        """Forget `agent` unless another open session reaches it or a load
+        of it runs (that load replaces a dead connection itself)."""
+        if agent not in self._load_locks and not any(x.agent == agent for x in self._sessions.values()):
             self._forget(agent)
 
     def _drop(self, name, used=None):
@@ -1059,7 +1069,7 @@ class TransferEngine:
                     core.notify(s.agent, notif)
                 except NixlCoreError as e:
                     logger.error("notification to %s: %s", target, e.args[-1])
-                    if e.args[0] == _REMOTE_DISCONNECT or "unknown agent" in e.args[-1].lower():
+                    if e.args[0] in (_REMOTE_DISCONNECT, _NOT_FOUND):  # dead, or no longer loaded
                         self._drop(target, s)  # the next call loads the peer again
                     return None, None, 0
             return 0, s, 0
@@ -1107,7 +1117,7 @@ class TransferEngine:
                 if status == _BACKEND:
                     raise _Refused(s, msg)  # at post (shm copies in the call)
                 logger.error("transfer to %s: %s", target, msg)
-                if status == _REMOTE_DISCONNECT or "unknown agent" in msg.lower():
+                if status == _REMOTE_DISCONNECT or "unknown remote agent" in msg.lower():
                     self._drop(target, s)
                 return None, None, 0
         try:

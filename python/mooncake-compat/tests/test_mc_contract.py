@@ -1486,16 +1486,17 @@ def test_one_peer_under_two_names_shares_its_agent(engines):
     assert a.transfer_sync_write(b.session_id, src.ctypes.data, dst.ctypes.data, PAGE) == 0
 
 
-def restarted(engine, monkeypatch):
+def restarted(engine, monkeypatch, host="127.0.0.1"):
     """Close `engine` and start a new one on its rpc port (the same session
-    name, another instance): a peer restarted in place."""
+    name, another instance): a peer restarted in place, calling itself
+    `host` (its agent name is host:port)."""
     port = engine.session_id.rsplit(":", 1)[1]
     engine.close()
     monkeypatch.setenv("MC_MIN_RPC_PORT", port)
     monkeypatch.setenv("MC_MAX_RPC_PORT", port)
     e = TransferEngine()
-    assert e.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0
-    assert e.session_id == engine.session_id
+    assert e.initialize(host, "P2PHANDSHAKE", "tcp", "") == 0
+    assert e.session_id == f"{host}:{port}"
     return e
 
 
@@ -1563,11 +1564,13 @@ def test_notify_only_calls_reach_a_restarted_peer(engines, monkeypatch):
         b2.close()
 
 
-def test_a_description_of_a_dead_instance_does_not_unload_its_restart(engines, monkeypatch):
+@pytest.mark.parametrize("restart_as", ["127.0.0.1", "localhost"])
+def test_a_description_of_a_dead_instance_does_not_unload_its_restart(engines, monkeypatch, restart_as):
     # A caller that fetched the peer's description before the peer restarted
-    # and loads it after another call loaded the restart (under another name
-    # of the same peer) fetches again instead of unloading the live
-    # connection and the transfers in flight on it.
+    # and loads it after another call loaded the restart fetches again
+    # instead of unloading the live connection and the transfers in flight
+    # on it: the restart loaded under another name of the same agent, or
+    # (restarted under another host name: another agent) under this name.
     import threading
 
     a, b = engines
@@ -1589,11 +1592,12 @@ def test_a_description_of_a_dead_instance_does_not_unload_its_restart(engines, m
         "stale", a.transfer_sync_write(name, src.ctypes.data, dst.ctypes.data, PAGE)))
     t.start()
     assert held.wait(10)  # it holds the old instance's description
-    b2 = restarted(b, monkeypatch)
+    b2 = restarted(b, monkeypatch, restart_as)
+    live = alias if restart_as == "127.0.0.1" else name
     try:
         dst2 = reg(b2, n)
-        assert a.transfer_sync_write(alias, src.ctypes.data, dst2.ctypes.data, PAGE) == 0
-        bid = a.batch_transfer_async_write(alias, [src.ctypes.data], [dst2.ctypes.data], [n])
+        assert a.transfer_sync_write(live, src.ctypes.data, dst2.ctypes.data, PAGE) == 0
+        bid = a.batch_transfer_async_write(live, [src.ctypes.data], [dst2.ctypes.data], [n])
         go.set()
         t.join(30)
         # Its own write names the dead instance's buffer: refused, after it
@@ -1601,6 +1605,63 @@ def test_a_description_of_a_dead_instance_does_not_unload_its_restart(engines, m
         assert rc["stale"] == -1
         assert a.get_batch_transfer_status([bid]) == 0, "the stale description unloaded the restarted peer"
         assert (dst2 == src).all()
-        assert {name, alias} <= set(a._sessions)
+        assert {name, live} <= set(a._sessions)
     finally:
         b2.close()
+
+
+def test_notify_only_calls_reload_a_session_whose_agent_was_unloaded(engines):
+    # The core answers "unknown remote agent" once the session's agent is no
+    # longer loaded (a drop under another name raced with this name's
+    # load): the call drops the session, so the next one loads it again
+    # (notify-only calls used to fail for ever there).
+    a, b = engines
+    src, dst = reg(a, PAGE), reg(b, PAGE)
+    assert a.transfer_sync_write(b.session_id, src.ctypes.data, dst.ctypes.data, PAGE) == 0
+    a._core.forget(a._sessions[b.session_id].agent)
+    rcs = [a.transfer_sync(b.session_id, src.ctypes.data, dst.ctypes.data, 0, TransferOpcode.Write,
+                           TransferNotify("n", str(i))) for i in range(2)]
+    assert rcs == [-1, 0]
+    got, deadline = [], time.monotonic() + 5
+    while not got and time.monotonic() < deadline:
+        got += b.get_notifies()
+    assert [x.msg for x in got] == ["1"]
+
+
+def test_close_and_initialize_start_a_new_instance_with_no_loads_of_the_old(monkeypatch):
+    # A load of the closed core still dialling does not hold (or answer for)
+    # the loads of the core made by the next initialize, and peers see the
+    # re-initialized engine as a new instance.
+    import select
+    import threading
+
+    monkeypatch.setenv("KVWIRE_MOONCAKE_TRANSPORT", "tcp")
+    monkeypatch.setenv("MC_TRANSFER_TIMEOUT", "5")
+    hole = socket.socket()
+    hole.bind(("127.0.0.1", 0))
+    hole.listen(16)
+    real = me.NixlCore
+    monkeypatch.setattr(me, "NixlCore", lambda n, t, th, ms, opts: real(
+        n, t, th, ms, opts + [("advertise", f"127.0.0.1:{hole.getsockname()[1]}")]))
+    c = TransferEngine()
+    assert c.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0
+    monkeypatch.setattr(me, "NixlCore", real)
+    a = TransferEngine()
+    try:
+        assert a.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0
+        src, cdst = reg(a, PAGE), reg(c, PAGE)
+        t = threading.Thread(target=a.transfer_sync_write, args=(c.session_id, src.ctypes.data, cdst.ctypes.data,
+                                                                 PAGE))
+        t.start()
+        assert select.select([hole], [], [], 10)[0]
+        first = a._instance
+        a.close()
+        assert a._load_locks == {}
+        assert a.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0
+        assert a._instance != first
+        t.join(30)
+        assert a._load_locks == {}, "the closed core's load left its slot in the new one"
+    finally:
+        a.close()
+        c.close()
+        hole.close()
