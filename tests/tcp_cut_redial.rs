@@ -267,6 +267,38 @@ fn a_cancel_during_a_redials_connect_returns_at_once() {
     assert!(s.dst.eq_at(0, &[0x5a; MIB as usize]), "xfer 4's bytes did not land");
 }
 
+/// Releases of many transfers, one after another, while the workers sit in
+/// a redial's connect to a peer whose accept queue is full (what
+/// `get_batch_transfer_status` does with hundreds of batches to a stopped
+/// peer): a worker still connecting has touched nothing of its transfer, so
+/// no release waits for it (each waited up to one 50 ms connect slice, as
+/// the worker then redialled for the next transfer: 400 batches of 8 MiB to
+/// a SIGSTOPped `mooncake` peer took 16.8 s past their timeout). The peer
+/// stays usable and the released transfers wrote nothing.
+#[test]
+fn releases_while_the_workers_sit_in_a_redials_connect_wait_for_none_of_them() {
+    let (mut s, filler) = stuck_in_redial(Duration::from_secs(20));
+    let r = s.rkey;
+    for id in 4..104u64 {
+        s.post(id, &[(16 * MIB + (id - 4) * 64 * 1024, 64 * 1024, r)]);
+    }
+    let t0 = Instant::now();
+    for id in 3..104u64 {
+        s.init.cancel(XferId(id));
+    }
+    let took = t0.elapsed();
+    assert!(took < Duration::from_secs(1), "101 releases during a redial's connect took {took:?}");
+    assert!(completion(&mut s.init, Duration::from_millis(200)).is_none(), "a cancelled transfer reported");
+    drop(filler);
+    s.proxy.accepting.store(true, Ordering::Release);
+    s.src.fill_with(32 * MIB as usize, MIB as usize, |_| 0x6b);
+    s.post(200, &[(32 * MIB, MIB, r)]);
+    let c = completion(&mut s.init, Duration::from_secs(10)).expect("xfer 200 completes");
+    assert_eq!((c.xfer, c.result), (XferId(200), Ok(())));
+    assert!(s.dst.eq_at(32 * MIB as usize, &[0x6b; MIB as usize]), "xfer 200's bytes did not land");
+    assert!(s.dst.eq_at(16 * MIB as usize, &[0; 100 * 64 * 1024]), "a released transfer wrote");
+}
+
 /// A disconnect while the workers redial a peer that completes no TCP
 /// handshake returns at once, and the transfer in the redial fails.
 #[test]

@@ -98,7 +98,6 @@ struct Core {
     regs: HashMap<(u64, u64), Vec<RegistrationHandle>>,
     dlists: HashMap<u64, (String, Vec<Desc>)>,
     reqs: HashMap<u64, Request>,
-    next_id: u64,
     segments: Vec<Segment>,
     /// Descriptor lists of released requests, for the next `make` to refill
     /// without faulting in fresh pages (1 MiB per side at 65,536).
@@ -109,9 +108,13 @@ struct Core {
 }
 
 impl Core {
+    /// A new id for a descriptor list or request: unique in the process,
+    /// not only in this core, so that an id kept from a closed core (a
+    /// `mooncake` batch id after `close()` + `initialize()`) is unknown to
+    /// the next one instead of naming another caller's request.
     fn id(&mut self) -> u64 {
-        self.next_id += 1;
-        self.next_id
+        static NEXT_ID: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+        NEXT_ID.fetch_add(1, std::sync::atomic::Ordering::Relaxed) + 1
     }
 
     fn check(&self, agent: &str, descs: &[Desc]) -> Result<(), EngineError> {
@@ -374,7 +377,6 @@ impl PyNixlCore {
             regs: HashMap::new(),
             dlists: HashMap::new(),
             reqs: HashMap::new(),
-            next_id: 0,
             segments: Vec::new(),
             spare: Vec::new(),
             hosted: Default::default(),

@@ -460,6 +460,16 @@ def _rows(addrs, lens):
     return a.tobytes()
 
 
+def _uintptr(x, call):
+    """`x` as a uintptr_t, as pybind11 converts one: an int (or anything
+    with ``__index__``, never a float or a string) in [0, 2**64), else
+    TypeError (pybind11's "incompatible function arguments")."""
+    n = operator.index(x)
+    if not 0 <= n < 1 << 64:
+        raise TypeError(f"{call}: {n} is not an address (0 <= address < 2**64)")
+    return n
+
+
 def _size_t(length, call):
     """`length` as a size_t, as pybind11 converts one: an int >= 0, else TypeError."""
     n = operator.index(length)
@@ -685,7 +695,8 @@ class TransferEngine:
             addrs, caps = list(buffer_addresses), list(capacities)
             if len(addrs) != len(caps):
                 raise ValueError(f"{len(addrs)} addresses but {len(caps)} capacities")
-            pairs = [(int(a), int(n)) for a, n in zip(addrs, caps)]
+            # operator.index: a float or a string is refused, never truncated
+            pairs = [(operator.index(a), operator.index(n)) for a, n in zip(addrs, caps)]
         except (TypeError, ValueError) as e:
             logger.error("batch_register_memory: %s", e)
             return ERR_INVALID_ARGUMENT
@@ -746,10 +757,14 @@ class TransferEngine:
         core = self._core
         if core is None:
             return ERR_INVALID_ARGUMENT
+        try:
+            addrs = [operator.index(a) for a in buffer_addresses]
+        except TypeError as e:
+            logger.error("unregister_memory: %s", e)
+            return ERR_INVALID_ARGUMENT
         rc = 0
         with self._lock:
-            for a in buffer_addresses:
-                a = int(a)
+            for a in addrs:
                 n = self._regs.get(a)
                 if n is None:
                     logger.error("unregister_memory: %#x is not registered", a)
@@ -768,7 +783,11 @@ class TransferEngine:
         """``length`` bytes of zeroed host memory, registered; 0 on failure.
         kvwire allocates it (a sealed memfd), so peers on this host on shm
         map it and copy with plain stores instead of by cross-memory attach."""
-        length = int(length)
+        try:
+            length = operator.index(length)
+        except TypeError as e:
+            logger.error("allocate_managed_buffer: %s", e)
+            return 0
         core = self._core
         if length <= 0 or core is None:
             return 0
@@ -785,7 +804,11 @@ class TransferEngine:
         return addr
 
     def free_managed_buffer(self, buffer_addr, length):
-        addr = int(buffer_addr)
+        try:
+            addr = operator.index(buffer_addr)
+        except TypeError as e:
+            logger.error("free_managed_buffer: %s", e)
+            return ERR_INVALID_ARGUMENT
         with self._lock:
             if addr not in self._managed:
                 logger.error("free_managed_buffer: %#x was not allocated here", addr)
@@ -824,13 +847,19 @@ class TransferEngine:
             data = bytes(src_ptr)
         else:
             raise TypeError(f"write_bytes_to_buffer: src_ptr must be bytes or str, not {type(src_ptr).__name__}")
+        dest = _uintptr(dest_address, "write_bytes_to_buffer")
         n = _size_t(length, "write_bytes_to_buffer")
-        ctypes.memmove(int(dest_address), data, min(n, len(data)))
+        ctypes.memmove(dest, data, min(n, len(data)))
         return 0
 
     @staticmethod
     def read_bytes_from_buffer(source_address, length):
-        return ctypes.string_at(int(source_address), _size_t(length, "read_bytes_from_buffer"))
+        # Exactly `length` bytes, as Mooncake's py::bytes(ptr, size_t):
+        # ctypes.string_at takes a C int (2 GiB and more were cut or read
+        # to the first NUL).
+        src = _uintptr(source_address, "read_bytes_from_buffer")
+        n = _size_t(length, "read_bytes_from_buffer")
+        return bytes((ctypes.c_char * n).from_address(src)) if n else b""
 
     # -- sessions ---------------------------------------------------------
     def _locate(self, name):
@@ -1345,9 +1374,14 @@ class TransferEngine:
         cancelled). After 1, -1 or -2 the id is freed; threads that check the
         same id meanwhile or later get the same answer (the last 1,024 freed
         ids keep it). An id never handed out is -1."""
+        try:
+            batch_id = operator.index(batch_id)  # a float or a string is no id
+        except TypeError:
+            logger.error("transfer_check_status: %r is not a batch id", batch_id)
+            return -1
         with self._lock:
-            b = self._batches.get(int(batch_id))
-            done = self._finished.get(int(batch_id))
+            b = self._batches.get(batch_id)
+            done = self._finished.get(batch_id)
         if b is None:
             if done is not None:
                 return done
@@ -1380,7 +1414,7 @@ class TransferEngine:
         its final answer; an id never handed out is -1 with every batch left
         as it was."""
         try:
-            ids = list(dict.fromkeys(int(bid) for bid in batch_ids))  # each once, in order
+            ids = list(dict.fromkeys(operator.index(bid) for bid in batch_ids))  # each once, in order
         except (TypeError, ValueError) as e:
             logger.error("get_batch_transfer_status: %s", e)
             return -1

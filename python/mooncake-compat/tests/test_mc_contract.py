@@ -331,6 +331,100 @@ def test_bytes_helpers_refuse_negative_lengths_and_non_bytes_sources(transport):
     e.close()
 
 
+def test_bytes_helpers_take_addresses_and_lengths_as_pybind11_does(transport):
+    # A negative address or one past 2**64 was wrapped by ctypes (SIGSEGV,
+    # or 2**70 read address 0); a length of 2 GiB or more was cut by
+    # ctypes.string_at's C int (2**31 + 16 raised SystemError, 2**32 + 16
+    # returned 16 bytes). Floats and strings are no addresses.
+    import mmap
+
+    e = TransferEngine()
+    assert e.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0
+    p = e.allocate_managed_buffer(4096)
+    assert p != 0
+    for bad in (-1, 1 << 64, (1 << 64) + 4096, 1 << 70, float(p), str(p)):
+        with pytest.raises(TypeError):
+            e.write_bytes_to_buffer(bad, b"x", 1)
+        with pytest.raises(TypeError):
+            e.read_bytes_from_buffer(bad, 8)
+    with pytest.raises(TypeError):
+        e.read_bytes_from_buffer(p, 8.0)
+    assert e.read_bytes_from_buffer(np.uint64(p), 0) == b""
+    n = (1 << 31) + 16
+    m = mmap.mmap(-1, n)  # untouched: the zero page, read without faulting in 2 GiB
+    try:
+        addr = ctypes.addressof(ctypes.c_char.from_buffer(m))
+        m[n - 3:n] = b"end"
+        got = e.read_bytes_from_buffer(addr, n)
+        assert len(got) == n and got[-3:] == b"end"
+        del got, addr
+    finally:
+        m.close()
+    assert e.free_managed_buffer(p, 4096) == 0
+    e.close()
+
+
+def test_floats_and_strings_are_refused_not_truncated(transport):
+    # register_memory(float, ...), allocate_managed_buffer(4096.7) and
+    # transfer_check_status(1.5) read int(x): 1.5 checked (and freed) batch 1.
+    e = TransferEngine()
+    assert e.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0
+    a = np.zeros(8192, dtype=np.uint8)
+    assert e.register_memory(float(a.ctypes.data), 4096) < 0
+    assert e.register_memory(a.ctypes.data, 4096.9) < 0
+    assert e.register_memory(str(a.ctypes.data), "4096") < 0
+    assert e.batch_register_memory([a.ctypes.data], [4096.0]) < 0
+    assert e.get_first_buffer_address(e.session_id) == 0, "nothing was registered"
+    assert e.register_memory(np.uint64(a.ctypes.data), np.int64(8192)) == 0, "numpy ints are ints"
+    assert e.unregister_memory(float(a.ctypes.data)) < 0
+    assert e.batch_unregister_memory([str(a.ctypes.data)]) < 0
+    assert e.unregister_memory(a.ctypes.data) == 0
+    assert e.allocate_managed_buffer(4096.7) == 0
+    p = e.allocate_managed_buffer(4096)
+    assert p != 0
+    assert e.free_managed_buffer(float(p), 4096) < 0
+    assert e.free_managed_buffer(p, 4096) == 0
+    b = TransferEngine()
+    assert b.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0
+    src, dst = reg(e, PAGE, fill=3), reg(b, PAGE)
+    bid = e.transfer_submit_write(b.session_id, src.ctypes.data, dst.ctypes.data, PAGE)
+    assert bid != 0
+    for bad in (bid + 0.5, float(bid), str(bid)):
+        assert e.transfer_check_status(bad) == -1
+        assert e.get_batch_transfer_status([bad]) == -1
+    assert e.get_batch_transfer_status([bid]) == 0, "the refused checks left the batch alone"
+    assert bytes(dst) == bytes(src)
+    b.close()
+    e.close()
+
+
+def test_batch_ids_kept_across_close_and_initialize_name_no_new_transfer(transport):
+    # The new core numbered its requests from 1 again: an id of the closed
+    # engine checked after initialize answered for (and released) a
+    # transfer of the new one, whose own status then failed.
+    a, b = TransferEngine(), TransferEngine()
+    for e in (a, b):
+        assert e.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0
+    dst = reg(b, 1 << 20)
+    src = reg(a, 1 << 20, fill=4)
+    old = [a.batch_transfer_async_write(b.session_id, [src.ctypes.data], [dst.ctypes.data], [1 << 20])
+           for _ in range(4)]
+    assert all(old)
+    a.close()
+    assert a.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0
+    assert a.register_memory(src.ctypes.data, src.nbytes) == 0
+    dst[:] = 0
+    new = [a.batch_transfer_async_write(b.session_id, [src.ctypes.data], [dst.ctypes.data], [1 << 20])
+           for _ in range(4)]
+    assert all(new) and not set(new) & set(old)
+    for bid in old:
+        assert a.transfer_check_status(bid) == -1, "a closed engine's batch is no transfer of the new one"
+    assert a.get_batch_transfer_status(new) == 0
+    assert bytes(dst) == bytes(src)
+    a.close()
+    b.close()
+
+
 def test_rpc_server_keeps_accepting_after_failed_accepts():
     # EMFILE from accept() (an asker holding many connections) stopped the
     # accept thread for good; now it backs off and keeps serving.

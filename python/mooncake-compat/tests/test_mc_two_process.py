@@ -360,6 +360,41 @@ def test_a_small_write_behind_a_big_one_to_a_frozen_peer_times_out_at_once(trans
     recovers(e, peer, session, src, dst, 10, timeout_s)
 
 
+def test_many_batches_to_a_frozen_peer_give_up_together(transport, peer_factory, monkeypatch):
+    """400 async 8 MiB writes to a stopped peer: one get_batch_transfer_status
+    of them all is -1 within MC_TRANSFER_TIMEOUT + slack. Each cancel of a
+    batch behind the first used to wait up to 50 ms for the connection the
+    transport was opening again to the stopped peer (whose listen backlog
+    was full): 21.8 s in all at a 5 s timeout."""
+    import os
+    import signal
+
+    timeout_s = 5
+    monkeypatch.setenv("MC_TRANSFER_TIMEOUT", str(timeout_s))
+    peer = peer_factory()
+    session = peer.call(op="init")["session"]
+    n = 8 << 20
+    (dst,) = peer.call(op="alloc", sizes=[n])["addrs"]
+    if transport != "tcp":
+        pytest.skip(f"{transport} writes into the target's memory without its CPU: a stopped target does not hold "
+                    "the transfer (only tcp's target process receives the bytes)")
+    e = local_engine()
+    src = reg(e, n, seed=17)
+    assert e.transfer_sync_write(session, src.ctypes.data, dst, PAGE) == 0  # the session is open
+    try:
+        stop(peer)
+        t0 = time.monotonic()
+        ids = [e.batch_transfer_async_write(session, [src.ctypes.data], [dst], [n]) for _ in range(400)]
+        assert all(ids)
+        assert e.get_batch_transfer_status(ids) == -1
+        took = time.monotonic() - t0
+        assert took < timeout_s + 4, f"giving up on 400 batches to a frozen peer took {took:.1f}s"
+        assert all(e.transfer_check_status(bid) == -1 for bid in ids), "each id keeps the failure"
+    finally:
+        os.kill(peer.proc.pid, signal.SIGCONT)
+    recovers(e, peer, session, src, dst, 11, timeout_s)
+
+
 def test_unregister_with_a_batch_in_flight_is_refused(transport, peer_factory):
     """Local memory an unfinished async batch still uses is not unregistered
     (-1, the registration kept): nothing is freed that a transfer may still

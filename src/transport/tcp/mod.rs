@@ -691,6 +691,10 @@ impl Transport for TcpTransport {
         // returns (its memory is fenced, as on shm and verbs); only a chunk
         // stalled that long (a stopped or silent peer) is cut, and the peer
         // is marked stalled so that the next cancels cut at once for a while.
+        // A worker still reconnecting for a chunk of it (its TCP connect
+        // pending on a stopped peer whose listen backlog is full) is not
+        // waited for: it has touched nothing of the transfer and skips it
+        // once connected ([`worker::PeerShared::inside`]).
         let Some(x) = self.inflight.mark_cancelled(xfer) else { return };
         let (peer, id) = (&x.peer, x.core.id);
         if x.core.op == super::Op::Write && !peer.stalled() {

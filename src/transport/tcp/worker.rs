@@ -261,10 +261,19 @@ impl PeerShared {
         self.slots.iter().any(|slot| slot.state().sending(xfer))
     }
 
-    /// Whether a worker is inside a chunk of transfer `xfer` at all
-    /// (reconnecting for it included): a cancel returns once none is.
+    /// Whether a worker is inside a chunk of transfer `xfer` past opening
+    /// its connection again: a cancel returns once none is. A worker still
+    /// reconnecting ([`Self::redial`]) has read or written nothing of the
+    /// transfer and checks it again once connected, before any byte or
+    /// notification of it leaves (it is cancelled by then), so a cancel
+    /// does not wait for its TCP connect, which a stopped peer whose listen
+    /// backlog is full leaves pending (the worker notices the cancel
+    /// within one `CONNECT_SLICE`).
     pub(super) fn inside(&self, xfer: XferId) -> bool {
-        self.slots.iter().any(|slot| slot.state().busy == Some(xfer.0))
+        self.slots.iter().any(|slot| {
+            let st = slot.state();
+            st.busy == Some(xfer.0) && !st.dialing
+        })
     }
 
     /// Bytes the peer's TCP has acknowledged so far on the connections
