@@ -239,6 +239,24 @@ def recovers(e, peer, session, src, dst, fill, timeout_s):
     e.close()
 
 
+def frozen_tcp_target(transport, peer_factory, monkeypatch, n, seed, timeout_s=5):
+    """A target with `n` bytes registered and a local engine whose session to
+    it is open, for the frozen-peer tests that need the target process to
+    receive the bytes itself (tcp; skipped elsewhere): (peer, session, dst,
+    engine, src)."""
+    monkeypatch.setenv("MC_TRANSFER_TIMEOUT", str(timeout_s))
+    peer = peer_factory()
+    session = peer.call(op="init")["session"]
+    (dst,) = peer.call(op="alloc", sizes=[n])["addrs"]
+    if transport != "tcp":
+        pytest.skip(f"{transport} writes into the target's memory without its CPU: a stopped target does not hold "
+                    "the transfer (only tcp's target process receives the bytes)")
+    e = local_engine()
+    src = reg(e, n, seed=seed)
+    assert e.transfer_sync_write(session, src.ctypes.data, dst, PAGE) == 0  # the session is open
+    return peer, session, dst, e, src
+
+
 def test_frozen_peer_is_bounded_by_the_timeout(transport, peer_factory, monkeypatch):
     """A peer that stops answering (SIGSTOP) never makes a call hang: each
     returns a code within MC_TRANSFER_TIMEOUT (+ 1 s/GiB + slack); once it
@@ -279,18 +297,8 @@ def test_timeout_of_a_submitted_write_to_a_frozen_peer_returns_at_once(transport
     import os
     import signal
 
-    timeout_s = 5
-    monkeypatch.setenv("MC_TRANSFER_TIMEOUT", str(timeout_s))
-    peer = peer_factory()
-    session = peer.call(op="init")["session"]
-    n = 16 << 20
-    (dst,) = peer.call(op="alloc", sizes=[n])["addrs"]
-    if transport != "tcp":
-        pytest.skip(f"{transport} writes into the target's memory without its CPU: a stopped target does not hold "
-                    "the transfer (only tcp's target process receives the bytes)")
-    e = local_engine()
-    src = reg(e, n, seed=15)
-    assert e.transfer_sync_write(session, src.ctypes.data, dst, PAGE) == 0  # the session is open
+    timeout_s, n = 5, 16 << 20
+    peer, session, dst, e, src = frozen_tcp_target(transport, peer_factory, monkeypatch, n, 15, timeout_s)
     try:
         stop(peer)
         t0 = time.monotonic()
@@ -320,18 +328,8 @@ def test_a_small_write_behind_a_big_one_to_a_frozen_peer_times_out_at_once(trans
     import os
     import signal
 
-    timeout_s = 5
-    monkeypatch.setenv("MC_TRANSFER_TIMEOUT", str(timeout_s))
-    peer = peer_factory()
-    session = peer.call(op="init")["session"]
-    n = 64 << 20
-    (dst,) = peer.call(op="alloc", sizes=[n + PAGE])["addrs"]
-    if transport != "tcp":
-        pytest.skip(f"{transport} writes into the target's memory without its CPU: a stopped target does not hold "
-                    "the transfer (only tcp's target process receives the bytes)")
-    e = local_engine()
-    src = reg(e, n + PAGE, seed=16)
-    assert e.transfer_sync_write(session, src.ctypes.data, dst, PAGE) == 0  # the session is open
+    timeout_s, n = 5, 64 << 20
+    peer, session, dst, e, src = frozen_tcp_target(transport, peer_factory, monkeypatch, n + PAGE, 16, timeout_s)
     try:
         stop(peer)
         t0 = time.monotonic()
@@ -369,18 +367,8 @@ def test_many_batches_to_a_frozen_peer_give_up_together(transport, peer_factory,
     import os
     import signal
 
-    timeout_s = 5
-    monkeypatch.setenv("MC_TRANSFER_TIMEOUT", str(timeout_s))
-    peer = peer_factory()
-    session = peer.call(op="init")["session"]
-    n = 8 << 20
-    (dst,) = peer.call(op="alloc", sizes=[n])["addrs"]
-    if transport != "tcp":
-        pytest.skip(f"{transport} writes into the target's memory without its CPU: a stopped target does not hold "
-                    "the transfer (only tcp's target process receives the bytes)")
-    e = local_engine()
-    src = reg(e, n, seed=17)
-    assert e.transfer_sync_write(session, src.ctypes.data, dst, PAGE) == 0  # the session is open
+    timeout_s, n = 5, 8 << 20
+    peer, session, dst, e, src = frozen_tcp_target(transport, peer_factory, monkeypatch, n, 17, timeout_s)
     try:
         stop(peer)
         t0 = time.monotonic()
