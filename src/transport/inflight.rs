@@ -76,6 +76,9 @@ impl XferState {
     /// transfer was cancelled, which reports nothing. The result is the
     /// first failure, else what `then` returns (it runs only when every
     /// chunk succeeded: the backend's last checks and the notification).
+    /// A completion sent just as a cancel lands (this check before its
+    /// store) names an id the cancel removed from [`InFlight`], which drops
+    /// it: it is never reported.
     pub(super) fn complete(&self, done: &Sender<Completion>, then: impl FnOnce() -> Result<(), TransferFailure>) {
         // Last chunk: nothing touches the transfer's buffers any more.
         if self.cancelled.load(Ordering::Acquire) {

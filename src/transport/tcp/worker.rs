@@ -268,7 +268,11 @@ impl PeerShared {
     /// notification of it leaves (it is cancelled by then), so a cancel
     /// does not wait for its TCP connect, which a stopped peer whose listen
     /// backlog is full leaves pending (the worker notices the cancel
-    /// within one `CONNECT_SLICE`).
+    /// within one `CONNECT_SLICE`). A redial that fails (the peer died
+    /// meanwhile) may still run the transfer's last-chunk step after the
+    /// cancel returned: it sends no notification (the transfer failed or
+    /// is cancelled), and the completion it may queue names an id the
+    /// cancel already removed, which the in-flight map drops.
     pub(super) fn inside(&self, xfer: XferId) -> bool {
         self.slots.iter().any(|slot| {
             let st = slot.state();
