@@ -44,38 +44,20 @@ if ! "$venv/bin/python" -c "import sglang, torch" 2>/dev/null; then
     "$venv/bin/pip" install -q -r scripts/sglang-real/requirements.txt
     "$venv/bin/pip" install -q --no-deps sglang==0.5.23
 fi
-for impl in "${impls[@]}"; do
-    case $impl in
-    ours)
-        whl=$(ls "$root"/target/mooncake-wheels/kvwire-*.whl 2>/dev/null | head -1)
-        [ -n "$whl" ] || { echo "no kvwire wheel: run KVWIRE_MOONCAKE_BUILD_ONLY=1 bash scripts/mooncake-tests.sh" >&2; exit 1; }
-        rm -rf "$mc/ours"
-        "$venv/bin/pip" install -q --no-deps --target "$mc/ours" "$whl" "$root/python/mooncake-compat"
-        ;;
-    real)
-        [ -d "$mc/real/mooncake" ] ||
-            "$venv/bin/pip" install -q --no-deps --target "$mc/real" mooncake-transfer-engine-non-cuda==0.3.13.post1
-        ;;
-    *) echo "unknown implementation $impl (ours or real)" >&2; exit 2 ;;
-    esac
-done
+. scripts/mooncake-impls-lib.sh
+install_mooncake_impls "$venv" "$mc" "${impls[@]}"
 
 logs=$(mktemp -d /tmp/kvwire-sglang-XXXXXX)
 fail=0
 # check IMPL NAME SCENARIO [ENV=VAL | -u ENV ...] -- [driver args]
 check() {
     local impl=$1 name=$2 scen=$3; shift 3
-    local envs=() unset=()
-    while [ $# -gt 0 ] && [ "$1" != "--" ]; do
-        case $1 in -u) unset+=(-u "$2"); shift ;; *) envs+=("$1") ;; esac
-        shift
-    done
-    [ $# -gt 0 ] && shift
+    split_run_args "$@"
     local out="$logs/$impl-$name.json"
     env PYTHONPATH="$mc/$impl" MOONCAKE_PROTOCOL=tcp MC_FORCE_TCP=1 MC_TRANSFER_TIMEOUT=10 \
         SGLANG_DISAGGREGATION_THREAD_POOL_SIZE=4 SGLANG_DISAGGREGATION_HEARTBEAT_INTERVAL=1 \
-        SGLANG_DISAGGREGATION_WAITING_TIMEOUT=60 CUDA_VISIBLE_DEVICES= H_LOGDIR="$logs" "${envs[@]}" \
-        env "${unset[@]}" "$venv/bin/python" scripts/sglang-real/driver.py run --scenario "$scen" --tag "$impl-$name" "$@" \
+        SGLANG_DISAGGREGATION_WAITING_TIMEOUT=60 CUDA_VISIBLE_DEVICES= H_LOGDIR="$logs" "${RUN_ENV[@]}" \
+        env "${RUN_UNSET[@]}" "$venv/bin/python" scripts/sglang-real/driver.py run --scenario "$scen" --tag "$impl-$name" "${RUN_ARGS[@]}" \
         > "$out" 2> "$out.err" || true
     if "$venv/bin/python" - "$out" "$name" <<'PY'; then echo "sglang-real: $impl $name: passed"; else echo "sglang-real: $impl $name: FAILED (logs in $logs)"; fail=1; fi
 import collections, json, sys
