@@ -1,6 +1,22 @@
 # Sourced by scripts/sglang-real-check.sh and scripts/vllm-real-check.sh:
 # the two `mooncake` implementations they compare, each installed into its
-# own --target directory that a run selects by PYTHONPATH.
+# own --target directory that a run selects by PYTHONPATH, and the scratch
+# venv the engine under test runs in.
+
+# make_engine_venv VENV MODULE SPEC REQUIREMENTS...: VENV (made when
+# missing) with the pinned REQUIREMENTS files and SPEC (the engine's wheel,
+# e.g. sglang==0.5.23) installed --no-deps, unless MODULE and torch import
+# there already.
+make_engine_venv() {
+    local venv=$1 module=$2 spec=$3 req=() f
+    shift 3
+    for f in "$@"; do req+=(-r "$f"); done
+    [ -x "$venv/bin/python" ] || python3 -m venv "$venv"
+    if ! "$venv/bin/python" -c "import $module, torch" 2>/dev/null; then
+        "$venv/bin/pip" install -q "${req[@]}"
+        "$venv/bin/pip" install -q --no-deps "$spec"
+    fi
+}
 
 # install_mooncake_impls VENV DIR IMPL...: "ours" (kvwire's wheel, built by
 # `KVWIRE_MOONCAKE_BUILD_ONLY=1 bash scripts/mooncake-tests.sh`, and

@@ -39,12 +39,8 @@ mc=$root/target/sglang-mc
 impls=("$@")
 [ ${#impls[@]} -gt 0 ] || impls=(ours real)
 
-[ -x "$venv/bin/python" ] || python3 -m venv "$venv"
-if ! "$venv/bin/python" -c "import sglang, torch" 2>/dev/null; then
-    "$venv/bin/pip" install -q -r scripts/sglang-real/requirements.txt
-    "$venv/bin/pip" install -q --no-deps sglang==0.5.23
-fi
 . scripts/mooncake-impls-lib.sh
+make_engine_venv "$venv" sglang sglang==0.5.23 scripts/sglang-real/requirements.txt
 install_mooncake_impls "$venv" "$mc" "${impls[@]}"
 
 logs=$(mktemp -d /tmp/kvwire-sglang-XXXXXX)

@@ -44,12 +44,8 @@ mc=$root/target/vllm-mc
 impls=("$@")
 [ ${#impls[@]} -gt 0 ] || impls=(ours real)
 
-[ -x "$venv/bin/python" ] || python3 -m venv "$venv"
-if ! "$venv/bin/python" -c "import vllm, torch" 2>/dev/null; then
-    "$venv/bin/pip" install -q -r scripts/sglang-real/requirements.txt -r scripts/vllm-real/requirements.txt
-    "$venv/bin/pip" install -q --no-deps vllm==0.34.0
-fi
 . scripts/mooncake-impls-lib.sh
+make_engine_venv "$venv" vllm vllm==0.34.0 scripts/sglang-real/requirements.txt scripts/vllm-real/requirements.txt
 install_mooncake_impls "$venv" "$mc" "${impls[@]}"
 
 logs=$(mktemp -d /tmp/kvwire-vllm-XXXXXX)
